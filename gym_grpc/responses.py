@@ -1,0 +1,72 @@
+"""Small helpers over the Responses messages that servers keep needing."""
+
+from __future__ import annotations
+
+import uuid
+
+from gym_grpc.v1 import responses_pb2 as r
+
+
+def new_id(prefix: str) -> str:
+    """A fresh id in the Responses style, such as "msg_3f2a..."."""
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def input_items(params: r.CreateParams) -> list[r.Item]:
+    """The conversation of a CreateParams as items; plain-text input is one user message."""
+    if params.WhichOneof("input") == "input_text":
+        return [r.Item(message=r.Message(role=r.ROLE_USER, text=params.input_text))]
+    return list(params.input_items.items)
+
+
+def message_text(message: r.Message) -> str:
+    """The text of a message: its string content, or its text parts joined."""
+    if message.WhichOneof("content") == "text":
+        return message.text
+    texts = []
+    for part in message.parts.items:
+        kind = part.WhichOneof("part")
+        if kind == "input_text":
+            texts.append(part.input_text.text)
+        elif kind == "output_text":
+            texts.append(part.output_text.text)
+    return "".join(texts)
+
+
+def final_text(response: r.Response) -> str:
+    """Text of the last assistant message of a response ("" when there is none)."""
+    for item in reversed(response.output):
+        if item.WhichOneof("item") == "message" and item.message.role == r.ROLE_ASSISTANT:
+            return message_text(item.message)
+    return ""
+
+
+def function_calls(response: r.Response) -> list[r.FunctionCall]:
+    """Every function call of a response, in order."""
+    return [i.function_call for i in response.output if i.WhichOneof("item") == "function_call"]
+
+
+def function_outputs(response: r.Response) -> dict[str, str]:
+    """Output of every function call of a response, by call_id."""
+    return {
+        i.function_call_output.call_id: i.function_call_output.output
+        for i in response.output
+        if i.WhichOneof("item") == "function_call_output"
+    }
+
+
+def assistant_message(text: str, status: r.ItemStatus.ValueType = r.ITEM_STATUS_COMPLETED) -> r.Item:
+    """An assistant message item with one output_text part."""
+    return r.Item(
+        message=r.Message(
+            id=new_id("msg"),
+            role=r.ROLE_ASSISTANT,
+            parts=r.ContentList(items=[r.ContentPart(output_text=r.OutputText(text=text))]),
+            status=status,
+        )
+    )
+
+
+def user_message(text: str) -> r.Item:
+    """A user message item with string content."""
+    return r.Item(message=r.Message(role=r.ROLE_USER, text=text))
