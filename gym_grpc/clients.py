@@ -1,0 +1,126 @@
+"""Typed clients over the generated stubs, one per role.
+
+Each resolves its server by name through a `Registry`, gives every call a
+deadline (what is left of the current call's deadline when called from a
+handler, else the client's default timeout) and turns a failed call into a
+`GymError` that names the server and method.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf import struct_pb2
+
+from gym_grpc import errors, transport
+from gym_grpc.registry import Registry
+from gym_grpc.v1 import agent_service_pb2 as agent_pb
+from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
+from gym_grpc.v1 import model_service_pb2 as model_pb
+from gym_grpc.v1 import model_service_pb2_grpc as model_grpc
+from gym_grpc.v1 import resources_service_pb2 as res_pb
+from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
+from gym_grpc.v1 import responses_pb2 as r
+from gym_grpc.v1 import task_pb2
+
+#: Default timeout of one call, in seconds, when the caller has no deadline.
+DEFAULT_TIMEOUT = 600.0
+
+
+class _Client:
+    _stub_class: Any
+    _kind: str
+
+    def __init__(self, registry: Registry, name: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.registry = registry
+        self.name = name
+        self.timeout = timeout
+        self._stub: Any = None
+
+    async def _get_stub(self) -> Any:
+        if self._stub is None:
+            self._stub = self._stub_class(await self.registry.channel(self.name))
+        return self._stub
+
+    async def _call(self, method: str, request: Any, timeout: float | None = None, *, detached: bool = False) -> Any:
+        """Call `method`. `detached` calls ignore the caller's deadline (for cleanup)."""
+        stub = await self._get_stub()
+        timeout = timeout if timeout is not None else self.timeout
+        try:
+            return await getattr(stub, method)(request, timeout=timeout if detached else transport.timeout_for(timeout))
+        except grpc.aio.AioRpcError as e:
+            raise errors.from_rpc_error(e, f"{self._kind} {self.name!r} {method}") from None
+
+
+class ModelClient(_Client):
+    """Calls a ModelService."""
+
+    _stub_class = model_grpc.ModelServiceStub
+    _kind = "model server"
+
+    async def create_response(self, params: r.CreateParams, session_id: str = "") -> r.Response:
+        reply = await self._call("CreateResponse", model_pb.CreateResponseRequest(params=params, session_id=session_id))
+        return reply.response
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """A tool call's output for the model; `error` when the call failed."""
+
+    output: str
+    error: bool = False
+
+
+class ResourcesClient(_Client):
+    """Calls a ResourcesService."""
+
+    _stub_class = res_grpc.ResourcesServiceStub
+    _kind = "resources server"
+
+    async def seed_session(self, session_id: str, task: task_pb2.Task) -> None:
+        await self._call("SeedSession", res_pb.SeedSessionRequest(session_id=session_id, task=task))
+
+    async def call_tool(self, session_id: str, call: r.FunctionCall) -> ToolResult:
+        """Run a tool call. Mistakes of the model (unknown tool, bad arguments)
+        and errors the tool raised come back as an error ToolResult; failures of
+        the server itself raise."""
+        request = res_pb.CallToolRequest(
+            session_id=session_id, name=call.name, arguments=call.arguments, call_id=call.call_id
+        )
+        stub = await self._get_stub()
+        try:
+            reply = await stub.CallTool(request, timeout=transport.timeout_for(self.timeout))
+        except grpc.aio.AioRpcError as e:
+            if e.code() in errors.TOOL_ERROR_CODES:
+                return ToolResult(output=e.details() or e.code().name, error=True)
+            raise errors.from_rpc_error(e, f"{self._kind} {self.name!r} CallTool") from None
+        return ToolResult(output=reply.output)
+
+    async def verify(self, session_id: str, task: task_pb2.Task, response: r.Response) -> res_pb.VerifyResponse:
+        return await self._call("Verify", res_pb.VerifyRequest(session_id=session_id, task=task, response=response))
+
+    async def close_session(self, session_id: str, timeout: float | None = None) -> None:
+        """Close a session. Cleanup: runs with its own timeout even when the
+        caller's deadline has passed."""
+        await self._call("CloseSession", res_pb.CloseSessionRequest(session_id=session_id), timeout, detached=True)
+
+    async def aggregate_metrics(self, results: list[task_pb2.VerificationResult]) -> struct_pb2.Struct:
+        reply = await self._call("AggregateMetrics", res_pb.AggregateMetricsRequest(results=results))
+        return reply.metrics
+
+    async def describe_tools(self) -> list[r.FunctionTool]:
+        reply = await self._call("DescribeTools", res_pb.DescribeToolsRequest())
+        return list(reply.tools)
+
+
+class AgentClient(_Client):
+    """Calls an AgentService."""
+
+    _stub_class = agent_grpc.AgentServiceStub
+    _kind = "agent"
+
+    async def run(self, task: task_pb2.Task, timeout: float | None = None) -> task_pb2.Rollout:
+        reply = await self._call("Run", agent_pb.RunRequest(task=task), timeout)
+        return reply.rollout

@@ -1,0 +1,123 @@
+"""The error catalogue: every error a gym-grpc server reports, in one place.
+
+A handler raises one of these; the servicer plumbing (`serving.error_boundary`)
+turns it into a gRPC status with its public message. Anything else that
+escapes a handler is a bug: it is logged with its traceback and the caller
+sees INTERNAL with the exception's class, never the internal detail.
+"""
+
+from __future__ import annotations
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+
+class GymError(Exception):
+    """An error with a gRPC status code and a message meant for the caller."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+    def to_status(self) -> grpc.Status:
+        """The rich status: code, message and, for a field, a BadRequest detail."""
+        status = status_pb2.Status(code=self.code.value[0], message=self.message)
+        if self.field is not None:
+            detail = any_pb2.Any()
+            detail.Pack(
+                error_details_pb2.BadRequest(
+                    field_violations=[
+                        error_details_pb2.BadRequest.FieldViolation(field=self.field, description=self.message)
+                    ]
+                )
+            )
+            status.details.append(detail)
+        return rpc_status.to_status(status)
+
+
+class InvalidArgument(GymError):
+    """The request is malformed; `field` names the offending field."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(GymError):
+    """A named thing (tool, server) does not exist."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class FailedPrecondition(GymError):
+    """The call is valid but the server is not in a state to run it."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ToolFailed(GymError):
+    """A tool raised. The message is the tool's error, meant for the model."""
+
+    code = grpc.StatusCode.ABORTED
+
+
+class VerifierFailed(GymError):
+    """A verifier raised; the rollout cannot be scored."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class Unavailable(GymError):
+    """A server this one depends on is down or unknown."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(GymError):
+    """The caller's deadline ran out while a downstream call was running."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+# Codes with which a resources server answers a tool call that the model got
+# wrong or that the tool refused: the agent shows them to the model as the
+# tool's output. Any other code fails the rollout.
+TOOL_ERROR_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED})
+
+
+def from_rpc_error(error: grpc.aio.AioRpcError, what: str) -> GymError:
+    """Wrap a downstream call's failure, keeping its code, naming the callee."""
+    code = error.code()
+    message = f"{what}: {code.name}: {error.details()}"
+    for cls in (
+        InvalidArgument,
+        NotFound,
+        FailedPrecondition,
+        ToolFailed,
+        Unavailable,
+        DeadlineExceeded,
+    ):
+        if cls.code == code:
+            return cls(message)
+    if code == grpc.StatusCode.CANCELLED:
+        # The downstream call was cancelled, usually because our own caller
+        # went away; report it as unavailable rather than as our bug.
+        return Unavailable(message)
+    return GymError(message)
+
+
+def field_of(error: grpc.aio.AioRpcError) -> str | None:
+    """The field a BadRequest detail of a failed call names, if any."""
+    status = rpc_status.from_call(error)
+    if status is None:
+        return None
+    for detail in status.details:
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            if bad.field_violations:
+                return bad.field_violations[0].field
+    return None

@@ -1,0 +1,127 @@
+"""Finding servers by name: the registry service and the client-side resolver.
+
+`gym-grpc run` serves a `RegistryServicer` listing every server it started.
+Servers and clients hold a `Registry`, which resolves a name to an address
+(through the registry service, or from a fixed table in tests and scripts)
+and keeps one channel per server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import difflib
+
+import grpc
+
+from gym_grpc import errors, transport
+from gym_grpc.v1 import registry_service_pb2 as reg
+from gym_grpc.v1 import registry_service_pb2_grpc as reg_grpc
+
+REGISTRY_SERVICE = reg.DESCRIPTOR.services_by_name["RegistryService"].full_name
+
+
+def closest(name: str, known: list[str]) -> str:
+    """A hint naming the known name closest to `name`, for error messages."""
+    if not known:
+        return "no servers are registered"
+    match = difflib.get_close_matches(name, known, n=1, cutoff=0.0)
+    return f"did you mean {match[0]!r}? known: {', '.join(sorted(known))}"
+
+
+class RegistryServicer(reg_grpc.RegistryServiceServicer):
+    """The registry service over an in-memory table of servers."""
+
+    def __init__(self) -> None:
+        self.servers: dict[str, reg.ServerInfo] = {}
+
+    def add(self, info: reg.ServerInfo) -> None:
+        self.servers[info.name] = info
+
+    async def ListServers(
+        self, request: reg.ListServersRequest, context: grpc.aio.ServicerContext
+    ) -> reg.ListServersResponse:
+        return reg.ListServersResponse(servers=[self.servers[k] for k in sorted(self.servers)])
+
+    async def GetServer(
+        self, request: reg.GetServerRequest, context: grpc.aio.ServicerContext
+    ) -> reg.GetServerResponse:
+        info = self.servers.get(request.name)
+        if info is None:
+            error = errors.NotFound(
+                f"no server named {request.name!r}: {closest(request.name, list(self.servers))}", field="name"
+            )
+            await context.abort_with_status(error.to_status())
+        return reg.GetServerResponse(server=info)
+
+
+class Registry:
+    """Resolves server names to channels, via a registry service or a fixed table.
+
+    Registry("127.0.0.1:50050")              # ask a running `gym-grpc run`
+    Registry(static={"weather": "127.0.0.1:4321"})  # no registry service
+    """
+
+    def __init__(self, address: str | None = None, *, static: dict[str, str] | None = None) -> None:
+        self.address = address
+        self._static = dict(static or {})
+        self._infos: dict[str, reg.ServerInfo] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._registry_channel: grpc.aio.Channel | None = None
+        self._lock = asyncio.Lock()
+
+    async def info(self, name: str) -> reg.ServerInfo:
+        """The registry's entry for `name` (UNAVAILABLE/NOT_FOUND errors as GymError)."""
+        if name in self._infos:
+            return self._infos[name]
+        if name in self._static:
+            info = reg.ServerInfo(name=name, addresses=[self._static[name]])
+        elif self.address is None:
+            raise errors.Unavailable(f"server {name!r} is unknown: {closest(name, list(self._static))}")
+        else:
+            if self._registry_channel is None:
+                self._registry_channel = transport.open_channel(self.address)
+            stub = reg_grpc.RegistryServiceStub(self._registry_channel)
+            try:
+                reply = await stub.GetServer(reg.GetServerRequest(name=name), timeout=transport.timeout_for(10.0))
+            except grpc.aio.AioRpcError as e:
+                raise errors.from_rpc_error(e, f"registry {self.address} looking up {name!r}") from None
+            info = reply.server
+        self._infos[name] = info
+        return info
+
+    async def list(self) -> list[reg.ServerInfo]:
+        """Every server the registry knows."""
+        if self.address is None:
+            return [reg.ServerInfo(name=k, addresses=[v]) for k, v in sorted(self._static.items())]
+        if self._registry_channel is None:
+            self._registry_channel = transport.open_channel(self.address)
+        stub = reg_grpc.RegistryServiceStub(self._registry_channel)
+        try:
+            reply = await stub.ListServers(reg.ListServersRequest(), timeout=transport.timeout_for(10.0))
+        except grpc.aio.AioRpcError as e:
+            raise errors.from_rpc_error(e, f"registry {self.address}") from None
+        return list(reply.servers)
+
+    async def channel(self, name: str) -> grpc.aio.Channel:
+        """The channel to server `name`, opened on first use."""
+        channel = self._channels.get(name)
+        if channel is not None:
+            return channel
+        async with self._lock:  # thousands of first calls must not open thousands of channels
+            channel = self._channels.get(name)
+            if channel is None:
+                info = await self.info(name)
+                if not info.addresses:
+                    raise errors.Unavailable(f"server {name!r} has no address")
+                channel = self._channels[name] = transport.open_channel(info.addresses[0])
+        return channel
+
+    async def close(self) -> None:
+        """Close every channel this registry opened."""
+        channels = list(self._channels.values())
+        if self._registry_channel is not None:
+            channels.append(self._registry_channel)
+        self._channels.clear()
+        self._registry_channel = None
+        for channel in channels:
+            await channel.close()

@@ -1,0 +1,302 @@
+"""The resources role: an environment is a class with typed async tools and a verify.
+
+    class WeatherEnv(ResourcesServer):
+        @tool
+        async def get_weather(self, city: str) -> str:
+            \"\"\"Current weather in a city.\"\"\"
+            return f"18 C and sunny in {city}"
+
+        async def verify(self, session: Session, response: Response) -> float:
+            return 1.0 if "18 C" in final_text(response) else 0.0
+
+A tool's JSON schema comes from its signature (pydantic types; describe an
+argument with `Annotated[str, Field(description=...)]`) and its description
+from the docstring's first paragraph. A tool may also take a `Session`
+parameter to reach the rollout's state; it is not part of the schema.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import math
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, ClassVar
+
+import grpc
+from google.protobuf import struct_pb2
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+from pydantic.json_schema import GenerateJsonSchema
+
+from gym_grpc import errors, metrics
+from gym_grpc.rows import struct_to_dict
+from gym_grpc.serving import GymServer, rpc_method
+from gym_grpc.v1 import registry_service_pb2 as reg
+from gym_grpc.v1 import resources_service_pb2 as res_pb
+from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
+from gym_grpc.v1 import responses_pb2 as r
+from gym_grpc.v1 import task_pb2
+
+log = logging.getLogger("gym_grpc.resources")
+
+_TOOL_MARK = "__gym_tool__"
+
+
+@dataclass
+class Session:
+    """One rollout's life on a resources server: its task and its state."""
+
+    id: str
+    task: task_pb2.Task
+    #: Free for the environment to use between seed, tool calls and verify.
+    state: dict[str, Any] = field(default_factory=dict)
+
+    @cached_property
+    def data(self) -> dict[str, Any]:
+        """The task's free-form fields (expected_answer, ...) as a dict."""
+        return struct_to_dict(self.task.data)
+
+
+@dataclass
+class Verification:
+    """What verify returns: the reward, and extra fields for the rollout row."""
+
+    reward: float
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+def tool(fn: Callable | None = None, *, name: str | None = None) -> Any:
+    """Mark an `async def` method of a ResourcesServer as a tool the model may call."""
+
+    def mark(f: Callable) -> Callable:
+        if not inspect.iscoroutinefunction(f):
+            raise TypeError(f"tool {f.__qualname__} must be an async def")
+        setattr(f, _TOOL_MARK, name or f.__name__)
+        return f
+
+    return mark(fn) if fn is not None else mark
+
+
+class _ToolSchema(GenerateJsonSchema):
+    """JSON schema without pydantic's generated titles, as tool schemas are written."""
+
+    def field_title_should_be_set(self, schema: Any) -> bool:
+        return False
+
+    def generate(self, schema: Any, mode: Any = "validation") -> dict[str, Any]:
+        out = super().generate(schema, mode)
+        out.pop("title", None)
+        return out
+
+
+@dataclass(frozen=True)
+class _Tool:
+    name: str
+    method: Callable
+    arguments: type[BaseModel]
+    session_param: str | None
+    schema: r.FunctionTool
+
+
+def _describe(method: Callable) -> str:
+    doc = inspect.getdoc(method) or ""
+    return doc.split("\n\n", 1)[0].replace("\n", " ").strip()
+
+
+def _build_tool(name: str, method: Callable) -> _Tool:
+    hints = typing.get_type_hints(method, include_extras=True)
+    fields: dict[str, Any] = {}
+    session_param = None
+    for pname, param in list(inspect.signature(method).parameters.items())[1:]:
+        annotation = hints.get(pname, Any)
+        if annotation is Session:
+            session_param = pname
+            continue
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            raise TypeError(f"tool {name}: *args and **kwargs cannot be described to a model")
+        default = ... if param.default is param.empty else param.default
+        fields[pname] = (annotation, default)
+    arguments = create_model(f"{name}_arguments", __config__=ConfigDict(extra="forbid"), **fields)
+    parameters = struct_pb2.Struct()
+    parameters.update(arguments.model_json_schema(schema_generator=_ToolSchema))
+    schema = r.FunctionTool(name=name, description=_describe(method), parameters=parameters)
+    return _Tool(name, method, arguments, session_param, schema)
+
+
+def _argument_error(tool_name: str, error: ValidationError) -> errors.InvalidArgument:
+    problems = []
+    for e in error.errors():
+        where = ".".join(str(p) for p in e["loc"])
+        problems.append(f"argument {where!r}: {e['msg']}" if where else e["msg"])
+    return errors.InvalidArgument(f"tool {tool_name!r}: " + "; ".join(problems), field="arguments")
+
+
+class ResourcesServer(GymServer):
+    """Base of an environment. Declare tools with @tool; implement verify."""
+
+    role = reg.SERVER_ROLE_RESOURCES
+    tools: ClassVar[dict[str, _Tool]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        found: dict[str, _Tool] = {}
+        for klass in reversed(cls.__mro__):
+            for attr in vars(klass).values():
+                name = getattr(attr, _TOOL_MARK, None)
+                if name is not None:
+                    found[name] = _build_tool(name, attr)
+        cls.tools = found
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sessions: dict[str, Session] = {}
+
+    # --- what an environment implements ------------------------------------
+
+    async def seed_session(self, session: Session) -> None:
+        """Hook: set up `session.state` from `session.task` before any tool call."""
+
+    async def verify(self, session: Session, response: r.Response) -> Verification | float:
+        """Score the rollout's final response. Return a reward or a Verification."""
+        raise NotImplementedError(f"{type(self).__name__} must implement verify")
+
+    async def close_session(self, session: Session) -> None:
+        """Hook: release what seed_session or the tools acquired."""
+
+    async def aggregate_metrics(self, results: list[task_pb2.VerificationResult]) -> dict[str, Any]:
+        """Metrics over many verified rollouts; by default the mean of every numeric field."""
+        rows = [{"reward": x.reward, **struct_to_dict(x.fields)} for x in results]
+        return {"num_rollouts": len(rows), **metrics.numeric_means(rows)}
+
+    # --- plumbing -----------------------------------------------------------
+
+    def add_services(self, server: grpc.aio.Server) -> list[str]:
+        res_grpc.add_ResourcesServiceServicer_to_server(_ResourcesServicer(self), server)
+        return [res_pb.DESCRIPTOR.services_by_name["ResourcesService"].full_name]
+
+    async def call_tool(self, session: Session, name: str, arguments: str) -> str:
+        """Run one tool call: parse and check the arguments, run the tool, render its output."""
+        spec = self.tools.get(name)
+        if spec is None:
+            known = ", ".join(sorted(self.tools)) or "none"
+            raise errors.NotFound(f"unknown tool {name!r} (tools: {known})", field="name")
+        try:
+            parsed = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as e:
+            raise errors.InvalidArgument(
+                f"tool {name!r}: arguments are not valid JSON ({e}): {arguments[:200]!r}", field="arguments"
+            ) from None
+        if not isinstance(parsed, dict):
+            raise errors.InvalidArgument(
+                f"tool {name!r}: arguments must be a JSON object, got {type(parsed).__name__}", field="arguments"
+            )
+        try:
+            args = spec.arguments.model_validate(parsed)
+        except ValidationError as e:
+            raise _argument_error(name, e) from None
+        kwargs = {k: getattr(args, k) for k in type(args).model_fields}
+        if spec.session_param is not None:
+            kwargs[spec.session_param] = session
+        try:
+            result = await spec.method(self, **kwargs)
+        except errors.GymError:
+            raise
+        except Exception as e:
+            log.debug("tool %s raised", name, exc_info=True)
+            raise errors.ToolFailed(f"tool {name!r} raised {type(e).__name__}: {e}") from None
+        return result if isinstance(result, str) else json.dumps(result)
+
+
+def _verification(result: Any) -> res_pb.VerifyResponse:
+    if isinstance(result, Verification):
+        reward, fields = result.reward, result.fields
+    else:
+        reward, fields = result, {}
+    if isinstance(reward, bool):
+        reward = float(reward)
+    if not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise errors.VerifierFailed(f"verify returned reward {reward!r}; expected a finite number")
+    reply = res_pb.VerifyResponse(reward=float(reward))
+    try:
+        reply.fields.update(fields)
+    except (TypeError, ValueError) as e:
+        raise errors.VerifierFailed(f"verify returned fields that are not JSON data: {e}") from None
+    return reply
+
+
+class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
+    """The gRPC face of a ResourcesServer: checks requests, calls its hooks."""
+
+    def __init__(self, app: ResourcesServer) -> None:
+        self.app = app
+
+    def _session(self, session_id: str) -> Session:
+        session = self.app.sessions.get(session_id)
+        if session is None:
+            raise errors.FailedPrecondition(
+                f"session {session_id!r} is not open: call SeedSession first", field="session_id"
+            )
+        return session
+
+    @rpc_method
+    async def SeedSession(self, request: res_pb.SeedSessionRequest, context: Any) -> res_pb.SeedSessionResponse:
+        if not request.session_id:
+            raise errors.InvalidArgument("session_id is required", field="session_id")
+        if request.session_id in self.app.sessions:
+            raise errors.FailedPrecondition(f"session {request.session_id!r} is already open", field="session_id")
+        session = Session(id=request.session_id, task=request.task)
+        try:
+            await self.app.seed_session(session)
+        except errors.GymError:
+            raise
+        except Exception as e:
+            log.exception("seed_session failed")
+            raise errors.GymError(f"seed_session raised {type(e).__name__}: {e}") from None
+        self.app.sessions[session.id] = session
+        return res_pb.SeedSessionResponse()
+
+    @rpc_method
+    async def CallTool(self, request: res_pb.CallToolRequest, context: Any) -> res_pb.CallToolResponse:
+        session = self._session(request.session_id)
+        output = await self.app.call_tool(session, request.name, request.arguments)
+        return res_pb.CallToolResponse(output=output)
+
+    @rpc_method
+    async def Verify(self, request: res_pb.VerifyRequest, context: Any) -> res_pb.VerifyResponse:
+        # Verification needs no open session (re-scoring old rollouts has none).
+        session = self.app.sessions.get(request.session_id) or Session(id=request.session_id, task=request.task)
+        try:
+            result = await self.app.verify(session, request.response)
+        except errors.GymError:
+            raise
+        except Exception as e:
+            log.exception("verify failed")
+            raise errors.VerifierFailed(f"verify raised {type(e).__name__}: {e}") from None
+        return _verification(result)
+
+    @rpc_method
+    async def CloseSession(self, request: res_pb.CloseSessionRequest, context: Any) -> res_pb.CloseSessionResponse:
+        session = self.app.sessions.pop(request.session_id, None)
+        if session is not None:
+            try:
+                await self.app.close_session(session)
+            except Exception as e:
+                log.exception("close_session failed")
+                raise errors.GymError(f"close_session raised {type(e).__name__}: {e}") from None
+        return res_pb.CloseSessionResponse()
+
+    @rpc_method
+    async def AggregateMetrics(
+        self, request: res_pb.AggregateMetricsRequest, context: Any
+    ) -> res_pb.AggregateMetricsResponse:
+        reply = res_pb.AggregateMetricsResponse()
+        reply.metrics.update(await self.app.aggregate_metrics(list(request.results)))
+        return reply
+
+    @rpc_method
+    async def DescribeTools(self, request: res_pb.DescribeToolsRequest, context: Any) -> res_pb.DescribeToolsResponse:
+        return res_pb.DescribeToolsResponse(tools=[t.schema for t in self.app.tools.values()])

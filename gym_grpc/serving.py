@@ -1,0 +1,190 @@
+"""Server bootstrap shared by every gym-grpc server.
+
+`GymServer` is the base of the three roles: a name, a typed config, the gRPC
+services it adds, and start/stop hooks. `serve()` puts one on a grpc.aio
+server with the health service, server reflection and our transport options,
+binds it (port 0 picks a free port, read back from the server), and
+`Running.stop()` shuts it down gracefully: health goes NOT_SERVING first, then
+in-flight calls get a grace period to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from gym_grpc import errors, transport
+from gym_grpc.config import ConfigError
+from gym_grpc.registry import Registry
+from gym_grpc.v1 import registry_service_pb2 as reg
+
+log = logging.getLogger("gym_grpc")
+
+#: Seconds in-flight calls get to finish after a stop is requested.
+DEFAULT_GRACE_SECONDS = 10.0
+
+
+class ServerConfig(BaseModel):
+    """Base of a server's own config (the `config:` block of its entry)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class GymServer:
+    """Base of every gym-grpc server. Subclass one of the role bases instead."""
+
+    role: ClassVar[int] = reg.SERVER_ROLE_UNSPECIFIED
+    Config: ClassVar[type[ServerConfig]] = ServerConfig
+
+    def __init__(
+        self,
+        config: ServerConfig | dict[str, Any] | None = None,
+        *,
+        name: str | None = None,
+        registry: Registry | None = None,
+    ) -> None:
+        self.name = name or type(self).__name__
+        if isinstance(config, ServerConfig):
+            self.config = config
+        else:
+            try:
+                self.config = self.Config.model_validate(config or {})
+            except ValidationError as e:
+                raise ConfigError(_describe_validation(self.name, e)) from None
+        self.registry = registry or Registry()
+
+    def references(self) -> dict[str, str]:
+        """Names of the servers this one calls, by role (for the registry)."""
+        return {}
+
+    def add_services(self, server: grpc.aio.Server) -> list[str]:
+        """Add this server's gRPC services; return their full names."""
+        raise NotImplementedError
+
+    async def start(self) -> None:
+        """Hook: acquire resources (pools, channels) before serving."""
+
+    async def stop(self) -> None:
+        """Hook: release them after the last call finished."""
+        await self.registry.close()
+
+
+def _describe_validation(name: str, error: ValidationError) -> str:
+    problems = []
+    for e in error.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(config)"
+        problems.append(f"config.{where}: {e['msg']}")
+    return f"server {name!r}: " + "; ".join(problems)
+
+
+H = TypeVar("H", bound=Callable[..., Awaitable[Any]])
+
+
+def rpc_method(handler: H) -> H:
+    """Wrap a servicer method: errors become statuses, the deadline propagates.
+
+    A `GymError` aborts the call with its code and public message. Any other
+    exception is a bug: logged with its traceback, reported as INTERNAL with
+    the exception's class only.
+    """
+    method = handler.__name__
+
+    @functools.wraps(handler)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        token = transport.set_deadline(context.time_remaining())
+        try:
+            return await handler(self, request, context)
+        except errors.GymError as e:
+            await context.abort_with_status(e.to_status())
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as e:
+            log.exception("%s failed", method)
+            await context.abort(
+                grpc.StatusCode.INTERNAL,
+                f"internal error in {method}: {type(e).__name__} (details in the server log)",
+            )
+        finally:
+            transport.reset_deadline(token)
+
+    return wrapper  # type: ignore[return-value]
+
+
+class Running:
+    """A server that is up: its bound port, and how to stop it."""
+
+    def __init__(
+        self, server: grpc.aio.Server, app: GymServer, health_servicer: health.aio.HealthServicer, host: str, port: int
+    ) -> None:
+        self.server = server
+        self.app = app
+        self.health = health_servicer
+        self.host = host
+        self.port = port
+        self._stopped = False
+
+    @property
+    def address(self) -> str:
+        """ "host:port" to reach it."""
+        return f"{self.host}:{self.port}"
+
+    async def stop(self, grace: float = DEFAULT_GRACE_SECONDS) -> None:
+        """Go NOT_SERVING, let in-flight calls finish within `grace` s, then close."""
+        if self._stopped:
+            return
+        self._stopped = True
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        await self.app.stop()
+
+
+async def serve(app: GymServer, host: str = "127.0.0.1", port: int = 0) -> Running:
+    """Start `app` on host:port (0: any free port) and return once it serves."""
+    server = grpc.aio.server(options=transport.SERVER_OPTIONS)
+    names = app.add_services(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise OSError(f"server {app.name!r} could not bind {host}:{port} (in use?)")
+    await app.start()
+    await server.start()
+    for name in ["", *names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("%s serving on %s:%d", app.name, host, bound)
+    return Running(server, app, health_servicer, host, bound)
+
+
+async def serve_until_signalled(
+    app: GymServer,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    grace: float = DEFAULT_GRACE_SECONDS,
+    on_ready: Callable[[Running], None] | None = None,
+    stop_event: asyncio.Event | None = None,
+) -> None:
+    """Serve until SIGTERM/SIGINT (or `stop_event`), then stop gracefully."""
+    running = await serve(app, host, port)
+    stop = stop_event or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if on_ready is not None:
+        on_ready(running)
+    await stop.wait()
+    log.info("%s stopping (grace %.0f s)", app.name, grace)
+    await running.stop(grace)

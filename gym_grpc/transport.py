@@ -1,0 +1,73 @@
+"""gRPC options shared by every gym-grpc server and client, and channel creation.
+
+The defaults are chosen for thousands of concurrent rollouts on one machine:
+
+* grpcio's C-core server cancels calls once more than
+  `grpc.server.max_pending_requests` (default 1,000; hard limit 3,000) wait
+  for the application, so under a few thousand concurrent calls clients see
+  CANCELLED for no visible reason. Both limits are raised far past any
+  in-flight window we use.
+* Servers own their port (`grpc.so_reuseport` off): on Linux two servers
+  could otherwise silently share a port.
+* Rollouts carry whole conversations with token ids and log-probs, so
+  messages may be large.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import time
+
+import grpc
+
+#: Largest message a server or client sends or accepts, in bytes.
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+#: Calls a server lets wait for the application before it cancels them.
+MAX_PENDING_REQUESTS = 1 << 20
+
+_MESSAGE_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+SERVER_OPTIONS: list[tuple[str, int]] = _MESSAGE_OPTIONS + [
+    ("grpc.server.max_pending_requests", MAX_PENDING_REQUESTS),
+    ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_REQUESTS),
+    ("grpc.so_reuseport", 0),
+]
+
+CHANNEL_OPTIONS: list[tuple[str, int]] = _MESSAGE_OPTIONS
+
+
+def open_channel(address: str) -> grpc.aio.Channel:
+    """An insecure asyncio channel to `address` ("host:port") with our options."""
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+# --- deadline propagation ----------------------------------------------------
+#
+# gRPC deadlines do not propagate by themselves. The servicer plumbing records
+# the deadline of the call being handled here; every client call made while
+# handling it (in the same task or a task it spawned) uses what is left of it.
+
+_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("gym_grpc_deadline", default=None)
+
+
+def set_deadline(seconds_left: float | None) -> contextvars.Token:
+    """Record that the current call must finish within `seconds_left` (None: no deadline)."""
+    return _deadline.set(None if seconds_left is None else time.monotonic() + seconds_left)
+
+
+def reset_deadline(token: contextvars.Token) -> None:
+    """Undo a set_deadline."""
+    _deadline.reset(token)
+
+
+def timeout_for(default: float | None) -> float | None:
+    """Timeout for a downstream call: what is left of the current deadline, or `default`."""
+    deadline = _deadline.get()
+    if deadline is None:
+        return default
+    left = max(deadline - time.monotonic(), 0.0)
+    return left if default is None else min(left, default)

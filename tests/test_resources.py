@@ -1,0 +1,145 @@
+"""Writing an environment: typed tools, sessions, verify, and the errors a caller sees."""
+
+import grpc
+import pytest
+
+from gym_grpc import errors, rows
+from gym_grpc.clients import ResourcesClient
+from gym_grpc.resources import ResourcesServer, Session, tool
+from gym_grpc.responses import assistant_message
+from gym_grpc.transport import open_channel
+from gym_grpc.v1 import resources_service_pb2 as res_pb
+from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
+from gym_grpc.v1 import responses_pb2 as r
+from gym_grpc.v1 import task_pb2
+from tests.support import Calculator, static_registry, task
+
+
+@pytest.fixture
+async def calc(start):
+    server = await start(Calculator())
+    client = ResourcesClient(static_registry(calc=server), "calc")
+    await client.seed_session("s1", task("What is 2 + 3?", expected_answer=5))
+    yield client, server
+    await client.registry.close()
+
+
+async def _raw_call(server, name, arguments, session_id="s1"):
+    async with open_channel(server.address) as channel:
+        stub = res_grpc.ResourcesServiceStub(channel)
+        return await stub.CallTool(res_pb.CallToolRequest(session_id=session_id, name=name, arguments=arguments))
+
+
+async def test_tool_schemas_come_from_the_signatures(calc):
+    client, _ = calc
+    tools = {t.name: t for t in await client.describe_tools()}
+    assert set(tools) == {"add", "explode"}
+    assert tools["add"].description == "Add two integers."
+    schema = rows.struct_to_dict(tools["add"].parameters)
+    assert schema == {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
+
+
+async def test_a_tool_call_runs_with_the_session_state(calc):
+    client, _ = calc
+    result = await client.call_tool("s1", r.FunctionCall(name="add", arguments='{"a": 2, "b": 3}'))
+    assert result == type(result)(output="5", error=False)
+    verdict = await client.verify("s1", task("", expected_answer=5), r.Response(output=[assistant_message("5")]))
+    assert verdict.reward == 1.0
+    assert rows.struct_to_dict(verdict.fields) == {"tool_calls_seen": 1}
+
+
+@pytest.mark.parametrize(
+    "name, arguments, code, field, message",
+    [
+        ("subtract", "{}", grpc.StatusCode.NOT_FOUND, "name", "unknown tool 'subtract' (tools: add, explode)"),
+        ("add", "{a: 2", grpc.StatusCode.INVALID_ARGUMENT, "arguments", "arguments are not valid JSON"),
+        ("add", "[2, 3]", grpc.StatusCode.INVALID_ARGUMENT, "arguments", "must be a JSON object, got list"),
+        ("add", '{"a": "two", "b": 3}', grpc.StatusCode.INVALID_ARGUMENT, "arguments", "argument 'a'"),
+        ("add", '{"a": 2}', grpc.StatusCode.INVALID_ARGUMENT, "arguments", "argument 'b': Field required"),
+        ("add", '{"a": 2, "b": 3, "c": 4}', grpc.StatusCode.INVALID_ARGUMENT, "arguments", "argument 'c'"),
+        ("explode", "{}", grpc.StatusCode.ABORTED, None, "raised ValueError: the calculator caught fire"),
+    ],
+)
+async def test_a_bad_tool_call_gets_a_status_naming_what_is_wrong(calc, name, arguments, code, field, message):
+    _, server = calc
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await _raw_call(server, name, arguments)
+    assert error.value.code() == code
+    assert message in error.value.details()
+    assert errors.field_of(error.value) == field
+
+
+async def test_tool_errors_come_back_to_the_client_as_tool_output(calc):
+    client, _ = calc
+    result = await client.call_tool("s1", r.FunctionCall(name="add", arguments="not json"))
+    assert result.error and "not valid JSON" in result.output
+
+
+async def test_a_call_in_an_unknown_session_is_failed_precondition(calc):
+    _, server = calc
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await _raw_call(server, "add", '{"a": 1, "b": 2}', session_id="nobody")
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "SeedSession first" in error.value.details()
+
+
+async def test_closing_a_session_frees_it(calc):
+    client, server = calc
+    await client.close_session("s1")
+    await client.close_session("s1")  # closing twice is fine
+    with pytest.raises(errors.FailedPrecondition):
+        await client.call_tool("s1", r.FunctionCall(name="add", arguments='{"a": 1, "b": 2}'))
+
+
+async def test_verify_needs_no_session(calc):
+    client, _ = calc
+    verdict = await client.verify(
+        "never-seeded", task("", expected_answer=7), r.Response(output=[assistant_message("7")])
+    )
+    assert verdict.reward == 1.0
+
+
+class Broken(ResourcesServer):
+    async def verify(self, session: Session, response: r.Response) -> float:
+        raise KeyError("expected_answer")
+
+
+class BadReward(ResourcesServer):
+    async def verify(self, session: Session, response: r.Response) -> float:
+        return float("nan")
+
+
+@pytest.mark.parametrize("env, message", [(Broken, "verify raised KeyError"), (BadReward, "reward nan")])
+async def test_a_failing_verifier_is_internal_with_its_reason(start, env, message):
+    server = await start(env())
+    client = ResourcesClient(static_registry(env=server), "env")
+    with pytest.raises(errors.GymError) as error:
+        await client.verify("s", task("x"), r.Response())
+    assert error.value.code == grpc.StatusCode.INTERNAL
+    assert message in error.value.message
+    await client.registry.close()
+
+
+async def test_aggregate_metrics_default_to_means(calc):
+    client, _ = calc
+    results = []
+    for i, (reward, correct) in enumerate([(1.0, True), (0.0, False), (1.0, True), (1.0, False)]):
+        result = task_pb2.VerificationResult(task_index=i // 2, reward=reward)
+        result.fields.update({"correct": correct, "label": "x"})
+        results.append(result)
+    metrics = rows.struct_to_dict(await client.aggregate_metrics(results))
+    assert metrics == {"num_rollouts": 4, "reward": 0.75, "correct": 0.5}
+
+
+def test_a_tool_must_be_async():
+    with pytest.raises(TypeError, match="must be an async def"):
+
+        class Sync(ResourcesServer):
+            @tool
+            def blocking(self) -> str:
+                return "no"
