@@ -1,0 +1,113 @@
+"""The simple agent: the multi-turn tool loop.
+
+Call the model; run every function call it made against the resources
+server, in order, and feed the outputs back; repeat until the model answers
+without calling a tool, its output is cut short, or `max_steps` model calls
+were made. Then verify and close the session. A tool's failure (unknown tool,
+arguments that are not JSON, an exception in the tool) goes back to the
+model as the tool's output; only a failing server fails the rollout.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from pydantic import Field
+
+from gym_grpc import errors
+from gym_grpc.agent import AgentServer
+from gym_grpc.clients import ModelClient, ResourcesClient
+from gym_grpc.responses import input_items, new_id
+from gym_grpc.serving import ServerConfig
+from gym_grpc.v1 import responses_pb2 as r
+from gym_grpc.v1 import task_pb2
+
+log = logging.getLogger("gym_grpc.simple_agent")
+
+#: Seconds a session close may take; it runs even when the rollout failed.
+CLOSE_TIMEOUT = 5.0
+
+
+class SimpleAgentConfig(ServerConfig):
+    model_server: str = Field(description="name of the model server to call")
+    resources_server: str = Field(description="name of the resources server (environment)")
+    max_steps: int = Field(10, ge=1, description="most model calls in one rollout")
+
+
+def _add_usage(total: r.Usage, usage: r.Usage) -> None:
+    total.input_tokens += usage.input_tokens
+    total.output_tokens += usage.output_tokens
+    total.total_tokens += usage.total_tokens
+    total.input_tokens_details.cached_tokens += usage.input_tokens_details.cached_tokens
+    total.input_tokens_details.cache_write_tokens += usage.input_tokens_details.cache_write_tokens
+    total.output_tokens_details.reasoning_tokens += usage.output_tokens_details.reasoning_tokens
+
+
+class SimpleAgent(AgentServer):
+    Config = SimpleAgentConfig
+    config: SimpleAgentConfig
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.model = ModelClient(self.registry, self.config.model_server)
+        self.resources = ResourcesClient(self.registry, self.config.resources_server)
+
+    def references(self) -> dict[str, str]:
+        return {"model": self.config.model_server, "resources": self.config.resources_server}
+
+    async def run(self, task: task_pb2.Task) -> task_pb2.Rollout:
+        session_id = uuid.uuid4().hex
+        await self.resources.seed_session(session_id, task)
+        try:
+            return await self._rollout(session_id, task)
+        finally:
+            try:
+                await self.resources.close_session(session_id, timeout=CLOSE_TIMEOUT)
+            except errors.GymError as e:
+                log.warning("could not close session %s: %s", session_id, e.message)
+
+    async def _rollout(self, session_id: str, task: task_pb2.Task) -> task_pb2.Rollout:
+        params = r.CreateParams()
+        params.CopyFrom(task.responses_create_params)
+        if params.WhichOneof("input") == "input_text":
+            params.input_items.items.extend(input_items(params))  # replaces the text
+        conversation = params.input_items.items
+        final = r.Response(status=r.RESPONSE_STATUS_COMPLETED)
+        stop = task_pb2.STOP_REASON_MAX_STEPS
+        calls_made = 0
+        for _ in range(self.config.max_steps):
+            response = await self.model.create_response(params, session_id)
+            calls_made += 1
+            if calls_made == 1:
+                final.id, final.created_at = response.id, response.created_at
+            final.model, final.status = response.model, response.status
+            _add_usage(final.usage, response.usage)
+            final.output.extend(response.output)
+            conversation.extend(response.output)
+            if response.status == r.RESPONSE_STATUS_INCOMPLETE:
+                final.incomplete_details.CopyFrom(response.incomplete_details)
+                stop = task_pb2.STOP_REASON_INCOMPLETE
+                break
+            calls = [i.function_call for i in response.output if i.WhichOneof("item") == "function_call"]
+            if not calls:
+                stop = task_pb2.STOP_REASON_FINAL_MESSAGE
+                break
+            for call in calls:
+                result = await self.resources.call_tool(session_id, call)
+                output = f"Error: {result.output}" if result.error else result.output
+                item = r.Item(
+                    function_call_output=r.FunctionCallOutput(
+                        id=new_id("fco"), call_id=call.call_id, output=output, status=r.ITEM_STATUS_COMPLETED
+                    )
+                )
+                final.output.append(item)
+                conversation.append(item)
+        verdict = await self.resources.verify(session_id, task, final)
+        return task_pb2.Rollout(
+            response=final,
+            reward=verdict.reward,
+            verifier_fields=verdict.fields,
+            stop_reason=stop,
+            model_calls=calls_made,
+        )

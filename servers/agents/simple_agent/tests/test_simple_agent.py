@@ -1,0 +1,177 @@
+"""The simple agent's multi-turn loop, against a scripted model and a real environment."""
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from gym_grpc import errors, transport
+from gym_grpc.clients import AgentClient
+from gym_grpc.registry import Registry
+from gym_grpc.responses import assistant_message, final_text, new_id
+from gym_grpc.v1 import agent_service_pb2 as agent_pb
+from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
+from gym_grpc.v1 import responses_pb2 as r
+from gym_grpc.v1 import task_pb2
+from servers.agents.simple_agent.agent import SimpleAgent
+from tests.support import Calculator, ScriptedModel, call, say, static_registry, task
+
+
+async def _rollout(start, model, *, max_steps=10, the_task=None):
+    m = await start(model)
+    env = await start(Calculator())
+    agent = SimpleAgent(
+        {"model_server": "model", "resources_server": "calc", "max_steps": max_steps},
+        name="agent",
+        registry=static_registry(model=m, calc=env),
+    )
+    a = await start(agent)
+    client = AgentClient(static_registry(agent=a), "agent")
+    try:
+        return await client.run(the_task or task("What is (2 + 3) + 4?", expected_answer=9), timeout=30)
+    finally:
+        await client.registry.close()
+
+
+def _kinds(rollout):
+    return [i.WhichOneof("item") for i in rollout.response.output]
+
+
+async def test_multi_turn_tool_rollout(start):
+    model = ScriptedModel(
+        [
+            [call("add", '{"a": 2, "b": 3}')],
+            [call("add", '{"a": 5, "b": 4}')],
+            say("The answer is 9."),
+        ]
+    )
+    rollout = await _rollout(start, model)
+    assert _kinds(rollout) == ["function_call", "function_call_output"] * 2 + ["message"]
+    outputs = [i.function_call_output.output for i in rollout.response.output if i.HasField("function_call_output")]
+    assert outputs == ["5", "9"]
+    assert rollout.reward == 1.0
+    assert rollout.verifier_fields["tool_calls_seen"] == 2  # session state lived across the calls
+    assert rollout.stop_reason == task_pb2.STOP_REASON_FINAL_MESSAGE
+    assert rollout.model_calls == 3
+    assert rollout.response.usage.total_tokens == 45  # summed over the three calls
+    # Each turn the model saw everything so far: the task, its calls, the tools' outputs.
+    seen = [len(p.input_items.items) for p in model.requests]
+    assert seen == [1, 3, 5]
+    last_input = model.requests[2].input_items.items
+    assert last_input[-1].function_call_output.call_id == last_input[-2].function_call.call_id
+
+
+async def test_a_tool_that_raises_goes_back_to_the_model(start):
+    model = ScriptedModel([[call("explode", "{}")], say("Sorry, the calculator failed.")])
+    rollout = await _rollout(start, model)
+    output = rollout.response.output[1].function_call_output.output
+    assert output.startswith("Error:") and "the calculator caught fire" in output
+    assert rollout.stop_reason == task_pb2.STOP_REASON_FINAL_MESSAGE
+    assert model.requests[1].input_items.items[-1].function_call_output.output == output
+
+
+async def test_a_non_json_argument_goes_back_to_the_model(start):
+    model = ScriptedModel([[call("add", "{'a': 2, 'b': 3")], [call("add", '{"a": 2, "b": 3}')], say("5")])
+    rollout = await _rollout(start, model, the_task=task("2 + 3?", expected_answer=5))
+    first = rollout.response.output[1].function_call_output.output
+    assert first.startswith("Error:") and "not valid JSON" in first
+    assert rollout.response.output[3].function_call_output.output == "5"
+    assert rollout.reward == 1.0
+
+
+async def test_an_unknown_tool_goes_back_to_the_model(start):
+    model = ScriptedModel([[call("multiply", '{"a": 2, "b": 3}')], say("I cannot multiply.")])
+    rollout = await _rollout(start, model)
+    assert "unknown tool 'multiply'" in rollout.response.output[1].function_call_output.output
+    assert rollout.reward == 0.0
+
+
+async def test_max_steps_ends_a_model_that_never_stops_calling_tools(start):
+    model = ScriptedModel([[call("add", '{"a": 1, "b": 1}')]])
+    rollout = await _rollout(start, model, max_steps=3)
+    assert rollout.model_calls == 3 and len(model.requests) == 3
+    assert rollout.stop_reason == task_pb2.STOP_REASON_MAX_STEPS
+    assert _kinds(rollout) == ["function_call", "function_call_output"] * 3
+
+
+async def test_incomplete_output_ends_the_rollout(start):
+    def cut_short(params):
+        return r.Response(
+            status=r.RESPONSE_STATUS_INCOMPLETE,
+            incomplete_details=r.IncompleteDetails(reason=r.INCOMPLETE_REASON_MAX_OUTPUT_TOKENS),
+            output=[assistant_message("The answer is", r.ITEM_STATUS_INCOMPLETE)],
+        )
+
+    model = ScriptedModel([cut_short, say("never reached")])
+    rollout = await _rollout(start, model)
+    assert rollout.stop_reason == task_pb2.STOP_REASON_INCOMPLETE
+    assert rollout.response.status == r.RESPONSE_STATUS_INCOMPLETE
+    assert rollout.response.incomplete_details.reason == r.INCOMPLETE_REASON_MAX_OUTPUT_TOKENS
+    assert len(model.requests) == 1
+
+
+async def test_token_ids_sent_by_the_model_come_back_on_the_next_turn(start):
+    first = call("add", '{"a": 2, "b": 3}')
+    first.function_call.prompt_token_ids.extend([1, 2, 3])
+    first.function_call.generation_token_ids.extend([40, 41, 42])
+    first.function_call.generation_log_probs.extend([-0.5, -0.25, 0.0])
+    model = ScriptedModel([[first], say("5")])
+    rollout = await _rollout(start, model)
+    echoed = model.requests[1].input_items.items[1].function_call
+    assert list(echoed.generation_token_ids) == [40, 41, 42]
+    assert list(echoed.generation_log_probs) == [-0.5, -0.25, 0.0]
+    assert list(rollout.response.output[0].function_call.prompt_token_ids) == [1, 2, 3]
+
+
+async def test_a_model_server_that_is_down_fails_the_rollout_quickly(start):
+    env = await start(Calculator())
+    dead = Registry(static={"model": "127.0.0.1:1", "calc": env.address})
+    agent = await start(SimpleAgent({"model_server": "model", "resources_server": "calc"}, name="agent", registry=dead))
+    client = AgentClient(static_registry(agent=agent), "agent")
+    began = time.monotonic()
+    with pytest.raises(errors.Unavailable) as error:
+        await client.run(task("1 + 1?"), timeout=20)
+    assert "model server 'model'" in error.value.message
+    assert time.monotonic() - began < 20
+    assert env.app.sessions == {}  # the session was closed although the rollout failed
+    await client.registry.close()
+
+
+async def test_the_callers_deadline_reaches_the_model_server(start):
+    cancelled = asyncio.Event()
+    seen_timeouts = []
+
+    class Slow(ScriptedModel):
+        async def create_response(self, params, session_id):
+            seen_timeouts.append(transport.timeout_for(None))  # what is left of this call's deadline
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+
+    m = await start(Slow([]))
+    env = await start(Calculator())
+    registry = static_registry(model=m, calc=env)
+    agent = await start(
+        SimpleAgent({"model_server": "model", "resources_server": "calc"}, name="agent", registry=registry)
+    )
+    began = time.monotonic()
+    async with transport.open_channel(agent.address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await agent_grpc.AgentServiceStub(channel).Run(agent_pb.RunRequest(task=task("1 + 1?")), timeout=1.0)
+    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert seen_timeouts and seen_timeouts[0] is not None and seen_timeouts[0] < 1.5  # not the 600 s default
+    await asyncio.wait_for(cancelled.wait(), 5)  # the model's work was cancelled, not left running
+    assert time.monotonic() - began < 10
+    for _ in range(100):  # the agent closes the session after the caller gave up
+        if not env.app.sessions:
+            break
+        await asyncio.sleep(0.05)
+    assert env.app.sessions == {}
+
+
+def test_a_rollout_has_an_id_and_text_helpers_find_the_answer():
+    response = r.Response(id=new_id("resp"), output=[*say("first"), *say("final")])
+    assert response.id.startswith("resp_") and final_text(response) == "final"

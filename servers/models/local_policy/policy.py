@@ -1,0 +1,270 @@
+"""The decisions of the embedded policy.
+
+A small program that plays a model: it calls a tool the prompt is about with
+arguments read from the prompt, answers from tool outputs once they arrive,
+and works out arithmetic. Each of those has one random decision, whether to
+slip (mangle an argument, get a sum wrong), whose chance grows with the work
+involved. The decision is sampled the way an engine samples a token:
+`temperature` sharpens or flattens the distribution (0 is greedy and never
+slips), `top_p` cuts the unlikely branch.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import operator
+import random
+import re
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+from gym_grpc.responses import message_text
+from gym_grpc.rows import struct_to_dict
+from gym_grpc.v1 import responses_pb2 as r
+
+
+@dataclass
+class Turn:
+    """What the policy says in one turn."""
+
+    text: str = ""
+    calls: list[tuple[str, str]] = field(default_factory=list)
+    reasoning: str = ""
+    #: Log-probability of the sampled decision, and the text it decided.
+    logprob: float = 0.0
+    decided: str = ""
+
+
+def sample_slip(rng: random.Random, p_slip: float, temperature: float, top_p: float) -> tuple[bool, float]:
+    """Sample "slip or not"; return the choice and its log-probability."""
+    if p_slip <= 0.0 or temperature <= 0.0:
+        return False, 0.0
+    weights = [(1.0 - p_slip) ** (1.0 / temperature), p_slip ** (1.0 / temperature)]
+    probs = [w / sum(weights) for w in weights]
+    if probs[0] >= top_p:  # nucleus sampling keeps only the likely branch
+        return False, 0.0
+    slipped = rng.random() < probs[1]
+    return slipped, math.log(probs[1] if slipped else probs[0])
+
+
+# --- arithmetic --------------------------------------------------------------
+
+_WORDS = [
+    (r"\bmultiplied by\b", "*"),
+    (r"\btimes\b", "*"),
+    (r"\bdivided by\b", "/"),
+    (r"\bplus\b", "+"),
+    (r"\bminus\b", "-"),
+    ("×", "*"),
+    ("÷", "/"),
+]
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def _evaluate(node: ast.AST) -> tuple[Fraction, int]:
+    """Value of an arithmetic expression and its number of operations."""
+    if isinstance(node, ast.Expression):
+        return _evaluate(node.body)
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        return Fraction(str(node.value)), 0
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value, ops = _evaluate(node.operand)
+        return (-value if isinstance(node.op, ast.USub) else value), ops
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        left, lops = _evaluate(node.left)
+        right, rops = _evaluate(node.right)
+        return _OPS[type(node.op)](left, right), lops + rops + 1
+    raise ValueError("not arithmetic")
+
+
+def find_arithmetic(prompt: str) -> tuple[str, Fraction, int] | None:
+    """The longest arithmetic expression in a prompt: (text, value, operations)."""
+    text = prompt
+    for pattern, op in _WORDS:
+        text = re.sub(pattern, op, text, flags=re.I)
+    best = None
+    for match in re.finditer(r"[\d(][\d\s+\-*/().]*", text):
+        candidate = match.group().strip().rstrip(".").strip()
+        if not re.search(r"\d\s*[-+*/]\s*[\d(-]", candidate):
+            continue
+        try:
+            value, ops = _evaluate(ast.parse(candidate, mode="eval"))
+        except (SyntaxError, ValueError, ZeroDivisionError):
+            continue
+        if best is None or len(candidate) > len(best[0]):
+            best = (candidate, value, ops)
+    return best
+
+
+def latex(value: Fraction) -> str:
+    """A number as LaTeX: 42, or \\frac{7}{8}, or -\\frac{1}{2}."""
+    if value.denominator == 1:
+        return str(value.numerator)
+    sign = "-" if value < 0 else ""
+    return f"{sign}\\frac{{{abs(value.numerator)}}}{{{value.denominator}}}"
+
+
+# --- tools -------------------------------------------------------------------
+
+_STOP_WORDS = {"what", "with", "this", "that", "from", "your", "have", "when", "please", "tell", "right", "like"}
+
+
+def _words(text: str) -> set[str]:
+    return {w for w in re.findall(r"[a-z]+", text.lower()) if len(w) >= 4 and w not in _STOP_WORDS}
+
+
+def pick_tool(prompt: str, tools: list[r.FunctionTool], choice: r.ToolChoice) -> r.FunctionTool | None:
+    """The tool a prompt is about, honouring tool_choice."""
+    kind = choice.WhichOneof("choice")
+    if kind == "function_name":
+        return next((t for t in tools if t.name == choice.function_name), None)
+    if not tools or choice.mode == r.TOOL_CHOICE_MODE_NONE:
+        return None
+    words = _words(prompt)
+    scored = [(len(words & _words(f"{t.name.replace('_', ' ')} {t.description}")), i) for i, t in enumerate(tools)]
+    score, index = max(scored, key=lambda s: (s[0], -s[1]))
+    if score == 0 and choice.mode != r.TOOL_CHOICE_MODE_REQUIRED:
+        return None
+    return tools[index]
+
+
+def _phrase(prompt: str) -> str:
+    """The proper noun a prompt is about: after in/for/at/of, else any, else the last word."""
+    name = r"[A-Z][\w'-]*(?:\s+[A-Z][\w'-]*)*"
+    match = re.search(rf"\b(?:in|for|at|of|about)\s+({name})", prompt)
+    if match:
+        return match.group(1)
+    names = re.findall(rf"(?<!^)(?<![.?!]\s)\b({name})", prompt)
+    if names:
+        return names[0]
+    quoted = re.search(r"['\"]([^'\"]+)['\"]", prompt)
+    if quoted:
+        return quoted.group(1)
+    words = re.findall(r"[\w'-]+", prompt)
+    return words[-1] if words else ""
+
+
+def arguments_for(tool: r.FunctionTool, prompt: str) -> dict[str, Any]:
+    """Arguments for a tool's required parameters, read from the prompt."""
+    schema = struct_to_dict(tool.parameters)
+    props = schema.get("properties", {})
+    args: dict[str, Any] = {}
+    for name in schema.get("required", list(props)):
+        prop = props.get(name, {})
+        kind = prop.get("type")
+        if "enum" in prop:
+            mentioned = [v for v in prop["enum"] if str(v).lower() in prompt.lower()]
+            args[name] = mentioned[0] if mentioned else prop["enum"][0]
+        elif kind == "string":
+            args[name] = _phrase(prompt)
+        elif kind in ("integer", "number"):
+            number = re.search(r"-?\d+(?:\.\d+)?", prompt)
+            value = float(number.group()) if number else 0
+            args[name] = int(value) if kind == "integer" else value
+        elif kind == "boolean":
+            args[name] = False
+        elif kind == "array":
+            args[name] = []
+        elif kind == "object":
+            args[name] = {}
+    return args
+
+
+def _mangle(args: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The arguments with one slip in the first value; return it and the slipped text."""
+    bad = dict(args)
+    for key, value in args.items():
+        if isinstance(value, str) and value:
+            bad[key] = value.lower()[:-1] if len(value) > 2 else value + "x"
+            return bad, bad[key]
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            bad[key] = value + 1
+            return bad, str(bad[key])
+    return bad, ""
+
+
+def _summarise(output: str) -> str:
+    try:
+        data = json.loads(output)
+    except json.JSONDecodeError:
+        return output
+    if isinstance(data, dict):
+        return ", ".join(f"{k}: {v}" for k, v in data.items())
+    return output
+
+
+# --- the policy --------------------------------------------------------------
+
+
+def _trailing_outputs(items: list[r.Item]) -> list[tuple[str, str]]:
+    """(tool name, output) of the tool outputs that end the conversation."""
+    names = {i.function_call.call_id: i.function_call.name for i in items if i.WhichOneof("item") == "function_call"}
+    outputs = []
+    for item in reversed(items):
+        if item.WhichOneof("item") != "function_call_output":
+            break
+        out = item.function_call_output
+        outputs.append((names.get(out.call_id, "the tool"), out.output))
+    return outputs[::-1]
+
+
+def _last_user_text(items: list[r.Item]) -> str:
+    for item in reversed(items):
+        if item.WhichOneof("item") == "message" and item.message.role == r.ROLE_USER:
+            return message_text(item.message)
+    return ""
+
+
+def decide(
+    items: list[r.Item],
+    params: r.CreateParams,
+    rng: random.Random,
+    error_rate: float,
+    temperature: float,
+    top_p: float,
+) -> Turn:
+    """The policy's next turn for a conversation."""
+    think = bool(params.reasoning.effort)
+    outputs = _trailing_outputs(items)
+    if outputs:
+        answers = []
+        for name, output in outputs:
+            if output.startswith("Error:"):
+                answers.append(f"I could not get an answer from {name}. {output}")
+            else:
+                answers.append(f"According to {name}: {_summarise(output)}.")
+        reasoning = "I have the tool results; I will report them." if think else ""
+        return Turn(text=" ".join(answers), reasoning=reasoning)
+
+    prompt = _last_user_text(items)
+    tools = [t.function for t in params.tools if t.WhichOneof("tool") == "function"]
+    chosen = pick_tool(prompt, tools, params.tool_choice)
+    if chosen is not None:
+        args = arguments_for(chosen, prompt)
+        slipped, logprob = sample_slip(rng, error_rate, temperature, top_p)
+        decided = next((str(v) for v in args.values()), "")
+        if slipped:
+            args, decided = _mangle(args)
+        reasoning = f"The user asks something {chosen.name} can answer; I will call it." if think else ""
+        return Turn(calls=[(chosen.name, json.dumps(args))], reasoning=reasoning, logprob=logprob, decided=decided)
+
+    found = find_arithmetic(prompt)
+    if found is None:
+        return Turn(
+            text="I am not sure how to answer that.", reasoning="I see nothing I can work out." if think else ""
+        )
+    expression, value, ops = found
+    slipped, logprob = sample_slip(rng, 1.0 - (1.0 - error_rate) ** max(ops, 1), temperature, top_p)
+    if slipped:
+        value = Fraction(value.numerator + rng.choice([-1, 1]), value.denominator)
+    answer = latex(value)
+    reasoning = f"I need to compute {expression} step by step." if think else ""
+    return Turn(
+        text=f"{expression} = {answer}.\nThe answer is \\boxed{{{answer}}}.",
+        reasoning=reasoning,
+        logprob=logprob,
+        decided=answer,
+    )

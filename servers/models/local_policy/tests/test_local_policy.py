@@ -1,0 +1,122 @@
+"""The embedded policy is a real participant: it computes, calls tools, slips, and
+reports honest token ids and log-probs."""
+
+import json
+import math
+from pathlib import Path
+
+from gym_grpc import rows
+from gym_grpc.clients import ModelClient
+from gym_grpc.responses import final_text, function_calls
+from gym_grpc.v1 import responses_pb2 as r
+from servers.models.local_policy import policy, tokenizer
+from servers.models.local_policy.server import LocalPolicyModel
+from tests.support import static_registry
+
+HERE = Path(__file__).resolve().parent
+MATH_DATA = HERE.parents[2] / "resources" / "math" / "data" / "example.jsonl"
+WEATHER_DATA = HERE.parents[2] / "resources" / "weather" / "data" / "example.jsonl"
+
+
+def _params(path: Path, line: int = 0, **overrides) -> r.CreateParams:
+    row = json.loads(path.read_text().splitlines()[line])
+    row["responses_create_params"].update(overrides)
+    return rows.task_from_row(row).responses_create_params
+
+
+def _last_carrier(response: r.Response):
+    last = response.output[-1]
+    return getattr(last, last.WhichOneof("item"))
+
+
+async def test_greedy_policy_solves_the_arithmetic_it_reads(start):
+    server = await start(LocalPolicyModel())
+    model = ModelClient(static_registry(m=server), "m")
+    cases = [
+        ("What is 17 + 25?", "42"),
+        ("Compute 12 * (7 - 3) + 5.", "53"),
+        ("3/4 + 1/8 = ?", "\\frac{7}{8}"),
+        ("What is 144 divided by 12?", "12"),
+        ("Evaluate 2 - 9.", "-7"),
+    ]
+    for prompt, answer in cases:
+        params = r.CreateParams(input_text=prompt, temperature=0.0)
+        assert f"\\boxed{{{answer}}}" in final_text(await model.create_response(params, "s"))
+    await model.registry.close()
+
+
+async def test_policy_calls_the_declared_tool_with_arguments_from_the_prompt(start):
+    server = await start(LocalPolicyModel())
+    model = ModelClient(static_registry(m=server), "m")
+    response = await model.create_response(_params(WEATHER_DATA, 2, temperature=0.0), "s")
+    [call] = function_calls(response)
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "New York"}
+    await model.registry.close()
+
+
+async def test_policy_sometimes_slips_when_sampling(start):
+    server = await start(LocalPolicyModel({"error_rate": 0.2}))
+    model = ModelClient(static_registry(m=server), "m")
+    params = r.CreateParams(input_text="What is 12 * (7 - 3) + 5?")  # two operations: ~36% slips at T=1
+    answers = [final_text(await model.create_response(params, f"session-{i}")) for i in range(100)]
+    wrong = sum("\\boxed{53}" not in a for a in answers)
+    assert 10 < wrong < 70
+    params.temperature = 0.0
+    greedy = [final_text(await model.create_response(params, f"s{i}")) for i in range(20)]
+    assert all("\\boxed{53}" in a for a in greedy)
+    await model.registry.close()
+
+
+async def test_token_ids_stay_on_policy_across_turns(start):
+    server = await start(LocalPolicyModel())
+    model = ModelClient(static_registry(m=server), "m")
+    params = _params(WEATHER_DATA, 0, temperature=0.0)
+    first = await model.create_response(params, "s")
+    turn1 = _last_carrier(first)
+    params.input_items.items.extend(first.output)
+    params.input_items.items.add().function_call_output.CopyFrom(
+        r.FunctionCallOutput(call_id=first.output[-1].function_call.call_id, output='{"temperature_c": 12}')
+    )
+    second = await model.create_response(params, "s")
+    turn2 = _last_carrier(second)
+    assert tokenizer.decode(turn1.generation_token_ids).startswith("<tool_call>")
+    prefix = list(turn1.prompt_token_ids) + list(turn1.generation_token_ids)
+    assert list(turn2.prompt_token_ids)[: len(prefix)] == prefix
+    for turn in (turn1, turn2):
+        assert len(turn.generation_log_probs) == len(turn.generation_token_ids)
+        assert all(lp <= 0.0 for lp in turn.generation_log_probs)
+        assert all(0 <= t < tokenizer.VOCAB_SIZE for t in turn.generation_token_ids)
+    assert second.usage.input_tokens == len(turn2.prompt_token_ids)
+    assert "temperature_c: 12" in final_text(second)
+
+
+async def test_log_probs_follow_the_sampling_distribution(start):
+    server = await start(LocalPolicyModel({"error_rate": 0.2}))
+    model = ModelClient(static_registry(m=server), "m")
+    params = r.CreateParams(input_text="What is 17 + 25?", temperature=1.0)
+    for i in range(30):
+        response = await model.create_response(params, f"s{i}")
+        decision = [lp for lp in _last_carrier(response).generation_log_probs if lp != 0.0]
+        slipped = "\\boxed{42}" not in final_text(response)
+        assert len(decision) == 1
+        assert math.isclose(decision[0], math.log(0.2 if slipped else 0.8), rel_tol=1e-6)
+    await model.registry.close()
+
+
+async def test_max_output_tokens_cuts_the_generation_and_marks_it_incomplete(start):
+    server = await start(LocalPolicyModel())
+    model = ModelClient(static_registry(m=server), "m")
+    params = r.CreateParams(input_text="What is 17 + 25?", max_output_tokens=5, temperature=0.0)
+    response = await model.create_response(params, "s")
+    assert response.status == r.RESPONSE_STATUS_INCOMPLETE
+    assert response.incomplete_details.reason == r.INCOMPLETE_REASON_MAX_OUTPUT_TOKENS
+    assert len(_last_carrier(response).generation_token_ids) == 5 == response.usage.output_tokens
+    assert final_text(response) == "17 + "
+    await model.registry.close()
+
+
+def test_arithmetic_reader_handles_words_and_ignores_plain_numbers():
+    assert policy.find_arithmetic("what is 6 times 7?")[1] == 42
+    assert policy.find_arithmetic("In 2024 there were 12 apples.") is None
+    assert policy.find_arithmetic("divide: 1 / 0") is None
+    assert policy.latex(policy.find_arithmetic("1/2 - 1")[1]) == "-\\frac{1}{2}"

@@ -1,0 +1,60 @@
+"""Math with a real checker: the final answer is compared with math-verify.
+
+The task gives `expected_answer` (a number or LaTeX). The model's last
+message is parsed by math-verify (\\boxed{} first, then any expression) and
+checked for mathematical equivalence, so 7/8, 0.875 and \\frac{7}{8} all
+count. Parsing and checking are CPU work: they run in a pool of worker
+processes, never on the event loop, with math-verify's own timeouts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+
+from pydantic import Field
+
+from gym_grpc.resources import ResourcesServer, Session, Verification
+from gym_grpc.responses import final_text
+from gym_grpc.serving import ServerConfig
+from gym_grpc.v1 import responses_pb2 as r
+
+
+def check_answer(expected: str, text: str, timeout_seconds: int) -> tuple[bool, str]:
+    """Whether `text` states `expected`, and what answer was extracted from it."""
+    from math_verify import parse, verify
+
+    gold = parse(expected if "$" in expected or "\\" in expected else f"${expected}$", parsing_timeout=timeout_seconds)
+    answer = parse(text, parsing_timeout=timeout_seconds)
+    extracted = str(answer[1]) if len(answer) > 1 else (str(answer[0]) if answer else "")
+    return bool(verify(gold, answer, timeout_seconds=timeout_seconds)), extracted
+
+
+class MathConfig(ServerConfig):
+    verify_workers: int = Field(1, ge=1, description="processes that run math-verify")
+    timeout_seconds: int = Field(5, ge=1, description="math-verify's parse and verify timeout")
+
+
+class MathEnv(ResourcesServer):
+    Config = MathConfig
+    config: MathConfig
+
+    async def start(self) -> None:
+        # spawn, not fork: forking a process that runs gRPC is unsafe.
+        self._pool = ProcessPoolExecutor(self.config.verify_workers, mp_context=multiprocessing.get_context("spawn"))
+        await self._check("1", "1")  # start the workers and import math-verify before the first rollout
+
+    async def stop(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        await super().stop()
+
+    async def _check(self, expected: str, text: str) -> tuple[bool, str]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, check_answer, expected, text, self.config.timeout_seconds)
+
+    async def verify(self, session: Session, response: r.Response) -> Verification:
+        if "expected_answer" not in session.data:
+            raise ValueError("the task has no expected_answer")
+        correct, extracted = await self._check(str(session.data["expected_answer"]), final_text(response))
+        return Verification(reward=1.0 if correct else 0.0, fields={"extracted_answer": extracted})

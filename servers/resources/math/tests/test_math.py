@@ -1,0 +1,54 @@
+"""The math environment checks answers with math-verify, off the event loop."""
+
+import grpc
+import pytest
+
+from gym_grpc import errors, rows
+from gym_grpc.clients import ResourcesClient
+from gym_grpc.responses import assistant_message
+from gym_grpc.v1 import responses_pb2 as r
+from servers.resources.math.server import MathEnv
+from tests.support import static_registry
+
+
+@pytest.fixture
+async def math_env(start):
+    server = await start(MathEnv())
+    client = ResourcesClient(static_registry(math=server), "math")
+    yield client
+    await client.registry.close()
+
+
+def _task(expected):
+    return rows.task_from_row({"responses_create_params": {"input": "?"}, "expected_answer": expected})
+
+
+async def _reward(client, expected, answer):
+    verdict = await client.verify("s", _task(expected), r.Response(output=[assistant_message(answer)]))
+    return verdict.reward, rows.struct_to_dict(verdict.fields)
+
+
+@pytest.mark.parametrize(
+    "expected, answer, reward",
+    [
+        ("\\frac{7}{8}", "So the sum is \\boxed{\\frac{7}{8}}.", 1.0),
+        ("\\frac{7}{8}", "The answer is \\boxed{0.875}.", 1.0),
+        ("0.875", "\\boxed{7/8}", 1.0),
+        (42, "17 + 25 = 42. The answer is \\boxed{42}.", 1.0),
+        (42, "The answer is \\boxed{43}.", 0.0),
+        ("x^2 + 2x + 1", "\\boxed{(x+1)^2}", 1.0),
+        ("12", "I am not sure.", 0.0),
+    ],
+)
+async def test_answers_are_checked_for_mathematical_equivalence(math_env, expected, answer, reward):
+    got, fields = await _reward(math_env, expected, answer)
+    assert got == reward
+    assert "extracted_answer" in fields
+
+
+async def test_a_task_without_expected_answer_fails_verification_clearly(math_env):
+    task = rows.task_from_row({"responses_create_params": {"input": "?"}})
+    with pytest.raises(errors.GymError) as error:
+        await math_env.verify("s", task, r.Response(output=[assistant_message("\\boxed{1}")]))
+    assert error.value.code == grpc.StatusCode.INTERNAL
+    assert "no expected_answer" in error.value.message
