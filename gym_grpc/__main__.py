@@ -1,0 +1,5 @@
+"""`python -m gym_grpc` is the `gym-grpc` command."""
+
+from gym_grpc.cli import main
+
+main()

@@ -1,0 +1,134 @@
+"""Configuration: YAML files merged in order, then `key=value` overrides.
+
+    registry:            # where `gym-grpc run` serves the registry
+      port: 50050
+    servers:
+      policy_model:
+        entrypoint: ../servers/models/local_policy/server.py:LocalPolicyModel
+        config: {error_rate: 0.1}          # the server class's own Config
+      weather:
+        entrypoint: server.py:WeatherEnv   # a path is relative to its YAML file
+        port: 0                            # 0: any free port
+
+A file may `include:` other files (relative to itself); they are merged
+before the file's own content. Later files and overrides win; mappings merge
+key by key, anything else is replaced. An override is `dotted.key=value`
+with the value read as YAML (`servers.weather_agent.config.max_steps=3`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be loaded; the message names the file or key."""
+
+
+class ServerSpec(BaseModel):
+    """One server of a configuration."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    entrypoint: str = Field(description='"path/to/file.py:Class" or "package.module:Class"')
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
+    config: dict[str, Any] = Field(default_factory=dict, description="the server class's own settings")
+
+
+class RegistrySpec(BaseModel):
+    """Where `gym-grpc run` serves the registry."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(50050, ge=0, le=65535)
+
+
+class GymConfig(BaseModel):
+    """A whole configuration: the registry and the servers, by name."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    registry: RegistrySpec = RegistrySpec()
+    servers: dict[str, ServerSpec] = Field(default_factory=dict)
+
+
+def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """Merge `update` into `base` in place: mappings key by key, the rest replaced."""
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            merge(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
+def _resolve_entrypoints(data: dict[str, Any], directory: Path) -> None:
+    """Make "file.py:Class" entrypoints absolute, relative to their YAML file."""
+    servers = data.get("servers")
+    if not isinstance(servers, dict):
+        return
+    for spec in servers.values():
+        entry = spec.get("entrypoint") if isinstance(spec, dict) else None
+        if isinstance(entry, str) and ".py:" in entry:
+            path, _, cls = entry.rpartition(":")
+            spec["entrypoint"] = f"{(directory / path).resolve()}:{cls}"
+
+
+def _load_file(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    path = path.resolve()
+    if path in chain:
+        raise ConfigError(f"{path}: includes itself (through {' -> '.join(str(p) for p in chain)})")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    merged: dict[str, Any] = {}
+    includes = data.pop("include", [])
+    for include in [includes] if isinstance(includes, str) else includes:
+        merge(merged, _load_file(path.parent / include, (*chain, path)))
+    _resolve_entrypoints(data, path.parent)
+    return merge(merged, data)
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Apply one `dotted.key=value` override (value parsed as YAML)."""
+    key, sep, raw = override.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {override!r}: expected key=value")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {override!r}: value is not valid YAML: {e}") from None
+    parts = key.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {override!r}: {part!r} is not a mapping")
+        node = child
+    node[parts[-1]] = value
+
+
+def load_config(paths: Sequence[str | Path], overrides: Sequence[str] = ()) -> GymConfig:
+    """Load, merge and validate a configuration."""
+    data: dict[str, Any] = {}
+    for path in paths:
+        merge(data, _load_file(Path(path)))
+    for override in overrides:
+        apply_override(data, override)
+    try:
+        return GymConfig.model_validate(data)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
+        raise ConfigError(f"invalid configuration: {problems}") from None

@@ -1,0 +1,216 @@
+"""`gym-grpc run`: start the servers of a configuration and serve the registry.
+
+Each server runs in its own process (`python -m gym_grpc.worker`), bound to
+its configured port or to port 0 with the bound port read back from it. The
+runner waits until every server reports ready and answers its health check,
+checks that the servers they call exist, then lists them in the registry.
+Stopping sends SIGTERM (servers finish in-flight calls within the grace
+period) and kills what is still alive after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gym_grpc import transport
+from gym_grpc.config import ConfigError, GymConfig, ServerSpec
+from gym_grpc.registry import REGISTRY_SERVICE, RegistryServicer, closest
+from gym_grpc.serving import DEFAULT_GRACE_SECONDS, GymServer, Running, serve
+from gym_grpc.v1 import registry_service_pb2 as reg
+from gym_grpc.v1 import registry_service_pb2_grpc as reg_grpc
+
+log = logging.getLogger("gym_grpc.runner")
+
+#: Seconds a server may take from process start to healthy.
+DEFAULT_STARTUP_TIMEOUT = 120.0
+
+_WILDCARD_HOSTS = {"0.0.0.0", "::", "[::]", ""}
+
+
+class StartupError(RuntimeError):
+    """A server could not start; the message names it and says why."""
+
+
+class RegistryServer(GymServer):
+    """The registry service as a GymServer, so it gets health and reflection too."""
+
+    def __init__(self) -> None:
+        super().__init__(name="registry")
+        self.servicer = RegistryServicer()
+
+    def add_services(self, server: grpc.aio.Server) -> list[str]:
+        reg_grpc.add_RegistryServiceServicer_to_server(self.servicer, server)
+        return [REGISTRY_SERVICE]
+
+
+@dataclass
+class ServerProcess:
+    """A started server process and what it reported."""
+
+    name: str
+    spec: ServerSpec
+    process: asyncio.subprocess.Process
+    info: reg.ServerInfo = field(default_factory=reg.ServerInfo)
+
+
+class Runner:
+    """Starts, lists and stops the servers of one configuration."""
+
+    def __init__(
+        self,
+        config: GymConfig,
+        *,
+        grace: float = DEFAULT_GRACE_SECONDS,
+        startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
+        log_level: str = "INFO",
+    ) -> None:
+        self.config = config
+        self.grace = grace
+        self.startup_timeout = startup_timeout
+        self.log_level = log_level
+        self.processes: dict[str, ServerProcess] = {}
+        self.registry: Running | None = None
+
+    @property
+    def registry_address(self) -> str:
+        if self.registry is None:
+            raise RuntimeError("the runner is not started")
+        return self.registry.address
+
+    async def start(self) -> None:
+        """Start the registry and every server; return once all are healthy."""
+        if not self.config.servers:
+            raise ConfigError("the configuration has no servers")
+        spec = self.config.registry
+        try:
+            self.registry = await serve(RegistryServer(), spec.host, spec.port)
+        except (OSError, RuntimeError) as e:
+            raise StartupError(
+                f"cannot serve the registry on {spec.host}:{spec.port} ({e}); is another `gym-grpc run` "
+                f"using it? Pick another port with registry.port=PORT (0: any free port)"
+            ) from None
+        try:
+            await asyncio.wait_for(self._start_servers(), self.startup_timeout)
+        except TimeoutError:
+            await self.stop()
+            pending = [p.name for p in self.processes.values() if not p.info.addresses]
+            raise StartupError(f"servers not ready after {self.startup_timeout:.0f} s: {', '.join(pending)}") from None
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start_servers(self) -> None:
+        for name, spec in self.config.servers.items():
+            process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "gym_grpc.worker",
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+            )
+            message = {
+                "name": name,
+                "entrypoint": spec.entrypoint,
+                "host": spec.host,
+                "port": spec.port,
+                "config": spec.config,
+                "registry": self.registry_address,
+                "grace": self.grace,
+                "log_level": self.log_level,
+            }
+            assert process.stdin is not None
+            process.stdin.write((json.dumps(message) + "\n").encode())
+            await process.stdin.drain()
+            self.processes[name] = ServerProcess(name, spec, process)
+        await asyncio.gather(*(self._await_ready(p) for p in self.processes.values()))
+        for p in self.processes.values():
+            for role, target in p.info.references.items():
+                if target not in self.processes:
+                    raise StartupError(
+                        f"server {p.name!r} calls {role} server {target!r}, which is not in the "
+                        f"configuration: {closest(target, list(self.processes))}"
+                    )
+        for p in self.processes.values():
+            self.registry.app.servicer.add(p.info)  # type: ignore[union-attr]
+
+    async def _await_ready(self, p: ServerProcess) -> None:
+        assert p.process.stdout is not None
+        line = await p.process.stdout.readline()
+        if not line:
+            code = await p.process.wait()
+            raise StartupError(f"server {p.name!r} exited with code {code} before it was ready (see its log above)")
+        report = json.loads(line)
+        if "error" in report:
+            raise StartupError(f"server {p.name!r} could not start: {report['error']}")
+        host = "127.0.0.1" if p.spec.host in _WILDCARD_HOSTS else p.spec.host
+        address = f"{host}:{report['port']}"
+        await _wait_healthy(address)
+        p.info = reg.ServerInfo(
+            name=p.name,
+            role=report["role"],
+            addresses=[address],
+            entrypoint=p.spec.entrypoint,
+            references=report["references"],
+        )
+
+    async def wait(self) -> str:
+        """Block until some server process exits; return its name."""
+        waits = {asyncio.ensure_future(p.process.wait()): name for name, p in self.processes.items()}
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            if w not in done:
+                w.cancel()
+        return waits[next(iter(done))]
+
+    async def stop(self) -> None:
+        """Stop every server (SIGTERM, then SIGKILL after the grace period) and the registry."""
+        alive = [p.process for p in self.processes.values() if p.process.returncode is None]
+        for process in alive:
+            process.send_signal(signal.SIGTERM)
+        if alive:
+            _, late = await asyncio.wait([asyncio.ensure_future(p.wait()) for p in alive], timeout=self.grace + 5)
+            for process in alive:
+                if process.returncode is None:
+                    log.warning("server pid %d did not stop in time; killing it", process.pid)
+                    process.kill()
+                    await process.wait()
+        for p in self.processes.values():
+            if p.process.stdin is not None:
+                p.process.stdin.close()
+        if self.registry is not None:
+            await self.registry.stop(grace=1.0)
+
+
+async def _wait_healthy(address: str, attempts: int = 50) -> None:
+    """Poll the health service of a server until it says SERVING."""
+    async with transport.open_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for _ in range(attempts):
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.1)
+    raise StartupError(f"server at {address} never reported SERVING")
+
+
+def describe(runner: Runner, started: float) -> str:
+    """A table of the running servers, for the terminal."""
+    roles = {reg.SERVER_ROLE_MODEL: "model", reg.SERVER_ROLE_RESOURCES: "resources", reg.SERVER_ROLE_AGENT: "agent"}
+    lines = [f"registry   {runner.registry_address}"]
+    for p in runner.processes.values():
+        refs = ", ".join(f"{k}={v}" for k, v in sorted(p.info.references.items()))
+        lines.append(f"{roles.get(p.info.role, '?'):<10} {p.name:<24} {p.info.addresses[0]:<22} {refs}")
+    lines.append(f"{len(runner.processes)} servers healthy in {time.monotonic() - started:.1f} s")
+    return "\n".join(lines)

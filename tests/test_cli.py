@@ -1,0 +1,215 @@
+"""The `gym-grpc` command as a user runs it: real processes, real ports, grpcurl."""
+
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support import REPO
+
+BIN = Path(sys.executable).parent
+WEATHER = REPO / "servers" / "resources" / "weather" / "data" / "example.jsonl"
+MATH = REPO / "servers" / "resources" / "math" / "data" / "example.jsonl"
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name, path=str(BIN)) or shutil.which(name)
+    assert path, f"{name} is not installed: pip install -e '.[test]'"
+    return path
+
+
+def _gym(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([_tool("gym-grpc"), *args], capture_output=True, text=True, timeout=120, **kwargs)
+
+
+def _grpcurl(*args: str) -> str:
+    done = subprocess.run([_tool("grpcurl"), "-plaintext", *args], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_quickstart_end_to_end(tmp_path):
+    done = _gym("quickstart", "--output-dir", str(tmp_path), "--num-repeats", "2", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    metrics = json.loads(done.stdout)
+    assert set(metrics) == {"weather_agent", "math_agent"}
+    assert metrics["weather_agent"]["rollouts"] == 5 * 2 and metrics["math_agent"]["rollouts"] == 6 * 2
+    for agent, data in (("weather_agent", WEATHER), ("math_agent", MATH)):
+        assert 0.0 <= metrics[agent]["reward"] <= 1.0
+        written = _rows(tmp_path / f"{agent}_rollouts.jsonl")
+        tasks = _rows(data)
+        assert sorted((row["task_index"], row["repeat_index"]) for row in written) == [
+            (t, k) for t in range(len(tasks)) for k in range(2)
+        ]
+        for row in written:
+            task = tasks[row["task_index"]]
+            assert {k: row[k] for k in task} == task  # the input row is carried unchanged
+            assert row["response"]["output"] and row["reward"] in (0.0, 1.0)
+    assert "servers healthy" in done.stderr
+
+
+@pytest.fixture(scope="module")
+def live():
+    """`gym-grpc run configs/quickstart.yaml` in the background, with its addresses."""
+    process = subprocess.Popen(
+        [_tool("gym-grpc"), "run", str(REPO / "configs" / "quickstart.yaml"), "registry.port=0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if "servers healthy" in line:
+            break
+    else:
+        pytest.fail("gym-grpc run stopped before it was ready:\n" + "".join(lines) + process.stderr.read())
+    registry = re.search(r"^registry\s+(\S+)", lines[0]).group(1)
+    servers = {m.group(2): m.group(3) for m in (re.match(r"(\w+)\s+(\w+)\s+(\S+)", line) for line in lines[1:-1])}
+    yield {"process": process, "registry": registry, "servers": servers, "output": lines}
+    if process.poll() is None:
+        process.kill()
+
+
+def test_run_serves_every_server_and_grpcurl_lists_them(live):
+    assert set(live["servers"]) == {"policy_model", "weather", "weather_agent", "math", "math_agent"}
+    assert "gym.v1.RegistryService" in _grpcurl(live["registry"], "list")
+    expected = {
+        "policy_model": "gym.v1.ModelService",
+        "weather": "gym.v1.ResourcesService",
+        "weather_agent": "gym.v1.AgentService",
+    }
+    for name, service in expected.items():
+        listed = _grpcurl(live["servers"][name], "list").split()
+        assert service in listed and "grpc.health.v1.Health" in listed
+    described = _grpcurl(live["servers"]["weather"], "describe", "gym.v1.ResourcesService")
+    assert "rpc CallTool ( .gym.v1.CallToolRequest ) returns ( .gym.v1.CallToolResponse )" in described
+    listing = json.loads(_grpcurl(live["registry"], "gym.v1.RegistryService/ListServers"))
+    agent = next(s for s in listing["servers"] if s["name"] == "weather_agent")
+    assert agent["references"] == {"model": "policy_model", "resources": "weather"}
+
+
+def test_grpcurl_runs_a_rollout_and_calls_a_tool(live):
+    request = {
+        "task": {
+            "responses_create_params": {"input_text": "What is 6 times 7?", "temperature": 0},
+            "data": {"expected_answer": "42"},
+        }
+    }
+    rollout = json.loads(_grpcurl("-d", json.dumps(request), live["servers"]["math_agent"], "gym.v1.AgentService/Run"))
+    assert rollout["rollout"]["reward"] == 1
+    assert rollout["rollout"]["stop_reason"] == "STOP_REASON_FINAL_MESSAGE"
+    seed = {"session_id": "grpcurl-1", "task": {"responses_create_params": {"input_text": "hi"}}}
+    weather = live["servers"]["weather"]
+    _grpcurl("-d", json.dumps(seed), weather, "gym.v1.ResourcesService/SeedSession")
+    call = {"session_id": "grpcurl-1", "name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    output = json.loads(_grpcurl("-d", json.dumps(call), weather, "gym.v1.ResourcesService/CallTool"))
+    assert json.loads(output["output"])["city"] == "Oslo"
+
+
+def test_collect_writes_rollouts_and_a_second_run_resumes(live, tmp_path):
+    out = tmp_path / "rollouts.jsonl"
+    args = [
+        "collect",
+        "--registry",
+        live["registry"],
+        "--agent",
+        "math_agent",
+        "--input",
+        str(MATH),
+        "--output",
+        str(out),
+        "--num-repeats",
+        "3",
+        "--limit",
+        "4",
+        "--no-progress",
+    ]
+    first = _gym(*args)
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout)["math_agent"]["rollouts"] == 12
+    assert len(_rows(out)) == 12
+    second = _gym(*args)
+    assert second.returncode == 0, second.stderr
+    assert "12 already done" in second.stderr
+    assert len(_rows(out)) == 12
+
+
+def test_collect_reports_a_bad_row_by_line_and_collects_the_rest(live, tmp_path):
+    tasks = tmp_path / "tasks.jsonl"
+    good = json.dumps({"responses_create_params": {"input": "What is 2 + 2?"}, "expected_answer": "4"})
+    bad = json.dumps({"responses_create_params": {"input": [{"role": "robot", "content": "hi"}]}})
+    tasks.write_text("\n".join([good, bad, "{not json", good]) + "\n")
+    out = tmp_path / "rollouts.jsonl"
+    done = _gym(
+        "collect",
+        "--registry",
+        live["registry"],
+        "--agent",
+        "math_agent",
+        "--input",
+        str(tasks),
+        "--output",
+        str(out),
+        "--no-progress",
+    )
+    assert done.returncode == 1
+    assert f"{tasks}:2: responses_create_params.input[0].role" in done.stderr
+    assert f"{tasks}:3: not JSON" in done.stderr
+    assert sorted(row["task_index"] for row in _rows(out)) == [0, 3]
+
+
+def test_collect_with_an_unknown_agent_names_the_known_ones(live, tmp_path):
+    done = _gym(
+        "collect",
+        "--registry",
+        live["registry"],
+        "--agent",
+        "math_agnt",
+        "--input",
+        str(MATH),
+        "--output",
+        str(tmp_path / "out.jsonl"),
+    )
+    assert done.returncode == 1
+    assert "did you mean 'math_agent'" in done.stderr
+
+
+def test_ctrl_c_stops_every_server(live):
+    process = live["process"]
+    addresses = list(live["servers"].values())
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=30) == 0
+    for address in addresses:
+        done = subprocess.run(
+            [_tool("grpcurl"), "-plaintext", "-max-time", "2", address, "list"], capture_output=True, text=True
+        )
+        assert done.returncode != 0  # nothing answers any more
+
+
+def test_a_reference_to_a_missing_server_fails_startup_naming_the_closest(tmp_path):
+    config = tmp_path / "typo.yaml"
+    config.write_text(
+        f"include: [{REPO / 'configs' / 'local_policy.yaml'}]\n"
+        "servers:\n"
+        "  weather:\n"
+        f"    entrypoint: {REPO / 'servers/resources/weather/server.py'}:WeatherEnv\n"
+        "  agent:\n"
+        f"    entrypoint: {REPO / 'servers/agents/simple_agent/agent.py'}:SimpleAgent\n"
+        "    config: {model_server: polcy_model, resources_server: weather}\n"
+    )
+    began = time.monotonic()
+    done = _gym("run", str(config), "registry.port=0")
+    assert done.returncode == 1
+    assert "calls model server 'polcy_model'" in done.stderr and "did you mean 'policy_model'" in done.stderr
+    assert time.monotonic() - began < 60

@@ -1,0 +1,81 @@
+"""Configs: files merged in order, includes, overrides, relative entrypoints, clear errors."""
+
+import pytest
+
+from gym_grpc.config import ConfigError, load_config
+from gym_grpc.entrypoints import load_entrypoint
+from gym_grpc.serving import GymServer
+from tests.support import REPO
+
+
+def _write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_later_files_and_overrides_win(tmp_path):
+    a = _write(tmp_path / "a.yaml", "servers:\n  m:\n    entrypoint: pkg.mod:M\n    config: {x: 1, y: 2}\n")
+    b = _write(tmp_path / "b.yaml", "servers:\n  m:\n    config: {y: 3}\nregistry: {port: 7}\n")
+    config = load_config([a, b], ["servers.m.config.x=10", "registry.host=0.0.0.0"])
+    assert config.servers["m"].config == {"x": 10, "y": 3}
+    assert (config.registry.host, config.registry.port) == ("0.0.0.0", 7)
+
+
+def test_includes_and_file_entrypoints_resolve_relative_to_their_file(tmp_path):
+    _write(tmp_path / "env" / "config.yaml", "servers:\n  env:\n    entrypoint: server.py:Env\n")
+    main = _write(tmp_path / "configs" / "main.yaml", "include: [../env/config.yaml]\nservers:\n  env: {port: 9}\n")
+    spec = load_config([main]).servers["env"]
+    assert spec.entrypoint == f"{tmp_path / 'env' / 'server.py'}:Env"
+    assert spec.port == 9
+
+
+@pytest.mark.parametrize(
+    "text, overrides, message",
+    [
+        ("servers:\n  m: {entrypoint: a:B, prot: 1}\n", [], "servers.m.prot: Extra inputs are not permitted"),
+        ("servers:\n  m: {entrypoint: a:B, port: 70000}\n", [], "servers.m.port"),
+        ("servers: [1, 2]\n", [], "servers"),
+        ("servers: {m: {entrypoint: a:B}}\n", ["registry.port"], "expected key=value"),
+        ("- not a mapping\n", [], "expected a mapping"),
+        ("servers: {m: {entrypoint: a:B}\n", [], "not valid YAML"),
+        ("include: [self.yaml]\n", [], "includes itself"),
+    ],
+)
+def test_a_bad_config_names_what_is_wrong(tmp_path, text, overrides, message):
+    path = _write(tmp_path / "self.yaml", text)
+    with pytest.raises(ConfigError) as error:
+        load_config([path], overrides)
+    assert message in str(error.value)
+
+
+def test_the_quickstart_config_names_real_server_classes():
+    config = load_config([REPO / "configs" / "quickstart.yaml"])
+    assert set(config.servers) == {"policy_model", "weather", "weather_agent", "math", "math_agent"}
+    for spec in config.servers.values():
+        cls = load_entrypoint(spec.entrypoint)
+        assert issubclass(cls, GymServer)
+        cls(spec.config)  # each config block validates against its class
+
+
+@pytest.mark.parametrize(
+    "entrypoint, message",
+    [
+        ("nonsense", "expected 'path/to/file.py:Class'"),
+        ("/no/such/file.py:X", "no such file"),
+        ("gym_grpc.no_such_module:X", "cannot import"),
+        ("gym_grpc.serving:ServerConfig", "no GymServer subclass"),
+    ],
+)
+def test_a_bad_entrypoint_names_what_is_wrong(entrypoint, message):
+    with pytest.raises(ConfigError) as error:
+        load_entrypoint(entrypoint)
+    assert message in str(error.value)
+
+
+def test_a_bad_server_config_block_names_the_field():
+    from servers.agents.simple_agent.agent import SimpleAgent
+
+    with pytest.raises(ConfigError) as error:
+        SimpleAgent({"model_server": "m", "resources_server": "r", "max_steps": 0}, name="agent")
+    assert "server 'agent': config.max_steps" in str(error.value)
