@@ -16,7 +16,6 @@ import difflib
 import importlib.metadata
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import tomllib
@@ -39,10 +38,7 @@ def _check_tool_versions(cfg: dict) -> None:
         except importlib.metadata.PackageNotFoundError:
             have = None
         if have != want:
-            sys.exit(
-                f"codegen needs {dist}=={want} (found {have}); "
-                f"install the test extras: pip install -e '.[test]'"
-            )
+            sys.exit(f"codegen needs {dist}=={want} (found {have}); install the test extras: pip install -e '.[test]'")
 
 
 def _plugin(name: str) -> str:
