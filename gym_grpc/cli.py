@@ -160,7 +160,12 @@ def collect_command(
         timeout=timeout,
         progress=not no_progress,
     )
-    summary = asyncio.run(_collect(registry, options))
+    try:
+        summary = asyncio.run(_collect(registry, options))
+    except KeyboardInterrupt:
+        raise click.ClickException(
+            f"interrupted; every finished rollout is in {output}: run the same command again to resume"
+        ) from None
     _print_summary(summary, output)
     click.echo(json.dumps(summary.metrics, indent=2))
     if summary.failed:
@@ -169,7 +174,7 @@ def collect_command(
 
 async def _quickstart(output_dir: Path, num_repeats: int) -> dict[str, dict[str, float]]:
     started = time.monotonic()
-    runner = Runner(load_config([QUICKSTART_CONFIG], ["registry.port=0"]))
+    runner = Runner(load_config([QUICKSTART_CONFIG], ["registry.port=0"]), log_level="WARNING")
     await runner.start()
     click.echo(describe(runner, started), err=True)
     metrics: dict[str, dict[str, float]] = {}

@@ -150,7 +150,8 @@ class Runner:
             raise StartupError(f"server {p.name!r} exited with code {code} before it was ready (see its log above)")
         report = json.loads(line)
         if "error" in report:
-            raise StartupError(f"server {p.name!r} could not start: {report['error']}")
+            reason = report["error"].removeprefix(f"server {p.name!r}: ")
+            raise StartupError(f"server {p.name!r} could not start: {reason}")
         host = "127.0.0.1" if p.spec.host in _WILDCARD_HOSTS else p.spec.host
         address = f"{host}:{report['port']}"
         await _wait_healthy(address)

@@ -1,6 +1,7 @@
 """The `gym-grpc` command as a user runs it: real processes, real ports, grpcurl."""
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -195,6 +196,27 @@ def test_ctrl_c_stops_every_server(live):
             [_tool("grpcurl"), "-plaintext", "-max-time", "2", address, "list"], capture_output=True, text=True
         )
         assert done.returncode != 0  # nothing answers any more
+
+
+def test_a_server_that_dies_stops_the_run(tmp_path):
+    process = subprocess.Popen(
+        [_tool("gym-grpc"), "run", str(REPO / "configs" / "quickstart.yaml"), "registry.port=0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    for line in process.stdout:
+        if "servers healthy" in line:
+            break
+    children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(process.pid)], capture_output=True, text=True)
+    pids = [int(p) for p in children.stdout.split()]
+    assert len(pids) == 5
+    os.kill(pids[0], signal.SIGKILL)
+    assert process.wait(timeout=30) == 1
+    assert "exited; stopping the others" in process.stderr.read()
+    for pid in pids[1:]:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 def test_a_reference_to_a_missing_server_fails_startup_naming_the_closest(tmp_path):
