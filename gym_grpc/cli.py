@@ -85,7 +85,7 @@ def _print_summary(summary: CollectSummary, output: Path) -> None:
     rate = summary.collected / summary.seconds if summary.seconds else 0.0
     click.echo(
         f"{summary.collected} rollouts collected, {summary.failed} failed, {summary.skipped} already done, "
-        f"in {summary.seconds:.1f} s ({rate:.1f}/s) -> {output}",
+        f"{summary.bad_rows} bad rows, in {summary.seconds:.1f} s ({rate:.1f}/s) -> {output}",
         err=True,
     )
 
@@ -168,7 +168,7 @@ def collect_command(
         ) from None
     _print_summary(summary, output)
     click.echo(json.dumps(summary.metrics, indent=2))
-    if summary.failed:
+    if summary.failed or summary.bad_rows:
         sys.exit(1)
 
 

@@ -59,6 +59,7 @@ class CollectSummary:
     collected: int = 0
     skipped: int = 0
     failed: int = 0
+    bad_rows: int = 0
     seconds: float = 0.0
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)
 
@@ -71,8 +72,8 @@ class _Job:
     agent: str
 
 
-def _tasks(path: Path, limit: int | None, default_agent: str | None, problems: list[str]) -> Iterator[_Job]:
-    """The task rows of a JSONL file; a bad row is recorded in `problems` and skipped."""
+def _tasks(path: Path, limit: int | None, default_agent: str | None) -> Iterator[_Job | str]:
+    """The task rows of a JSONL file; a row that cannot be used yields a message naming its line."""
     task_index = -1
     with path.open(encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
@@ -85,16 +86,15 @@ def _tasks(path: Path, limit: int | None, default_agent: str | None, problems: l
                 row = json.loads(line)
                 task = rows.task_from_row(row)
             except json.JSONDecodeError as e:
-                problems.append(f"{path}:{line_no}: not JSON: {e}")
+                yield f"{path}:{line_no}: not JSON: {e}"
                 continue
             except rows.RowError as e:
-                problems.append(f"{path}:{line_no}: {e}")
+                yield f"{path}:{line_no}: {e}"
                 continue
             agent_ref = row.get("agent_ref")
-            agent = agent_ref.get("name") if isinstance(agent_ref, dict) else None
-            agent = agent or default_agent
+            agent = (agent_ref.get("name") if isinstance(agent_ref, dict) else None) or default_agent
             if not agent:
-                problems.append(f"{path}:{line_no}: the row has no agent_ref.name and no --agent was given")
+                yield f"{path}:{line_no}: the row has no agent_ref.name and no --agent was given"
                 continue
             yield _Job(task_index, row, task, agent)
 
@@ -138,18 +138,22 @@ async def collect(registry: Registry, options: CollectOptions, *, log: TextIO = 
     total = _count_rows(options.input, options.limit) * options.num_repeats
     means: dict[str, Means] = {}
     clients: dict[str, AgentClient] = {}
-    problems: list[str] = []
     window = asyncio.Semaphore(options.max_in_flight)
     running: set[asyncio.Task] = set()
     options.output.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=total, unit="rollout", disable=not options.progress, file=log, dynamic_ncols=True)
 
     def report(message: str) -> None:
-        (bar.write(message, file=log) if options.progress else print(message, file=log))
+        if options.progress:
+            bar.write(message, file=log)
+        else:
+            print(message, file=log)
 
     async def run_one(job: _Job, repeat: int, out: TextIO) -> None:
         try:
-            client = clients.get(job.agent) or clients.setdefault(job.agent, AgentClient(registry, job.agent))
+            client = clients.get(job.agent)
+            if client is None:
+                client = clients[job.agent] = AgentClient(registry, job.agent)
             rollout = await client.run(job.task, timeout=options.timeout)
             row = rows.rollout_row(job.row, rollout)
             row["stop_reason"] = STOP_REASONS.get(rollout.stop_reason, "unspecified")
@@ -158,30 +162,31 @@ async def collect(registry: Registry, options: CollectOptions, *, log: TextIO = 
             row["repeat_index"] = repeat
             out.write(json.dumps(row, ensure_ascii=False) + "\n")
             out.flush()
-            summary.collected += 1
-            agent_means = means.setdefault(job.agent, Means())
-            # Averaged: what the rollout produced, not the task's own fields.
-            agent_means.add(
-                {
-                    "reward": rollout.reward,
-                    **rows.struct_to_dict(rollout.verifier_fields),
-                    "model_calls": rollout.model_calls,
-                }
-            )
-            bar.set_postfix(reward=f"{agent_means.mean('reward'):.3f}", refresh=False)
         except errors.GymError as e:
             summary.failed += 1
             report(f"task {job.task_index} repeat {repeat} failed: {e.message}")
+            return
+        except Exception as e:  # a surprise costs this rollout, not the collection
+            summary.failed += 1
+            report(f"task {job.task_index} repeat {repeat} failed: {type(e).__name__}: {e}")
+            return
         finally:
             bar.update(1)
             window.release()
+        summary.collected += 1
+        agent_means = means.setdefault(job.agent, Means())
+        # Averaged: what the rollout produced, not the task's own fields.
+        produced = {"reward": rollout.reward, **rows.struct_to_dict(rollout.verifier_fields)}
+        agent_means.add({**produced, "model_calls": rollout.model_calls})
+        bar.set_postfix(reward=f"{agent_means.mean('reward'):.3f}", refresh=False)
 
     with options.output.open("a", encoding="utf-8") as out:
-        for job in _tasks(options.input, options.limit, options.agent, problems):
-            while problems:
-                summary.failed += options.num_repeats
+        for job in _tasks(options.input, options.limit, options.agent):
+            if isinstance(job, str):
+                summary.bad_rows += 1
                 bar.update(options.num_repeats)
-                report(problems.pop(0))
+                report(job)
+                continue
             for repeat in range(options.num_repeats):
                 if (job.task_index, repeat) in done:
                     summary.skipped += 1
@@ -191,10 +196,6 @@ async def collect(registry: Registry, options: CollectOptions, *, log: TextIO = 
                 task = asyncio.create_task(run_one(job, repeat, out))
                 running.add(task)
                 task.add_done_callback(running.discard)
-        for problem in problems:
-            summary.failed += options.num_repeats
-            bar.update(options.num_repeats)
-            report(problem)
         if running:
             await asyncio.gather(*running)
     bar.close()

@@ -178,7 +178,7 @@ class Runner:
         for process in alive:
             process.send_signal(signal.SIGTERM)
         if alive:
-            _, late = await asyncio.wait([asyncio.ensure_future(p.wait()) for p in alive], timeout=self.grace + 5)
+            await asyncio.wait([asyncio.ensure_future(p.wait()) for p in alive], timeout=self.grace + 5)
             for process in alive:
                 if process.returncode is None:
                     log.warning("server pid %d did not stop in time; killing it", process.pid)

@@ -134,7 +134,7 @@ class Running:
 
     @property
     def address(self) -> str:
-        """ "host:port" to reach it."""
+        """The "host:port" to reach it."""
         return f"{self.host}:{self.port}"
 
     async def stop(self, grace: float = DEFAULT_GRACE_SECONDS) -> None:
