@@ -1,17 +1,61 @@
-"""The agent role: a server that runs rollouts."""
+"""The agent role: a server that runs rollouts, whole (Run) or step by step (RunStream)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from google.protobuf import struct_pb2
 
 from gym_grpc import errors
 from gym_grpc.serving import GymServer, rpc_method
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
 from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
 from gym_grpc.v1 import registry_service_pb2 as reg
+from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
+
+
+class RolloutEvents:
+    """Where an agent reports the steps of a rollout. For Run nobody listens
+    and reporting costs nothing; for RunStream each step becomes an event."""
+
+    def __init__(self, queue: asyncio.Queue[agent_pb.RunStreamResponse] | None = None) -> None:
+        self._queue = queue
+        self._started = time.monotonic()
+        self._sequence = 0
+
+    @property
+    def listening(self) -> bool:
+        return self._queue is not None
+
+    def _put(self, event: agent_pb.RunStreamResponse) -> None:
+        if self._queue is None:
+            return
+        event.sequence = self._sequence
+        event.elapsed_seconds = time.monotonic() - self._started
+        self._sequence += 1
+        self._queue.put_nowait(event)
+
+    def model_call(self, step: int, response: r.Response, seconds: float) -> None:
+        if self._queue is not None:
+            event = agent_pb.ModelCallEvent(step=step, response=response, seconds=seconds)
+            self._put(agent_pb.RunStreamResponse(model_call=event))
+
+    def tool_call(
+        self, step: int, call: r.FunctionCall, output: r.FunctionCallOutput, error: bool, seconds: float
+    ) -> None:
+        if self._queue is not None:
+            event = agent_pb.ToolCallEvent(step=step, call=call, output=output, error=error, seconds=seconds)
+            self._put(agent_pb.RunStreamResponse(tool_call=event))
+
+    def verification(self, reward: float, fields: struct_pb2.Struct, seconds: float) -> None:
+        if self._queue is not None:
+            event = agent_pb.VerificationEvent(reward=reward, fields=fields, seconds=seconds)
+            self._put(agent_pb.RunStreamResponse(verification=event))
 
 
 class AgentServer(GymServer):
@@ -19,13 +63,20 @@ class AgentServer(GymServer):
 
     role = reg.SERVER_ROLE_AGENT
 
-    async def run(self, task: task_pb2.Task) -> task_pb2.Rollout:
-        """Roll the task out to the end and return it verified."""
+    async def run(self, task: task_pb2.Task, events: RolloutEvents) -> task_pb2.Rollout:
+        """Roll the task out to the end and return it verified, reporting steps to `events`."""
         raise NotImplementedError(f"{type(self).__name__} must implement run")
 
     def add_services(self, server: grpc.aio.Server) -> list[str]:
         agent_grpc.add_AgentServiceServicer_to_server(_AgentServicer(self), server)
         return [agent_pb.DESCRIPTOR.services_by_name["AgentService"].full_name]
+
+
+def _check(task: task_pb2.Task) -> None:
+    if task.responses_create_params.WhichOneof("input") is None:
+        raise errors.InvalidArgument(
+            "task.responses_create_params.input is required", field="task.responses_create_params.input"
+        )
 
 
 class _AgentServicer(agent_grpc.AgentServiceServicer):
@@ -34,8 +85,36 @@ class _AgentServicer(agent_grpc.AgentServiceServicer):
 
     @rpc_method
     async def Run(self, request: agent_pb.RunRequest, context: Any) -> agent_pb.RunResponse:
-        if request.task.responses_create_params.WhichOneof("input") is None:
-            raise errors.InvalidArgument(
-                "task.responses_create_params.input is required", field="task.responses_create_params.input"
-            )
-        return agent_pb.RunResponse(rollout=await self.app.run(request.task))
+        _check(request.task)
+        return agent_pb.RunResponse(rollout=await self.app.run(request.task, RolloutEvents()))
+
+    async def RunStream(
+        self, request: agent_pb.RunStreamRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[agent_pb.RunStreamResponse]:
+        queue: asyncio.Queue[agent_pb.RunStreamResponse] = asyncio.Queue()
+        events = RolloutEvents(queue)
+        rollout = asyncio.ensure_future(self._run_streamed(request, context, events))
+        try:
+            while True:
+                getter = asyncio.ensure_future(queue.get())
+                await asyncio.wait({getter, rollout}, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield getter.result()
+                    continue
+                getter.cancel()
+                while not queue.empty():
+                    yield queue.get_nowait()
+                final = rollout.result()  # re-raises the abort of a failed rollout
+                if final is not None:
+                    events._put(agent_pb.RunStreamResponse(rollout=final))
+                    yield queue.get_nowait()
+                return
+        finally:
+            rollout.cancel()
+
+    @rpc_method
+    async def _run_streamed(
+        self, request: agent_pb.RunStreamRequest, context: Any, events: RolloutEvents
+    ) -> task_pb2.Rollout:
+        _check(request.task)
+        return await self.app.run(request.task, events)

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from gym_grpc import errors
-from gym_grpc.collector import CollectOptions, CollectSummary, collect
+from gym_grpc.collector import CollectOptions, CollectSummary, collect, failures_path, parse_overrides
 from gym_grpc.config import ConfigError, GymConfig, load_config
 from gym_grpc.registry import Registry
 from gym_grpc.runner import Runner, StartupError, describe
@@ -88,6 +88,10 @@ def _print_summary(summary: CollectSummary, output: Path) -> None:
         f"{summary.bad_rows} bad rows, in {summary.seconds:.1f} s ({rate:.1f}/s) -> {output}",
         err=True,
     )
+    if summary.failed or summary.bad_rows:
+        click.echo(f"failures are in {failures_path(output)}; run the same command again to retry them", err=True)
+    for warning in summary.warnings:
+        click.echo(f"warning: {warning}", err=True)
 
 
 async def _collect(registry_address: str, options: CollectOptions) -> CollectSummary:
@@ -105,7 +109,16 @@ async def _collect(registry_address: str, options: CollectOptions) -> CollectSum
         await registry.close()
 
 
-@main.command("collect")
+def _reward_range(ctx: click.Context, param: click.Parameter, value: str) -> tuple[float, float]:
+    try:
+        low, high = (float(x) for x in value.split(","))
+    except ValueError:
+        raise click.BadParameter("expected MIN,MAX such as 0,1") from None
+    return low, high
+
+
+@main.command("collect", context_settings={"ignore_unknown_options": True})
+@click.argument("overrides", nargs=-1)
 @click.option(
     "--input",
     "input_path",
@@ -126,7 +139,7 @@ async def _collect(registry_address: str, options: CollectOptions) -> CollectSum
 @click.option(
     "--max-in-flight",
     type=click.IntRange(min=1),
-    default=1024,
+    default=4096,
     show_default=True,
     help="Most rollouts running at once.",
 )
@@ -137,8 +150,28 @@ async def _collect(registry_address: str, options: CollectOptions) -> CollectSum
     show_default=True,
     help="Seconds one rollout may take.",
 )
+@click.option(
+    "--events",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also record every step of every rollout (model outputs, tool calls, verification) here.",
+)
+@click.option(
+    "--reward-range",
+    default="0,1",
+    show_default=True,
+    callback=_reward_range,
+    help="Warn about rewards outside MIN,MAX.",
+)
+@click.option(
+    "--pass-threshold",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="A rollout passes (for pass@k) when its reward is at least this.",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def collect_command(
+    overrides: tuple[str, ...],
     input_path: Path,
     output: Path,
     agent: str | None,
@@ -147,9 +180,21 @@ def collect_command(
     num_repeats: int,
     max_in_flight: int,
     timeout: float,
+    events: Path | None,
+    reward_range: tuple[float, float],
+    pass_threshold: float,
     no_progress: bool,
 ) -> None:
-    """Run the tasks of INPUT through an agent and write scored rollouts to OUTPUT."""
+    """Run the tasks of INPUT through an agent and write scored rollouts to OUTPUT.
+
+    OVERRIDES are KEY=VALUE pairs that replace the rows' responses_create_params
+    values, such as temperature=0.6 or reasoning.effort=high (VALUE is read as JSON,
+    else as text).
+    """
+    try:
+        parsed = parse_overrides(list(overrides))
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
     options = CollectOptions(
         input=input_path,
         output=output,
@@ -158,6 +203,10 @@ def collect_command(
         num_repeats=num_repeats,
         max_in_flight=max_in_flight,
         timeout=timeout,
+        overrides=parsed,
+        events=events,
+        reward_range=reward_range,
+        pass_threshold=pass_threshold,
         progress=not no_progress,
     )
     try:

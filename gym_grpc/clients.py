@@ -8,6 +8,7 @@ handler, else the client's default timeout) and turns a failed call into a
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,3 +125,20 @@ class AgentClient(_Client):
     async def run(self, task: task_pb2.Task, timeout: float | None = None) -> task_pb2.Rollout:
         reply = await self._call("Run", agent_pb.RunRequest(task=task), timeout)
         return reply.rollout
+
+    async def run_stream(
+        self, task: task_pb2.Task, timeout: float | None = None
+    ) -> AsyncIterator[agent_pb.RunStreamResponse]:
+        """The events of one rollout as they happen; the last one holds the rollout."""
+        stub = await self._get_stub()
+        call = stub.RunStream(
+            agent_pb.RunStreamRequest(task=task),
+            timeout=transport.timeout_for(timeout if timeout is not None else self.timeout),
+        )
+        try:
+            async for event in call:
+                yield event
+        except grpc.aio.AioRpcError as e:
+            raise errors.from_rpc_error(e, f"{self._kind} {self.name!r} RunStream") from None
+        finally:
+            call.cancel()

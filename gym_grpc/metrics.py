@@ -13,13 +13,26 @@ class Means:
         self.count = 0
         self._sums: dict[str, float] = {}
         self._counts: dict[str, int] = {}
+        self._min: dict[str, float] = {}
+        self._max: dict[str, float] = {}
 
     def add(self, row: Mapping[str, Any]) -> None:
         self.count += 1
         for key, value in row.items():
             if isinstance(value, (bool, int, float)):
-                self._sums[key] = self._sums.get(key, 0.0) + float(value)
+                value = float(value)
+                self._sums[key] = self._sums.get(key, 0.0) + value
                 self._counts[key] = self._counts.get(key, 0) + 1
+                self._min[key] = min(self._min.get(key, value), value)
+                self._max[key] = max(self._max.get(key, value), value)
+
+    def min(self, key: str) -> float | None:
+        """Smallest value of one field, None before any row had it."""
+        return self._min.get(key)
+
+    def max(self, key: str) -> float | None:
+        """Largest value of one field, None before any row had it."""
+        return self._max.get(key)
 
     def mean(self, key: str) -> float | None:
         """Mean of one field, None before any row had it."""

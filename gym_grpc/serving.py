@@ -99,10 +99,10 @@ def rpc_method(handler: H) -> H:
     method = handler.__name__
 
     @functools.wraps(handler)
-    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext, *rest: Any) -> Any:
         token = transport.set_deadline(context.time_remaining())
         try:
-            return await handler(self, request, context)
+            return await handler(self, request, context, *rest)
         except errors.GymError as e:
             await context.abort_with_status(e.to_status())
         except (asyncio.CancelledError, grpc.aio.AbortError):

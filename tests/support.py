@@ -3,13 +3,14 @@ environment, and builders for items and tasks."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from gym_grpc.model import ModelServer
 from gym_grpc.registry import Registry
 from gym_grpc.resources import ResourcesServer, Session, Verification, tool
-from gym_grpc.responses import assistant_message, final_text, new_id
+from gym_grpc.responses import assistant_message, final_text, input_items, message_text, new_id
 from gym_grpc.serving import Running
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
@@ -97,3 +98,29 @@ def say(text: str) -> list[r.Item]:
 def static_registry(**servers: Running) -> Registry:
     """A Registry that knows the given servers by keyword name."""
     return Registry(static={name: s.address for name, s in servers.items()})
+
+
+class EchoModel(ScriptedModel):
+    """Answers with the prompt after `delay` s; fails on prompts containing "fail";
+    counts concurrent and cancelled calls."""
+
+    def __init__(self, delay: float = 0.01):
+        super().__init__([])
+        self.delay = delay
+        self.active = self.peak = self.cancelled = 0
+
+    async def create_response(self, params, session_id):
+        self.requests.append(params)
+        self.active += 1
+        self.peak = max(self.peak, self.active)
+        try:
+            await asyncio.sleep(self.delay)
+            text = message_text(input_items(params)[-1].message)
+            if "fail" in text:
+                raise RuntimeError("engine exploded")
+            return r.Response(status=r.RESPONSE_STATUS_COMPLETED, output=say(text))
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.active -= 1

@@ -198,6 +198,62 @@ def test_ctrl_c_stops_every_server(live):
         assert done.returncode != 0  # nothing answers any more
 
 
+def test_a_collector_killed_mid_run_resumes_with_every_key_exactly_once(tmp_path):
+    run = subprocess.Popen(
+        [
+            _tool("gym-grpc"),
+            "run",
+            str(REPO / "configs" / "quickstart.yaml"),
+            "registry.port=0",
+            "servers.policy_model.config.latency_seconds=0.05",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        lines = []
+        for line in run.stdout:
+            lines.append(line)
+            if "servers healthy" in line:
+                break
+        registry = re.search(r"^registry\s+(\S+)", lines[0]).group(1)
+        tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
+        tasks.write_text("".join(MATH.read_text() for _ in range(10)))  # 60 tasks
+        args = [
+            _tool("gym-grpc"),
+            "collect",
+            "--registry",
+            registry,
+            "--agent",
+            "math_agent",
+            "--input",
+            str(tasks),
+            "--output",
+            str(out),
+            "--num-repeats",
+            "4",
+            "--max-in-flight",
+            "8",
+            "--no-progress",
+        ]
+        collector = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        while not out.exists() or len(out.read_bytes().splitlines()) < 40:
+            time.sleep(0.02)
+        collector.kill()  # SIGKILL: no chance to clean up
+        collector.wait()
+        written = len(out.read_text().splitlines())
+        assert 40 <= written < 240
+        again = subprocess.run(args, capture_output=True, text=True, timeout=120)
+        assert again.returncode == 0, again.stderr
+        keys = [(row["task_index"], row["repeat_index"]) for row in _rows(out)]
+        assert sorted(keys) == [(t, k) for t in range(60) for k in range(4)]
+        assert json.loads(again.stdout)["math_agent"]["rollouts"] == 240
+    finally:
+        run.send_signal(signal.SIGINT)
+        run.wait(timeout=30)
+
+
 def test_a_server_that_dies_stops_the_run(tmp_path):
     process = subprocess.Popen(
         [_tool("gym-grpc"), "run", str(REPO / "configs" / "quickstart.yaml"), "registry.port=0"],

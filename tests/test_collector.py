@@ -1,93 +1,188 @@
-"""The collector against real servers in this process: failures, resume, the window."""
+"""The collector against real servers in this process: failures, resume, overrides,
+deadlines, group metrics, warnings, events and interruption."""
 
 import asyncio
 import io
 import json
+import time
 
-from gym_grpc.collector import CollectOptions, collect
-from gym_grpc.responses import input_items, message_text
-from gym_grpc.v1 import responses_pb2 as r
+import pytest
+
+from gym_grpc.collector import CollectOptions, collect, failures_path
 from servers.agents.simple_agent.agent import SimpleAgent
-from tests.support import Calculator, ScriptedModel, say, static_registry
+from tests.support import Calculator, EchoModel, static_registry
 
 
-class EchoModel(ScriptedModel):
-    """Answers with the prompt; fails on prompts containing "fail"; counts concurrent calls."""
-
-    def __init__(self):
-        super().__init__([])
-        self.active = self.peak = 0
-
-    async def create_response(self, params, session_id):
-        self.active += 1
-        self.peak = max(self.peak, self.active)
-        try:
-            await asyncio.sleep(0.01)
-            text = message_text(input_items(params)[-1].message)
-            if "fail" in text:
-                raise RuntimeError("engine exploded")
-            return r.Response(status=r.RESPONSE_STATUS_COMPLETED, output=say(text))
-        finally:
-            self.active -= 1
-
-
-async def _servers(start):
-    model = EchoModel()
+async def _servers(start, delay=0.01):
+    model = EchoModel(delay)
     m = await start(model)
     env = await start(Calculator())
+    registry = static_registry(model=m, calc=env)
     agent = await start(
-        SimpleAgent(
-            {"model_server": "model", "resources_server": "calc"},
-            name="agent",
-            registry=static_registry(model=m, calc=env),
-        )
+        SimpleAgent({"model_server": "model", "resources_server": "calc"}, name="agent", registry=registry)
     )
     return model, static_registry(agent=agent)
 
 
-def _write_tasks(path, prompts):
-    lines = [json.dumps({"responses_create_params": {"input": p}, "expected_answer": p}) for p in prompts]
-    path.write_text("\n".join(lines) + "\n")
+def _write_tasks(path, prompts, **params):
+    rows = [{"responses_create_params": {"input": p, **params}, "expected_answer": p} for p in prompts]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def _read(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def _keys(path):
-    return sorted((row["task_index"], row["repeat_index"]) for row in map(json.loads, path.read_text().splitlines()))
+    return sorted((row["task_index"], row["repeat_index"]) for row in _read(path))
 
 
-async def test_a_failed_rollout_is_reported_and_the_rest_are_collected(start, tmp_path):
+def _options(tmp_path, **kwargs):
+    kwargs.setdefault("input", tmp_path / "tasks.jsonl")
+    return CollectOptions(output=tmp_path / "out.jsonl", agent="agent", progress=False, **kwargs)
+
+
+async def test_a_failed_rollout_goes_to_the_sidecar_and_the_rest_are_collected(start, tmp_path):
     _, registry = await _servers(start)
-    tasks, out, log = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl", io.StringIO()
-    _write_tasks(tasks, ["one", "please fail", "three"])
-    options = CollectOptions(input=tasks, output=out, agent="agent", num_repeats=2, progress=False)
-    summary = await collect(registry, options, log=log)
+    _write_tasks(tmp_path / "tasks.jsonl", ["one", "please fail", "three"])
+    log = io.StringIO()
+    summary = await collect(registry, _options(tmp_path, num_repeats=2), log=log)
     assert (summary.collected, summary.failed) == (4, 2)
-    assert _keys(out) == [(0, 0), (0, 1), (2, 0), (2, 1)]
-    assert "task 1 repeat 0 failed" in log.getvalue() and "RuntimeError" in log.getvalue()
-    assert summary.metrics["agent"]["reward"] == 1.0
+    assert _keys(tmp_path / "out.jsonl") == [(0, 0), (0, 1), (2, 0), (2, 1)]
+    failures = _read(failures_path(tmp_path / "out.jsonl"))
+    assert sorted((f["task_index"], f["repeat_index"]) for f in failures) == [(1, 0), (1, 1)]
+    assert failures[0]["error"]["code"] == "INTERNAL"
+    assert "RuntimeError" in failures[0]["error"]["message"] and failures[0]["error"]["class"] == "GymError"
+    assert "task 1 repeat" in log.getvalue()
+    row = _read(tmp_path / "out.jsonl")[0]
+    assert set(row["timings"]) == {"model", "tools", "verify", "total"}
+    assert row["timings"]["total"] >= row["timings"]["model"] > 0
     await registry.close()
 
 
 async def test_resume_after_a_torn_write_collects_every_key_exactly_once(start, tmp_path):
     _, registry = await _servers(start)
-    tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
-    _write_tasks(tasks, ["a", "b", "c"])
-    options = CollectOptions(input=tasks, output=out, agent="agent", num_repeats=2, progress=False)
+    _write_tasks(tmp_path / "tasks.jsonl", ["a", "b", "c"])
+    options = _options(tmp_path, num_repeats=2)
     await collect(registry, options, log=io.StringIO())
-    lines = out.read_text().splitlines()
+    lines = (tmp_path / "out.jsonl").read_text().splitlines()
     # As if the collector was killed: two rows finished, the third half-written.
-    out.write_text(lines[0] + "\n" + lines[1] + "\n" + lines[2][:40])
+    (tmp_path / "out.jsonl").write_text(lines[0] + "\n" + lines[1] + "\n" + lines[2][:40])
     summary = await collect(registry, options, log=io.StringIO())
     assert (summary.skipped, summary.collected) == (2, 4)
-    assert _keys(out) == [(t, k) for t in range(3) for k in range(2)]
+    assert _keys(tmp_path / "out.jsonl") == [(t, k) for t in range(3) for k in range(2)]
+    assert summary.metrics["agent"]["rollouts"] == 6  # the summary covers both runs
     await registry.close()
 
 
 async def test_the_in_flight_window_bounds_concurrent_rollouts(start, tmp_path):
     model, registry = await _servers(start)
-    tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
-    _write_tasks(tasks, [f"task {i}" for i in range(20)])
-    options = CollectOptions(input=tasks, output=out, agent="agent", max_in_flight=3, progress=False)
-    summary = await collect(registry, options, log=io.StringIO())
+    _write_tasks(tmp_path / "tasks.jsonl", [f"task {i}" for i in range(20)])
+    summary = await collect(registry, _options(tmp_path, max_in_flight=3), log=io.StringIO())
     assert summary.collected == 20
     assert model.peak == 3
+    await registry.close()
+
+
+async def test_overrides_win_over_the_rows_values(start, tmp_path):
+    model, registry = await _servers(start)
+    _write_tasks(tmp_path / "tasks.jsonl", ["x", "y"], temperature=0.9)
+    overrides = {"temperature": 0.25, "reasoning.effort": "low"}
+    await collect(registry, _options(tmp_path, overrides=overrides), log=io.StringIO())
+    assert [p.temperature for p in model.requests] == [0.25, 0.25]
+    assert {p.reasoning.effort for p in model.requests} == {"low"}
+    for row in _read(tmp_path / "out.jsonl"):
+        assert row["responses_create_params"]["temperature"] == 0.25  # the row says what was run
+    await registry.close()
+
+
+async def test_an_expired_deadline_is_a_failure_row_not_a_hang(start, tmp_path):
+    _, registry = await _servers(start, delay=30)
+    _write_tasks(tmp_path / "tasks.jsonl", ["slow", "slower"])
+    began = time.monotonic()
+    summary = await collect(registry, _options(tmp_path, timeout=0.5), log=io.StringIO())
+    assert time.monotonic() - began < 10
+    assert (summary.collected, summary.failed) == (0, 2)
+    codes = {f["error"]["code"] for f in _read(failures_path(tmp_path / "out.jsonl"))}
+    assert codes == {"DEADLINE_EXCEEDED"}
+    await registry.close()
+
+
+def _rollout_row(task_index, repeat, reward, text="answer"):
+    response = {
+        "output": [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}]
+    }
+    return {
+        "responses_create_params": {"input": "q"},
+        "expected_answer": 7,
+        "response": response,
+        "reward": reward,
+        "correct": reward == 1.0,
+        "task_index": task_index,
+        "repeat_index": repeat,
+        "model_calls": 1,
+    }
+
+
+async def test_group_metrics_and_warnings_come_from_the_whole_output(tmp_path):
+    _write_tasks(tmp_path / "tasks.jsonl", ["a", "b", "c"])
+    rewards = {0: [1.0, 0.0, 1.0], 1: [0.0, 0.0, 0.0], 2: [1.0, 1.0, 2.0]}
+    rows = [
+        _rollout_row(t, k, x, text="" if (t, k) == (1, 2) else "answer")
+        for t, xs in rewards.items()
+        for k, x in enumerate(xs)
+    ]
+    (tmp_path / "out.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows + rows[:1]))
+    summary = await collect(static_registry(), _options(tmp_path, num_repeats=3), log=io.StringIO())
+    assert summary.skipped == 9 and summary.collected == 0
+    m = summary.metrics["agent"]
+    assert m["rollouts"] == 9 and m["reward"] == 6 / 9 and m["correct"] == 4 / 9
+    assert "expected_answer" not in m  # a task field, not something the rollout produced
+    # task 2 passes three times: a reward of 2 is at least the threshold of 1
+    assert m["pass@1"] == pytest.approx((2 / 3 + 0 + 1) / 3)
+    assert m["pass@3"] == pytest.approx(2 / 3)
+    assert m["mean@3"] == pytest.approx((2 / 3 + 0 + 4 / 3) / 3)
+    text = "\n".join(summary.warnings)
+    assert "1 of 9 rollouts have no assistant text" in text
+    assert "1 rewards outside [0, 1] (from 2 to 2)" in text
+    assert "1 rows repeat a key" in text
+
+
+async def test_identical_rewards_are_a_warning(start, tmp_path):
+    _, registry = await _servers(start)
+    _write_tasks(tmp_path / "tasks.jsonl", ["x", "y", "z"])
+    (tmp_path / "tasks.jsonl").write_text((tmp_path / "tasks.jsonl").read_text().replace('"expected_answer"', '"e"'))
+    summary = await collect(registry, _options(tmp_path), log=io.StringIO())
+    assert summary.warnings == ["agent: all 3 rewards are 0: is the verifier or the data broken?"]
+    await registry.close()
+
+
+async def test_events_record_every_step_of_every_rollout(start, tmp_path):
+    _, registry = await _servers(start)
+    _write_tasks(tmp_path / "tasks.jsonl", ["a", "b"])
+    events = tmp_path / "events.jsonl"
+    await collect(registry, _options(tmp_path, num_repeats=2, events=events), log=io.StringIO())
+    by_key = {}
+    for event in _read(events):
+        by_key.setdefault((event["task_index"], event["repeat_index"]), []).append(event)
+    assert sorted(by_key) == _keys(tmp_path / "out.jsonl") == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for stream in by_key.values():
+        assert [e["type"] for e in stream] == ["model_call", "verification", "rollout"]
+        assert stream[0]["response"]["output"][0]["content"][0]["text"] in ("a", "b")
+        assert stream[1]["reward"] == stream[2]["reward"] == 1.0
+    await registry.close()
+
+
+async def test_interrupting_the_collector_cancels_the_work_downstream(start, tmp_path):
+    model, registry = await _servers(start, delay=30)
+    _write_tasks(tmp_path / "tasks.jsonl", [f"t{i}" for i in range(10)])
+    collecting = asyncio.ensure_future(collect(registry, _options(tmp_path), log=io.StringIO()))
+    while model.active < 10:
+        await asyncio.sleep(0.01)
+    collecting.cancel()
+    for _ in range(200):
+        if model.cancelled == 10:
+            break
+        await asyncio.sleep(0.01)
+    assert model.cancelled == 10 and model.active == 0
     await registry.close()

@@ -5,6 +5,8 @@ The agent role: runs the multi-turn loop of one rollout."""
 
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import struct_pb2 as _struct_pb2
+from gym_grpc.v1 import responses_pb2 as _responses_pb2
 from gym_grpc.v1 import task_pb2 as _task_pb2
 import builtins as _builtins
 import sys
@@ -64,3 +66,185 @@ class RunResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RunResponse: _TypeAlias = RunResponse  # noqa: Y015
+
+@_typing.final
+class RunStreamRequest(_message.Message):
+    """Request of AgentService.RunStream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def task(self) -> _task_pb2.Task:
+        """The task to roll out."""
+
+    def __init__(
+        self,
+        *,
+        task: _task_pb2.Task | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunStreamRequest: _TypeAlias = RunStreamRequest  # noqa: Y015
+
+@_typing.final
+class RunStreamResponse(_message.Message):
+    """One event of AgentService.RunStream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQUENCE_FIELD_NUMBER: _builtins.int
+    ELAPSED_SECONDS_FIELD_NUMBER: _builtins.int
+    MODEL_CALL_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_FIELD_NUMBER: _builtins.int
+    VERIFICATION_FIELD_NUMBER: _builtins.int
+    ROLLOUT_FIELD_NUMBER: _builtins.int
+    sequence: _builtins.int
+    """Position of the event in the rollout, from 0."""
+    elapsed_seconds: _builtins.float
+    """Seconds since the agent started the rollout."""
+    @_builtins.property
+    def model_call(self) -> Global___ModelCallEvent:
+        """A model call returned."""
+
+    @_builtins.property
+    def tool_call(self) -> Global___ToolCallEvent:
+        """A tool call returned."""
+
+    @_builtins.property
+    def verification(self) -> Global___VerificationEvent:
+        """The rollout was verified."""
+
+    @_builtins.property
+    def rollout(self) -> _task_pb2.Rollout:
+        """The finished rollout; always the last event."""
+
+    def __init__(
+        self,
+        *,
+        sequence: _builtins.int = ...,
+        elapsed_seconds: _builtins.float = ...,
+        model_call: Global___ModelCallEvent | None = ...,
+        tool_call: Global___ToolCallEvent | None = ...,
+        verification: Global___VerificationEvent | None = ...,
+        rollout: _task_pb2.Rollout | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "model_call", b"model_call", "rollout", b"rollout", "tool_call", b"tool_call", "verification", b"verification"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["elapsed_seconds", b"elapsed_seconds", "event", b"event", "model_call", b"model_call", "rollout", b"rollout", "sequence", b"sequence", "tool_call", b"tool_call", "verification", b"verification"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["model_call", "tool_call", "verification", "rollout"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___RunStreamResponse: _TypeAlias = RunStreamResponse  # noqa: Y015
+
+@_typing.final
+class ModelCallEvent(_message.Message):
+    """A model call of a rollout and its response."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    RESPONSE_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    step: _builtins.int
+    """Which model call of the rollout, from 0."""
+    seconds: _builtins.float
+    """Wall time of the call, in seconds."""
+    @_builtins.property
+    def response(self) -> _responses_pb2.Response:
+        """The model's response, training fields included."""
+
+    def __init__(
+        self,
+        *,
+        step: _builtins.int = ...,
+        response: _responses_pb2.Response | None = ...,
+        seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["response", b"response"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["response", b"response", "seconds", b"seconds", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelCallEvent: _TypeAlias = ModelCallEvent  # noqa: Y015
+
+@_typing.final
+class ToolCallEvent(_message.Message):
+    """A tool call of a rollout and what it returned."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    CALL_FIELD_NUMBER: _builtins.int
+    OUTPUT_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    step: _builtins.int
+    """The model call that asked for it, from 0."""
+    error: _builtins.bool
+    """Whether the call failed (unknown tool, bad arguments, the tool raised)."""
+    seconds: _builtins.float
+    """Wall time of the call, in seconds."""
+    @_builtins.property
+    def call(self) -> _responses_pb2.FunctionCall:
+        """The call as the model made it."""
+
+    @_builtins.property
+    def output(self) -> _responses_pb2.FunctionCallOutput:
+        """What went back to the model."""
+
+    def __init__(
+        self,
+        *,
+        step: _builtins.int = ...,
+        call: _responses_pb2.FunctionCall | None = ...,
+        output: _responses_pb2.FunctionCallOutput | None = ...,
+        error: _builtins.bool = ...,
+        seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["call", b"call", "output", b"output"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call", b"call", "error", b"error", "output", b"output", "seconds", b"seconds", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolCallEvent: _TypeAlias = ToolCallEvent  # noqa: Y015
+
+@_typing.final
+class VerificationEvent(_message.Message):
+    """The verification of a rollout."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REWARD_FIELD_NUMBER: _builtins.int
+    FIELDS_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    reward: _builtins.float
+    """The reward."""
+    seconds: _builtins.float
+    """Wall time of the verification, in seconds."""
+    @_builtins.property
+    def fields(self) -> _struct_pb2.Struct:
+        """The verifier's extra fields."""
+
+    def __init__(
+        self,
+        *,
+        reward: _builtins.float = ...,
+        fields: _struct_pb2.Struct | None = ...,
+        seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fields", b"fields"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fields", b"fields", "reward", b"reward", "seconds", b"seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VerificationEvent: _TypeAlias = VerificationEvent  # noqa: Y015

@@ -46,6 +46,11 @@ class AgentServiceStub:
                 request_serializer=gym_dot_v1_dot_agent__service__pb2.RunRequest.SerializeToString,
                 response_deserializer=gym_dot_v1_dot_agent__service__pb2.RunResponse.FromString,
                 _registered_method=True)
+        self.RunStream = channel.unary_stream(
+                '/gym.v1.AgentService/RunStream',
+                request_serializer=gym_dot_v1_dot_agent__service__pb2.RunStreamRequest.SerializeToString,
+                response_deserializer=gym_dot_v1_dot_agent__service__pb2.RunStreamResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer:
@@ -65,6 +70,15 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RunStream(self, request, context):
+        """Run one rollout and report each step as it happens: every model output
+        (with its token ids), every tool call with its output, the verification,
+        and last the rollout itself, exactly as Run would return it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -72,6 +86,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.Run,
                     request_deserializer=gym_dot_v1_dot_agent__service__pb2.RunRequest.FromString,
                     response_serializer=gym_dot_v1_dot_agent__service__pb2.RunResponse.SerializeToString,
+            ),
+            'RunStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.RunStream,
+                    request_deserializer=gym_dot_v1_dot_agent__service__pb2.RunStreamRequest.FromString,
+                    response_serializer=gym_dot_v1_dot_agent__service__pb2.RunStreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -108,6 +127,33 @@ class AgentService:
             '/gym.v1.AgentService/Run',
             gym_dot_v1_dot_agent__service__pb2.RunRequest.SerializeToString,
             gym_dot_v1_dot_agent__service__pb2.RunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/gym.v1.AgentService/RunStream',
+            gym_dot_v1_dot_agent__service__pb2.RunStreamRequest.SerializeToString,
+            gym_dot_v1_dot_agent__service__pb2.RunStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -42,6 +42,11 @@ class AgentServiceStub:
     def __new__(cls, channel: _aio.Channel) -> AgentServiceAsyncStub: ...
     Run: _grpc.UnaryUnaryMultiCallable[_agent_service_pb2.RunRequest, _agent_service_pb2.RunResponse]
     """Run one rollout of a task to the end and return it verified."""
+    RunStream: _grpc.UnaryStreamMultiCallable[_agent_service_pb2.RunStreamRequest, _agent_service_pb2.RunStreamResponse]
+    """Run one rollout and report each step as it happens: every model output
+    (with its token ids), every tool call with its output, the verification,
+    and last the rollout itself, exactly as Run would return it.
+    """
 
 @_typing.type_check_only
 class AgentServiceAsyncStub(AgentServiceStub):
@@ -57,6 +62,11 @@ class AgentServiceAsyncStub(AgentServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Run: _aio.UnaryUnaryMultiCallable[_agent_service_pb2.RunRequest, _agent_service_pb2.RunResponse]  # type: ignore[assignment]
     """Run one rollout of a task to the end and return it verified."""
+    RunStream: _aio.UnaryStreamMultiCallable[_agent_service_pb2.RunStreamRequest, _agent_service_pb2.RunStreamResponse]  # type: ignore[assignment]
+    """Run one rollout and report each step as it happens: every model output
+    (with its token ids), every tool call with its output, the verification,
+    and last the rollout itself, exactly as Run would return it.
+    """
 
 class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
     """An agent server: calls the model, runs the tools the model calls against
@@ -75,5 +85,16 @@ class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_agent_service_pb2.RunResponse, _abc.Awaitable[_agent_service_pb2.RunResponse]]:
         """Run one rollout of a task to the end and return it verified."""
+
+    @_abc_1.abstractmethod
+    def RunStream(
+        self,
+        request: _agent_service_pb2.RunStreamRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_agent_service_pb2.RunStreamResponse], _abc.AsyncIterator[_agent_service_pb2.RunStreamResponse]]:
+        """Run one rollout and report each step as it happens: every model output
+        (with its token ids), every tool call with its output, the verification,
+        and last the rollout itself, exactly as Run would return it.
+        """
 
 def add_AgentServiceServicer_to_server(servicer: AgentServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

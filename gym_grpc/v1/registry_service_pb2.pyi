@@ -78,12 +78,18 @@ class ServerInfo(_message.Message):
     ADDRESSES_FIELD_NUMBER: _builtins.int
     ENTRYPOINT_FIELD_NUMBER: _builtins.int
     REFERENCES_FIELD_NUMBER: _builtins.int
+    WORKERS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name of the server in the configuration, such as "weather_agent"."""
     role: Global___ServerRole.ValueType
     """Its role."""
     entrypoint: _builtins.str
     """Implementation it runs ("path/to/file.py:Class" or "module:Class")."""
+    workers: _builtins.int
+    """Processes serving each address (its num_workers; 0 means 1). They share
+    the port and the kernel spreads connections, not calls, among them: a
+    client opens several connections to such an address.
+    """
     @_builtins.property
     def addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Addresses ("host:port") where it serves; several when it has replicas."""
@@ -102,10 +108,11 @@ class ServerInfo(_message.Message):
         addresses: _abc.Iterable[_builtins.str] | None = ...,
         entrypoint: _builtins.str = ...,
         references: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        workers: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "entrypoint", b"entrypoint", "name", b"name", "references", b"references", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "entrypoint", b"entrypoint", "name", b"name", "references", b"references", "role", b"role", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

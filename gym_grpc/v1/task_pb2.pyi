@@ -93,6 +93,7 @@ class Rollout(_message.Message):
     VERIFIER_FIELDS_FIELD_NUMBER: _builtins.int
     STOP_REASON_FIELD_NUMBER: _builtins.int
     MODEL_CALLS_FIELD_NUMBER: _builtins.int
+    TIMINGS_FIELD_NUMBER: _builtins.int
     reward: _builtins.float
     """Reward the resources server gave."""
     stop_reason: Global___StopReason.ValueType
@@ -112,6 +113,10 @@ class Rollout(_message.Message):
         rollout row, next to "response" and "reward".
         """
 
+    @_builtins.property
+    def timings(self) -> Global___RolloutTimings:
+        """Where the rollout's time went."""
+
     def __init__(
         self,
         *,
@@ -120,14 +125,49 @@ class Rollout(_message.Message):
         verifier_fields: _struct_pb2.Struct | None = ...,
         stop_reason: Global___StopReason.ValueType = ...,
         model_calls: _builtins.int = ...,
+        timings: Global___RolloutTimings | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["response", b"response", "verifier_fields", b"verifier_fields"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["response", b"response", "timings", b"timings", "verifier_fields", b"verifier_fields"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_calls", b"model_calls", "response", b"response", "reward", b"reward", "stop_reason", b"stop_reason", "verifier_fields", b"verifier_fields"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_calls", b"model_calls", "response", b"response", "reward", b"reward", "stop_reason", b"stop_reason", "timings", b"timings", "verifier_fields", b"verifier_fields"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Rollout: _TypeAlias = Rollout  # noqa: Y015
+
+@_typing.final
+class RolloutTimings(_message.Message):
+    """Wall time a rollout spent in each stage, in seconds."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_SECONDS_FIELD_NUMBER: _builtins.int
+    TOOLS_SECONDS_FIELD_NUMBER: _builtins.int
+    VERIFY_SECONDS_FIELD_NUMBER: _builtins.int
+    TOTAL_SECONDS_FIELD_NUMBER: _builtins.int
+    model_seconds: _builtins.float
+    """Summed over the model calls."""
+    tools_seconds: _builtins.float
+    """Summed over the tool calls."""
+    verify_seconds: _builtins.float
+    """The verification."""
+    total_seconds: _builtins.float
+    """The whole rollout as the agent saw it, session set-up and close included."""
+    def __init__(
+        self,
+        *,
+        model_seconds: _builtins.float = ...,
+        tools_seconds: _builtins.float = ...,
+        verify_seconds: _builtins.float = ...,
+        total_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_seconds", b"model_seconds", "tools_seconds", b"tools_seconds", "total_seconds", b"total_seconds", "verify_seconds", b"verify_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RolloutTimings: _TypeAlias = RolloutTimings  # noqa: Y015
 
 @_typing.final
 class VerificationResult(_message.Message):

@@ -11,12 +11,13 @@ model as the tool's output; only a failing server fails the rollout.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 
 from pydantic import Field
 
 from gym_grpc import errors
-from gym_grpc.agent import AgentServer
+from gym_grpc.agent import AgentServer, RolloutEvents
 from gym_grpc.clients import ModelClient, ResourcesClient
 from gym_grpc.responses import input_items, new_id
 from gym_grpc.serving import ServerConfig
@@ -56,30 +57,37 @@ class SimpleAgent(AgentServer):
     def references(self) -> dict[str, str]:
         return {"model": self.config.model_server, "resources": self.config.resources_server}
 
-    async def run(self, task: task_pb2.Task) -> task_pb2.Rollout:
+    async def run(self, task: task_pb2.Task, events: RolloutEvents) -> task_pb2.Rollout:
+        started = time.monotonic()
         session_id = uuid.uuid4().hex
         await self.resources.seed_session(session_id, task)
         try:
-            return await self._rollout(session_id, task)
+            rollout = await self._rollout(session_id, task, events)
         finally:
             try:
                 await self.resources.close_session(session_id, timeout=CLOSE_TIMEOUT)
             except errors.GymError as e:
                 log.warning("could not close session %s: %s", session_id, e.message)
+        rollout.timings.total_seconds = time.monotonic() - started
+        return rollout
 
-    async def _rollout(self, session_id: str, task: task_pb2.Task) -> task_pb2.Rollout:
+    async def _rollout(self, session_id: str, task: task_pb2.Task, events: RolloutEvents) -> task_pb2.Rollout:
         params = r.CreateParams()
         params.CopyFrom(task.responses_create_params)
         if params.WhichOneof("input") == "input_text":
             params.input_items.items.extend(input_items(params))  # replaces the text
         conversation = params.input_items.items
         final = r.Response(status=r.RESPONSE_STATUS_COMPLETED)
+        timings = task_pb2.RolloutTimings()
         stop = task_pb2.STOP_REASON_MAX_STEPS
-        calls_made = 0
-        for _ in range(self.config.max_steps):
+        step = 0
+        for step in range(self.config.max_steps):
+            began = time.monotonic()
             response = await self.model.create_response(params, session_id)
-            calls_made += 1
-            if calls_made == 1:
+            seconds = time.monotonic() - began
+            timings.model_seconds += seconds
+            events.model_call(step, response, seconds)
+            if step == 0:
                 final.id, final.created_at = response.id, response.created_at
             final.model, final.status = response.model, response.status
             _add_usage(final.usage, response.usage)
@@ -94,20 +102,29 @@ class SimpleAgent(AgentServer):
                 stop = task_pb2.STOP_REASON_FINAL_MESSAGE
                 break
             for call in calls:
+                began = time.monotonic()
                 result = await self.resources.call_tool(session_id, call)
-                output = f"Error: {result.output}" if result.error else result.output
-                item = r.Item(
-                    function_call_output=r.FunctionCallOutput(
-                        id=new_id("fco"), call_id=call.call_id, output=output, status=r.ITEM_STATUS_COMPLETED
-                    )
+                seconds = time.monotonic() - began
+                timings.tools_seconds += seconds
+                output = r.FunctionCallOutput(
+                    id=new_id("fco"),
+                    call_id=call.call_id,
+                    output=f"Error: {result.output}" if result.error else result.output,
+                    status=r.ITEM_STATUS_COMPLETED,
                 )
+                events.tool_call(step, call, output, result.error, seconds)
+                item = r.Item(function_call_output=output)
                 final.output.append(item)
                 conversation.append(item)
+        began = time.monotonic()
         verdict = await self.resources.verify(session_id, task, final)
+        timings.verify_seconds = time.monotonic() - began
+        events.verification(verdict.reward, verdict.fields, timings.verify_seconds)
         return task_pb2.Rollout(
             response=final,
             reward=verdict.reward,
             verifier_fields=verdict.fields,
             stop_reason=stop,
-            model_calls=calls_made,
+            model_calls=step + 1,
+            timings=timings,
         )

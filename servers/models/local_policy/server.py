@@ -13,6 +13,7 @@ the response incomplete, as an engine would.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 import zlib
@@ -31,6 +32,7 @@ class LocalPolicyConfig(ServerConfig):
     error_rate: float = Field(0.15, ge=0.0, lt=0.5, description="chance of a slip per decision at temperature 1")
     model_name: str = Field("local-policy", description="model name reported in responses")
     seed: int = Field(0, description="seed of the sampling, combined with the session id")
+    latency_seconds: float = Field(0.0, ge=0.0, description="wait this long per call, as a slow engine would")
 
 
 class LocalPolicyModel(ModelServer):
@@ -38,6 +40,8 @@ class LocalPolicyModel(ModelServer):
     config: LocalPolicyConfig
 
     async def create_response(self, params: r.CreateParams, session_id: str) -> r.Response:
+        if self.config.latency_seconds:
+            await asyncio.sleep(self.config.latency_seconds)
         items = input_items(params)
         prompt_ids = tokenizer.render_prompt(params.instructions, params.tools, items)
         temperature = params.temperature if params.HasField("temperature") else 1.0

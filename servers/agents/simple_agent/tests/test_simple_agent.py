@@ -175,3 +175,40 @@ async def test_the_callers_deadline_reaches_the_model_server(start):
 def test_a_rollout_has_an_id_and_text_helpers_find_the_answer():
     response = r.Response(id=new_id("resp"), output=[*say("first"), *say("final")])
     assert response.id.startswith("resp_") and final_text(response) == "final"
+
+
+async def test_run_stream_reports_each_step_then_the_rollout(start):
+    model = ScriptedModel([[call("add", '{"a": 2, "b": 3}')], [call("explode", "{}")], say("The answer is 9.")])
+    m = await start(model)
+    env = await start(Calculator())
+    registry = static_registry(model=m, calc=env)
+    agent = await start(SimpleAgent({"model_server": "model", "resources_server": "calc"}, name="a", registry=registry))
+    async with transport.open_channel(agent.address) as channel:
+        stream = agent_grpc.AgentServiceStub(channel).RunStream(
+            agent_pb.RunStreamRequest(task=task("(2 + 3) + 4?", expected_answer=9)), timeout=30
+        )
+        events = [event async for event in stream]
+    kinds = [e.WhichOneof("event") for e in events]
+    assert kinds == ["model_call", "tool_call", "model_call", "tool_call", "model_call", "verification", "rollout"]
+    assert [e.sequence for e in events] == list(range(7))
+    assert [e.model_call.step for e in events if e.HasField("model_call")] == [0, 1, 2]
+    assert events[1].tool_call.output.output == "5" and not events[1].tool_call.error
+    assert events[3].tool_call.error and "caught fire" in events[3].tool_call.output.output
+    rollout = events[-1].rollout
+    assert rollout.reward == events[5].verification.reward == 1.0
+    assert len(rollout.response.output) == 5
+    timings = rollout.timings
+    assert timings.total_seconds >= timings.model_seconds + timings.tools_seconds + timings.verify_seconds > 0
+    assert events[-1].elapsed_seconds >= events[0].elapsed_seconds
+
+
+async def test_run_stream_of_a_failing_rollout_ends_with_its_status(start):
+    env = await start(Calculator())
+    dead = Registry(static={"model": "127.0.0.1:1", "calc": env.address})
+    agent = await start(SimpleAgent({"model_server": "model", "resources_server": "calc"}, name="a", registry=dead))
+    async with transport.open_channel(agent.address) as channel:
+        stream = agent_grpc.AgentServiceStub(channel).RunStream(agent_pb.RunStreamRequest(task=task("1?")), timeout=20)
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            [event async for event in stream]
+    assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "model server 'model'" in error.value.details()
