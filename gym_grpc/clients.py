@@ -38,12 +38,15 @@ class _Client:
         self.registry = registry
         self.name = name
         self.timeout = timeout
-        self._stub: Any = None
+        self._stubs: list[Any] = []
+        self._next = 0
 
     async def _get_stub(self) -> Any:
-        if self._stub is None:
-            self._stub = self._stub_class(await self.registry.channel(self.name))
-        return self._stub
+        """A stub for the next call: calls go round the server's channels."""
+        if not self._stubs:
+            self._stubs = [self._stub_class(channel) for channel in await self.registry.channels(self.name)]
+        self._next = (self._next + 1) % len(self._stubs)
+        return self._stubs[self._next]
 
     async def _call(self, method: str, request: Any, timeout: float | None = None, *, detached: bool = False) -> Any:
         """Call `method`. `detached` calls ignore the caller's deadline (for cleanup)."""

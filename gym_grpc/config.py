@@ -38,6 +38,7 @@ class ServerSpec(BaseModel):
     entrypoint: str = Field(description='"path/to/file.py:Class" or "package.module:Class"')
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
+    num_workers: int = Field(1, ge=1, description="processes serving the port together (SO_REUSEPORT)")
     config: dict[str, Any] = Field(default_factory=dict, description="the server class's own settings")
 
 

@@ -65,7 +65,7 @@ class Registry:
         self.address = address
         self._static = dict(static or {})
         self._infos: dict[str, reg.ServerInfo] = {}
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels: dict[str, list[grpc.aio.Channel]] = {}
         self._registry_channel: grpc.aio.Channel | None = None
         self._lock = asyncio.Lock()
 
@@ -102,23 +102,26 @@ class Registry:
             raise errors.from_rpc_error(e, f"registry {self.address}") from None
         return list(reply.servers)
 
-    async def channel(self, name: str) -> grpc.aio.Channel:
-        """The channel to server `name`, opened on first use."""
-        channel = self._channels.get(name)
-        if channel is not None:
-            return channel
+    async def channels(self, name: str) -> list[grpc.aio.Channel]:
+        """The channels to server `name`, opened on first use: one per address, or
+        several per address when worker processes share it."""
+        pool = self._channels.get(name)
+        if pool is not None:
+            return pool
         async with self._lock:  # thousands of first calls must not open thousands of channels
-            channel = self._channels.get(name)
-            if channel is None:
+            pool = self._channels.get(name)
+            if pool is None:
                 info = await self.info(name)
                 if not info.addresses:
                     raise errors.Unavailable(f"server {name!r} has no address")
-                channel = self._channels[name] = transport.open_channel(info.addresses[0])
-        return channel
+                per_address = transport.CONNECTIONS_PER_WORKER * info.workers if info.workers > 1 else 1
+                pool = [transport.open_channel(a, i) for a in info.addresses for i in range(per_address)]
+                self._channels[name] = pool
+        return pool
 
     async def close(self) -> None:
         """Close every channel this registry opened."""
-        channels = list(self._channels.values())
+        channels = [channel for pool in self._channels.values() for channel in pool]
         if self._registry_channel is not None:
             channels.append(self._registry_channel)
         self._channels.clear()

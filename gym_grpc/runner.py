@@ -53,12 +53,12 @@ class RegistryServer(GymServer):
 
 
 @dataclass
-class ServerProcess:
-    """A started server process and what it reported."""
+class ServerProcesses:
+    """The worker processes of one server and what they reported."""
 
     name: str
     spec: ServerSpec
-    process: asyncio.subprocess.Process
+    processes: list[asyncio.subprocess.Process] = field(default_factory=list)
     info: reg.ServerInfo = field(default_factory=reg.ServerInfo)
 
 
@@ -77,7 +77,7 @@ class Runner:
         self.grace = grace
         self.startup_timeout = startup_timeout
         self.log_level = log_level
-        self.processes: dict[str, ServerProcess] = {}
+        self.servers: dict[str, ServerProcesses] = {}
         self.registry: Running | None = None
 
     @property
@@ -98,74 +98,94 @@ class Runner:
                 f"cannot serve the registry on {spec.host}:{spec.port} ({e}); is another `gym-grpc run` "
                 f"using it? Pick another port with registry.port=PORT (0: any free port)"
             ) from None
+        self.servers = {name: ServerProcesses(name, spec) for name, spec in self.config.servers.items()}
         try:
             await asyncio.wait_for(self._start_servers(), self.startup_timeout)
         except TimeoutError:
             await self.stop()
-            pending = [p.name for p in self.processes.values() if not p.info.addresses]
+            pending = [s.name for s in self.servers.values() if not s.info.addresses]
             raise StartupError(f"servers not ready after {self.startup_timeout:.0f} s: {', '.join(pending)}") from None
         except BaseException:
             await self.stop()
             raise
 
     async def _start_servers(self) -> None:
-        for name, spec in self.config.servers.items():
-            process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "gym_grpc.worker",
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-            )
-            message = {
-                "name": name,
-                "entrypoint": spec.entrypoint,
-                "host": spec.host,
-                "port": spec.port,
-                "config": spec.config,
-                "registry": self.registry_address,
-                "grace": self.grace,
-                "log_level": self.log_level,
-            }
-            assert process.stdin is not None
-            process.stdin.write((json.dumps(message) + "\n").encode())
-            await process.stdin.drain()
-            self.processes[name] = ServerProcess(name, spec, process)
-        await asyncio.gather(*(self._await_ready(p) for p in self.processes.values()))
-        for p in self.processes.values():
-            for role, target in p.info.references.items():
-                if target not in self.processes:
+        await asyncio.gather(*(self._start_server(s) for s in self.servers.values()))
+        for s in self.servers.values():
+            for role, target in s.info.references.items():
+                if target not in self.servers:
                     raise StartupError(
-                        f"server {p.name!r} calls {role} server {target!r}, which is not in the "
-                        f"configuration: {closest(target, list(self.processes))}"
+                        f"server {s.name!r} calls {role} server {target!r}, which is not in the "
+                        f"configuration: {closest(target, list(self.servers))}"
                     )
-        for p in self.processes.values():
-            self.registry.app.servicer.add(p.info)  # type: ignore[union-attr]
+        for s in self.servers.values():
+            self.registry.app.servicer.add(s.info)  # type: ignore[union-attr]
 
-    async def _await_ready(self, p: ServerProcess) -> None:
-        assert p.process.stdout is not None
-        line = await p.process.stdout.readline()
-        if not line:
-            code = await p.process.wait()
-            raise StartupError(f"server {p.name!r} exited with code {code} before it was ready (see its log above)")
-        report = json.loads(line)
-        if "error" in report:
-            reason = report["error"].removeprefix(f"server {p.name!r}: ")
-            raise StartupError(f"server {p.name!r} could not start: {reason}")
-        host = "127.0.0.1" if p.spec.host in _WILDCARD_HOSTS else p.spec.host
+    async def _start_server(self, server: ServerProcesses) -> None:
+        """Start a server's first worker, then the others on the port it bound."""
+        spec = server.spec
+        report = await self._ready(server, await self._spawn(server, spec.port))
+        others = [await self._spawn(server, report["port"]) for _ in range(spec.num_workers - 1)]
+        await asyncio.gather(*(self._ready(server, process) for process in others))
+        host = "127.0.0.1" if spec.host in _WILDCARD_HOSTS else spec.host
         address = f"{host}:{report['port']}"
         await _wait_healthy(address)
-        p.info = reg.ServerInfo(
-            name=p.name,
+        server.info = reg.ServerInfo(
+            name=server.name,
             role=report["role"],
             addresses=[address],
-            entrypoint=p.spec.entrypoint,
+            entrypoint=spec.entrypoint,
             references=report["references"],
+            workers=spec.num_workers,
         )
 
+    async def _spawn(self, server: ServerProcesses, port: int) -> asyncio.subprocess.Process:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "gym_grpc.worker",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        server.processes.append(process)
+        spec = server.spec
+        message = {
+            "name": server.name,
+            "entrypoint": spec.entrypoint,
+            "host": spec.host,
+            "port": port,
+            "reuse_port": spec.num_workers > 1,
+            "config": spec.config,
+            "registry": self.registry_address,
+            "grace": self.grace,
+            "log_level": self.log_level,
+        }
+        assert process.stdin is not None
+        process.stdin.write((json.dumps(message) + "\n").encode())
+        await process.stdin.drain()
+        return process
+
+    async def _ready(self, server: ServerProcesses, process: asyncio.subprocess.Process) -> dict:
+        """The ready report of one worker process (StartupError when it failed)."""
+        assert process.stdout is not None
+        line = await process.stdout.readline()
+        if not line:
+            code = await process.wait()
+            raise StartupError(
+                f"server {server.name!r} exited with code {code} before it was ready (see its log above)"
+            )
+        report = json.loads(line)
+        if "error" in report:
+            reason = report["error"].removeprefix(f"server {server.name!r}: ")
+            raise StartupError(f"server {server.name!r} could not start: {reason}")
+        return report
+
+    def _all_processes(self) -> list[tuple[str, asyncio.subprocess.Process]]:
+        return [(s.name, p) for s in self.servers.values() for p in s.processes]
+
     async def wait(self) -> str:
-        """Block until some server process exits; return its name."""
-        waits = {asyncio.ensure_future(p.process.wait()): name for name, p in self.processes.items()}
+        """Block until some server process exits; return its server's name."""
+        waits = {asyncio.ensure_future(p.wait()): name for name, p in self._all_processes()}
         done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for w in waits:
             if w not in done:
@@ -174,7 +194,7 @@ class Runner:
 
     async def stop(self) -> None:
         """Stop every server (SIGTERM, then SIGKILL after the grace period) and the registry."""
-        alive = [p.process for p in self.processes.values() if p.process.returncode is None]
+        alive = [p for _, p in self._all_processes() if p.returncode is None]
         for process in alive:
             process.send_signal(signal.SIGTERM)
         if alive:
@@ -184,9 +204,9 @@ class Runner:
                     log.warning("server pid %d did not stop in time; killing it", process.pid)
                     process.kill()
                     await process.wait()
-        for p in self.processes.values():
-            if p.process.stdin is not None:
-                p.process.stdin.close()
+        for _, process in self._all_processes():
+            if process.stdin is not None:
+                process.stdin.close()
         if self.registry is not None:
             await self.registry.stop(grace=1.0)
 
@@ -210,8 +230,10 @@ def describe(runner: Runner, started: float) -> str:
     """A table of the running servers, for the terminal."""
     roles = {reg.SERVER_ROLE_MODEL: "model", reg.SERVER_ROLE_RESOURCES: "resources", reg.SERVER_ROLE_AGENT: "agent"}
     lines = [f"registry   {runner.registry_address}"]
-    for p in runner.processes.values():
-        refs = ", ".join(f"{k}={v}" for k, v in sorted(p.info.references.items()))
-        lines.append(f"{roles.get(p.info.role, '?'):<10} {p.name:<24} {p.info.addresses[0]:<22} {refs}")
-    lines.append(f"{len(runner.processes)} servers healthy in {time.monotonic() - started:.1f} s")
+    for s in runner.servers.values():
+        refs = ", ".join(f"{k}={v}" for k, v in sorted(s.info.references.items()))
+        workers = f"{s.info.workers} workers" if s.info.workers > 1 else ""
+        lines.append(f"{roles.get(s.info.role, '?'):<10} {s.name:<24} {s.info.addresses[0]:<22} {workers:<11}{refs}")
+    processes = len(runner._all_processes())
+    lines.append(f"{len(runner.servers)} servers healthy in {time.monotonic() - started:.1f} s ({processes} processes)")
     return "\n".join(lines)

@@ -147,9 +147,11 @@ class Running:
         await self.app.stop()
 
 
-async def serve(app: GymServer, host: str = "127.0.0.1", port: int = 0) -> Running:
-    """Start `app` on host:port (0: any free port) and return once it serves."""
-    server = grpc.aio.server(options=transport.SERVER_OPTIONS)
+async def serve(app: GymServer, host: str = "127.0.0.1", port: int = 0, *, reuse_port: bool = False) -> Running:
+    """Start `app` on host:port (0: any free port) and return once it serves.
+
+    `reuse_port` lets several processes serve the same port (num_workers)."""
+    server = grpc.aio.server(options=transport.server_options(reuse_port=reuse_port))
     names = app.add_services(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -176,9 +178,10 @@ async def serve_until_signalled(
     grace: float = DEFAULT_GRACE_SECONDS,
     on_ready: Callable[[Running], None] | None = None,
     stop_event: asyncio.Event | None = None,
+    reuse_port: bool = False,
 ) -> None:
     """Serve until SIGTERM/SIGINT (or `stop_event`), then stop gracefully."""
-    running = await serve(app, host, port)
+    running = await serve(app, host, port, reuse_port=reuse_port)
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

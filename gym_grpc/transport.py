@@ -40,9 +40,24 @@ SERVER_OPTIONS: list[tuple[str, int]] = _MESSAGE_OPTIONS + [
 CHANNEL_OPTIONS: list[tuple[str, int]] = _MESSAGE_OPTIONS
 
 
-def open_channel(address: str) -> grpc.aio.Channel:
-    """An insecure asyncio channel to `address` ("host:port") with our options."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+#: Connections a client opens to each worker process of a multi-process server.
+CONNECTIONS_PER_WORKER = 8
+
+
+def server_options(*, reuse_port: bool = False) -> list[tuple[str, int]]:
+    """Server options; `reuse_port` lets the worker processes of one server share its port."""
+    return [(k, int(reuse_port) if k == "grpc.so_reuseport" else v) for k, v in SERVER_OPTIONS]
+
+
+def open_channel(address: str, index: int = 0) -> grpc.aio.Channel:
+    """An insecure asyncio channel to `address` ("host:port") with our options.
+
+    Channels with the same arguments share one connection; a distinct `index`
+    gives a channel its own, which is how a client reaches several worker
+    processes behind one port (the kernel spreads connections, not calls).
+    """
+    options = CHANNEL_OPTIONS + [("grpc.gym_channel_index", index)] if index else CHANNEL_OPTIONS
+    return grpc.aio.insecure_channel(address, options=options)
 
 
 # --- deadline propagation ----------------------------------------------------

@@ -42,7 +42,13 @@ async def _serve(app: GymServer, spec: dict[str, Any]) -> None:
         _report({"port": running.port, "role": app.role, "references": app.references()})
 
     await serve_until_signalled(
-        app, spec["host"], spec["port"], grace=spec["grace"], on_ready=on_ready, stop_event=stop
+        app,
+        spec["host"],
+        spec["port"],
+        grace=spec["grace"],
+        on_ready=on_ready,
+        stop_event=stop,
+        reuse_port=spec.get("reuse_port", False),
     )
 
 

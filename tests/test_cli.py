@@ -254,6 +254,77 @@ def test_a_collector_killed_mid_run_resumes_with_every_key_exactly_once(tmp_path
         run.wait(timeout=30)
 
 
+def _listening_pids(port: int) -> list[int]:
+    """Processes with a socket listening on a TCP port (Linux /proc)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):  # grpc listens on v4-mapped IPv6 sockets
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":
+                inodes.add(f"socket:[{fields[9]}]")
+    pids = []
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            if any(os.readlink(fd) in inodes for fd in fd_dir.iterdir()):
+                pids.append(int(fd_dir.parent.name))
+        except OSError:
+            continue
+    return sorted(pids)
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def test_num_workers_serve_one_port_and_share_the_calls(tmp_path):
+    run = subprocess.Popen(
+        [
+            _tool("gym-grpc"),
+            "run",
+            str(REPO / "configs" / "quickstart.yaml"),
+            "registry.port=0",
+            "servers.policy_model.num_workers=2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        lines = []
+        for line in run.stdout:
+            lines.append(line)
+            if "servers healthy" in line:
+                break
+        assert "(6 processes)" in lines[-1]
+        registry = re.search(r"^registry\s+(\S+)", lines[0]).group(1)
+        model = json.loads(_grpcurl("-d", '{"name": "policy_model"}', registry, "gym.v1.RegistryService/GetServer"))
+        assert model["server"]["workers"] == 2
+        workers = _listening_pids(int(model["server"]["addresses"][0].rsplit(":", 1)[1]))
+        assert len(workers) == 2
+        before = {pid: _cpu_ticks(pid) for pid in workers}
+        tasks = tmp_path / "tasks.jsonl"
+        tasks.write_text("".join(WEATHER.read_text() for _ in range(100)))
+        done = _gym(
+            "collect",
+            "--registry",
+            registry,
+            "--agent",
+            "weather_agent",
+            "--input",
+            str(tasks),
+            "--output",
+            str(tmp_path / "out.jsonl"),
+            "--no-progress",
+        )
+        assert done.returncode == 0, done.stderr
+        used = {pid: _cpu_ticks(pid) - before[pid] for pid in workers}
+        assert all(ticks > 0 for ticks in used.values()), used  # both workers answered model calls
+    finally:
+        run.send_signal(signal.SIGINT)
+        run.wait(timeout=30)
+
+
 def test_a_server_that_dies_stops_the_run(tmp_path):
     process = subprocess.Popen(
         [_tool("gym-grpc"), "run", str(REPO / "configs" / "quickstart.yaml"), "registry.port=0"],
