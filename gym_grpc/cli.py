@@ -85,7 +85,7 @@ def _print_summary(summary: CollectSummary, output: Path) -> None:
     rate = summary.collected / summary.seconds if summary.seconds else 0.0
     click.echo(
         f"{summary.collected} rollouts collected, {summary.failed} failed, {summary.skipped} already done, "
-        f"{summary.bad_rows} bad rows, in {summary.seconds:.1f} s ({rate:.1f}/s) -> {output}",
+        f"{summary.bad_rows} bad rows, in {summary.seconds:.2f} s ({rate:.1f}/s) -> {output}",
         err=True,
     )
     if summary.failed or summary.bad_rows:

@@ -114,9 +114,9 @@ class ResourcesClient(_Client):
         reply = await self._call("AggregateMetrics", res_pb.AggregateMetricsRequest(results=results))
         return reply.metrics
 
-    async def describe_tools(self) -> list[r.FunctionTool]:
-        reply = await self._call("DescribeTools", res_pb.DescribeToolsRequest())
-        return list(reply.tools)
+    async def describe_tools(self) -> res_pb.DescribeToolsResponse:
+        """The environment's tools, and whether it is stateless."""
+        return await self._call("DescribeTools", res_pb.DescribeToolsRequest())
 
 
 class AgentClient(_Client):

@@ -80,6 +80,7 @@ class CollectSummary:
     skipped: int = 0
     failed: int = 0
     bad_rows: int = 0
+    #: From the start to the last rollout finished (the summary of the output is not counted).
     seconds: float = 0.0
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
@@ -164,14 +165,20 @@ class _TaskIndex:
 def _tasks(options: CollectOptions, index: _TaskIndex) -> Iterator[_Job | _BadRow]:
     """The task rows of the input, overrides applied; a row that cannot be used is a _BadRow."""
     task_index = -1
-    with options.input.open(encoding="utf-8", errors="replace") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
+    with options.input.open("rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             task_index += 1
             if options.limit is not None and task_index >= options.limit:
                 return
             row = agent = None
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                index.add(None, None)
+                yield _BadRow(task_index, line_no, f"not UTF-8 (byte {e.start}): {raw[:80]!r}")
+                continue
             try:
                 row = json.loads(line)
                 if isinstance(row, dict) and isinstance(row.get(rows.PARAMS_KEY), dict) and options.overrides:
@@ -507,6 +514,7 @@ class _Collection:
                         task.add_done_callback(tasks.discard)
                 if tasks:
                     await asyncio.gather(*tasks)
+            self.summary.seconds = time.monotonic() - started
         finally:
             for task in tasks:
                 task.cancel()
@@ -514,7 +522,6 @@ class _Collection:
             for f in (self.failures, self.events):
                 if f is not None:
                     f.close()
-        self.summary.seconds = time.monotonic() - started
         self.summary.metrics, self.summary.warnings = summarise(options, index)
         return self.summary
 

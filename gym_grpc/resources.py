@@ -43,6 +43,8 @@ from gym_grpc.v1 import task_pb2
 
 log = logging.getLogger("gym_grpc.resources")
 
+_NO_TASK = task_pb2.Task()
+
 _TOOL_MARK = "__gym_tool__"
 
 
@@ -140,6 +142,9 @@ class ResourcesServer(GymServer):
 
     role = reg.SERVER_ROLE_RESOURCES
     tools: ClassVar[dict[str, _Tool]] = {}
+    #: No per-rollout state: no seed_session or close_session, no tool takes the Session.
+    #: Agents then skip SeedSession and CloseSession (two calls fewer per rollout).
+    stateless: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -150,6 +155,11 @@ class ResourcesServer(GymServer):
                 if name is not None:
                     found[name] = _build_tool(name, attr)
         cls.tools = found
+        cls.stateless = (
+            cls.seed_session is ResourcesServer.seed_session
+            and cls.close_session is ResourcesServer.close_session
+            and all(t.session_param is None for t in found.values())
+        )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -237,6 +247,8 @@ class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
     def _session(self, session_id: str) -> Session:
         session = self.app.sessions.get(session_id)
         if session is None:
+            if self.app.stateless:
+                return Session(id=session_id, task=_NO_TASK)
             raise errors.FailedPrecondition(
                 f"session {session_id!r} is not open: call SeedSession first", field="session_id"
             )
@@ -299,4 +311,6 @@ class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
 
     @rpc_method
     async def DescribeTools(self, request: res_pb.DescribeToolsRequest, context: Any) -> res_pb.DescribeToolsResponse:
-        return res_pb.DescribeToolsResponse(tools=[t.schema for t in self.app.tools.values()])
+        return res_pb.DescribeToolsResponse(
+            tools=[t.schema for t in self.app.tools.values()], stateless=self.app.stateless
+        )

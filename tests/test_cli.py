@@ -150,7 +150,7 @@ def test_collect_reports_a_bad_row_by_line_and_collects_the_rest(live, tmp_path)
     tasks = tmp_path / "tasks.jsonl"
     good = json.dumps({"responses_create_params": {"input": "What is 2 + 2?"}, "expected_answer": "4"})
     bad = json.dumps({"responses_create_params": {"input": [{"role": "robot", "content": "hi"}]}})
-    tasks.write_text("\n".join([good, bad, "{not json", good]) + "\n")
+    tasks.write_bytes(("\n".join([good, bad, "{not json", good]) + "\n").encode() + b'{"bad": "\xff"}\n')
     out = tmp_path / "rollouts.jsonl"
     done = _gym(
         "collect",
@@ -167,6 +167,7 @@ def test_collect_reports_a_bad_row_by_line_and_collects_the_rest(live, tmp_path)
     assert done.returncode == 1
     assert f"{tasks}:2: responses_create_params.input[0].role" in done.stderr
     assert f"{tasks}:3: not JSON" in done.stderr
+    assert f"{tasks}:5: not UTF-8" in done.stderr
     assert sorted(row["task_index"] for row in _rows(out)) == [0, 3]
 
 

@@ -295,6 +295,13 @@ class DescribeToolsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TOOLS_FIELD_NUMBER: _builtins.int
+    STATELESS_FIELD_NUMBER: _builtins.int
+    stateless: _builtins.bool
+    """True when the environment keeps no state between the calls of a
+    rollout: an agent may then skip SeedSession and CloseSession, and tool
+    calls and Verify need no open session. False (the default) means every
+    rollout must be seeded and closed.
+    """
     @_builtins.property
     def tools(self) -> _containers.RepeatedCompositeFieldContainer[_responses_pb2.FunctionTool]:
         """The tools, ready to be put in CreateParams.tools."""
@@ -303,10 +310,11 @@ class DescribeToolsResponse(_message.Message):
         self,
         *,
         tools: _abc.Iterable[_responses_pb2.FunctionTool] | None = ...,
+        stateless: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["stateless", b"stateless", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

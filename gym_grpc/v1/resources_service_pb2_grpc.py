@@ -28,7 +28,8 @@ if _version_not_supported:
 class ResourcesServiceStub:
     """A resources server (an environment). An agent drives one rollout through
     it: SeedSession, any number of CallTool, Verify, then CloseSession, all
-    with the same session_id.
+    with the same session_id (a stateless environment, see DescribeTools,
+    needs no SeedSession and CloseSession).
 
     Errors: INVALID_ARGUMENT for bad input (the message names the field, and
     a google.rpc.BadRequest detail carries it), NOT_FOUND for an unknown tool
@@ -77,7 +78,8 @@ class ResourcesServiceStub:
 class ResourcesServiceServicer:
     """A resources server (an environment). An agent drives one rollout through
     it: SeedSession, any number of CallTool, Verify, then CloseSession, all
-    with the same session_id.
+    with the same session_id (a stateless environment, see DescribeTools,
+    needs no SeedSession and CloseSession).
 
     Errors: INVALID_ARGUMENT for bad input (the message names the field, and
     a google.rpc.BadRequest detail carries it), NOT_FOUND for an unknown tool
@@ -172,7 +174,8 @@ def add_ResourcesServiceServicer_to_server(servicer, server):
 class ResourcesService:
     """A resources server (an environment). An agent drives one rollout through
     it: SeedSession, any number of CallTool, Verify, then CloseSession, all
-    with the same session_id.
+    with the same session_id (a stateless environment, see DescribeTools,
+    needs no SeedSession and CloseSession).
 
     Errors: INVALID_ARGUMENT for bad input (the message names the field, and
     a google.rpc.BadRequest detail carries it), NOT_FOUND for an unknown tool

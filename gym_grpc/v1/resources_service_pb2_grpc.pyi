@@ -29,7 +29,8 @@ GRPC_VERSION: str
 class ResourcesServiceStub:
     """A resources server (an environment). An agent drives one rollout through
     it: SeedSession, any number of CallTool, Verify, then CloseSession, all
-    with the same session_id.
+    with the same session_id (a stateless environment, see DescribeTools,
+    needs no SeedSession and CloseSession).
 
     Errors: INVALID_ARGUMENT for bad input (the message names the field, and
     a google.rpc.BadRequest detail carries it), NOT_FOUND for an unknown tool
@@ -60,7 +61,8 @@ class ResourcesServiceStub:
 class ResourcesServiceAsyncStub(ResourcesServiceStub):
     """A resources server (an environment). An agent drives one rollout through
     it: SeedSession, any number of CallTool, Verify, then CloseSession, all
-    with the same session_id.
+    with the same session_id (a stateless environment, see DescribeTools,
+    needs no SeedSession and CloseSession).
 
     Errors: INVALID_ARGUMENT for bad input (the message names the field, and
     a google.rpc.BadRequest detail carries it), NOT_FOUND for an unknown tool
@@ -87,7 +89,8 @@ class ResourcesServiceAsyncStub(ResourcesServiceStub):
 class ResourcesServiceServicer(metaclass=_abc_1.ABCMeta):
     """A resources server (an environment). An agent drives one rollout through
     it: SeedSession, any number of CallTool, Verify, then CloseSession, all
-    with the same session_id.
+    with the same session_id (a stateless environment, see DescribeTools,
+    needs no SeedSession and CloseSession).
 
     Errors: INVALID_ARGUMENT for bad input (the message names the field, and
     a google.rpc.BadRequest detail carries it), NOT_FOUND for an unknown tool

@@ -3,13 +3,15 @@
 Call the model; run every function call it made against the resources
 server, in order, and feed the outputs back; repeat until the model answers
 without calling a tool, its output is cut short, or `max_steps` model calls
-were made. Then verify and close the session. A tool's failure (unknown tool,
+were made. Then verify and close the session. (A stateless environment,
+as DescribeTools says, gets no SeedSession and CloseSession.) A tool's failure (unknown tool,
 arguments that are not JSON, an exception in the tool) goes back to the
 model as the tool's output; only a failing server fails the rollout.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -53,6 +55,16 @@ class SimpleAgent(AgentServer):
         super().__init__(*args, **kwargs)
         self.model = ModelClient(self.registry, self.config.model_server)
         self.resources = ResourcesClient(self.registry, self.config.resources_server)
+        self._stateless: bool | None = None
+        self._describing = asyncio.Lock()
+
+    async def _environment_is_stateless(self) -> bool:
+        """Asked once: a stateless environment needs no SeedSession and CloseSession."""
+        if self._stateless is None:
+            async with self._describing:
+                if self._stateless is None:
+                    self._stateless = (await self.resources.describe_tools()).stateless
+        return self._stateless
 
     def references(self) -> dict[str, str]:
         return {"model": self.config.model_server, "resources": self.config.resources_server}
@@ -60,6 +72,10 @@ class SimpleAgent(AgentServer):
     async def run(self, task: task_pb2.Task, events: RolloutEvents) -> task_pb2.Rollout:
         started = time.monotonic()
         session_id = uuid.uuid4().hex
+        if await self._environment_is_stateless():
+            rollout = await self._rollout(session_id, task, events)
+            rollout.timings.total_seconds = time.monotonic() - started
+            return rollout
         await self.resources.seed_session(session_id, task)
         try:
             rollout = await self._rollout(session_id, task, events)

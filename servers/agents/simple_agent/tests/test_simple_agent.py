@@ -7,8 +7,9 @@ import grpc
 import pytest
 
 from gym_grpc import errors, transport
-from gym_grpc.clients import AgentClient
+from gym_grpc.clients import AgentClient, ResourcesClient
 from gym_grpc.registry import Registry
+from gym_grpc.resources import ResourcesServer, tool
 from gym_grpc.responses import assistant_message, final_text, new_id
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
 from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
@@ -212,3 +213,41 @@ async def test_run_stream_of_a_failing_rollout_ends_with_its_status(start):
             [event async for event in stream]
     assert error.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "model server 'model'" in error.value.details()
+
+
+class StatelessCalculator(ResourcesServer):
+    @tool
+    async def add(self, a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    async def verify(self, session, response) -> float:
+        return float("5" in final_text(response))
+
+
+async def test_a_stateless_environment_gets_no_seed_or_close(start, monkeypatch):
+    calls = []
+    for method in ("seed_session", "close_session"):
+        original = getattr(ResourcesClient, method)
+
+        async def counted(self, *args, _original=original, _name=method, **kwargs):
+            calls.append(_name)
+            return await _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(ResourcesClient, method, counted)
+    assert StatelessCalculator.stateless and not Calculator.stateless
+
+    def turn(params):  # call the tool, then answer from its output
+        last = params.input_items.items[-1]
+        output = say("5") if last.HasField("function_call_output") else [call("add", '{"a": 2, "b": 3}')]
+        return r.Response(status=r.RESPONSE_STATUS_COMPLETED, output=output)
+
+    m, env = await start(ScriptedModel([turn])), await start(StatelessCalculator())
+    registry = static_registry(model=m, calc=env)
+    agent = await start(SimpleAgent({"model_server": "model", "resources_server": "calc"}, name="a", registry=registry))
+    client = AgentClient(static_registry(agent=agent), "agent")
+    for _ in range(3):
+        rollout = await client.run(task("2 + 3?"), timeout=30)
+        assert rollout.reward == 1.0 and rollout.response.output[1].function_call_output.output == "5"
+    assert calls == []
+    await client.registry.close()

@@ -1,0 +1,446 @@
+"""Every gym-grpc benchmark, in one run on this machine.
+
+    python bench/run.py                 # the full run, writes bench/results/<name>.json
+    python bench/run.py --smoke         # a small run for CI (results in a temp dir)
+
+What it measures, each in real processes on loopback:
+  (a) raw_grpc         the limit: grpc.aio unary round trips/s, empty handler, rollout-sized payload
+  (b) single_turn      collector -> agent -> model -> resources rollouts/s at windows 64, 1,024, 16,384
+      single_tool_call the weather workload (a tool call, then the answer) through the same stack
+  (c) latency_16k      16,384 rollouts in flight against a model with 2 s of latency
+  (d) collector_1m     the collector on a 1,000,000-row input (with --limit), and the servers' memory
+                       after 10,000 and 50,000 rollouts
+      startup          `gym-grpc run` of the quickstart, from start to every server healthy
+CPU per rollout is the CPU time of every process (servers and collector) divided by the rollouts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+TICKS = os.sysconf("SC_CLK_TCK")
+
+SINGLE_TURN_ROW = {"responses_create_params": {"input": "What is 17 + 25?", "temperature": 0}}
+WEATHER_ROWS = [json.loads(line) for line in (REPO / "servers/resources/weather/data/example.jsonl").open()]
+
+
+def _gym() -> str:
+    return shutil.which("gym-grpc", path=str(BIN)) or "gym-grpc"
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def _memory_mb(pid: int, key: str) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _write_config(directory: Path, model_latency: float) -> Path:
+    agent = f"{REPO}/servers/agents/simple_agent/agent.py:SimpleAgent"
+    config = {
+        "registry": {"port": 0},
+        "servers": {
+            "policy_model": {
+                "entrypoint": f"{REPO}/servers/models/local_policy/server.py:LocalPolicyModel",
+                "config": {"latency_seconds": model_latency},
+            },
+            "trivial": {"entrypoint": f"{REPO}/bench/trivial_env.py:TrivialEnv"},
+            "single_turn_agent": {
+                "entrypoint": agent,
+                "config": {"model_server": "policy_model", "resources_server": "trivial"},
+            },
+            "weather": {"entrypoint": f"{REPO}/servers/resources/weather/server.py:WeatherEnv"},
+            "weather_agent": {
+                "entrypoint": agent,
+                "config": {"model_server": "policy_model", "resources_server": "weather"},
+            },
+        },
+    }
+    path = directory / f"bench_{model_latency}.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    return path
+
+
+class Stack:
+    """`gym-grpc run` of the bench config, with its registry address and server processes."""
+
+    def __init__(self, config: Path) -> None:
+        started = time.monotonic()
+        self.process = subprocess.Popen(
+            [_gym(), "run", str(config)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        lines = []
+        for line in self.process.stdout:
+            lines.append(line)
+            if "servers healthy" in line:
+                break
+        else:
+            raise RuntimeError("gym-grpc run failed:\n" + "".join(lines))
+        self.ready_seconds = time.monotonic() - started
+        self.registry = re.search(r"^registry\s+(\S+)", lines[0]).group(1)
+        self.servers = {m.group(2): m.group(3) for m in (re.match(r"(\w+)\s+(\w+)\s+(\S+)", x) for x in lines[1:-1])}
+        ps = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.process.pid)], capture_output=True, text=True)
+        self.pids = [int(p) for p in ps.stdout.split()]
+
+    def cpu(self) -> float:
+        return sum(_cpu_seconds(pid) for pid in self.pids)
+
+    def memory(self, key: str = "VmRSS") -> list[float]:
+        return [round(_memory_mb(pid, key), 1) for pid in self.pids]
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGINT)
+        self.process.wait(timeout=60)
+
+
+@dataclass
+class Measured:
+    """A finished child process: its output, CPU time and peak memory."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    cpu_seconds: float
+    peak_mb: float
+
+
+def run_measured(args: list[str]) -> Measured:
+    """Run a command to the end; wait4 gives its CPU time and peak RSS."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        process = subprocess.Popen(args, stdout=out, stderr=err)
+        _, status, usage = os.wait4(process.pid, 0)
+        process.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        return Measured(
+            process.returncode,
+            out.read().decode(),
+            err.read().decode(),
+            usage.ru_utime + usage.ru_stime,
+            usage.ru_maxrss / 1024,
+        )
+
+
+@dataclass
+class Collection:
+    rollouts: int
+    failed: int
+    seconds: float
+    collector_cpu: float
+    collector_peak_mb: float
+
+
+def collect(stack: Stack, agent: str, tasks: Path, out: Path, window: int, *extra: str) -> Collection:
+    """Run `gym-grpc collect` as its own process; the wall time is the one it reports
+    (from its start to the last rollout written, interpreter start-up not counted)."""
+    out.unlink(missing_ok=True)
+    args = [
+        _gym(),
+        "collect",
+        "--registry",
+        stack.registry,
+        "--agent",
+        agent,
+        "--input",
+        str(tasks),
+        "--output",
+        str(out),
+        "--max-in-flight",
+        str(window),
+        "--no-progress",
+        *extra,
+    ]
+    run = run_measured(args)
+    match = re.search(r"(\d+) rollouts collected, (\d+) failed.* in ([\d.]+) s", run.stderr)
+    if match is None:
+        raise RuntimeError(f"collect failed:\n{run.stderr}")
+    return Collection(int(match.group(1)), int(match.group(2)), float(match.group(3)), run.cpu_seconds, run.peak_mb)
+
+
+def _tasks(directory: Path, name: str, rows: list[dict], count: int) -> Path:
+    path = directory / f"{name}_{count}.jsonl"
+    if not path.exists():
+        lines = [json.dumps(rows[i % len(rows)]) + "\n" for i in range(count)]
+        path.write_text("".join(lines))
+    return path
+
+
+def bench_raw(calls: int, windows: list[int]) -> list[dict]:
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        port_file = Path(tmp) / "port"
+        server = subprocess.Popen([sys.executable, str(REPO / "bench/raw_echo.py"), "server", str(port_file)])
+        try:
+            while not port_file.exists() or not port_file.read_text():
+                time.sleep(0.05)
+            address = f"127.0.0.1:{port_file.read_text()}"
+            for window in windows:
+                cpu_before = _cpu_seconds(server.pid)
+                client = run_measured(
+                    [sys.executable, str(REPO / "bench/raw_echo.py"), "client", address, str(calls), str(window)]
+                )
+                run = json.loads(client.stdout)
+                cpu = client.cpu_seconds + _cpu_seconds(server.pid) - cpu_before
+                results.append(
+                    {
+                        "in_flight": window,
+                        "calls": run["calls"],
+                        "errors": run["errors"],
+                        "calls_per_second": round(run["calls"] / run["seconds"]),
+                        "cpu_ms_per_call": round(1000 * cpu / run["calls"], 3),
+                    }
+                )
+        finally:
+            server.kill()
+            server.wait()
+    return results
+
+
+def bench_stack(tmp: Path, rollouts: int, windows: list[int], weather_rollouts: int) -> tuple[list[dict], dict]:
+    stack = Stack(_write_config(tmp, 0.0))
+    try:
+        single = []
+        tasks = _tasks(tmp, "single_turn", [SINGLE_TURN_ROW], rollouts)
+        for window in windows:
+            before = stack.cpu()
+            run = collect(stack, "single_turn_agent", tasks, tmp / "out.jsonl", window)
+            cpu = stack.cpu() - before + run.collector_cpu
+            single.append(_row(run, cpu, in_flight=window))
+        tasks = _tasks(tmp, "weather", WEATHER_ROWS, weather_rollouts)
+        before = stack.cpu()
+        run = collect(stack, "weather_agent", tasks, tmp / "out.jsonl", 1024)
+        weather = _row(run, stack.cpu() - before + run.collector_cpu, in_flight=1024)
+    finally:
+        stack.stop()
+    return single, weather
+
+
+def _row(run: Collection, cpu: float, **extra: int) -> dict:
+    return {
+        **extra,
+        "rollouts": run.rollouts,
+        "failed": run.failed,
+        "seconds": round(run.seconds, 2),
+        "rollouts_per_second": round(run.rollouts / run.seconds, 1),
+        "cpu_ms_per_rollout": round(1000 * cpu / max(run.rollouts, 1), 3),
+    }
+
+
+def bench_latency(tmp: Path, in_flight: int, latency: float, peak_rate: float) -> dict:
+    stack = Stack(_write_config(tmp, latency))
+    try:
+        tasks = _tasks(tmp, "single_turn", [SINGLE_TURN_ROW], in_flight)
+        run = collect(stack, "single_turn_agent", tasks, tmp / "out.jsonl", in_flight, "--timeout", "600")
+        peaks = dict(zip(stack.servers, stack.memory("VmHWM"), strict=False))
+    finally:
+        stack.stop()
+    bound = in_flight / peak_rate + latency
+    return {
+        "in_flight": in_flight,
+        "model_latency_seconds": latency,
+        "rollouts": run.rollouts,
+        "errors": run.failed,
+        "seconds": round(run.seconds, 2),
+        "target_seconds": round(1.5 * bound, 2),
+        "peak_rss_mb": {**peaks, "collector": round(run.collector_peak_mb, 1)},
+    }
+
+
+def bench_collector(tmp: Path, input_rows: int, limit: int, checkpoint: int) -> dict:
+    tasks = tmp / f"million_{input_rows}.jsonl"
+    with tasks.open("w") as f:
+        line = json.dumps(SINGLE_TURN_ROW) + "\n"
+        for _ in range(input_rows):
+            f.write(line)
+    stack = Stack(_write_config(tmp, 0.0))
+    out = tmp / "million_out.jsonl"
+    memory_at_checkpoint: list[float] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            if out.exists() and sum(1 for _ in out.open("rb")) >= checkpoint:
+                memory_at_checkpoint.extend(stack.memory())
+                return
+            time.sleep(0.5)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        before = stack.cpu()
+        run = collect(stack, "single_turn_agent", tasks, out, 4096, "--limit", str(limit))
+        cpu = stack.cpu() - before + run.collector_cpu
+        at_end = stack.memory()
+    finally:
+        done.set()
+        watcher.join()
+        stack.stop()
+    names = list(stack.servers)
+    return {
+        "input_rows": input_rows,
+        "limit": limit,
+        **_row(run, cpu),
+        "collector_peak_rss_mb": round(run.collector_peak_mb, 1),
+        f"server_rss_mb_after_{checkpoint}": dict(zip(names, memory_at_checkpoint, strict=False)),
+        f"server_rss_mb_after_{limit}": dict(zip(names, at_end, strict=False)),
+    }
+
+
+def bench_startup(repeats: int) -> dict:
+    seconds = []
+    for _ in range(repeats):
+        stack = Stack(REPO / "configs/quickstart.yaml")
+        seconds.append(stack.ready_seconds)
+        stack.stop()
+    return {
+        "servers": 5,
+        "seconds_median": round(statistics.median(seconds), 2),
+        "seconds": [round(s, 2) for s in seconds],
+    }
+
+
+def machine() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    memory = int(Path("/proc/meminfo").read_text().split()[1]) / 1024 / 1024
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(memory, 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "grpcio": version("grpcio"),
+        "protobuf": version("protobuf"),
+    }
+
+
+def table(results: dict) -> str:
+    raw = max(results["raw_grpc"], key=lambda x: x["calls_per_second"])
+    lines = [
+        "| measurement | figure | CPU per unit |",
+        "|---|---|---|",
+        f"| (a) raw grpc.aio unary, empty handler, {raw['in_flight']} in flight | {raw['calls_per_second']:,} calls/s "
+        f"| {raw['cpu_ms_per_call']} ms/call |",
+    ]
+    for row in results["single_turn"]:
+        share = 100 * row["rollouts_per_second"] / raw["calls_per_second"]
+        lines.append(
+            f"| (b) single-turn rollouts, {row['in_flight']:,} in flight | {row['rollouts_per_second']:,} rollouts/s "
+            f"({share:.0f}% of (a)), {row['failed']} failed | {row['cpu_ms_per_rollout']} ms/rollout |"
+        )
+    w = results["single_tool_call"]
+    lines.append(
+        f"| (b) single-tool-call rollouts (weather), 1,024 in flight | {w['rollouts_per_second']:,} rollouts/s, "
+        f"{w['failed']} failed | {w['cpu_ms_per_rollout']} ms/rollout |"
+    )
+    c = results["latency_16k"]
+    lines.append(
+        f"| (c) {c['in_flight']:,} in flight, model latency {c['model_latency_seconds']:g} s | {c['errors']} errors, "
+        f"{c['seconds']} s (target < {c['target_seconds']} s), peak RSS MB {json.dumps(c['peak_rss_mb'])} | |"
+    )
+    d = results["collector_1m"]
+    lines.append(
+        f"| (d) collector on a {d['input_rows']:,}-row input, --limit {d['limit']:,} | peak RSS "
+        f"{d['collector_peak_rss_mb']} MB, {d['rollouts_per_second']:,} rollouts/s "
+        f"| {d['cpu_ms_per_rollout']} ms/rollout |"
+    )
+    memory = [v for k, v in d.items() if k.startswith("server_rss_mb_after_")]
+    lines.append(
+        f"| server RSS MB after {' / '.join(k.rsplit('_', 1)[1] for k in d if k.startswith('server_rss'))} "
+        f"rollouts | {' / '.join(json.dumps(m) for m in memory)} | |"
+    )
+    s = results["startup"]
+    lines.append(
+        f"| `gym-grpc run` quickstart, start to all healthy | {s['seconds_median']} s "
+        f"(median of {len(s['seconds'])}) | |"
+    )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="small sizes, for CI")
+    parser.add_argument("--name", default=platform.node() or "local", help="results file name")
+    args = parser.parse_args()
+    if args.smoke:
+        sizes = dict(
+            raw=2000,
+            rollouts=500,
+            windows=[64, 512],
+            weather=200,
+            latency_in_flight=512,
+            input_rows=20_000,
+            limit=2_000,
+            checkpoint=500,
+            latency=0.5,
+        )
+    else:
+        sizes = dict(
+            raw=100_000,
+            rollouts=20_000,
+            windows=[64, 1024, 16384],
+            weather=10_000,
+            latency_in_flight=16384,
+            input_rows=1_000_000,
+            limit=50_000,
+            checkpoint=10_000,
+            latency=2.0,
+        )
+    results: dict = {}
+    with tempfile.TemporaryDirectory() as directory:
+        tmp = Path(directory)
+        print("(a) raw gRPC ...", file=sys.stderr)
+        results["raw_grpc"] = bench_raw(sizes["raw"], [64, 256, 1024])
+        print("(b) single-turn and single-tool-call rollouts ...", file=sys.stderr)
+        results["single_turn"], results["single_tool_call"] = bench_stack(
+            tmp, sizes["rollouts"], sizes["windows"], sizes["weather"]
+        )
+        peak = max(row["rollouts_per_second"] for row in results["single_turn"])
+        print("(c) many in flight against a slow model ...", file=sys.stderr)
+        results["latency_16k"] = bench_latency(tmp, sizes["latency_in_flight"], sizes["latency"], peak)
+        print("(d) collector memory on a large input ...", file=sys.stderr)
+        results["collector_1m"] = bench_collector(tmp, sizes["input_rows"], sizes["limit"], sizes["checkpoint"])
+        print("startup ...", file=sys.stderr)
+        results["startup"] = bench_startup(3)
+    report = {
+        "name": args.name,
+        "command": " ".join(["python", "bench/run.py", *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "machine": machine(),
+        "results": results,
+    }
+    target = Path(tempfile.gettempdir()) if args.smoke else REPO / "bench" / "results"
+    path = target / f"{args.name}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(table(results))
+    print(f"results: {path}", file=sys.stderr)
+    failures = [row for row in results["single_turn"] if row["failed"]] + (
+        [results["latency_16k"]] if results["latency_16k"]["errors"] else []
+    )
+    if failures:
+        sys.exit(f"rollouts failed: {failures}")
+
+
+if __name__ == "__main__":
+    main()
