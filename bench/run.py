@@ -365,11 +365,10 @@ def table(results: dict) -> str:
         f"{d['collector_peak_rss_mb']} MB, {d['rollouts_per_second']:,} rollouts/s "
         f"| {d['cpu_ms_per_rollout']} ms/rollout |"
     )
-    memory = [v for k, v in d.items() if k.startswith("server_rss_mb_after_")]
-    lines.append(
-        f"| server RSS MB after {' / '.join(k.rsplit('_', 1)[1] for k in d if k.startswith('server_rss'))} "
-        f"rollouts | {' / '.join(json.dumps(m) for m in memory)} | |"
-    )
+    (mark, during), (_, after) = ((k, v) for k, v in d.items() if k.startswith("server_rss_mb_after_"))
+    checkpoint = int(mark.rsplit("_", 1)[1])
+    lines.append(f"| (d) server RSS MB after {checkpoint:,} rollouts, 4,096 in flight | {json.dumps(during)} | |")
+    lines.append(f"| (d) server RSS MB after all {d['rollouts']:,} rollouts | {json.dumps(after)} | |")
     s = results["startup"]
     lines.append(
         f"| `gym-grpc run` quickstart, start to all healthy | {s['seconds_median']} s "
