@@ -8,8 +8,8 @@ What it measures, each in real processes on loopback:
   (b) single_turn      collector -> agent -> model -> resources rollouts/s at windows 64, 1,024, 16,384
       single_tool_call the weather workload (a tool call, then the answer) through the same stack
   (c) latency_16k      16,384 rollouts in flight against a model with 2 s of latency
-  (d) collector_1m     the collector on a 1,000,000-row input (with --limit), and the servers' memory
-                       after 10,000 and 50,000 rollouts
+  (d) collector_1m     the collector on a 1,000,000-row input (--limit 10,000, then resumed to
+                       --limit 50,000), and the servers' memory, idle, after each
       startup          `gym-grpc run` of the quickstart, from start to every server healthy
 CPU per rollout is the CPU time of every process (servers and collector) divided by the rollouts.
 """
@@ -27,7 +27,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from importlib.metadata import version
@@ -152,10 +151,14 @@ class Collection:
     collector_peak_mb: float
 
 
-def collect(stack: Stack, agent: str, tasks: Path, out: Path, window: int, *extra: str) -> Collection:
+def collect(
+    stack: Stack, agent: str, tasks: Path, out: Path, window: int, *extra: str, keep: bool = False
+) -> Collection:
     """Run `gym-grpc collect` as its own process; the wall time is the one it reports
-    (from its start to the last rollout written, interpreter start-up not counted)."""
-    out.unlink(missing_ok=True)
+    (from its start to the last rollout written, interpreter start-up not counted).
+    `keep` resumes into an existing output instead of starting afresh."""
+    if not keep:
+        out.unlink(missing_ok=True)
     args = [
         _gym(),
         "collect",
@@ -269,6 +272,8 @@ def bench_latency(tmp: Path, in_flight: int, latency: float, peak_rate: float) -
 
 
 def bench_collector(tmp: Path, input_rows: int, limit: int, checkpoint: int) -> dict:
+    """Collect the first `checkpoint` rows of a large input, then resume the same
+    command up to `limit`; the servers' memory is read, idle, after each."""
     tasks = tmp / f"million_{input_rows}.jsonl"
     with tasks.open("w") as f:
         line = json.dumps(SINGLE_TURN_ROW) + "\n"
@@ -276,34 +281,23 @@ def bench_collector(tmp: Path, input_rows: int, limit: int, checkpoint: int) -> 
             f.write(line)
     stack = Stack(_write_config(tmp, 0.0))
     out = tmp / "million_out.jsonl"
-    memory_at_checkpoint: list[float] = []
-    done = threading.Event()
-
-    def watch() -> None:
-        while not done.is_set():
-            if out.exists() and sum(1 for _ in out.open("rb")) >= checkpoint:
-                memory_at_checkpoint.extend(stack.memory())
-                return
-            time.sleep(0.5)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
     try:
+        collect(stack, "single_turn_agent", tasks, out, 4096, "--limit", str(checkpoint))
+        at_checkpoint = stack.memory()
         before = stack.cpu()
-        run = collect(stack, "single_turn_agent", tasks, out, 4096, "--limit", str(limit))
+        run = collect(stack, "single_turn_agent", tasks, out, 4096, "--limit", str(limit), keep=True)
         cpu = stack.cpu() - before + run.collector_cpu
         at_end = stack.memory()
     finally:
-        done.set()
-        watcher.join()
         stack.stop()
     names = list(stack.servers)
     return {
         "input_rows": input_rows,
         "limit": limit,
+        "resumed_from": checkpoint,
         **_row(run, cpu),
         "collector_peak_rss_mb": round(run.collector_peak_mb, 1),
-        f"server_rss_mb_after_{checkpoint}": dict(zip(names, memory_at_checkpoint, strict=False)),
+        f"server_rss_mb_after_{checkpoint}": dict(zip(names, at_checkpoint, strict=False)),
         f"server_rss_mb_after_{limit}": dict(zip(names, at_end, strict=False)),
     }
 
@@ -361,14 +355,14 @@ def table(results: dict) -> str:
     )
     d = results["collector_1m"]
     lines.append(
-        f"| (d) collector on a {d['input_rows']:,}-row input, --limit {d['limit']:,} | peak RSS "
+        f"| (d) collector on a {d['input_rows']:,}-row input, --limit {d['limit']:,}, resuming "
+        f"after {d['resumed_from']:,} | peak RSS "
         f"{d['collector_peak_rss_mb']} MB, {d['rollouts_per_second']:,} rollouts/s "
         f"| {d['cpu_ms_per_rollout']} ms/rollout |"
     )
-    (mark, during), (_, after) = ((k, v) for k, v in d.items() if k.startswith("server_rss_mb_after_"))
-    checkpoint = int(mark.rsplit("_", 1)[1])
-    lines.append(f"| (d) server RSS MB after {checkpoint:,} rollouts, 4,096 in flight | {json.dumps(during)} | |")
-    lines.append(f"| (d) server RSS MB after all {d['rollouts']:,} rollouts | {json.dumps(after)} | |")
+    during, after = (v for k, v in d.items() if k.startswith("server_rss_mb_after_"))
+    lines.append(f"| (d) server RSS MB after {d['resumed_from']:,} rollouts | {json.dumps(during)} | |")
+    lines.append(f"| (d) server RSS MB after {d['limit']:,} rollouts | {json.dumps(after)} | |")
     s = results["startup"]
     lines.append(
         f"| `gym-grpc run` quickstart, start to all healthy | {s['seconds_median']} s "
