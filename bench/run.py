@@ -6,7 +6,8 @@
 What it measures, each in real processes on loopback:
   (a) raw_grpc         the limit: grpc.aio unary round trips/s, empty handler, rollout-sized payload
   (b) single_turn      collector -> agent -> model -> resources rollouts/s at windows 64, 1,024, 16,384
-      single_tool_call the weather workload (a tool call, then the answer) through the same stack
+      single_tool_call the weather workload (a tool call, then the answer) through the same stack,
+                       and through the vllm model server in front of bench/instant_engine.py
   (c) latency_16k      16,384 rollouts in flight against a model with 2 s of latency
   (d) collector_1m     the collector on a 1,000,000-row input (--limit 10,000, then resumed to
                        --limit 50,000), and the servers' memory, idle, after each
@@ -56,7 +57,7 @@ def _memory_mb(pid: int, key: str) -> float:
     return 0.0
 
 
-def _write_config(directory: Path, model_latency: float) -> Path:
+def _write_config(directory: Path, model_latency: float, engine_url: str | None = None) -> Path:
     agent = f"{REPO}/servers/agents/simple_agent/agent.py:SimpleAgent"
     config = {
         "registry": {"port": 0},
@@ -77,9 +78,36 @@ def _write_config(directory: Path, model_latency: float) -> Path:
             },
         },
     }
-    path = directory / f"bench_{model_latency}.yaml"
+    if engine_url is not None:  # the vllm model server in front of an engine that answers at once
+        config["servers"]["http_policy_model"] = {
+            "entrypoint": f"{REPO}/servers/models/vllm_model/server.py:VLLMModel",
+            "config": {"base_url": engine_url, "model": "instant", "return_token_ids": True},
+        }
+        config["servers"]["http_weather_agent"] = {
+            "entrypoint": agent,
+            "config": {"model_server": "http_policy_model", "resources_server": "weather"},
+        }
+    path = directory / f"bench_{model_latency}_{engine_url is not None}.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
     return path
+
+
+class InstantEngine:
+    """bench/instant_engine.py in its own process."""
+
+    def __init__(self, directory: Path) -> None:
+        port_file = directory / "engine_port"
+        self.process = subprocess.Popen([sys.executable, str(REPO / "bench/instant_engine.py"), str(port_file)])
+        while not port_file.exists() or not port_file.read_text():
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{port_file.read_text()}/v1"
+
+    def cpu(self) -> float:
+        return _cpu_seconds(self.process.pid)
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait()
 
 
 class Stack:
@@ -221,8 +249,9 @@ def bench_raw(calls: int, windows: list[int]) -> list[dict]:
     return results
 
 
-def bench_stack(tmp: Path, rollouts: int, windows: list[int], weather_rollouts: int) -> tuple[list[dict], dict]:
-    stack = Stack(_write_config(tmp, 0.0))
+def bench_stack(tmp: Path, rollouts: int, windows: list[int], weather_rollouts: int) -> tuple[list[dict], dict, dict]:
+    engine = InstantEngine(tmp)
+    stack = Stack(_write_config(tmp, 0.0, engine.url))
     try:
         single = []
         tasks = _tasks(tmp, "single_turn", [SINGLE_TURN_ROW], rollouts)
@@ -235,9 +264,14 @@ def bench_stack(tmp: Path, rollouts: int, windows: list[int], weather_rollouts: 
         before = stack.cpu()
         run = collect(stack, "weather_agent", tasks, tmp / "out.jsonl", 1024)
         weather = _row(run, stack.cpu() - before + run.collector_cpu, in_flight=1024)
+        before = stack.cpu() + engine.cpu()
+        run = collect(stack, "http_weather_agent", tasks, tmp / "out.jsonl", 1024)
+        cpu = stack.cpu() + engine.cpu() - before + run.collector_cpu
+        weather_http = _row(run, cpu, in_flight=1024)
     finally:
         stack.stop()
-    return single, weather
+        engine.stop()
+    return single, weather, weather_http
 
 
 def _row(run: Collection, cpu: float, **extra: int) -> dict:
@@ -348,6 +382,12 @@ def table(results: dict) -> str:
         f"| (b) single-tool-call rollouts (weather), 1,024 in flight | {w['rollouts_per_second']:,} rollouts/s, "
         f"{w['failed']} failed | {w['cpu_ms_per_rollout']} ms/rollout |"
     )
+    v = results.get("single_tool_call_vllm")
+    if v:
+        lines.append(
+            f"| (b) the same through the vllm model server and an instant local engine (HTTP, token ids) "
+            f"| {v['rollouts_per_second']:,} rollouts/s, {v['failed']} failed | {v['cpu_ms_per_rollout']} ms/rollout |"
+        )
     c = results["latency_16k"]
     lines.append(
         f"| (c) {c['in_flight']:,} in flight, model latency {c['model_latency_seconds']:g} s | {c['errors']} errors, "
@@ -406,7 +446,7 @@ def main() -> None:
         print("(a) raw gRPC ...", file=sys.stderr)
         results["raw_grpc"] = bench_raw(sizes["raw"], [64, 256, 1024])
         print("(b) single-turn and single-tool-call rollouts ...", file=sys.stderr)
-        results["single_turn"], results["single_tool_call"] = bench_stack(
+        results["single_turn"], results["single_tool_call"], results["single_tool_call_vllm"] = bench_stack(
             tmp, sizes["rollouts"], sizes["windows"], sizes["weather"]
         )
         peak = max(row["rollouts_per_second"] for row in results["single_turn"])
@@ -428,7 +468,8 @@ def main() -> None:
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(table(results))
     print(f"results: {path}", file=sys.stderr)
-    failures = [row for row in results["single_turn"] if row["failed"]] + (
+    rows = [*results["single_turn"], results["single_tool_call"], results["single_tool_call_vllm"]]
+    failures = [row for row in rows if row["failed"]] + (
         [results["latency_16k"]] if results["latency_16k"]["errors"] else []
     )
     if failures:

@@ -71,11 +71,16 @@ async def _run(config: GymConfig, grace: float) -> int:
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.argument("args", nargs=-1)
 @click.option("--grace", type=float, default=10.0, show_default=True, help="Seconds in-flight calls get at stop.")
-def run(args: tuple[str, ...], grace: float) -> None:
+@click.option(
+    "--env-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Secrets and variables, merged after the configs.  [default: ./env.yaml if it exists]",
+)
+def run(args: tuple[str, ...], grace: float, env_file: Path | None) -> None:
     """Start the servers of CONFIG files (then KEY=VALUE overrides) and serve the registry."""
     files, overrides = _split_args(args)
     try:
-        config = load_config(files, overrides)
+        config = load_config(files, overrides, env_file=env_file)
         sys.exit(asyncio.run(_run(config, grace)))
     except (ConfigError, StartupError) as e:
         raise click.ClickException(str(e)) from None

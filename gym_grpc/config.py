@@ -12,12 +12,22 @@
 
 A file may `include:` other files (relative to itself); they are merged
 before the file's own content. Later files and overrides win; mappings merge
-key by key, anything else is replaced. An override is `dotted.key=value`
-with the value read as YAML (`servers.weather_agent.config.max_steps=3`).
+key by key, anything else is replaced. Then `env.yaml` (in the current
+directory, or the file given) is merged: it is where secrets live. An
+override is `dotted.key=value` with the value read as YAML
+(`servers.weather_agent.config.max_steps=3`).
+
+Top-level keys other than `registry` and `servers` are variables, usually
+from env.yaml (`policy_base_url: http://gpu-node:8000/v1`). `${name}` in any
+string of the servers or the registry is replaced by the variable, or else by
+the environment variable of that name; a string that is only `${name}` takes
+the variable's type.
 """
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -121,15 +131,52 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     node[parts[-1]] = value
 
 
-def load_config(paths: Sequence[str | Path], overrides: Sequence[str] = ()) -> GymConfig:
-    """Load, merge and validate a configuration."""
+_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_SECTIONS = ("registry", "servers")
+
+
+def _interpolate(value: Any, variables: dict[str, Any], where: str) -> Any:
+    if isinstance(value, dict):
+        return {k: _interpolate(v, variables, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, list):
+        return [_interpolate(v, variables, f"{where}[{i}]") for i, v in enumerate(value)]
+    if not isinstance(value, str) or "${" not in value:
+        return value
+
+    def lookup(name: str) -> Any:
+        if name in variables:
+            return variables[name]
+        if name in os.environ:
+            return os.environ[name]
+        raise ConfigError(f"{where}: unknown variable ${{{name}}}; set it in env.yaml or in the environment")
+
+    whole = _VARIABLE.fullmatch(value)
+    if whole:
+        return lookup(whole.group(1))
+    return _VARIABLE.sub(lambda m: str(lookup(m.group(1))), value)
+
+
+def load_config(
+    paths: Sequence[str | Path], overrides: Sequence[str] = (), *, env_file: str | Path | None = None
+) -> GymConfig:
+    """Load, merge, interpolate and validate a configuration.
+
+    `env_file` defaults to `env.yaml` in the current directory when it exists."""
     data: dict[str, Any] = {}
     for path in paths:
         merge(data, _load_file(Path(path)))
+    env_path = Path(env_file) if env_file is not None else Path("env.yaml")
+    if env_file is not None or env_path.exists():
+        merge(data, _load_file(env_path))
     for override in overrides:
         apply_override(data, override)
+    variables = {k: v for k, v in data.items() if k not in _SECTIONS}
+    for name, value in variables.items():
+        if isinstance(value, dict | list):
+            raise ConfigError(f"{name}: a top-level key other than registry and servers is a variable: a scalar")
+    sections = {k: _interpolate(data[k], variables, k) for k in _SECTIONS if k in data}
     try:
-        return GymConfig.model_validate(data)
+        return GymConfig.model_validate(sections)
     except ValidationError as e:
         problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
         raise ConfigError(f"invalid configuration: {problems}") from None

@@ -176,22 +176,23 @@ _CALL_KEYS = frozenset({"type", "id", "call_id", "name", "arguments", "status"})
 _CALL_OUTPUT_KEYS = frozenset({"type", "id", "call_id", "output", "status"})
 
 
-def _content_part(obj: Any, path: str) -> r.ContentPart:
+def _content_part(obj: Any, path: str, strict: bool = True) -> r.ContentPart:
     kind = _obj(obj, path).get("type")
     part = r.ContentPart()
+    known = (lambda keys: frozenset(keys)) if strict else (lambda keys: None)
     if kind == "input_text":
-        _obj(obj, path, frozenset({"type", "text"}))
+        _obj(obj, path, known({"type", "text"}))
         part.input_text.text = _str(obj.get("text"), f"{path}.text")
     elif kind == "output_text":
-        _obj(obj, path, frozenset({"type", "text", "annotations"}))
+        _obj(obj, path, known({"type", "text", "annotations"}))
         part.output_text.text = _str(obj.get("text"), f"{path}.text")
         for i, a in enumerate(_list(obj.get("annotations") or [], f"{path}.annotations")):
             part.output_text.annotations.append(_struct(a, f"{path}.annotations[{i}]"))
     elif kind == "refusal":
-        _obj(obj, path, frozenset({"type", "refusal"}))
+        _obj(obj, path, known({"type", "refusal"}))
         part.refusal.refusal = _str(obj.get("refusal"), f"{path}.refusal")
     elif kind == "input_image":
-        _obj(obj, path, frozenset({"type", "image_url", "file_id", "detail"}))
+        _obj(obj, path, known({"type", "image_url", "file_id", "detail"}))
         for key in ("image_url", "file_id", "detail"):
             if obj.get(key) is not None:
                 setattr(part.input_image, key, _str(obj[key], f"{path}.{key}"))
@@ -200,13 +201,16 @@ def _content_part(obj: Any, path: str) -> r.ContentPart:
     return part
 
 
-def item_from_json(obj: Any, path: str = "item") -> r.Item:
-    """One input or output item. A dict without "type" but with "role" is a message."""
+def item_from_json(obj: Any, path: str = "item", strict: bool = True) -> r.Item:
+    """One input or output item. A dict without "type" but with "role" is a message.
+
+    `strict` rejects keys outside the schema (for rows); an engine's answer is
+    read with strict=False, which ignores them."""
     obj = _obj(obj, path)
     kind = obj.get("type", "message" if "role" in obj else None)
     item = r.Item()
     if kind == "message":
-        _obj(obj, path, _MESSAGE_KEYS)
+        _obj(obj, path, _MESSAGE_KEYS if strict else None)
         m = item.message
         m.SetInParent()
         m.role = _enum(ROLES, obj.get("role"), f"{path}.role")
@@ -215,7 +219,7 @@ def item_from_json(obj: Any, path: str = "item") -> r.Item:
             m.text = content
         elif isinstance(content, list):
             m.parts.SetInParent()
-            m.parts.items.extend(_content_part(p, f"{path}.content[{i}]") for i, p in enumerate(content))
+            m.parts.items.extend(_content_part(p, f"{path}.content[{i}]", strict) for i, p in enumerate(content))
         else:
             raise RowError(f"{path}.content", f"expected a string or a list, got {_type_name(content)}")
         if obj.get("id") is not None:
@@ -224,7 +228,7 @@ def item_from_json(obj: Any, path: str = "item") -> r.Item:
             m.status = _enum(ITEM_STATUSES, obj["status"], f"{path}.status")
         _tokens(m, obj, path)
     elif kind == "reasoning":
-        _obj(obj, path, _REASONING_KEYS)
+        _obj(obj, path, _REASONING_KEYS if strict else None)
         rs = item.reasoning
         rs.SetInParent()
         for key, target, part_type in (
@@ -232,7 +236,7 @@ def item_from_json(obj: Any, path: str = "item") -> r.Item:
             ("content", rs.content, "reasoning_text"),
         ):
             for i, p in enumerate(_list(obj.get(key) or [], f"{path}.{key}")):
-                p = _obj(p, f"{path}.{key}[{i}]", frozenset({"type", "text"}))
+                p = _obj(p, f"{path}.{key}[{i}]", frozenset({"type", "text"}) if strict else None)
                 if p.get("type", part_type) != part_type:
                     raise RowError(f"{path}.{key}[{i}].type", f"expected {part_type!r}, got {p['type']!r}")
                 target.add(text=_str(p.get("text"), f"{path}.{key}[{i}].text"))
@@ -244,7 +248,7 @@ def item_from_json(obj: Any, path: str = "item") -> r.Item:
             rs.status = _enum(ITEM_STATUSES, obj["status"], f"{path}.status")
         _tokens(rs, obj, path)
     elif kind == "function_call":
-        _obj(obj, path, _CALL_KEYS)
+        _obj(obj, path, _CALL_KEYS if strict else None)
         fc = item.function_call
         fc.SetInParent()
         for key in ("call_id", "name", "arguments"):
@@ -255,7 +259,7 @@ def item_from_json(obj: Any, path: str = "item") -> r.Item:
             fc.status = _enum(ITEM_STATUSES, obj["status"], f"{path}.status")
         _tokens(fc, obj, path)
     elif kind == "function_call_output":
-        _obj(obj, path, _CALL_OUTPUT_KEYS)
+        _obj(obj, path, _CALL_OUTPUT_KEYS if strict else None)
         out = item.function_call_output
         out.SetInParent()
         out.call_id = _str(obj.get("call_id"), f"{path}.call_id")
@@ -416,7 +420,7 @@ def response_from_json(obj: Any, path: str = "response") -> r.Response:
     if obj.get("status") is not None:
         resp.status = _enum(RESPONSE_STATUSES, obj["status"], f"{path}.status")
     resp.output.extend(
-        item_from_json(item, f"{path}.output[{i}]")
+        item_from_json(item, f"{path}.output[{i}]", strict=False)
         for i, item in enumerate(_list(obj.get("output", []), f"{path}.output"))
     )
     if obj.get("usage") is not None:
@@ -502,9 +506,12 @@ def _common(out: JSON, item: Any) -> JSON:
     return out
 
 
-def item_to_json(item: r.Item) -> JSON:
-    """One item in the canonical Responses JSON (always with its "type")."""
+def item_to_json(item: r.Item, training: bool = True) -> JSON:
+    """One item in the canonical Responses JSON (always with its "type").
+
+    `training=False` leaves out the token fields, which engines do not accept."""
     kind = item.WhichOneof("item")
+    tokens = _dump_tokens if training else (lambda inner, out: out)
     if kind == "message":
         m = item.message
         out: JSON = {"type": "message", "role": ROLE_NAMES.get(m.role, "user")}
@@ -512,7 +519,7 @@ def item_to_json(item: r.Item) -> JSON:
             out["content"] = m.text
         else:
             out["content"] = [_content_part_to_json(p) for p in m.parts.items]
-        return _dump_tokens(m, _common(out, m))
+        return tokens(m, _common(out, m))
     if kind == "reasoning":
         rs = item.reasoning
         out = {"type": "reasoning", "summary": [{"type": "summary_text", "text": s.text} for s in rs.summary]}
@@ -520,11 +527,11 @@ def item_to_json(item: r.Item) -> JSON:
             out["content"] = [{"type": "reasoning_text", "text": c.text} for c in rs.content]
         if rs.HasField("encrypted_content"):
             out["encrypted_content"] = rs.encrypted_content
-        return _dump_tokens(rs, _common(out, rs))
+        return tokens(rs, _common(out, rs))
     if kind == "function_call":
         fc = item.function_call
         out = {"type": "function_call", "call_id": fc.call_id, "name": fc.name, "arguments": fc.arguments}
-        return _dump_tokens(fc, _common(out, fc))
+        return tokens(fc, _common(out, fc))
     if kind == "function_call_output":
         fo = item.function_call_output
         return _common({"type": "function_call_output", "call_id": fo.call_id, "output": fo.output}, fo)
@@ -591,13 +598,13 @@ def _echoed_params(msg: r.CreateParams | r.Response, out: JSON) -> JSON:
     return out
 
 
-def params_to_json(params: r.CreateParams) -> JSON:
-    """A CreateParams as a `responses_create_params` object."""
+def params_to_json(params: r.CreateParams, training: bool = True) -> JSON:
+    """A CreateParams as a `responses_create_params` object (see item_to_json for `training`)."""
     out: JSON = {}
     if params.WhichOneof("input") == "input_text":
         out["input"] = params.input_text
     else:
-        out["input"] = [item_to_json(i) for i in params.input_items.items]
+        out["input"] = [item_to_json(i, training) for i in params.input_items.items]
     _echoed_params(params, out)
     if params.model:
         out["model"] = params.model

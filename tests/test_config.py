@@ -79,3 +79,37 @@ def test_a_bad_server_config_block_names_the_field():
     with pytest.raises(ConfigError) as error:
         SimpleAgent({"model_server": "m", "resources_server": "r", "max_steps": 0}, name="agent")
     assert "server 'agent': config.max_steps" in str(error.value)
+
+
+def test_env_yaml_supplies_variables_that_servers_interpolate(tmp_path, monkeypatch):
+    config = _write(
+        tmp_path / "model.yaml",
+        "servers:\n  m:\n    entrypoint: a:B\n"
+        "    config: {base_url: '${policy_base_url}/v1', api_key: '${policy_api_key}', port: '${engine_port}',"
+        " user: '${LOGNAME_FOR_TEST}'}\n",
+    )
+    _write(tmp_path / "env.yaml", "policy_base_url: http://gpu:8000\npolicy_api_key: sk-secret\nengine_port: 8000\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LOGNAME_FOR_TEST", "me")
+    spec = load_config([config]).servers["m"]
+    assert spec.config == {"base_url": "http://gpu:8000/v1", "api_key": "sk-secret", "port": 8000, "user": "me"}
+
+
+def test_an_unknown_variable_names_where_it_is_used(tmp_path):
+    config = _write(tmp_path / "c.yaml", "servers:\n  m:\n    entrypoint: a:B\n    config: {url: '${nowhere}'}\n")
+    with pytest.raises(ConfigError) as error:
+        load_config([config], env_file=_write(tmp_path / "secrets.yaml", "other: 1\n"))
+    assert "servers.m.config.url: unknown variable ${nowhere}" in str(error.value)
+
+
+@pytest.mark.parametrize("name", ["vllm.yaml", "openai.yaml"])
+def test_the_engine_configs_validate_with_the_env_yaml_keys(tmp_path, name):
+    env = _write(
+        tmp_path / "env.yaml",
+        "policy_base_url: http://gpu:8000/v1\npolicy_api_key: sk-x\npolicy_model_name: Qwen/Qwen3-4B\n",
+    )
+    config = load_config([REPO / "configs" / name, REPO / "servers/resources/math/config.yaml"], env_file=env)
+    spec = config.servers["policy_model"]
+    server = load_entrypoint(spec.entrypoint)(spec.config, name="policy_model")
+    assert server.config.base_url == ["http://gpu:8000/v1"] and server.config.api_key == "sk-x"
+    assert config.servers["math_agent"].config["model_server"] == "policy_model"

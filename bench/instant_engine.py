@@ -1,0 +1,100 @@
+"""An OpenAI-compatible engine that answers at once, for benchmarking model servers.
+
+    python bench/instant_engine.py PORT_FILE
+
+It serves `/v1/chat/completions` in vLLM's wire format, token fields included
+(byte-level ids, one log-prob per generated token): with tools and no tool
+output yet it calls the first tool with the capitalised words of the last
+user message as its first argument; after a tool output it answers with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sys
+import time
+import uuid
+
+from aiohttp import web
+
+
+def _ids(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def _prompt(messages: list[dict]) -> list[int]:
+    """ChatML-like; an assistant turn renders as it was generated, so prompts extend earlier turns."""
+    ids: list[int] = []
+    for message in messages:
+        text = message.get("content") or ""
+        text += "".join(c["function"]["arguments"] for c in message.get("tool_calls") or [])
+        ids += [256, *_ids(f"{message['role']}\n{text}"), 257]
+    return ids + [256, *_ids("assistant\n")]
+
+
+async def chat(request: web.Request) -> web.Response:
+    body = await request.json()
+    messages = body["messages"]
+    last = messages[-1]
+    calls = []
+    if last["role"] == "tool":
+        content = f"According to the tool: {last['content']}"
+    elif body.get("tools"):
+        tool = body["tools"][0]["function"]
+        user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+        words = re.findall(r"\b[A-Z][a-z]+(?:\s+[A-Z][a-z]+)*", str(user)[1:])
+        argument = next(iter(tool.get("parameters", {}).get("properties", {})), "query")
+        arguments = json.dumps({argument: words[-1] if words else ""})
+        calls = [
+            {
+                "id": f"call_{uuid.uuid4().hex[:12]}",
+                "type": "function",
+                "function": {"name": tool["name"], "arguments": arguments},
+            }
+        ]
+        content = ""
+    else:
+        content = "I do not know."
+    generated = _ids(content + "".join(c["function"]["arguments"] for c in calls)) + [257]
+    prompt = _prompt(messages)
+    choice: dict = {
+        "index": 0,
+        "finish_reason": "tool_calls" if calls else "stop",
+        "message": {"role": "assistant", "content": content or None, "tool_calls": calls},
+    }
+    answer: dict = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body.get("model"),
+        "choices": [choice],
+        "usage": {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(generated),
+            "total_tokens": len(prompt) + len(generated),
+        },
+    }
+    if body.get("logprobs"):
+        choice["logprobs"] = {"content": [{"token": f"token_id:{t}", "logprob": -0.1} for t in generated]}
+    if body.get("return_token_ids"):
+        answer["prompt_token_ids"] = prompt
+        choice["token_ids"] = generated
+    return web.json_response(answer)
+
+
+async def main(port_file: str) -> None:
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, backlog=8192)
+    await site.start()
+    with open(port_file, "w") as f:
+        f.write(str(site._server.sockets[0].getsockname()[1]))  # type: ignore[union-attr]
+    await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1]))

@@ -1,0 +1,297 @@
+"""The Chat Completions model server against a fake vLLM speaking the real wire format."""
+
+import asyncio
+import logging
+import time
+
+import grpc
+import pytest
+
+from gym_grpc import errors
+from gym_grpc.clients import AgentClient, ModelClient
+from gym_grpc.responses import final_text, function_calls, user_message
+from gym_grpc.v1 import responses_pb2 as r
+from gym_grpc.v1 import task_pb2
+from servers.agents.simple_agent.agent import SimpleAgent
+from servers.models.vllm_model import chat
+from servers.models.vllm_model.server import VLLMModel
+from tests.fake_engine import FakeEngine, Turn
+from tests.support import Calculator, static_registry, task
+
+FAST_RETRIES = {"backoff_seconds": 0.01, "max_backoff_seconds": 0.05}
+
+
+@pytest.fixture
+async def engine():
+    engines = []
+
+    async def make(*args, **kwargs) -> FakeEngine:
+        fake = FakeEngine(*args, **kwargs)
+        await fake.start()
+        engines.append(fake)
+        return fake
+
+    yield make
+    for fake in engines:
+        await fake.stop()
+
+
+async def _model(start, fake, **config) -> ModelClient:
+    settings = {"base_url": fake.base_url, "model": "policy", "api_key": "sk-test", **FAST_RETRIES, **config}
+    server = await start(VLLMModel(settings, name="model"))
+    return ModelClient(static_registry(model=server), "model")
+
+
+def _params(text="What is 2 + 3?", **fields) -> r.CreateParams:
+    params = r.CreateParams(**fields)
+    params.input_items.items.append(user_message(text))
+    return params
+
+
+async def test_a_multi_turn_tool_conversation_round_trips_the_token_ids(start, engine):
+    fake = await engine(
+        [
+            Turn(content="<think>I should add.</think>", tool_calls=[("add", '{"a": 2, "b": 3}')]),
+            Turn(content="<think>It is 5.</think>The answer is 5."),
+        ]
+    )
+    model = await start(VLLMModel({"base_url": fake.base_url, "model": "policy", "return_token_ids": True}, name="m"))
+    env = await start(Calculator())
+    agent = await start(
+        SimpleAgent(
+            {"model_server": "m", "resources_server": "calc"}, name="a", registry=static_registry(m=model, calc=env)
+        )
+    )
+    client = AgentClient(static_registry(agent=agent), "agent")
+    rollout = await client.run(task("What is 2 + 3?", expected_answer=5), timeout=30)
+    kinds = [i.WhichOneof("item") for i in rollout.response.output]
+    assert kinds == ["reasoning", "function_call", "function_call_output", "reasoning", "message"]
+    assert rollout.reward == 1.0 and rollout.response.output[2].function_call_output.output == "5"
+    # The engine saw the first turn folded into one assistant message, reasoning back in its tags.
+    second = fake.requests[1]["messages"]
+    assert [m["role"] for m in second] == ["user", "assistant", "tool"]
+    assert second[1]["content"] == "<think>I should add.</think>"
+    assert second[1]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 2, "b": 3}'}
+    assert second[2]["tool_call_id"] == rollout.response.output[1].function_call.call_id
+    assert all(request["return_token_ids"] and request["return_tokens_as_token_ids"] for request in fake.requests)
+    # Token ids sit on the last item of each turn, and turn 2's prompt extends turn 1.
+    first, last = rollout.response.output[1].function_call, rollout.response.output[4].message
+    assert len(first.generation_log_probs) == len(first.generation_token_ids) > 0
+    prefix = list(first.prompt_token_ids) + list(first.generation_token_ids)
+    assert list(last.prompt_token_ids)[: len(prefix)] == prefix
+    assert not rollout.response.output[0].reasoning.generation_token_ids
+    await client.registry.close()
+
+
+async def test_reasoning_is_read_from_the_field_or_from_the_tags(start, engine):
+    fake = await engine(
+        [
+            Turn(content="Five.", reasoning_field="two plus three"),
+            Turn(content="[[thinking]]add them[[/thinking]]Five."),
+            Turn(content="add them</think>Five."),
+        ]
+    )
+    model = await _model(start, fake, reasoning_tags=["[[thinking]]", "[[/thinking]]"])
+    for expected_close in ("two plus three", "add them"):
+        response = await model.create_response(_params(), "s")
+        assert response.output[0].reasoning.summary[0].text == expected_close
+        assert final_text(response) == "Five."
+    model = await _model(start, fake)
+    response = await model.create_response(_params(), "s")  # started inside the reasoning: no opening tag
+    assert response.output[0].reasoning.summary[0].text == "add them" and final_text(response) == "Five."
+    await model.registry.close()
+
+
+async def test_length_truncation_makes_an_incomplete_response(start, engine):
+    fake = await engine([Turn(content="a rather long answer")])
+    model = await _model(start, fake, return_token_ids=True)
+    response = await model.create_response(_params(max_output_tokens=5), "s")
+    assert fake.requests[0]["max_tokens"] == 5
+    assert response.status == r.RESPONSE_STATUS_INCOMPLETE
+    assert response.incomplete_details.reason == r.INCOMPLETE_REASON_MAX_OUTPUT_TOKENS
+    assert final_text(response) == "a rat"
+    assert len(response.output[-1].message.generation_token_ids) == 5
+    await model.registry.close()
+
+
+async def test_a_context_length_error_ends_the_rollout_instead_of_failing_it(start, engine):
+    fake = await engine([Turn(content="never")], max_model_len=10)
+    model = await _model(start, fake)
+    response = await model.create_response(_params(), "s")
+    assert response.status == r.RESPONSE_STATUS_INCOMPLETE
+    assert response.incomplete_details.reason == r.INCOMPLETE_REASON_MAX_OUTPUT_TOKENS
+    await model.registry.close()
+
+
+async def test_a_429_storm_recovers_and_every_retry_is_logged(start, engine, caplog):
+    fake = await engine([Turn(content="fine")])
+    fake.fail_next = [429, 429, 503, 429]
+    model = await _model(start, fake)
+    caplog.set_level(logging.WARNING, logger="gym_grpc.engines")
+    response = await model.create_response(_params(), "s")
+    assert final_text(response) == "fine" and len(fake.requests) == 5
+    retries = [rec.getMessage() for rec in caplog.records if "retrying" in rec.getMessage()]
+    assert len(retries) == 4
+    assert "HTTP 429" in retries[0] and "attempt 1 of 6" in retries[0] and "HTTP 503" in retries[2]
+    await model.registry.close()
+
+
+async def test_retries_are_bounded_then_unavailable(start, engine):
+    fake = await engine([Turn(content="never")])
+    fake.fail_next = [503] * 10
+    model = await _model(start, fake, max_retries=2)
+    with pytest.raises(errors.Unavailable) as error:
+        await model.create_response(_params(), "s")
+    assert "failed 3 times" in error.value.message and "HTTP 503" in error.value.message
+    assert len(fake.requests) == 3
+    await model.registry.close()
+
+
+async def test_an_engine_that_never_answers_fails_in_bounded_time(start, engine):
+    fake = await engine()
+    fake.hang = True
+    model = await _model(start, fake, read_timeout=0.3, max_retries=1)
+    began = time.monotonic()
+    with pytest.raises(errors.Unavailable) as error:
+        await model.create_response(_params(), "s")
+    assert "failed 2 times" in error.value.message and time.monotonic() - began < 5
+    # With the caller's deadline shorter than the read timeout, the deadline wins.
+    patient = await _model(start, fake, read_timeout=60)
+    began = time.monotonic()
+    with pytest.raises(errors.DeadlineExceeded):
+        await patient._call("CreateResponse", _request(), timeout=0.5)
+    assert time.monotonic() - began < 5
+    await model.registry.close()
+    await patient.registry.close()
+
+
+def _request():
+    from gym_grpc.v1 import model_service_pb2
+
+    return model_service_pb2.CreateResponseRequest(params=_params())
+
+
+async def test_an_engine_that_is_down_is_unavailable(start):
+    model = await start(
+        VLLMModel({"base_url": "http://127.0.0.1:1/v1", "model": "p", "max_retries": 1, **FAST_RETRIES}, name="m")
+    )
+    client = ModelClient(static_registry(m=model), "m")
+    with pytest.raises(errors.Unavailable) as error:
+        await client.create_response(_params(), "s")
+    assert "127.0.0.1:1" in error.value.message
+    await client.registry.close()
+
+
+async def test_4000_concurrent_requests_through_one_model_server(start, engine):
+    fake = await engine([Turn(content="ok")])
+    model = await _model(start, fake, return_token_ids=True)
+    replies = await asyncio.gather(
+        *(model.create_response(_params(), f"s{i}") for i in range(4000)), return_exceptions=True
+    )
+    failures = [x for x in replies if isinstance(x, BaseException)]
+    assert not failures, failures[:3]
+    assert len(fake.requests) == 4000
+    assert all(final_text(x) == "ok" and x.output[-1].message.generation_token_ids for x in replies)
+    await model.registry.close()
+
+
+async def test_token_sources_that_disagree_are_an_error(start, engine):
+    fake = await engine([Turn(content="ok")])
+    fake.disagree = True
+    model = await _model(start, fake, return_token_ids=True)
+    with pytest.raises(errors.GymError) as error:
+        await model.create_response(_params(), "s")
+    assert error.value.code == grpc.StatusCode.INTERNAL and "disagree" in error.value.message
+    await model.registry.close()
+
+
+async def _two_turns(model) -> r.Response:
+    params = _params()
+    first = await model.create_response(params, "s")
+    params.input_items.items.extend(first.output)
+    params.input_items.items.append(user_message("And 3 + 4?"))
+    return await model.create_response(params, "s")
+
+
+async def test_a_template_that_rewrites_history_is_caught_unless_the_prefix_is_required(start, engine):
+    turns = [Turn(content="<think>hm</think>5"), Turn(content="7")]
+    fake = await engine(turns, strip_history_reasoning=True)
+    checking = await _model(start, fake, return_token_ids=True)
+    with pytest.raises(errors.FailedPrecondition) as error:
+        await _two_turns(checking)
+    assert "part from the earlier turns' ids" in error.value.message
+    fake.requests.clear()
+    requiring = await _model(start, fake, return_token_ids=True, prefix_token_ids="require")
+    second = await _two_turns(requiring)
+    sent = fake.requests[1]["required_prefix_token_ids"]
+    assert list(second.output[-1].message.prompt_token_ids)[: len(sent)] == sent
+    await checking.registry.close()
+    await requiring.registry.close()
+
+
+async def test_prompt_ids_come_from_tokenize_when_the_engine_does_not_return_them(start, engine):
+    fake = await engine([Turn(content="ok")])
+    fake.without_token_ids = True  # an older vLLM
+    model = await _model(start, fake, return_token_ids=True)
+    response = await model.create_response(_params(), "s")
+    carrier = response.output[-1].message
+    assert list(carrier.prompt_token_ids) == fake.render(fake.requests[0]["messages"], True)
+    assert len(carrier.generation_token_ids) == len(carrier.generation_log_probs) > 0
+    await model.registry.close()
+
+
+async def test_a_session_sticks_to_one_engine_and_sessions_spread(start, engine):
+    engines = [await engine([Turn(content="a")]), await engine([Turn(content="b")])]
+    server = await start(VLLMModel({"base_url": [e.base_url for e in engines], "model": "p"}, name="m"))
+    model = ModelClient(static_registry(m=server), "m")
+    answers = {}
+    for i in range(20):
+        answers[i] = {final_text(await model.create_response(_params(), f"session-{i}")) for _ in range(3)}
+    assert all(len(seen) == 1 for seen in answers.values())  # each session always saw one engine
+    assert {next(iter(seen)) for seen in answers.values()} == {"a", "b"}
+    await model.registry.close()
+
+
+def test_the_request_folds_system_messages_nests_tools_and_maps_parameters():
+    params = r.CreateParams(instructions="Be brief.", temperature=0.5, max_output_tokens=64)
+    params.reasoning.effort = "high"
+    params.input_items.items.add().message.CopyFrom(r.Message(role=r.ROLE_DEVELOPER, text="Use tools."))
+    params.input_items.items.append(user_message("hi"))
+    tool = params.tools.add().function
+    tool.name, tool.description = "add", "Add."
+    tool.parameters.update({"type": "object"})
+    params.tool_choice.function_name = "add"
+    params.extra.update({"top_k": 20})
+    body = chat.to_request(params, "policy", ("<think>", "</think>"))
+    assert body["messages"] == [
+        {"role": "system", "content": "Be brief.\n\nUse tools."},
+        {"role": "user", "content": "hi"},
+    ]
+    assert body["tools"] == [
+        {"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {"type": "object"}}}
+    ]
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "add"}}
+    assert (body["max_tokens"], body["temperature"], body["reasoning_effort"], body["top_k"]) == (64, 0.5, "high", 20)
+    assert body["model"] == "policy"
+
+
+async def test_the_api_key_goes_as_a_bearer_token(start, engine):
+    fake = await engine([Turn(content="ok")])
+    model = await _model(start, fake)
+    await model.create_response(_params(), "s")
+    assert fake.headers[0]["Authorization"] == "Bearer sk-test"
+    fake.fail_next = [401]
+    with pytest.raises(errors.FailedPrecondition) as error:
+        await model.create_response(_params(), "s")
+    assert "check the API key" in error.value.message
+    await model.registry.close()
+
+
+def test_a_rollout_row_with_the_answer_is_valid():
+    answer = {
+        "choices": [{"message": {"content": "hi", "tool_calls": []}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+    }
+    response = chat.to_response(answer, ("<think>", "</think>"))
+    assert function_calls(response) == [] and response.usage.total_tokens == 4
+    assert task_pb2.Rollout(response=response).response.output[0].message.role == r.ROLE_ASSISTANT

@@ -1,0 +1,244 @@
+"""An OpenAI-compatible inference engine for tests: a real aiohttp HTTP server.
+
+It speaks the wire format of vLLM's `/v1/chat/completions` (with its token
+fields: `logprobs` + `return_tokens_as_token_ids` give "token_id:N" tokens,
+`return_token_ids` gives `prompt_token_ids` and `choices[].token_ids`,
+`required_prefix_token_ids` as NeMo RL's vLLM accepts it), `/tokenize`, and
+OpenAI's `/v1/responses`. Its "model" is a script of turns; its tokenizer is
+byte-level with a ChatML template, so prompt ids are real functions of the
+messages. Faults on demand: HTTP errors for the first N requests, hanging,
+a context limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+IM_START, IM_END = 256, 257
+
+
+def encode(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+@dataclass
+class Turn:
+    """What the scripted model says in one call."""
+
+    content: str = ""
+    tool_calls: list[tuple[str, str]] = field(default_factory=list)
+    #: Reasoning returned in the message's reasoning field (as with a reasoning parser).
+    reasoning_field: str | None = None
+
+
+class FakeEngine:
+    def __init__(
+        self,
+        turns: list[Turn] | Callable[[dict], Turn] | None = None,
+        *,
+        strip_history_reasoning: bool = False,
+        max_model_len: int = 1_000_000,
+        delay: float = 0.0,
+    ) -> None:
+        self.turns = turns or [Turn(content="ok")]
+        self.strip_history_reasoning = strip_history_reasoning
+        self.max_model_len = max_model_len
+        self.delay = delay
+        self.requests: list[dict] = []
+        self.headers: list[dict] = []
+        self.fail_next: list[int] = []  # statuses to answer the next requests with
+        self.hang = False
+        self.disagree = False  # token_ids and log-prob tokens that differ
+        self.without_token_ids = False  # an older vLLM: no return_token_ids
+        self.runner: web.AppRunner | None = None
+        self.base_url = ""
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/responses", self._responses)
+        app.router.add_post("/tokenize", self._tokenize)
+        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0, backlog=8192)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.base_url = f"http://127.0.0.1:{port}/v1"
+        return self.base_url
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    # --- the tokenizer and template ----------------------------------------
+
+    def render(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        ids: list[int] = []
+        last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+        for position, message in enumerate(messages):
+            content = message.get("content") or ""
+            if isinstance(content, list):
+                content = "".join(p.get("text", "") for p in content)
+            if message["role"] == "assistant":
+                if self.strip_history_reasoning and position < last_user and "</think>" in content:
+                    content = content.split("</think>", 1)[1]
+                for call in message.get("tool_calls") or []:
+                    function = call["function"]
+                    content += (
+                        f'<tool_call>{{"name": "{function["name"]}", "arguments": {function["arguments"]}}}</tool_call>'
+                    )
+                ids += [IM_START, *encode("assistant\n" + content), IM_END, *encode("\n")]
+            else:
+                ids += [IM_START, *encode(f"{message['role']}\n{content}"), IM_END, *encode("\n")]
+        if add_generation_prompt:
+            ids += [IM_START, *encode("assistant\n")]
+        return ids
+
+    # --- endpoints -----------------------------------------------------------
+
+    async def _gate(self, request: web.Request) -> tuple[dict, web.Response | None]:
+        body = await request.json()
+        self.requests.append(body)
+        self.headers.append(dict(request.headers))
+        if self.hang:
+            await asyncio.sleep(3600)
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        if self.fail_next:
+            status = self.fail_next.pop(0)
+            return body, web.json_response({"error": {"message": f"injected {status}", "code": status}}, status=status)
+        return body, None
+
+    def _next_turn(self, body: dict) -> Turn:
+        if callable(self.turns):
+            return self.turns(body)
+        index = min(sum(1 for _ in self.requests) - 1, len(self.turns) - 1)
+        return self.turns[index]
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        body, failed = await self._gate(request)
+        if failed is not None:
+            return failed
+        prompt = self.render(body["messages"], add_generation_prompt=True)
+        prefix = body.get("required_prefix_token_ids")
+        if prefix:
+            prompt = list(prefix) + prompt[len(prefix) :]
+        limit = body.get("max_tokens")
+        if len(prompt) + (limit or 0) > self.max_model_len:
+            message = (
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(prompt) + (limit or 0)} tokens. Please reduce the length of the messages or completion."
+            )
+            return web.json_response(
+                {"object": "error", "message": message, "type": "BadRequestError", "code": 400}, status=400
+            )
+        turn = self._next_turn(body)
+        calls = [
+            {"id": f"chatcmpl-tool-{uuid.uuid4().hex[:8]}", "type": "function", "function": {"name": n, "arguments": a}}
+            for n, a in turn.tool_calls
+        ]
+        text = turn.content + "".join(
+            f'<tool_call>{{"name": "{c["function"]["name"]}", "arguments": {c["function"]["arguments"]}}}</tool_call>'
+            for c in calls
+        )
+        generated = encode(text) + [IM_END]
+        finish = "tool_calls" if calls else "stop"
+        content = turn.content
+        if limit is not None and len(generated) > limit:
+            generated, finish, calls = generated[:limit], "length", []
+            content = bytes(generated).decode("utf-8", "ignore")
+        message: dict[str, Any] = {"role": "assistant", "content": content or None, "tool_calls": calls}
+        if turn.reasoning_field is not None:
+            message["reasoning_content"] = turn.reasoning_field
+        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish}
+        if body.get("logprobs"):
+            as_ids = body.get("return_tokens_as_token_ids")
+            tokens = [t + 1 if self.disagree and i == 0 else t for i, t in enumerate(generated)]
+            choice["logprobs"] = {
+                "content": [
+                    {
+                        "token": f"token_id:{t}" if as_ids else chr(t % 256),
+                        "logprob": -0.01 * (i % 7),
+                        "top_logprobs": [],
+                    }
+                    for i, t in enumerate(tokens)
+                ]
+            }
+        answer: dict[str, Any] = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model", "fake"),
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(generated),
+                "total_tokens": len(prompt) + len(generated),
+            },
+        }
+        if body.get("return_token_ids") and not self.without_token_ids:
+            answer["prompt_token_ids"] = prompt
+            choice["token_ids"] = generated
+        return web.json_response(answer)
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        tokens = self.render(body["messages"], body.get("add_generation_prompt", False))
+        return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len})
+
+    async def _responses(self, request: web.Request) -> web.Response:
+        body, failed = await self._gate(request)
+        if failed is not None:
+            return failed
+        turn = self._next_turn(body)
+        output: list[dict] = []
+        if turn.content:
+            output.append(
+                {
+                    "type": "message",
+                    "id": f"msg_{uuid.uuid4().hex}",
+                    "role": "assistant",
+                    "status": "completed",
+                    "content": [{"type": "output_text", "text": turn.content, "annotations": [], "logprobs": []}],
+                }
+            )
+        for name, arguments in turn.tool_calls:
+            output.append(
+                {
+                    "type": "function_call",
+                    "id": f"fc_{uuid.uuid4().hex}",
+                    "call_id": f"call_{uuid.uuid4().hex}",
+                    "name": name,
+                    "arguments": arguments,
+                    "status": "completed",
+                }
+            )
+        answer = {
+            "id": f"resp_{uuid.uuid4().hex}",
+            "object": "response",
+            "created_at": time.time(),
+            "model": body.get("model"),
+            "status": "completed",
+            "output": output,
+            "usage": {
+                "input_tokens": 11,
+                "output_tokens": 7,
+                "total_tokens": 18,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": 0},
+            },
+            "tool_choice": "auto",
+            "tools": body.get("tools", []),
+            "parallel_tool_calls": True,
+            "store": False,
+            "service_tier": "default",
+            "text": {"format": {"type": "text"}, "verbosity": "medium"},
+        }
+        return web.json_response(answer)
