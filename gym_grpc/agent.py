@@ -63,8 +63,9 @@ class AgentServer(GymServer):
 
     role = reg.SERVER_ROLE_AGENT
 
-    async def run(self, task: task_pb2.Task, events: RolloutEvents) -> task_pb2.Rollout:
-        """Roll the task out to the end and return it verified, reporting steps to `events`."""
+    async def run(self, task: task_pb2.Task, events: RolloutEvents, *, verify: bool = True) -> task_pb2.Rollout:
+        """Roll the task out to the end, reporting steps to `events`, and return it
+        verified; without `verify`, unverified (reward 0, verification_skipped)."""
         raise NotImplementedError(f"{type(self).__name__} must implement run")
 
     def add_services(self, server: grpc.aio.Server) -> list[str]:
@@ -86,7 +87,8 @@ class _AgentServicer(agent_grpc.AgentServiceServicer):
     @rpc_method
     async def Run(self, request: agent_pb.RunRequest, context: Any) -> agent_pb.RunResponse:
         _check(request.task)
-        return agent_pb.RunResponse(rollout=await self.app.run(request.task, RolloutEvents()))
+        rollout = await self.app.run(request.task, RolloutEvents(), verify=not request.skip_verification)
+        return agent_pb.RunResponse(rollout=rollout)
 
     async def RunStream(
         self, request: agent_pb.RunStreamRequest, context: grpc.aio.ServicerContext
@@ -117,4 +119,4 @@ class _AgentServicer(agent_grpc.AgentServiceServicer):
         self, request: agent_pb.RunStreamRequest, context: Any, events: RolloutEvents
     ) -> task_pb2.Rollout:
         _check(request.task)
-        return await self.app.run(request.task, events)
+        return await self.app.run(request.task, events, verify=not request.skip_verification)

@@ -7,15 +7,22 @@ import json
 import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 import click
 
 from gym_grpc import errors
-from gym_grpc.collector import CollectOptions, CollectSummary, collect, failures_path, parse_overrides
+from gym_grpc.batch import BatchSummary
+from gym_grpc.collector import CollectOptions, collect, parse_overrides
 from gym_grpc.config import ConfigError, GymConfig, load_config
+from gym_grpc.jsonl import failures_path
 from gym_grpc.registry import Registry
+from gym_grpc.reverify import ReverifyOptions, reverify
 from gym_grpc.runner import Runner, StartupError, describe
+
+T = TypeVar("T")
 
 #: Where the quickstart's files are, relative to a checkout of the repository.
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -86,30 +93,33 @@ def run(args: tuple[str, ...], grace: float, env_file: Path | None) -> None:
         raise click.ClickException(str(e)) from None
 
 
-def _print_summary(summary: CollectSummary, output: Path) -> None:
-    rate = summary.collected / summary.seconds if summary.seconds else 0.0
+def _print_summary(summary: BatchSummary, output: Path, what: str, estimate_for: int = 0) -> None:
+    rate = summary.done / summary.seconds if summary.seconds else 0.0
     click.echo(
-        f"{summary.collected} rollouts collected, {summary.failed} failed, {summary.skipped} already done, "
+        f"{summary.done} rollouts {what}, {summary.failed} failed, {summary.skipped} already done, "
         f"{summary.bad_rows} bad rows, in {summary.seconds:.2f} s ({rate:.1f}/s) -> {output}",
         err=True,
     )
+    for line in summary.run.lines(summary.seconds, estimate_for):
+        click.echo(line, err=True)
     if summary.failed or summary.bad_rows:
         click.echo(f"failures are in {failures_path(output)}; run the same command again to retry them", err=True)
     for warning in summary.warnings:
         click.echo(f"warning: {warning}", err=True)
 
 
-async def _collect(registry_address: str, options: CollectOptions) -> CollectSummary:
+async def _with_registry(registry_address: str, agent: str | None, work: Callable[[Registry], Awaitable[T]]) -> T:
+    """Run `work` against the registry of a `gym-grpc run`, checking first that it answers."""
     registry = Registry(registry_address)
     try:
-        if options.agent:
+        if agent:
             try:
-                await registry.info(options.agent)
+                await registry.info(agent)
             except errors.GymError as e:
                 raise click.ClickException(
                     f"{e.message}\n(is `gym-grpc run` up with its registry at {registry_address}?)"
                 ) from None
-        return await collect(registry, options)
+        return await work(registry)
     finally:
         await registry.close()
 
@@ -120,6 +130,38 @@ def _reward_range(ctx: click.Context, param: click.Parameter, value: str) -> tup
     except ValueError:
         raise click.BadParameter("expected MIN,MAX such as 0,1") from None
     return low, high
+
+
+def _interruptible(coroutine: Awaitable[T], output: Path) -> T:
+    try:
+        return asyncio.run(coroutine)  # type: ignore[arg-type]
+    except KeyboardInterrupt:
+        raise click.ClickException(
+            f"interrupted; every finished rollout is in {output}: run the same command again to resume"
+        ) from None
+
+
+_registry_option = click.option(
+    "--registry", default="127.0.0.1:50050", show_default=True, help="Registry of a `gym-grpc run`."
+)
+_window_option = click.option(
+    "--max-in-flight", type=click.IntRange(min=1), default=4096, show_default=True, help="Most rollouts at once."
+)
+_range_option = click.option(
+    "--reward-range",
+    default="0,1",
+    show_default=True,
+    callback=_reward_range,
+    help="Warn about rewards outside MIN,MAX.",
+)
+_threshold_option = click.option(
+    "--pass-threshold",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="A rollout passes (for pass@k) when its reward is at least this.",
+)
+_progress_option = click.option("--no-progress", is_flag=True, help="No progress bar.")
 
 
 @main.command("collect", context_settings={"ignore_unknown_options": True})
@@ -138,16 +180,10 @@ def _reward_range(ctx: click.Context, param: click.Parameter, value: str) -> tup
     help="JSONL of rollouts; appended to, and keys already in it are skipped.",
 )
 @click.option("--agent", help="Agent for rows without an agent_ref.")
-@click.option("--registry", default="127.0.0.1:50050", show_default=True, help="Registry of a `gym-grpc run`.")
+@_registry_option
 @click.option("--limit", type=click.IntRange(min=0), help="Use only the first N task rows.")
 @click.option("--num-repeats", type=click.IntRange(min=1), default=1, show_default=True, help="Rollouts per task.")
-@click.option(
-    "--max-in-flight",
-    type=click.IntRange(min=1),
-    default=4096,
-    show_default=True,
-    help="Most rollouts running at once.",
-)
+@_window_option
 @click.option(
     "--timeout",
     type=click.FloatRange(min=0, min_open=True),
@@ -160,21 +196,21 @@ def _reward_range(ctx: click.Context, param: click.Parameter, value: str) -> tup
     type=click.Path(dir_okay=False, path_type=Path),
     help="Also record every step of every rollout (model outputs, tool calls, verification) here.",
 )
+@click.option("--skip-verify", is_flag=True, help="Do not verify now; score later with `gym-grpc reverify`.")
 @click.option(
-    "--reward-range",
-    default="0,1",
-    show_default=True,
-    callback=_reward_range,
-    help="Warn about rewards outside MIN,MAX.",
+    "--placeholder-reward", type=float, default=0.0, show_default=True, help="The reward written with --skip-verify."
 )
+@_range_option
+@_threshold_option
 @click.option(
-    "--pass-threshold",
-    type=float,
-    default=1.0,
+    "--estimate",
+    "estimate_for",
+    type=click.IntRange(min=0),
+    default=10_000,
     show_default=True,
-    help="A rollout passes (for pass@k) when its reward is at least this.",
+    help="Say how long this many more rollouts would take at the measured rate.",
 )
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@_progress_option
 def collect_command(
     overrides: tuple[str, ...],
     input_path: Path,
@@ -186,8 +222,11 @@ def collect_command(
     max_in_flight: int,
     timeout: float,
     events: Path | None,
+    skip_verify: bool,
+    placeholder_reward: float,
     reward_range: tuple[float, float],
     pass_threshold: float,
+    estimate_for: int,
     no_progress: bool,
 ) -> None:
     """Run the tasks of INPUT through an agent and write scored rollouts to OUTPUT.
@@ -210,17 +249,71 @@ def collect_command(
         timeout=timeout,
         overrides=parsed,
         events=events,
+        skip_verify=skip_verify,
+        placeholder_reward=placeholder_reward,
         reward_range=reward_range,
         pass_threshold=pass_threshold,
         progress=not no_progress,
     )
-    try:
-        summary = asyncio.run(_collect(registry, options))
-    except KeyboardInterrupt:
-        raise click.ClickException(
-            f"interrupted; every finished rollout is in {output}: run the same command again to resume"
-        ) from None
-    _print_summary(summary, output)
+    summary = _interruptible(_with_registry(registry, agent, lambda reg: collect(reg, options)), output)
+    _print_summary(summary, output, "collected", estimate_for)
+    click.echo(json.dumps(summary.metrics, indent=2))
+    if summary.failed or summary.bad_rows:
+        sys.exit(1)
+
+
+@main.command("reverify")
+@click.argument("input_path", metavar="IN.jsonl", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "--out",
+    "output",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="JSONL of re-scored rollouts; appended to, and keys already in it are skipped.",
+)
+@click.option("--agent", help="Agent for rows without an agent_ref (its resources server verifies).")
+@click.option("--resources", help="Resources server that verifies every row, instead of the agents' own.")
+@_registry_option
+@_window_option
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=600.0,
+    show_default=True,
+    help="Seconds one verification may take.",
+)
+@_range_option
+@_threshold_option
+@_progress_option
+def reverify_command(
+    input_path: Path,
+    output: Path,
+    agent: str | None,
+    resources: str | None,
+    registry: str,
+    max_in_flight: int,
+    timeout: float,
+    reward_range: tuple[float, float],
+    pass_threshold: float,
+    no_progress: bool,
+) -> None:
+    """Score the rollouts of IN.jsonl again (verify only, no inference) into --out."""
+    options = ReverifyOptions(
+        input=input_path,
+        output=output,
+        agent=agent,
+        resources=resources,
+        max_in_flight=max_in_flight,
+        timeout=timeout,
+        reward_range=reward_range,
+        pass_threshold=pass_threshold,
+        progress=not no_progress,
+    )
+    summary, changes = _interruptible(
+        _with_registry(registry, resources or agent, lambda reg: reverify(reg, options)), output
+    )
+    _print_summary(summary, output, "re-verified")
+    click.echo(changes.line(), err=True)
     click.echo(json.dumps(summary.metrics, indent=2))
     if summary.failed or summary.bad_rows:
         sys.exit(1)
@@ -237,8 +330,8 @@ async def _quickstart(output_dir: Path, num_repeats: int) -> dict[str, dict[str,
             output = output_dir / f"{agent}_rollouts.jsonl"
             output.unlink(missing_ok=True)
             options = CollectOptions(input=data, output=output, agent=agent, num_repeats=num_repeats)
-            summary = await _collect(runner.registry_address, options)
-            _print_summary(summary, output)
+            summary = await _with_registry(runner.registry_address, agent, lambda reg, o=options: collect(reg, o))
+            _print_summary(summary, output, "collected")
             metrics.update(summary.metrics)
     finally:
         await runner.stop()

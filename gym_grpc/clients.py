@@ -125,17 +125,20 @@ class AgentClient(_Client):
     _stub_class = agent_grpc.AgentServiceStub
     _kind = "agent"
 
-    async def run(self, task: task_pb2.Task, timeout: float | None = None) -> task_pb2.Rollout:
-        reply = await self._call("Run", agent_pb.RunRequest(task=task), timeout)
+    async def run(
+        self, task: task_pb2.Task, timeout: float | None = None, *, skip_verification: bool = False
+    ) -> task_pb2.Rollout:
+        request = agent_pb.RunRequest(task=task, skip_verification=skip_verification)
+        reply = await self._call("Run", request, timeout)
         return reply.rollout
 
     async def run_stream(
-        self, task: task_pb2.Task, timeout: float | None = None
+        self, task: task_pb2.Task, timeout: float | None = None, *, skip_verification: bool = False
     ) -> AsyncIterator[agent_pb.RunStreamResponse]:
         """The events of one rollout as they happen; the last one holds the rollout."""
         stub = await self._get_stub()
         call = stub.RunStream(
-            agent_pb.RunStreamRequest(task=task),
+            agent_pb.RunStreamRequest(task=task, skip_verification=skip_verification),
             timeout=transport.timeout_for(timeout if timeout is not None else self.timeout),
         )
         try:

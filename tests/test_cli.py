@@ -146,6 +146,37 @@ def test_collect_writes_rollouts_and_a_second_run_resumes(live, tmp_path):
     assert len(_rows(out)) == 12
 
 
+def test_collect_without_verifying_then_reverify(live, tmp_path):
+    out, scored = tmp_path / "unverified.jsonl", tmp_path / "scored.jsonl"
+    done = _gym(
+        "collect",
+        "--registry",
+        live["registry"],
+        "--agent",
+        "math_agent",
+        "--input",
+        str(MATH),
+        "--output",
+        str(out),
+        "--skip-verify",
+        "--no-progress",
+        "--estimate",
+        "5000",
+    )
+    assert done.returncode == 0, done.stderr
+    assert "rollouts are not verified yet" in done.stderr
+    assert "tokens/s:" in done.stderr and "slowest stage:" in done.stderr
+    assert "at this rate 5,000 more rollouts take" in done.stderr
+    assert all(row["verification_skipped"] for row in _rows(out))
+    done = _gym("reverify", str(out), "--out", str(scored), "--registry", live["registry"], "--no-progress")
+    assert done.returncode == 0, done.stderr
+    assert "6 rollouts re-verified" in done.stderr and "no row had a verified reward before" in done.stderr
+    metrics = json.loads(done.stdout)["math_agent"]
+    assert metrics["rollouts"] == 6 and 0 <= metrics["reward"] <= 1 and "unverified" not in metrics
+    again = _gym("reverify", str(scored), "--out", str(tmp_path / "again.jsonl"), "--registry", live["registry"])
+    assert "0 of 6 rewards changed" in again.stderr  # the same verifier agrees with itself
+
+
 def test_collect_reports_a_bad_row_by_line_and_collects_the_rest(live, tmp_path):
     tasks = tmp_path / "tasks.jsonl"
     good = json.dumps({"responses_create_params": {"input": "What is 2 + 2?"}, "expected_answer": "4"})

@@ -13,8 +13,7 @@ from gym_grpc.registry import Registry
 from servers.agents.simple_agent.agent import SimpleAgent
 from servers.models.local_policy.server import LocalPolicyModel
 from servers.resources.weather.server import WeatherEnv
-from tests.support import REPO, Calculator, static_registry
-from tests.test_collector import EchoModel
+from tests.support import REPO, Calculator, EchoModel, static_registry
 
 WEATHER_ROW = json.loads((REPO / "servers/resources/weather/data/example.jsonl").read_text().splitlines()[0])
 

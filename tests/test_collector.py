@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from gym_grpc.collector import CollectOptions, collect, failures_path
+from gym_grpc.collector import CollectOptions, collect
+from gym_grpc.jsonl import failures_path
 from servers.agents.simple_agent.agent import SimpleAgent
 from tests.support import Calculator, EchoModel, static_registry
 
@@ -47,7 +48,7 @@ async def test_a_failed_rollout_goes_to_the_sidecar_and_the_rest_are_collected(s
     _write_tasks(tmp_path / "tasks.jsonl", ["one", "please fail", "three"])
     log = io.StringIO()
     summary = await collect(registry, _options(tmp_path, num_repeats=2), log=log)
-    assert (summary.collected, summary.failed) == (4, 2)
+    assert (summary.done, summary.failed) == (4, 2)
     assert _keys(tmp_path / "out.jsonl") == [(0, 0), (0, 1), (2, 0), (2, 1)]
     failures = _read(failures_path(tmp_path / "out.jsonl"))
     assert sorted((f["task_index"], f["repeat_index"]) for f in failures) == [(1, 0), (1, 1)]
@@ -69,7 +70,7 @@ async def test_resume_after_a_torn_write_collects_every_key_exactly_once(start, 
     # As if the collector was killed: two rows finished, the third half-written.
     (tmp_path / "out.jsonl").write_text(lines[0] + "\n" + lines[1] + "\n" + lines[2][:40])
     summary = await collect(registry, options, log=io.StringIO())
-    assert (summary.skipped, summary.collected) == (2, 4)
+    assert (summary.skipped, summary.done) == (2, 4)
     assert _keys(tmp_path / "out.jsonl") == [(t, k) for t in range(3) for k in range(2)]
     assert summary.metrics["agent"]["rollouts"] == 6  # the summary covers both runs
     await registry.close()
@@ -79,7 +80,7 @@ async def test_the_in_flight_window_bounds_concurrent_rollouts(start, tmp_path):
     model, registry = await _servers(start)
     _write_tasks(tmp_path / "tasks.jsonl", [f"task {i}" for i in range(20)])
     summary = await collect(registry, _options(tmp_path, max_in_flight=3), log=io.StringIO())
-    assert summary.collected == 20
+    assert summary.done == 20
     assert model.peak == 3
     await registry.close()
 
@@ -102,7 +103,7 @@ async def test_an_expired_deadline_is_a_failure_row_not_a_hang(start, tmp_path):
     began = time.monotonic()
     summary = await collect(registry, _options(tmp_path, timeout=0.5), log=io.StringIO())
     assert time.monotonic() - began < 10
-    assert (summary.collected, summary.failed) == (0, 2)
+    assert (summary.done, summary.failed) == (0, 2)
     codes = {f["error"]["code"] for f in _read(failures_path(tmp_path / "out.jsonl"))}
     assert codes == {"DEADLINE_EXCEEDED"}
     await registry.close()
@@ -118,6 +119,7 @@ def _rollout_row(task_index, repeat, reward, text="answer"):
         "response": response,
         "reward": reward,
         "correct": reward == 1.0,
+        "verifier_fields": ["correct"],
         "task_index": task_index,
         "repeat_index": repeat,
         "model_calls": 1,
@@ -134,7 +136,7 @@ async def test_group_metrics_and_warnings_come_from_the_whole_output(tmp_path):
     ]
     (tmp_path / "out.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows + rows[:1]))
     summary = await collect(static_registry(), _options(tmp_path, num_repeats=3), log=io.StringIO())
-    assert summary.skipped == 9 and summary.collected == 0
+    assert summary.skipped == 9 and summary.done == 0
     m = summary.metrics["agent"]
     assert m["rollouts"] == 9 and m["reward"] == 6 / 9 and m["correct"] == 4 / 9
     assert "expected_answer" not in m  # a task field, not something the rollout produced

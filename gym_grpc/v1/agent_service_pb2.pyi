@@ -26,6 +26,11 @@ class RunRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TASK_FIELD_NUMBER: _builtins.int
+    SKIP_VERIFICATION_FIELD_NUMBER: _builtins.int
+    skip_verification: _builtins.bool
+    """Do not verify: the rollout comes back with reward 0 and
+    verification_skipped set, to be scored later (ResourcesService.Verify).
+    """
     @_builtins.property
     def task(self) -> _task_pb2.Task:
         """The task to roll out."""
@@ -34,10 +39,11 @@ class RunRequest(_message.Message):
         self,
         *,
         task: _task_pb2.Task | None = ...,
+        skip_verification: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["skip_verification", b"skip_verification", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -74,6 +80,9 @@ class RunStreamRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TASK_FIELD_NUMBER: _builtins.int
+    SKIP_VERIFICATION_FIELD_NUMBER: _builtins.int
+    skip_verification: _builtins.bool
+    """Do not verify; see RunRequest.skip_verification."""
     @_builtins.property
     def task(self) -> _task_pb2.Task:
         """The task to roll out."""
@@ -82,10 +91,11 @@ class RunStreamRequest(_message.Message):
         self,
         *,
         task: _task_pb2.Task | None = ...,
+        skip_verification: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["skip_verification", b"skip_verification", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

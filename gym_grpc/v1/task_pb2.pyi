@@ -94,12 +94,17 @@ class Rollout(_message.Message):
     STOP_REASON_FIELD_NUMBER: _builtins.int
     MODEL_CALLS_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
+    VERIFICATION_SKIPPED_FIELD_NUMBER: _builtins.int
     reward: _builtins.float
     """Reward the resources server gave."""
     stop_reason: Global___StopReason.ValueType
     """Why the agent stopped."""
     model_calls: _builtins.int
     """Number of model calls the rollout made."""
+    verification_skipped: _builtins.bool
+    """The rollout was not verified (it was asked not to be): reward is 0 and
+    verifier_fields is empty.
+    """
     @_builtins.property
     def response(self) -> _responses_pb2.Response:
         """The whole rollout as one response: `output` holds every item the agent
@@ -126,10 +131,11 @@ class Rollout(_message.Message):
         stop_reason: Global___StopReason.ValueType = ...,
         model_calls: _builtins.int = ...,
         timings: Global___RolloutTimings | None = ...,
+        verification_skipped: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["response", b"response", "timings", b"timings", "verifier_fields", b"verifier_fields"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_calls", b"model_calls", "response", b"response", "reward", b"reward", "stop_reason", b"stop_reason", "timings", b"timings", "verifier_fields", b"verifier_fields"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_calls", b"model_calls", "response", b"response", "reward", b"reward", "stop_reason", b"stop_reason", "timings", b"timings", "verification_skipped", b"verification_skipped", "verifier_fields", b"verifier_fields"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -69,16 +69,16 @@ class SimpleAgent(AgentServer):
     def references(self) -> dict[str, str]:
         return {"model": self.config.model_server, "resources": self.config.resources_server}
 
-    async def run(self, task: task_pb2.Task, events: RolloutEvents) -> task_pb2.Rollout:
+    async def run(self, task: task_pb2.Task, events: RolloutEvents, *, verify: bool = True) -> task_pb2.Rollout:
         started = time.monotonic()
         session_id = uuid.uuid4().hex
         if await self._environment_is_stateless():
-            rollout = await self._rollout(session_id, task, events)
+            rollout = await self._rollout(session_id, task, events, verify)
             rollout.timings.total_seconds = time.monotonic() - started
             return rollout
         await self.resources.seed_session(session_id, task)
         try:
-            rollout = await self._rollout(session_id, task, events)
+            rollout = await self._rollout(session_id, task, events, verify)
         finally:
             try:
                 await self.resources.close_session(session_id, timeout=CLOSE_TIMEOUT)
@@ -87,7 +87,9 @@ class SimpleAgent(AgentServer):
         rollout.timings.total_seconds = time.monotonic() - started
         return rollout
 
-    async def _rollout(self, session_id: str, task: task_pb2.Task, events: RolloutEvents) -> task_pb2.Rollout:
+    async def _rollout(
+        self, session_id: str, task: task_pb2.Task, events: RolloutEvents, verify: bool
+    ) -> task_pb2.Rollout:
         params = r.CreateParams()
         params.CopyFrom(task.responses_create_params)
         if params.WhichOneof("input") == "input_text":
@@ -132,15 +134,15 @@ class SimpleAgent(AgentServer):
                 item = r.Item(function_call_output=output)
                 final.output.append(item)
                 conversation.append(item)
+        rollout = task_pb2.Rollout(response=final, stop_reason=stop, model_calls=step + 1, timings=timings)
+        if not verify:
+            rollout.verification_skipped = True
+            return rollout
         began = time.monotonic()
         verdict = await self.resources.verify(session_id, task, final)
         timings.verify_seconds = time.monotonic() - began
         events.verification(verdict.reward, verdict.fields, timings.verify_seconds)
-        return task_pb2.Rollout(
-            response=final,
-            reward=verdict.reward,
-            verifier_fields=verdict.fields,
-            stop_reason=stop,
-            model_calls=step + 1,
-            timings=timings,
-        )
+        rollout.reward = verdict.reward
+        rollout.verifier_fields.CopyFrom(verdict.fields)
+        rollout.timings.CopyFrom(timings)
+        return rollout

@@ -1,0 +1,78 @@
+"""Rollout files on disk: JSONL rows keyed by (task_index, repeat_index).
+
+Output is only ever appended, one flushed line per rollout; a collector
+killed mid-write can leave a torn last line, which `repair_tail` cuts off
+before anything is appended again. Which keys a file holds is kept as one
+byte per key slot, so resuming a large output stays small.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+def failures_path(output: Path) -> Path:
+    """The failures sidecar of an output file: `<stem>.failures.jsonl` next to it."""
+    return output.with_name(f"{output.stem}.failures.jsonl")
+
+
+def count_rows(path: Path, limit: int | None = None) -> int:
+    """Non-blank lines of a file, at most `limit`."""
+    with path.open("rb") as f:
+        count = sum(1 for line in f if line.strip())
+    return count if limit is None else min(count, limit)
+
+
+def iter_rows(path: Path) -> Iterator[dict[str, Any]]:
+    """The complete JSON-object rows of a file, one at a time (others are passed over)."""
+    if not path.exists():
+        return
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict):
+                yield row
+
+
+def key_slot(row: dict[str, Any], n_tasks: int, repeats: int) -> int | None:
+    """The slot of a row's key in [0, n_tasks * repeats), or None when it has none there."""
+    t, k = row.get("task_index"), row.get("repeat_index")
+    if not (isinstance(t, int) and isinstance(k, int) and 0 <= t < n_tasks and 0 <= k < repeats):
+        return None
+    return t * repeats + k
+
+
+def repair_tail(path: Path) -> None:
+    """Cut a torn last line (a writer killed mid-line) so that appending stays valid JSONL."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with path.open("r+b") as f:
+        f.seek(-1, 2)
+        if f.read(1) == b"\n":
+            return
+        position = f.seek(0, 2)
+        while position > 0:
+            step = min(65536, position)
+            position -= step
+            f.seek(position)
+            cut = f.read(step).rfind(b"\n")
+            if cut >= 0:
+                f.truncate(position + cut + 1)
+                return
+        f.truncate(0)
+
+
+def done_keys(path: Path, n_tasks: int, repeats: int) -> bytearray:
+    """One byte per key slot: 1 when the file already holds that rollout."""
+    done = bytearray(n_tasks * repeats)
+    for row in iter_rows(path):
+        slot = key_slot(row, n_tasks, repeats)
+        if slot is not None:
+            done[slot] = 1
+    return done
