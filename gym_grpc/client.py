@@ -24,6 +24,7 @@ from typing import Any
 
 from gym_grpc import rows
 from gym_grpc.clients import AgentClient
+from gym_grpc.collector import rollout_record
 from gym_grpc.registry import Registry
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
@@ -156,8 +157,8 @@ class RolloutResult:
         return found
 
     def to_row(self, task_row: dict[str, Any]) -> dict[str, Any]:
-        """The rollout row (task row + response, reward, verifier fields), as `collect` writes it."""
-        return rows.rollout_row(task_row, self.rollout)
+        """The rollout row (task row + response, reward, verifier fields, ...), as `collect` writes it."""
+        return rollout_record(task_row, self.rollout)
 
 
 class GymClient:

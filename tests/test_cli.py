@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,41 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@dataclass
+class Run:
+    """A `gym-grpc run` in the background: its process, its output and its addresses."""
+
+    process: subprocess.Popen
+    lines: list[str]
+    registry: str
+    servers: dict[str, str]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            self.process.wait(timeout=30)
+
+
+def _start_run(*overrides: str, stderr=subprocess.PIPE) -> Run:
+    """Start `gym-grpc run configs/quickstart.yaml` (port 0 registry) and wait until it is healthy."""
+    process = subprocess.Popen(
+        [_tool("gym-grpc"), "run", str(REPO / "configs" / "quickstart.yaml"), "registry.port=0", *overrides],
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+    )
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if "servers healthy" in line:
+            break
+    else:
+        pytest.fail("gym-grpc run stopped before it was ready:\n" + "".join(lines))
+    registry = re.search(r"^registry\s+(\S+)", lines[0]).group(1)
+    servers = {m.group(2): m.group(3) for m in (re.match(r"(\w+)\s+(\w+)\s+(\S+)", x) for x in lines[1:-1])}
+    return Run(process, lines, registry, servers)
+
+
 def test_quickstart_end_to_end(tmp_path):
     done = _gym("quickstart", "--output-dir", str(tmp_path), "--num-repeats", "2", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -62,24 +98,10 @@ def test_quickstart_end_to_end(tmp_path):
 @pytest.fixture(scope="module")
 def live():
     """`gym-grpc run configs/quickstart.yaml` in the background, with its addresses."""
-    process = subprocess.Popen(
-        [_tool("gym-grpc"), "run", str(REPO / "configs" / "quickstart.yaml"), "registry.port=0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    lines = []
-    for line in process.stdout:
-        lines.append(line)
-        if "servers healthy" in line:
-            break
-    else:
-        pytest.fail("gym-grpc run stopped before it was ready:\n" + "".join(lines) + process.stderr.read())
-    registry = re.search(r"^registry\s+(\S+)", lines[0]).group(1)
-    servers = {m.group(2): m.group(3) for m in (re.match(r"(\w+)\s+(\w+)\s+(\S+)", line) for line in lines[1:-1])}
-    yield {"process": process, "registry": registry, "servers": servers, "output": lines}
-    if process.poll() is None:
-        process.kill()
+    run = _start_run()
+    yield {"process": run.process, "registry": run.registry, "servers": run.servers, "output": run.lines}
+    if run.process.poll() is None:
+        run.process.kill()
 
 
 def test_run_serves_every_server_and_grpcurl_lists_them(live):
@@ -231,32 +253,15 @@ def test_ctrl_c_stops_every_server(live):
 
 
 def test_a_collector_killed_mid_run_resumes_with_every_key_exactly_once(tmp_path):
-    run = subprocess.Popen(
-        [
-            _tool("gym-grpc"),
-            "run",
-            str(REPO / "configs" / "quickstart.yaml"),
-            "registry.port=0",
-            "servers.policy_model.config.latency_seconds=0.05",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    run = _start_run("servers.policy_model.config.latency_seconds=0.05", stderr=subprocess.DEVNULL)
     try:
-        lines = []
-        for line in run.stdout:
-            lines.append(line)
-            if "servers healthy" in line:
-                break
-        registry = re.search(r"^registry\s+(\S+)", lines[0]).group(1)
         tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
         tasks.write_text("".join(MATH.read_text() for _ in range(10)))  # 60 tasks
         args = [
             _tool("gym-grpc"),
             "collect",
             "--registry",
-            registry,
+            run.registry,
             "--agent",
             "math_agent",
             "--input",
@@ -282,8 +287,7 @@ def test_a_collector_killed_mid_run_resumes_with_every_key_exactly_once(tmp_path
         assert sorted(keys) == [(t, k) for t in range(60) for k in range(4)]
         assert json.loads(again.stdout)["math_agent"]["rollouts"] == 240
     finally:
-        run.send_signal(signal.SIGINT)
-        run.wait(timeout=30)
+        run.stop()
 
 
 def _listening_pids(port: int) -> list[int]:
@@ -310,63 +314,39 @@ def _cpu_ticks(pid: int) -> int:
 
 
 def test_num_workers_serve_one_port_and_share_the_calls(tmp_path):
-    run = subprocess.Popen(
-        [
-            _tool("gym-grpc"),
-            "run",
-            str(REPO / "configs" / "quickstart.yaml"),
-            "registry.port=0",
-            "servers.policy_model.num_workers=2",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    run = _start_run("servers.policy_model.num_workers=2", stderr=subprocess.DEVNULL)
     try:
-        lines = []
-        for line in run.stdout:
-            lines.append(line)
-            if "servers healthy" in line:
-                break
-        assert "(6 processes)" in lines[-1]
-        registry = re.search(r"^registry\s+(\S+)", lines[0]).group(1)
-        model = json.loads(_grpcurl("-d", '{"name": "policy_model"}', registry, "gym.v1.RegistryService/GetServer"))
+        assert "(6 processes)" in run.lines[-1]
+        model = json.loads(_grpcurl("-d", '{"name": "policy_model"}', run.registry, "gym.v1.RegistryService/GetServer"))
         assert model["server"]["workers"] == 2
         workers = _listening_pids(int(model["server"]["addresses"][0].rsplit(":", 1)[1]))
         assert len(workers) == 2
         before = {pid: _cpu_ticks(pid) for pid in workers}
         tasks = tmp_path / "tasks.jsonl"
         tasks.write_text("".join(WEATHER.read_text() for _ in range(100)))
+        out = tmp_path / "out.jsonl"
         done = _gym(
             "collect",
             "--registry",
-            registry,
+            run.registry,
             "--agent",
             "weather_agent",
             "--input",
             str(tasks),
             "--output",
-            str(tmp_path / "out.jsonl"),
+            str(out),
             "--no-progress",
         )
         assert done.returncode == 0, done.stderr
         used = {pid: _cpu_ticks(pid) - before[pid] for pid in workers}
         assert all(ticks > 0 for ticks in used.values()), used  # both workers answered model calls
     finally:
-        run.send_signal(signal.SIGINT)
-        run.wait(timeout=30)
+        run.stop()
 
 
 def test_a_server_that_dies_stops_the_run(tmp_path):
-    process = subprocess.Popen(
-        [_tool("gym-grpc"), "run", str(REPO / "configs" / "quickstart.yaml"), "registry.port=0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    for line in process.stdout:
-        if "servers healthy" in line:
-            break
+    run = _start_run()
+    process = run.process
     children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(process.pid)], capture_output=True, text=True)
     pids = [int(p) for p in children.stdout.split()]
     assert len(pids) == 5
