@@ -88,6 +88,7 @@ class _AgentServicer(agent_grpc.AgentServiceServicer):
     async def Run(self, request: agent_pb.RunRequest, context: Any) -> agent_pb.RunResponse:
         _check(request.task)
         rollout = await self.app.run(request.task, RolloutEvents(), verify=not request.skip_verification)
+        self.app.counters.rollout(rollout.timings)
         return agent_pb.RunResponse(rollout=rollout)
 
     async def RunStream(
@@ -95,7 +96,7 @@ class _AgentServicer(agent_grpc.AgentServiceServicer):
     ) -> AsyncIterator[agent_pb.RunStreamResponse]:
         queue: asyncio.Queue[agent_pb.RunStreamResponse] = asyncio.Queue()
         events = RolloutEvents(queue)
-        rollout = asyncio.ensure_future(self._run_streamed(request, context, events))
+        rollout = asyncio.ensure_future(self._RunStream(request, context, events))
         try:
             while True:
                 getter = asyncio.ensure_future(queue.get())
@@ -115,8 +116,10 @@ class _AgentServicer(agent_grpc.AgentServiceServicer):
             rollout.cancel()
 
     @rpc_method
-    async def _run_streamed(
+    async def _RunStream(
         self, request: agent_pb.RunStreamRequest, context: Any, events: RolloutEvents
     ) -> task_pb2.Rollout:
         _check(request.task)
-        return await self.app.run(request.task, events, verify=not request.skip_verification)
+        rollout = await self.app.run(request.task, events, verify=not request.skip_verification)
+        self.app.counters.rollout(rollout.timings)
+        return rollout

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
 import click
 
-from gym_grpc import errors
+from gym_grpc import errors, status
 from gym_grpc.batch import BatchSummary
 from gym_grpc.collector import CollectOptions, collect, parse_overrides
 from gym_grpc.config import ConfigError, GymConfig, load_config
@@ -52,15 +53,7 @@ async def _serve_until_stopped(runner: Runner) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    exited = asyncio.ensure_future(runner.wait())
-    stopped = asyncio.ensure_future(stop.wait())
-    done, _ = await asyncio.wait({exited, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    code = 0
-    if exited in done:
-        click.echo(f"server {exited.result()!r} exited; stopping the others", err=True)
-        code = 1
-    else:
-        exited.cancel()
+    code = await runner.watch(stop)
     click.echo("stopping...", err=True)
     await runner.stop()
     return code
@@ -317,6 +310,58 @@ def reverify_command(
     click.echo(json.dumps(summary.metrics, indent=2))
     if summary.failed or summary.bad_rows:
         sys.exit(1)
+
+
+@main.command("status")
+@_registry_option
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per server, for scripts.")
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=1.0,
+    show_default=True,
+    help="Seconds between the two samples that give calls/s.",
+)
+def status_command(registry: str, as_json: bool, interval: float) -> None:
+    """Every server of a running config: address, health, pid, uptime, in flight, calls/s."""
+
+    async def ask() -> list[dict]:
+        async with _registry(registry) as reg:
+            return await status.status(reg, interval)
+
+    rows = asyncio.run(ask())
+    click.echo(json.dumps(rows, indent=2) if as_json else status.format_status(rows))
+    if any(row["health"] != "serving" for row in rows):
+        sys.exit(1)
+
+
+@main.command("profile")
+@click.argument("names", nargs=-1)
+@_registry_option
+@click.option("--limit", type=click.IntRange(min=1), default=30, show_default=True, help="Functions per server.")
+def profile_command(names: tuple[str, ...], registry: str, limit: int) -> None:
+    """The current profile (name ncall tsub ttot tavg, by ttot) of NAMES, or of every server."""
+
+    async def ask() -> list[tuple[str, str, str]]:
+        async with _registry(registry) as reg:
+            return await status.profiles(reg, list(names), limit)
+
+    for name, address, text in asyncio.run(ask()):
+        click.echo(f"== {name} ({address})\n{text}")
+
+
+@contextlib.asynccontextmanager
+async def _registry(address: str) -> AsyncIterator[Registry]:
+    """A Registry client whose failure to reach `gym-grpc run` is a clear error."""
+    registry = Registry(address)
+    try:
+        try:
+            await registry.list()
+        except errors.GymError as e:
+            raise click.ClickException(f"{e.message}\n(is `gym-grpc run` up with its registry at {address}?)") from None
+        yield registry
+    finally:
+        await registry.close()
 
 
 async def _quickstart(output_dir: Path, num_repeats: int) -> dict[str, dict[str, float]]:

@@ -17,7 +17,8 @@ directory, or the file given) is merged: it is where secrets live. An
 override is `dotted.key=value` with the value read as YAML
 (`servers.weather_agent.config.max_steps=3`).
 
-Top-level keys other than `registry` and `servers` are variables, usually
+Top-level keys other than `registry`, `servers`, `profiling_enabled` and
+`profiling_results_dirpath` are variables, usually
 from env.yaml (`policy_base_url: http://gpu-node:8000/v1`). `${name}` in any
 string of the servers or the registry is replaced by the variable, or else by
 the environment variable of that name; a string that is only `${name}` takes
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class ConfigError(ValueError):
@@ -68,6 +69,14 @@ class GymConfig(BaseModel):
 
     registry: RegistrySpec = RegistrySpec()
     servers: dict[str, ServerSpec] = Field(default_factory=dict)
+    profiling_enabled: bool = Field(False, description="run yappi in every server and write a log at stop")
+    profiling_results_dirpath: str | None = Field(None, description="where the profile logs go")
+
+    @model_validator(mode="after")
+    def _profiling_needs_a_directory(self) -> GymConfig:
+        if self.profiling_enabled and not self.profiling_results_dirpath:
+            raise ValueError("profiling_enabled needs profiling_results_dirpath")
+        return self
 
 
 def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
@@ -132,7 +141,7 @@ def apply_override(data: dict[str, Any], override: str) -> None:
 
 
 _VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
-_SECTIONS = ("registry", "servers")
+_SECTIONS = ("registry", "servers", "profiling_enabled", "profiling_results_dirpath")
 
 
 def _interpolate(value: Any, variables: dict[str, Any], where: str) -> Any:
@@ -173,7 +182,7 @@ def load_config(
     variables = {k: v for k, v in data.items() if k not in _SECTIONS}
     for name, value in variables.items():
         if isinstance(value, dict | list):
-            raise ConfigError(f"{name}: a top-level key other than registry and servers is a variable: a scalar")
+            raise ConfigError(f"{name}: a top-level key that is not a setting is a variable, so a scalar")
     sections = {k: _interpolate(data[k], variables, k) for k in _SECTIONS if k in data}
     try:
         return GymConfig.model_validate(sections)

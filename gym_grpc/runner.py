@@ -124,8 +124,8 @@ class Runner:
     async def _start_server(self, server: ServerProcesses) -> None:
         """Start a server's first worker, then the others on the port it bound."""
         spec = server.spec
-        report = await self._ready(server, await self._spawn(server, spec.port))
-        others = [await self._spawn(server, report["port"]) for _ in range(spec.num_workers - 1)]
+        report = await self._ready(server, await self._spawn(server, spec.port, 0))
+        others = [await self._spawn(server, report["port"], i) for i in range(1, spec.num_workers)]
         await asyncio.gather(*(self._ready(server, process) for process in others))
         host = "127.0.0.1" if spec.host in _WILDCARD_HOSTS else spec.host
         address = f"{host}:{report['port']}"
@@ -139,7 +139,7 @@ class Runner:
             workers=spec.num_workers,
         )
 
-    async def _spawn(self, server: ServerProcesses, port: int) -> asyncio.subprocess.Process:
+    async def _spawn(self, server: ServerProcesses, port: int, worker: int) -> asyncio.subprocess.Process:
         process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
@@ -159,6 +159,8 @@ class Runner:
             "registry": self.registry_address,
             "grace": self.grace,
             "log_level": self.log_level,
+            "profiling_dir": self.config.profiling_results_dirpath if self.config.profiling_enabled else None,
+            "log_name": server.name if spec.num_workers == 1 else f"{server.name}.worker{worker}",
         }
         assert process.stdin is not None
         process.stdin.write((json.dumps(message) + "\n").encode())
@@ -180,21 +182,40 @@ class Runner:
             raise StartupError(f"server {server.name!r} could not start: {reason}")
         return report
 
-    def _all_processes(self) -> list[tuple[str, asyncio.subprocess.Process]]:
+    def processes(self) -> list[tuple[str, asyncio.subprocess.Process]]:
         return [(s.name, p) for s in self.servers.values() for p in s.processes]
 
-    async def wait(self) -> str:
-        """Block until some server process exits; return its server's name."""
-        waits = {asyncio.ensure_future(p.wait()): name for name, p in self._all_processes()}
-        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        for w in waits:
-            if w not in done:
-                w.cancel()
-        return waits[next(iter(done))]
+    async def watch(self, stop: asyncio.Event) -> int:
+        """Until `stop` is set: report each server process that exits, and keep the
+        others serving. 1 when any exited (0 otherwise); returns early if all did."""
+        exits = {asyncio.ensure_future(p.wait()): (name, p) for name, p in self.processes()}
+        stopping = asyncio.ensure_future(stop.wait())
+        code = 0
+        try:
+            while exits:
+                done, _ = await asyncio.wait({*exits, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                if stopping in done:
+                    break
+                for future in done:
+                    name, process = exits.pop(future)
+                    code = 1
+                    log.error(
+                        "server %r (pid %d) exited with code %s; the others keep serving (see gym-grpc status)",
+                        name,
+                        process.pid,
+                        process.returncode,
+                    )
+            if not exits:
+                log.error("every server has exited")
+        finally:
+            stopping.cancel()
+            for future in exits:
+                future.cancel()
+        return code
 
     async def stop(self) -> None:
         """Stop every server (SIGTERM, then SIGKILL after the grace period) and the registry."""
-        alive = [p for _, p in self._all_processes() if p.returncode is None]
+        alive = [p for _, p in self.processes() if p.returncode is None]
         for process in alive:
             process.send_signal(signal.SIGTERM)
         if alive:
@@ -204,7 +225,7 @@ class Runner:
                     log.warning("server pid %d did not stop in time; killing it", process.pid)
                     process.kill()
                     await process.wait()
-        for _, process in self._all_processes():
+        for _, process in self.processes():
             if process.stdin is not None:
                 process.stdin.close()
         if self.registry is not None:
@@ -234,6 +255,6 @@ def describe(runner: Runner, started: float) -> str:
         refs = ", ".join(f"{k}={v}" for k, v in sorted(s.info.references.items()))
         workers = f"{s.info.workers} workers" if s.info.workers > 1 else ""
         lines.append(f"{roles.get(s.info.role, '?'):<10} {s.name:<24} {s.info.addresses[0]:<22} {workers:<11}{refs}")
-    processes = len(runner._all_processes())
+    processes = len(runner.processes())
     lines.append(f"{len(runner.servers)} servers healthy in {time.monotonic() - started:.1f} s ({processes} processes)")
     return "\n".join(lines)

@@ -23,8 +23,12 @@ from grpc_reflection.v1alpha import reflection
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from gym_grpc import errors, transport
+from gym_grpc.admin import ADMIN_SERVICE, AdminServicer
 from gym_grpc.config import ConfigError
+from gym_grpc.counters import Counters
+from gym_grpc.profiling import Profiler
 from gym_grpc.registry import Registry
+from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from gym_grpc.v1 import registry_service_pb2 as reg
 
 log = logging.getLogger("gym_grpc")
@@ -61,6 +65,10 @@ class GymServer:
             except ValidationError as e:
                 raise ConfigError(_describe_validation(self.name, e)) from None
         self.registry = registry or Registry()
+        self.counters = Counters()
+        self.profiler = Profiler()
+        #: What it runs, for AdminService.GetServerInfo (the worker sets the configured string).
+        self.entrypoint = f"{type(self).__module__}:{type(self).__qualname__}"
 
     def references(self) -> dict[str, str]:
         """Names of the servers this one calls, by role (for the registry)."""
@@ -96,18 +104,26 @@ def rpc_method(handler: H) -> H:
     exception is a bug: logged with its traceback, reported as INTERNAL with
     the exception's class only.
     """
-    method = handler.__name__
+    method = handler.__name__.lstrip("_")
 
     @functools.wraps(handler)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext, *rest: Any) -> Any:
         token = transport.set_deadline(context.time_remaining())
+        counters: Counters = self.app.counters
+        began = counters.begin(method)
+        status, detail = "OK", ""
         try:
             return await handler(self, request, context, *rest)
         except errors.GymError as e:
+            status, detail = e.code.name, e.message
             await context.abort_with_status(e.to_status())
-        except (asyncio.CancelledError, grpc.aio.AbortError):
+        except asyncio.CancelledError:
+            status = "CANCELLED"
+            raise
+        except grpc.aio.AbortError:
             raise
         except Exception as e:
+            status, detail = "INTERNAL", f"{type(e).__name__}: {e}"
             log.exception("%s failed", method)
             await context.abort(
                 grpc.StatusCode.INTERNAL,
@@ -115,8 +131,20 @@ def rpc_method(handler: H) -> H:
             )
         finally:
             transport.reset_deadline(token)
+            seconds = counters.end(method, began, status)
+            if status != "OK":
+                level = logging.INFO if status in _CALLER_FAULTS else logging.WARNING
+                log.log(
+                    level, "%s %s from %s after %.1f ms: %s", method, status, context.peer(), 1000 * seconds, detail
+                )
 
     return wrapper  # type: ignore[return-value]
+
+
+# Failures that come from the caller's request (or the model's tool call), not the server.
+_CALLER_FAULTS = frozenset(
+    {"INVALID_ARGUMENT", "NOT_FOUND", "ABORTED", "FAILED_PRECONDITION", "CANCELLED", "DEADLINE_EXCEEDED"}
+)
 
 
 class Running:
@@ -145,6 +173,7 @@ class Running:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         await self.app.stop()
+        self.app.profiler.stop()
 
 
 async def serve(app: GymServer, host: str = "127.0.0.1", port: int = 0, *, reuse_port: bool = False) -> Running:
@@ -153,6 +182,8 @@ async def serve(app: GymServer, host: str = "127.0.0.1", port: int = 0, *, reuse
     `reuse_port` lets several processes serve the same port (num_workers)."""
     server = grpc.aio.server(options=transport.server_options(reuse_port=reuse_port))
     names = app.add_services(server)
+    admin_grpc.add_AdminServiceServicer_to_server(AdminServicer(app), server)
+    names.append(ADMIN_SERVICE)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
@@ -162,6 +193,7 @@ async def serve(app: GymServer, host: str = "127.0.0.1", port: int = 0, *, reuse
         bound = 0
     if bound == 0:
         raise OSError(f"server {app.name!r} could not bind {host}:{port} (in use?)")
+    app.profiler.start()
     await app.start()
     await server.start()
     for name in ["", *names]:

@@ -18,6 +18,7 @@ from typing import Any
 
 from gym_grpc.config import ConfigError
 from gym_grpc.entrypoints import load_entrypoint
+from gym_grpc.profiling import Profiler
 from gym_grpc.registry import Registry
 from gym_grpc.serving import GymServer, Running, serve_until_signalled
 
@@ -63,6 +64,9 @@ def main() -> None:
     try:
         cls = load_entrypoint(spec["entrypoint"])
         app = cls(spec["config"], name=name, registry=Registry(spec["registry"]))
+        app.entrypoint = spec["entrypoint"]
+        if spec.get("profiling_dir"):
+            app.profiler = Profiler(spec["profiling_dir"], spec.get("log_name", name))
         asyncio.run(_serve(app, spec))
     except ConfigError as e:
         _report({"error": str(e)})

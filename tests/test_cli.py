@@ -344,18 +344,39 @@ def test_num_workers_serve_one_port_and_share_the_calls(tmp_path):
         run.stop()
 
 
-def test_a_server_that_dies_stops_the_run(tmp_path):
+def _status(registry: str) -> tuple[int, dict[str, dict]]:
+    done = _gym("status", "--registry", registry, "--json", "--interval", "0.2")
+    return done.returncode, {row["name"]: row for row in json.loads(done.stdout)}
+
+
+def test_a_server_that_dies_is_shown_down_and_the_others_keep_serving(tmp_path):
     run = _start_run()
-    process = run.process
-    children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(process.pid)], capture_output=True, text=True)
-    pids = [int(p) for p in children.stdout.split()]
-    assert len(pids) == 5
-    os.kill(pids[0], signal.SIGKILL)
-    assert process.wait(timeout=30) == 1
-    assert "exited; stopping the others" in process.stderr.read()
-    for pid in pids[1:]:
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+    code, rows = _status(run.registry)
+    assert code == 0 and all(row["health"] == "serving" and row["pid"] > 0 for row in rows.values())
+    os.kill(rows["weather"]["pid"], signal.SIGKILL)
+    for _ in range(100):
+        code, rows = _status(run.registry)
+        if rows["weather"]["health"] == "down":
+            break
+        time.sleep(0.1)
+    assert code == 1 and rows["weather"]["health"] == "down" and "pid" not in rows["weather"]
+    assert all(row["health"] == "serving" for name, row in rows.items() if name != "weather")
+    done = _gym(
+        "collect",
+        "--registry",
+        run.registry,
+        "--agent",
+        "math_agent",
+        "--input",
+        str(MATH),
+        "--output",
+        str(tmp_path / "out.jsonl"),
+        "--no-progress",
+    )
+    assert done.returncode == 0, done.stderr  # the math side still works
+    run.process.send_signal(signal.SIGINT)
+    assert run.process.wait(timeout=30) == 1  # a server died during the run
+    assert "server 'weather'" in run.process.stderr.read()
 
 
 def test_a_reference_to_a_missing_server_fails_startup_naming_the_closest(tmp_path):

@@ -1,0 +1,57 @@
+"""The admin service of every server: info, live counters and the profile."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+from gym_grpc import profiling
+from gym_grpc.v1 import admin_service_pb2 as admin_pb
+from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
+
+if TYPE_CHECKING:
+    from gym_grpc.serving import GymServer
+
+ADMIN_SERVICE = admin_pb.DESCRIPTOR.services_by_name["AdminService"].full_name
+
+try:
+    VERSION = version("gym-grpc")
+except PackageNotFoundError:  # running from a checkout that is not installed
+    VERSION = "unknown"
+
+
+def config_hash(app: GymServer) -> str:
+    """First 12 hex digits of the SHA-256 of a server's config as canonical JSON."""
+    canonical = app.config.model_dump_json(round_trip=True).encode()
+    return hashlib.sha256(canonical).hexdigest()[:12]
+
+
+class AdminServicer(admin_grpc.AdminServiceServicer):
+    def __init__(self, app: GymServer) -> None:
+        self.app = app
+
+    async def GetServerInfo(
+        self, request: admin_pb.GetServerInfoRequest, context: Any
+    ) -> admin_pb.GetServerInfoResponse:
+        app = self.app
+        return admin_pb.GetServerInfoResponse(
+            name=app.name,
+            role=app.role,
+            version=VERSION,
+            uptime_seconds=app.counters.uptime(),
+            config_hash=config_hash(app),
+            pid=os.getpid(),
+            entrypoint=app.entrypoint,
+            profiling=app.profiler.running,
+        )
+
+    async def GetCounters(self, request: admin_pb.GetCountersRequest, context: Any) -> admin_pb.GetCountersResponse:
+        return self.app.counters.to_proto()
+
+    async def GetProfile(self, request: admin_pb.GetProfileRequest, context: Any) -> admin_pb.GetProfileResponse:
+        entries = self.app.profiler.entries(request.limit or 50)
+        return admin_pb.GetProfileResponse(
+            enabled=self.app.profiler.running, entries=entries, table=profiling.table(entries) if entries else ""
+        )

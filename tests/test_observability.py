@@ -1,0 +1,123 @@
+"""Counters, failed-call logs, the admin service, status and profiling."""
+
+import json
+import logging
+import re
+import signal
+
+from gym_grpc import transport
+from gym_grpc.clients import ResourcesClient
+from gym_grpc.v1 import admin_service_pb2 as admin_pb
+from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
+from gym_grpc.v1 import registry_service_pb2 as reg
+from gym_grpc.v1 import responses_pb2 as r
+from tests.support import REPO, Calculator, static_registry, task
+from tests.test_cli import WEATHER, _grpcurl, _gym, _start_run
+
+
+async def _admin(server):
+    channel = transport.open_channel(server.address)
+    return channel, admin_grpc.AdminServiceStub(channel)
+
+
+async def test_counters_count_calls_by_method_and_status(start):
+    server = await start(Calculator(name="calc"))
+    client = ResourcesClient(static_registry(calc=server), "calc")
+    await client.seed_session("s", task("x"))
+    for _ in range(5):
+        await client.call_tool("s", r.FunctionCall(name="add", arguments='{"a": 1, "b": 2}'))
+    await client.call_tool("s", r.FunctionCall(name="add", arguments="not json"))
+    channel, admin = await _admin(server)
+    counters = await admin.GetCounters(admin_pb.GetCountersRequest())
+    methods = {m.method: m for m in counters.methods}
+    assert dict(methods["CallTool"].calls_by_status) == {"OK": 5, "INVALID_ARGUMENT": 1}
+    assert dict(methods["SeedSession"].calls_by_status) == {"OK": 1}
+    assert counters.calls_total == 7 and counters.in_flight == 0
+    assert 0 < methods["CallTool"].p50_ms <= methods["CallTool"].p99_ms
+    info = await admin.GetServerInfo(admin_pb.GetServerInfoRequest())
+    assert info.name == "calc" and info.role == reg.SERVER_ROLE_RESOURCES and info.pid > 0
+    assert info.entrypoint == "tests.support:Calculator" and len(info.config_hash) == 12 and not info.profiling
+    await channel.close()
+    await client.registry.close()
+
+
+async def test_a_failed_call_is_one_log_line_and_success_is_quiet(start, caplog):
+    caplog.set_level(logging.INFO, logger="gym_grpc")
+    server = await start(Calculator(name="calc"))
+    client = ResourcesClient(static_registry(calc=server), "calc")
+    await client.seed_session("s", task("x"))
+    await client.call_tool("s", r.FunctionCall(name="add", arguments='{"a": 1, "b": 2}'))
+    await client.call_tool("s", r.FunctionCall(name="subtract", arguments="{}"))
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "gym_grpc"]
+    failed = [line for line in lines if "CallTool" in line]
+    assert len(failed) == 1
+    assert re.match(r"CallTool NOT_FOUND from ipv[46]:.+ after [\d.]+ ms: unknown tool 'subtract'", failed[0])
+    await client.registry.close()
+
+
+def test_profiling_writes_a_log_with_the_verifiers_call_count_and_the_admin_answers_grpcurl(tmp_path):
+    profiles = tmp_path / "profiles"
+    run = _start_run("profiling_enabled=true", f"profiling_results_dirpath={profiles}")
+    try:
+        weather = run.servers["weather"]
+        info = json.loads(_grpcurl(weather, "gym.v1.AdminService/GetServerInfo"))
+        assert info["name"] == "weather" and info["profiling"] is True and info["role"] == "SERVER_ROLE_RESOURCES"
+        tasks = tmp_path / "tasks.jsonl"
+        tasks.write_text(WEATHER.read_text() * 3)  # 15 rollouts
+        done = _gym(
+            "collect",
+            "--registry",
+            run.registry,
+            "--agent",
+            "weather_agent",
+            "--input",
+            str(tasks),
+            "--output",
+            str(tmp_path / "out.jsonl"),
+            "--no-progress",
+        )
+        assert done.returncode == 0, done.stderr
+        counters = json.loads(_grpcurl(weather, "gym.v1.AdminService/GetCounters"))
+        verify = next(m for m in counters["methods"] if m["method"] == "Verify")
+        assert verify["calls_by_status"] == {"OK": "15"}
+        agent = json.loads(_grpcurl(run.servers["weather_agent"], "gym.v1.AdminService/GetCounters"))
+        assert {s["stage"] for s in agent["stages"]} == {"model", "tools", "verify"}
+        live = _gym("profile", "weather", "--registry", run.registry, "--limit", "200")
+        assert "WeatherEnv.verify" in live.stdout and "ncall" in live.stdout
+    finally:
+        run.process.send_signal(signal.SIGINT)
+        run.process.wait(timeout=30)
+    log = (profiles / "weather.log").read_text()
+    header, *rows = log.splitlines()
+    assert header.split() == ["name", "ncall", "tsub", "ttot", "tavg"]
+    totals = [float(row.split()[-2]) for row in rows]
+    assert totals == sorted(totals, reverse=True)
+    verify_row = next(row for row in rows if row.split()[1] == "WeatherEnv.verify")
+    assert verify_row.startswith(f"{REPO / 'servers/resources/weather/server.py'}:") or verify_row.startswith(
+        "servers/resources/weather/server.py:"
+    )
+    assert int(verify_row.split()[2]) == 15
+    assert (profiles / "policy_model.log").exists() and (profiles / "weather_agent.log").exists()
+
+
+def test_profiling_off_means_no_profile(tmp_path):
+    run = _start_run()
+    try:
+        done = _gym("profile", "weather", "--registry", run.registry)
+        assert "profiling is off" in done.stdout
+        assert _gym("profile", "nosuch", "--registry", run.registry).stdout.strip().endswith("no such server")
+    finally:
+        run.stop()
+
+
+def test_status_without_a_running_config_says_so():
+    done = _gym("status", "--registry", "127.0.0.1:1")
+    assert done.returncode == 1 and "is `gym-grpc run` up" in done.stderr
+
+
+def test_grpcurl_lists_the_admin_service(tmp_path):
+    run = _start_run()
+    try:
+        assert "gym.v1.AdminService" in _grpcurl(run.servers["math"], "list")
+    finally:
+        run.stop()
