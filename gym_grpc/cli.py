@@ -4,24 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import click
 
 from gym_grpc import errors, status
 from gym_grpc.batch import BatchSummary
 from gym_grpc.collector import CollectOptions, collect, parse_overrides
-from gym_grpc.config import ConfigError, GymConfig, load_config
+from gym_grpc.config import ConfigError, GymConfig, dump_config, load_config
 from gym_grpc.jsonl import failures_path
 from gym_grpc.registry import Registry
 from gym_grpc.reverify import ReverifyOptions, reverify
 from gym_grpc.runner import Runner, StartupError, describe
+from gym_grpc.security import Security, TlsSettings
 
 T = TypeVar("T")
 
@@ -86,6 +88,22 @@ def run(args: tuple[str, ...], grace: float, env_file: Path | None) -> None:
         raise click.ClickException(str(e)) from None
 
 
+@main.command("dump-config", context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1)
+@click.option(
+    "--env-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Secrets and variables, merged after the configs.  [default: ./env.yaml if it exists]",
+)
+def dump_config_command(args: tuple[str, ...], env_file: Path | None) -> None:
+    """Print the merged configuration of CONFIG files and KEY=VALUE overrides, secrets masked."""
+    files, overrides = _split_args(args)
+    try:
+        click.echo(dump_config(files, overrides, env_file=env_file), nl=False)
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+
+
 def _print_summary(summary: BatchSummary, output: Path, what: str, estimate_for: int = 0) -> None:
     rate = summary.done / summary.seconds if summary.seconds else 0.0
     click.echo(
@@ -101,9 +119,11 @@ def _print_summary(summary: BatchSummary, output: Path, what: str, estimate_for:
         click.echo(f"warning: {warning}", err=True)
 
 
-async def _with_registry(registry_address: str, agent: str | None, work: Callable[[Registry], Awaitable[T]]) -> T:
+async def _with_registry(
+    registry_address: str, agent: str | None, work: Callable[[Registry], Awaitable[T]], security: Security | None = None
+) -> T:
     """Run `work` against the registry of a `gym-grpc run`, checking first that it answers."""
-    registry = Registry(registry_address)
+    registry = Registry(registry_address, security=security)
     try:
         if agent:
             try:
@@ -137,6 +157,59 @@ def _interruptible(coroutine: Awaitable[T], output: Path) -> T:
 _registry_option = click.option(
     "--registry", default="127.0.0.1:50050", show_default=True, help="Registry of a `gym-grpc run`."
 )
+
+
+def _security_options(command: Callable) -> Callable:
+    """--ca/--cert/--key/--server-name/--token (or GYM_GRPC_CA, ... in the environment) as `security`."""
+    options = [
+        click.option(
+            "--ca",
+            envvar="GYM_GRPC_CA",
+            type=click.Path(exists=True, dir_okay=False),
+            help="CA certificate of the servers (TLS).  [env: GYM_GRPC_CA]",
+        ),
+        click.option(
+            "--cert",
+            envvar="GYM_GRPC_CERT",
+            type=click.Path(exists=True, dir_okay=False),
+            help="Client certificate (mutual TLS).  [env: GYM_GRPC_CERT]",
+        ),
+        click.option(
+            "--key",
+            envvar="GYM_GRPC_KEY",
+            type=click.Path(exists=True, dir_okay=False),
+            help="Client private key (mutual TLS).  [env: GYM_GRPC_KEY]",
+        ),
+        click.option(
+            "--server-name",
+            envvar="GYM_GRPC_SERVER_NAME",
+            help="Name in the servers' certificates, if not their host.  [env: GYM_GRPC_SERVER_NAME]",
+        ),
+        click.option(
+            "--token",
+            envvar="GYM_GRPC_TOKEN",
+            help="Bearer token; prefer the environment variable.  [env: GYM_GRPC_TOKEN]",
+        ),
+    ]
+
+    @functools.wraps(command)
+    def wrapper(
+        *args: Any,
+        ca: str | None,
+        cert: str | None,
+        key: str | None,
+        server_name: str | None,
+        token: str | None,
+        **kwargs: Any,
+    ) -> Any:
+        tls = TlsSettings(ca=ca, cert=cert, key=key, server_name=server_name) if ca or cert or key else None
+        return command(*args, security=Security(tls=tls, token=token), **kwargs)
+
+    for option in reversed(options):
+        wrapper = option(wrapper)
+    return wrapper
+
+
 _window_option = click.option(
     "--max-in-flight", type=click.IntRange(min=1), default=4096, show_default=True, help="Most rollouts at once."
 )
@@ -204,6 +277,7 @@ _progress_option = click.option("--no-progress", is_flag=True, help="No progress
     help="Say how long this many more rollouts would take at the measured rate.",
 )
 @_progress_option
+@_security_options
 def collect_command(
     overrides: tuple[str, ...],
     input_path: Path,
@@ -221,6 +295,7 @@ def collect_command(
     pass_threshold: float,
     estimate_for: int,
     no_progress: bool,
+    security: Security,
 ) -> None:
     """Run the tasks of INPUT through an agent and write scored rollouts to OUTPUT.
 
@@ -248,7 +323,7 @@ def collect_command(
         pass_threshold=pass_threshold,
         progress=not no_progress,
     )
-    summary = _interruptible(_with_registry(registry, agent, lambda reg: collect(reg, options)), output)
+    summary = _interruptible(_with_registry(registry, agent, lambda reg: collect(reg, options), security), output)
     _print_summary(summary, output, "collected", estimate_for)
     click.echo(json.dumps(summary.metrics, indent=2))
     if summary.failed or summary.bad_rows:
@@ -278,6 +353,7 @@ def collect_command(
 @_range_option
 @_threshold_option
 @_progress_option
+@_security_options
 def reverify_command(
     input_path: Path,
     output: Path,
@@ -289,6 +365,7 @@ def reverify_command(
     reward_range: tuple[float, float],
     pass_threshold: float,
     no_progress: bool,
+    security: Security,
 ) -> None:
     """Score the rollouts of IN.jsonl again (verify only, no inference) into --out."""
     options = ReverifyOptions(
@@ -303,7 +380,7 @@ def reverify_command(
         progress=not no_progress,
     )
     summary, changes = _interruptible(
-        _with_registry(registry, resources or agent, lambda reg: reverify(reg, options)), output
+        _with_registry(registry, resources or agent, lambda reg: reverify(reg, options), security), output
     )
     _print_summary(summary, output, "re-verified")
     click.echo(changes.line(), err=True)
@@ -322,11 +399,12 @@ def reverify_command(
     show_default=True,
     help="Seconds between the two samples that give calls/s.",
 )
-def status_command(registry: str, as_json: bool, interval: float) -> None:
+@_security_options
+def status_command(registry: str, as_json: bool, interval: float, security: Security) -> None:
     """Every server of a running config: address, health, pid, uptime, in flight, calls/s."""
 
     async def ask() -> list[dict]:
-        async with _registry(registry) as reg:
+        async with _registry(registry, security) as reg:
             return await status.status(reg, interval)
 
     rows = asyncio.run(ask())
@@ -339,11 +417,12 @@ def status_command(registry: str, as_json: bool, interval: float) -> None:
 @click.argument("names", nargs=-1)
 @_registry_option
 @click.option("--limit", type=click.IntRange(min=1), default=30, show_default=True, help="Functions per server.")
-def profile_command(names: tuple[str, ...], registry: str, limit: int) -> None:
+@_security_options
+def profile_command(names: tuple[str, ...], registry: str, limit: int, security: Security) -> None:
     """The current profile (name ncall tsub ttot tavg, by ttot) of NAMES, or of every server."""
 
     async def ask() -> list[tuple[str, str, str]]:
-        async with _registry(registry) as reg:
+        async with _registry(registry, security) as reg:
             return await status.profiles(reg, list(names), limit)
 
     for name, address, text in asyncio.run(ask()):
@@ -351,9 +430,9 @@ def profile_command(names: tuple[str, ...], registry: str, limit: int) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _registry(address: str) -> AsyncIterator[Registry]:
+async def _registry(address: str, security: Security) -> AsyncIterator[Registry]:
     """A Registry client whose failure to reach `gym-grpc run` is a clear error."""
-    registry = Registry(address)
+    registry = Registry(address, security=security)
     try:
         try:
             await registry.list()
@@ -375,7 +454,9 @@ async def _quickstart(output_dir: Path, num_repeats: int) -> dict[str, dict[str,
             output = output_dir / f"{agent}_rollouts.jsonl"
             output.unlink(missing_ok=True)
             options = CollectOptions(input=data, output=output, agent=agent, num_repeats=num_repeats)
-            summary = await _with_registry(runner.registry_address, agent, lambda reg, o=options: collect(reg, o))
+            summary = await _with_registry(
+                runner.registry_address, agent, lambda reg, o=options: collect(reg, o), runner.config.security
+            )
             _print_summary(summary, output, "collected")
             metrics.update(summary.metrics)
     finally:

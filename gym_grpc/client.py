@@ -26,6 +26,7 @@ from gym_grpc import rows
 from gym_grpc.clients import AgentClient
 from gym_grpc.collector import rollout_record
 from gym_grpc.registry import Registry
+from gym_grpc.security import Security
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
 
@@ -164,8 +165,15 @@ class RolloutResult:
 class GymClient:
     """Runs rollouts through one agent of a running `gym-grpc run`."""
 
-    def __init__(self, agent: str, registry: str | Registry = "127.0.0.1:50050", *, timeout: float = 3600.0) -> None:
-        self._registry = registry if isinstance(registry, Registry) else Registry(registry)
+    def __init__(
+        self,
+        agent: str,
+        registry: str | Registry = "127.0.0.1:50050",
+        *,
+        timeout: float = 3600.0,
+        security: Security | None = None,
+    ) -> None:
+        self._registry = registry if isinstance(registry, Registry) else Registry(registry, security=security)
         self._owns_registry = not isinstance(registry, Registry)
         self._agent = AgentClient(self._registry, agent)
         self.timeout = timeout

@@ -17,8 +17,9 @@ directory, or the file given) is merged: it is where secrets live. An
 override is `dotted.key=value` with the value read as YAML
 (`servers.weather_agent.config.max_steps=3`).
 
-Top-level keys other than `registry`, `servers`, `profiling_enabled` and
-`profiling_results_dirpath` are variables, usually
+Top-level keys other than `registry`, `servers`, `security` (see
+security.py), `profiling_enabled` and `profiling_results_dirpath` are
+variables, usually
 from env.yaml (`policy_base_url: http://gpu-node:8000/v1`). `${name}` in any
 string of the servers or the registry is replaced by the variable, or else by
 the environment variable of that name; a string that is only `${name}` takes
@@ -36,9 +37,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-
-class ConfigError(ValueError):
-    """The configuration cannot be loaded; the message names the file or key."""
+from gym_grpc.errors import ConfigError
+from gym_grpc.security import Security
 
 
 class ServerSpec(BaseModel):
@@ -69,6 +69,7 @@ class GymConfig(BaseModel):
 
     registry: RegistrySpec = RegistrySpec()
     servers: dict[str, ServerSpec] = Field(default_factory=dict)
+    security: Security = Security()
     profiling_enabled: bool = Field(False, description="run yappi in every server and write a log at stop")
     profiling_results_dirpath: str | None = Field(None, description="where the profile logs go")
 
@@ -140,8 +141,11 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     node[parts[-1]] = value
 
 
+#: Names of settings and env.yaml keys whose values are secrets (api_key, token, hf_token, ...).
+_SECRET_KEY = re.compile(r"(^|_)(key|token|secret|password)$", re.I)
+MASK = "***"
 _VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
-_SECTIONS = ("registry", "servers", "profiling_enabled", "profiling_results_dirpath")
+_SECTIONS = ("registry", "servers", "security", "profiling_enabled", "profiling_results_dirpath")
 
 
 def _interpolate(value: Any, variables: dict[str, Any], where: str) -> Any:
@@ -165,18 +169,17 @@ def _interpolate(value: Any, variables: dict[str, Any], where: str) -> Any:
     return _VARIABLE.sub(lambda m: str(lookup(m.group(1))), value)
 
 
-def load_config(
-    paths: Sequence[str | Path], overrides: Sequence[str] = (), *, env_file: str | Path | None = None
-) -> GymConfig:
-    """Load, merge, interpolate and validate a configuration.
-
-    `env_file` defaults to `env.yaml` in the current directory when it exists."""
+def _load(paths: Sequence[str | Path], overrides: Sequence[str], env_file: str | Path | None) -> tuple[GymConfig, set]:
+    """The validated configuration, and the values env.yaml supplied (its secrets)."""
     data: dict[str, Any] = {}
     for path in paths:
         merge(data, _load_file(Path(path)))
     env_path = Path(env_file) if env_file is not None else Path("env.yaml")
+    secrets: set = set()
     if env_file is not None or env_path.exists():
-        merge(data, _load_file(env_path))
+        env = _load_file(env_path)
+        secrets = {v for k, v in env.items() if _SECRET_KEY.search(k) and isinstance(v, str) and len(v) >= 4}
+        merge(data, env)
     for override in overrides:
         apply_override(data, override)
     variables = {k: v for k, v in data.items() if k not in _SECTIONS}
@@ -185,7 +188,39 @@ def load_config(
             raise ConfigError(f"{name}: a top-level key that is not a setting is a variable, so a scalar")
     sections = {k: _interpolate(data[k], variables, k) for k in _SECTIONS if k in data}
     try:
-        return GymConfig.model_validate(sections)
+        return GymConfig.model_validate(sections), secrets
     except ValidationError as e:
         problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
         raise ConfigError(f"invalid configuration: {problems}") from None
+
+
+def load_config(
+    paths: Sequence[str | Path], overrides: Sequence[str] = (), *, env_file: str | Path | None = None
+) -> GymConfig:
+    """Load, merge, interpolate and validate a configuration.
+
+    `env_file` defaults to `env.yaml` in the current directory when it exists."""
+    return _load(paths, overrides, env_file)[0]
+
+
+def _mask(value: Any, secrets: set, key: str = "") -> Any:
+    if isinstance(value, dict):
+        return {k: _mask(v, secrets, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_mask(v, secrets, key) for v in value]
+    if isinstance(value, str) and value:
+        if _SECRET_KEY.search(key):
+            return MASK
+        for secret in secrets:
+            value = value.replace(secret, MASK)
+    return value
+
+
+def dump_config(
+    paths: Sequence[str | Path], overrides: Sequence[str] = (), *, env_file: str | Path | None = None
+) -> str:
+    """The merged configuration as YAML, with secrets masked: the values of env.yaml
+    keys named like a key, token, secret or password, wherever they appear, and
+    every value of a setting so named."""
+    config, secrets = _load(paths, overrides, env_file)
+    return yaml.safe_dump(_mask(config.model_dump(mode="json"), secrets), sort_keys=False)

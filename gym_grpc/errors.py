@@ -14,15 +14,22 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 
+class ConfigError(ValueError):
+    """A configuration (file, override, server config block, certificate) cannot be used;
+    the message names the file or key. Reported by the command line, not over gRPC."""
+
+
 class GymError(Exception):
     """An error with a gRPC status code and a message meant for the caller."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
 
-    def __init__(self, message: str, *, field: str | None = None) -> None:
+    def __init__(self, message: str, *, field: str | None = None, code: grpc.StatusCode | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.field = field
+        if code is not None:
+            self.code = code
 
     def to_status(self) -> grpc.Status:
         """The rich status: code, message and, for a field, a BadRequest detail."""
@@ -106,7 +113,7 @@ def from_rpc_error(error: grpc.aio.AioRpcError, what: str) -> GymError:
         # The downstream call was cancelled, usually because our own caller
         # went away; report it as unavailable rather than as our bug.
         return Unavailable(message)
-    return GymError(message)
+    return GymError(message, code=code)
 
 
 def field_of(error: grpc.aio.AioRpcError) -> str | None:

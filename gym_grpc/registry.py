@@ -14,6 +14,7 @@ import difflib
 import grpc
 
 from gym_grpc import errors, transport
+from gym_grpc.security import Security
 from gym_grpc.v1 import registry_service_pb2 as reg
 from gym_grpc.v1 import registry_service_pb2_grpc as reg_grpc
 
@@ -59,10 +60,15 @@ class Registry:
 
     Registry("127.0.0.1:50050")              # ask a running `gym-grpc run`
     Registry(static={"weather": "127.0.0.1:4321"})  # no registry service
+    Registry("...", security=Security(token=...))   # TLS and the bearer token on every channel
     """
 
-    def __init__(self, address: str | None = None, *, static: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, address: str | None = None, *, static: dict[str, str] | None = None, security: Security | None = None
+    ) -> None:
         self.address = address
+        #: TLS and token settings for every channel this registry opens.
+        self.security = security
         self._static = dict(static or {})
         self._infos: dict[str, reg.ServerInfo] = {}
         self._channels: dict[str, list[grpc.aio.Channel]] = {}
@@ -79,7 +85,7 @@ class Registry:
             raise errors.Unavailable(f"server {name!r} is unknown: {closest(name, list(self._static))}")
         else:
             if self._registry_channel is None:
-                self._registry_channel = transport.open_channel(self.address)
+                self._registry_channel = transport.open_channel(self.address, security=self.security)
             stub = reg_grpc.RegistryServiceStub(self._registry_channel)
             try:
                 reply = await stub.GetServer(reg.GetServerRequest(name=name), timeout=transport.timeout_for(10.0))
@@ -94,7 +100,7 @@ class Registry:
         if self.address is None:
             return [reg.ServerInfo(name=k, addresses=[v]) for k, v in sorted(self._static.items())]
         if self._registry_channel is None:
-            self._registry_channel = transport.open_channel(self.address)
+            self._registry_channel = transport.open_channel(self.address, security=self.security)
         stub = reg_grpc.RegistryServiceStub(self._registry_channel)
         try:
             reply = await stub.ListServers(reg.ListServersRequest(), timeout=transport.timeout_for(10.0))
@@ -115,7 +121,7 @@ class Registry:
                 if not info.addresses:
                     raise errors.Unavailable(f"server {name!r} has no address")
                 per_address = transport.CONNECTIONS_PER_WORKER * info.workers if info.workers > 1 else 1
-                pool = [transport.open_channel(a, i) for a in info.addresses for i in range(per_address)]
+                pool = [transport.open_channel(a, i, self.security) for a in info.addresses for i in range(per_address)]
                 self._channels[name] = pool
         return pool
 

@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gym_grpc import transport
 from gym_grpc.config import ConfigError, GymConfig, ServerSpec
 from gym_grpc.registry import REGISTRY_SERVICE, RegistryServicer, closest
+from gym_grpc.security import Security
 from gym_grpc.serving import DEFAULT_GRACE_SECONDS, GymServer, Running, serve
 from gym_grpc.v1 import registry_service_pb2 as reg
 from gym_grpc.v1 import registry_service_pb2_grpc as reg_grpc
@@ -92,7 +93,7 @@ class Runner:
             raise ConfigError("the configuration has no servers")
         spec = self.config.registry
         try:
-            self.registry = await serve(RegistryServer(), spec.host, spec.port)
+            self.registry = await serve(RegistryServer(), spec.host, spec.port, security=self.config.security)
         except (OSError, RuntimeError) as e:
             raise StartupError(
                 f"cannot serve the registry on {spec.host}:{spec.port} ({e}); is another `gym-grpc run` "
@@ -129,7 +130,7 @@ class Runner:
         await asyncio.gather(*(self._ready(server, process) for process in others))
         host = "127.0.0.1" if spec.host in _WILDCARD_HOSTS else spec.host
         address = f"{host}:{report['port']}"
-        await _wait_healthy(address)
+        await _wait_healthy(address, self.config.security)
         server.info = reg.ServerInfo(
             name=server.name,
             role=report["role"],
@@ -160,6 +161,7 @@ class Runner:
             "grace": self.grace,
             "log_level": self.log_level,
             "profiling_dir": self.config.profiling_results_dirpath if self.config.profiling_enabled else None,
+            "security": self.config.security.model_dump(),
             "log_name": server.name if spec.num_workers == 1 else f"{server.name}.worker{worker}",
         }
         assert process.stdin is not None
@@ -232,9 +234,9 @@ class Runner:
             await self.registry.stop(grace=1.0)
 
 
-async def _wait_healthy(address: str, attempts: int = 50) -> None:
+async def _wait_healthy(address: str, security: Security, attempts: int = 50) -> None:
     """Poll the health service of a server until it says SERVING."""
-    async with transport.open_channel(address) as channel:
+    async with transport.open_channel(address, security=security) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         for _ in range(attempts):
             try:

@@ -28,6 +28,7 @@ from gym_grpc.config import ConfigError
 from gym_grpc.counters import Counters
 from gym_grpc.profiling import Profiler
 from gym_grpc.registry import Registry
+from gym_grpc.security import Security
 from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from gym_grpc.v1 import registry_service_pb2 as reg
 
@@ -176,19 +177,34 @@ class Running:
         self.app.profiler.stop()
 
 
-async def serve(app: GymServer, host: str = "127.0.0.1", port: int = 0, *, reuse_port: bool = False) -> Running:
+async def serve(
+    app: GymServer,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    reuse_port: bool = False,
+    security: Security | None = None,
+) -> Running:
     """Start `app` on host:port (0: any free port) and return once it serves.
 
-    `reuse_port` lets several processes serve the same port (num_workers)."""
-    server = grpc.aio.server(options=transport.server_options(reuse_port=reuse_port))
+    `reuse_port` lets several processes serve the same port (num_workers);
+    `security` adds TLS and the bearer token check."""
+    security = security or Security()
+    server = grpc.aio.server(
+        options=transport.server_options(reuse_port=reuse_port), interceptors=security.server_interceptors()
+    )
     names = app.add_services(server)
     admin_grpc.add_AdminServiceServicer_to_server(AdminServicer(app), server)
     names.append(ADMIN_SERVICE)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    credentials = security.server_credentials()
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        if credentials is None:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        else:
+            bound = server.add_secure_port(f"{host}:{port}", credentials)
     except RuntimeError:
         bound = 0
     if bound == 0:
@@ -211,9 +227,10 @@ async def serve_until_signalled(
     on_ready: Callable[[Running], None] | None = None,
     stop_event: asyncio.Event | None = None,
     reuse_port: bool = False,
+    security: Security | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT (or `stop_event`), then stop gracefully."""
-    running = await serve(app, host, port, reuse_port=reuse_port)
+    running = await serve(app, host, port, reuse_port=reuse_port, security=security)
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -10,6 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gym_grpc import transport
 from gym_grpc.registry import Registry
+from gym_grpc.security import Security
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from gym_grpc.v1 import registry_service_pb2 as reg
@@ -21,9 +22,9 @@ _HEALTH = {
 }
 
 
-async def _one(info: reg.ServerInfo, address: str, interval: float) -> dict[str, Any]:
+async def _one(info: reg.ServerInfo, address: str, interval: float, security: Security | None) -> dict[str, Any]:
     row: dict[str, Any] = {"name": info.name, "role": ROLES.get(info.role, "?"), "address": address}
-    async with transport.open_channel(address) as channel:
+    async with transport.open_channel(address, security=security) as channel:
         try:
             reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2.0)
             row["health"] = _HEALTH.get(reply.status, "unknown")
@@ -56,7 +57,7 @@ async def _one(info: reg.ServerInfo, address: str, interval: float) -> dict[str,
 async def status(registry: Registry, interval: float = 1.0) -> list[dict[str, Any]]:
     """One row per address of every registered server: health, pid, uptime, in flight, calls/s."""
     servers = await registry.list()
-    return list(await asyncio.gather(*(_one(s, a, interval) for s in servers for a in s.addresses)))
+    return list(await asyncio.gather(*(_one(s, a, interval, registry.security) for s in servers for a in s.addresses)))
 
 
 def format_status(rows: list[dict[str, Any]]) -> str:
@@ -81,7 +82,7 @@ async def profiles(registry: Registry, names: list[str], limit: int) -> list[tup
     found = [(name, "-", "no such server") for name in unknown]
     for server in servers:
         for address in server.addresses:
-            async with transport.open_channel(address) as channel:
+            async with transport.open_channel(address, security=registry.security) as channel:
                 try:
                     reply = await admin_grpc.AdminServiceStub(channel).GetProfile(
                         admin_pb.GetProfileRequest(limit=limit), timeout=10.0

@@ -20,6 +20,8 @@ import time
 
 import grpc
 
+from gym_grpc.security import Security
+
 #: Largest message a server or client sends or accepts, in bytes.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
@@ -49,15 +51,23 @@ def server_options(*, reuse_port: bool = False) -> list[tuple[str, int]]:
     return [(k, int(reuse_port) if k == "grpc.so_reuseport" else v) for k, v in SERVER_OPTIONS]
 
 
-def open_channel(address: str, index: int = 0) -> grpc.aio.Channel:
-    """An insecure asyncio channel to `address` ("host:port") with our options.
+def open_channel(address: str, index: int = 0, security: Security | None = None) -> grpc.aio.Channel:
+    """An asyncio channel to `address` ("host:port") with our options, over TLS and
+    with the bearer token when `security` says so.
 
     Channels with the same arguments share one connection; a distinct `index`
     gives a channel its own, which is how a client reaches several worker
     processes behind one port (the kernel spreads connections, not calls).
     """
-    options = CHANNEL_OPTIONS + [("grpc.gym_channel_index", index)] if index else CHANNEL_OPTIONS
-    return grpc.aio.insecure_channel(address, options=options)
+    options = CHANNEL_OPTIONS + [("grpc.gym_channel_index", index)] if index else list(CHANNEL_OPTIONS)
+    if security is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    options += security.channel_options()
+    interceptors = security.client_interceptors()
+    credentials = security.channel_credentials()
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
 
 
 # --- deadline propagation ----------------------------------------------------

@@ -20,6 +20,7 @@ from gym_grpc.config import ConfigError
 from gym_grpc.entrypoints import load_entrypoint
 from gym_grpc.profiling import Profiler
 from gym_grpc.registry import Registry
+from gym_grpc.security import Security
 from gym_grpc.serving import GymServer, Running, serve_until_signalled
 
 
@@ -50,6 +51,7 @@ async def _serve(app: GymServer, spec: dict[str, Any]) -> None:
         on_ready=on_ready,
         stop_event=stop,
         reuse_port=spec.get("reuse_port", False),
+        security=Security.model_validate(spec.get("security") or {}),
     )
 
 
@@ -62,8 +64,9 @@ def main() -> None:
         format=f"%(asctime)s [{name}] %(levelname)s %(message)s",
     )
     try:
+        security = Security.model_validate(spec.get("security") or {})
         cls = load_entrypoint(spec["entrypoint"])
-        app = cls(spec["config"], name=name, registry=Registry(spec["registry"]))
+        app = cls(spec["config"], name=name, registry=Registry(spec["registry"], security=security))
         app.entrypoint = spec["entrypoint"]
         if spec.get("profiling_dir"):
             app.profiler = Profiler(spec["profiling_dir"], spec.get("log_name", name))

@@ -1,0 +1,125 @@
+"""TLS, mutual TLS and the bearer token, in process and through `gym-grpc run`."""
+
+import json
+import os
+import subprocess
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gym_grpc import errors, transport
+from gym_grpc.clients import ResourcesClient
+from gym_grpc.registry import Registry
+from gym_grpc.security import Security, TlsSettings
+from gym_grpc.serving import serve
+from gym_grpc.v1 import responses_pb2 as r
+from tests.certs import make_certs
+from tests.support import REPO, Calculator, task
+from tests.test_cli import MATH, _gym, _start_run, _tool
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+async def _serve(security):
+    server = await serve(Calculator(name="calc"), security=security)
+    return server
+
+
+async def _call(address: str, security: Security | None):
+    client = ResourcesClient(Registry(static={"calc": address}, security=security), "calc", timeout=5)
+    try:
+        await client.seed_session("s", task("x"))
+        return await client.call_tool("s", r.FunctionCall(name="add", arguments='{"a": 1, "b": 2}'))
+    finally:
+        await client.registry.close()
+
+
+async def test_a_call_without_the_token_is_unauthenticated():
+    server = await _serve(Security(token="s3cret-token"))
+    try:
+        with pytest.raises(errors.GymError) as error:
+            await _call(server.address, None)
+        assert error.value.code == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(errors.GymError) as error:
+            await _call(server.address, Security(token="wrong"))
+        assert error.value.code == grpc.StatusCode.UNAUTHENTICATED and "s3cret" not in error.value.message
+        assert (await _call(server.address, Security(token="s3cret-token"))).output == "3"
+        async with transport.open_channel(server.address) as channel:  # health stays open, for probes
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await server.stop(0.5)
+
+
+async def test_a_plaintext_client_cannot_talk_to_a_tls_server(certs):
+    tls = TlsSettings(ca=certs.ca, cert=certs.server[0], key=certs.server[1])
+    server = await _serve(Security(tls=tls))
+    try:
+        with pytest.raises(errors.Unavailable):
+            await _call(server.address, None)
+        assert (await _call(server.address, Security(tls=TlsSettings(ca=certs.ca)))).output == "3"
+    finally:
+        await server.stop(0.5)
+
+
+async def test_mutual_tls_refuses_a_client_without_a_certificate_from_the_ca(certs):
+    tls = TlsSettings(ca=certs.ca, cert=certs.server[0], key=certs.server[1], require_client_cert=True)
+    server = await _serve(Security(tls=tls))
+    try:
+        for refused in (
+            TlsSettings(ca=certs.ca),
+            TlsSettings(ca=certs.ca, cert=certs.stranger[0], key=certs.stranger[1]),
+        ):
+            with pytest.raises(errors.Unavailable):
+                await _call(server.address, Security(tls=refused))
+        accepted = TlsSettings(ca=certs.ca, cert=certs.client[0], key=certs.client[1])
+        assert (await _call(server.address, Security(tls=accepted))).output == "3"
+    finally:
+        await server.stop(0.5)
+
+
+def test_a_missing_certificate_file_is_a_clear_config_error(tmp_path):
+    with pytest.raises(errors.ConfigError, match="security.tls.cert: cannot read"):
+        Security(tls=TlsSettings(cert=str(tmp_path / "nope.pem"), key=str(tmp_path / "k.pem"))).server_credentials()
+
+
+def test_tls_and_token_through_gym_grpc_run_and_secrets_stay_out_of_logs(certs, tmp_path):
+    token = "tok-" + "9f3a7c1e5b" * 3
+    env = tmp_path / "env.yaml"
+    env.write_text(f"gym_token: {token}\npolicy_api_key: sk-also-secret-1234\n")
+    settings = [
+        "security.tls.ca=" + certs.ca,
+        "security.tls.cert=" + certs.server[0],
+        "security.tls.key=" + certs.server[1],
+        "security.tls.require_client_cert=true",
+        "security.token=${gym_token}",
+    ]
+    run = _start_run(*settings, "--env-file", str(env))
+    try:
+        client = ["--ca", certs.ca, "--cert", certs.client[0], "--key", certs.client[1]]
+        args = ["collect", "--registry", run.registry, "--agent", "math_agent", "--input", str(MATH), "--no-progress"]
+        refused = _gym(*args, "--output", str(tmp_path / "refused.jsonl"), *client)  # no token
+        assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
+        done = _gym(
+            *args, "--output", str(tmp_path / "out.jsonl"), *client, env={**os.environ, "GYM_GRPC_TOKEN": token}
+        )
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["math_agent"]["rollouts"] == 6
+        status = _gym(
+            "status", "--registry", run.registry, "--json", *client, env={**os.environ, "GYM_GRPC_TOKEN": token}
+        )
+        assert all(row["health"] == "serving" for row in json.loads(status.stdout))
+        plain = subprocess.run(
+            [_tool("grpcurl"), "-plaintext", "-max-time", "3", run.registry, "list"], capture_output=True, text=True
+        )
+        assert plain.returncode != 0  # TLS only
+    finally:
+        run.stop()
+    logs = run.process.stderr.read() + "".join(run.lines) + refused.stderr + done.stderr + status.stderr
+    assert token not in logs and "sk-also-secret-1234" not in logs
+    dumped = _gym("dump-config", str(REPO / "configs/quickstart.yaml"), *settings, "--env-file", str(env)).stdout
+    assert token not in dumped and "token: '***'" in dumped and certs.ca in dumped
