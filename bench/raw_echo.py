@@ -46,7 +46,7 @@ class Echo(model_grpc.ModelServiceServicer):
 
 
 async def serve(port_file: str) -> None:
-    server = grpc.aio.server(options=transport.SERVER_OPTIONS)
+    server = grpc.aio.server(options=transport.server_options())
     model_grpc.add_ModelServiceServicer_to_server(Echo(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 from google.protobuf import struct_pb2
 
-from gym_grpc import errors
+from gym_grpc import validation
 from gym_grpc.serving import GymServer, rpc_method
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
 from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
@@ -73,20 +73,13 @@ class AgentServer(GymServer):
         return [agent_pb.DESCRIPTOR.services_by_name["AgentService"].full_name]
 
 
-def _check(task: task_pb2.Task) -> None:
-    if task.responses_create_params.WhichOneof("input") is None:
-        raise errors.InvalidArgument(
-            "task.responses_create_params.input is required", field="task.responses_create_params.input"
-        )
-
-
 class _AgentServicer(agent_grpc.AgentServiceServicer):
     def __init__(self, app: AgentServer) -> None:
         self.app = app
 
     @rpc_method
     async def Run(self, request: agent_pb.RunRequest, context: Any) -> agent_pb.RunResponse:
-        _check(request.task)
+        validation.check_task(request.task, "task")
         rollout = await self.app.run(request.task, RolloutEvents(), verify=not request.skip_verification)
         self.app.counters.rollout(rollout.timings)
         return agent_pb.RunResponse(rollout=rollout)
@@ -119,7 +112,7 @@ class _AgentServicer(agent_grpc.AgentServiceServicer):
     async def _RunStream(
         self, request: agent_pb.RunStreamRequest, context: Any, events: RolloutEvents
     ) -> task_pb2.Rollout:
-        _check(request.task)
+        validation.check_task(request.task, "task")
         rollout = await self.app.run(request.task, events, verify=not request.skip_verification)
         self.app.counters.rollout(rollout.timings)
         return rollout

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from gym_grpc import errors, rows
+from gym_grpc import errors, jsonl, rows
 from gym_grpc.batch import BadInput, Batch, BatchOptions, BatchSummary, Job
 from gym_grpc.clients import AgentClient
 from gym_grpc.jsonl import count_rows
@@ -132,7 +132,7 @@ def _jobs(options: CollectOptions) -> Iterator[Job | BadInput]:
                 )
                 continue
             try:
-                row = json.loads(line)
+                row = jsonl.loads(line)
                 if isinstance(row, dict) and isinstance(row.get(rows.PARAMS_KEY), dict) and options.overrides:
                     apply_overrides(row[rows.PARAMS_KEY], options.overrides)
                 task = rows.task_from_row(row)
@@ -142,6 +142,9 @@ def _jobs(options: CollectOptions) -> Iterator[Job | BadInput]:
                     raise rows.RowError("agent_ref.name", "the row names no agent and no --agent was given")
             except json.JSONDecodeError as e:
                 yield BadInput(task_index, line_no, f"not JSON: {e}", jobs=options.num_repeats)
+                continue
+            except jsonl.DuplicateKey as e:
+                yield BadInput(task_index, line_no, str(e), jobs=options.num_repeats)
                 continue
             except rows.RowError as e:
                 yield BadInput(task_index, line_no, str(e), e.field, jobs=options.num_repeats)

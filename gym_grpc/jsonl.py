@@ -14,6 +14,24 @@ from pathlib import Path
 from typing import Any
 
 
+class DuplicateKey(ValueError):
+    """A JSON object with the same key twice (json.loads would keep the last silently)."""
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise DuplicateKey(f"duplicate key {key!r} in a JSON object")
+        obj[key] = value
+    return obj
+
+
+def loads(text: str | bytes) -> Any:
+    """json.loads that refuses objects with a duplicate key."""
+    return json.loads(text, object_pairs_hook=_no_duplicates)
+
+
 def failures_path(output: Path) -> Path:
     """The failures sidecar of an output file: `<stem>.failures.jsonl` next to it."""
     return output.with_name(f"{output.stem}.failures.jsonl")

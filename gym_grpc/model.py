@@ -6,7 +6,7 @@ from typing import Any
 
 import grpc
 
-from gym_grpc import errors
+from gym_grpc import validation
 from gym_grpc.serving import GymServer, rpc_method
 from gym_grpc.v1 import model_service_pb2 as model_pb
 from gym_grpc.v1 import model_service_pb2_grpc as model_grpc
@@ -36,7 +36,6 @@ class _ModelServicer(model_grpc.ModelServiceServicer):
     async def CreateResponse(
         self, request: model_pb.CreateResponseRequest, context: Any
     ) -> model_pb.CreateResponseResponse:
-        if request.params.WhichOneof("input") is None:
-            raise errors.InvalidArgument("params.input is required", field="params.input")
+        validation.check_params(request.params, "params")
         response = await self.app.create_response(request.params, request.session_id)
         return model_pb.CreateResponseResponse(response=response)

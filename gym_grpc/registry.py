@@ -47,6 +47,8 @@ class RegistryServicer(reg_grpc.RegistryServiceServicer):
         self, request: reg.GetServerRequest, context: grpc.aio.ServicerContext
     ) -> reg.GetServerResponse:
         info = self.servers.get(request.name)
+        if not request.name:
+            await context.abort_with_status(errors.InvalidArgument("name: is required", field="name").to_status())
         if info is None:
             error = errors.NotFound(
                 f"no server named {request.name!r}: {closest(request.name, list(self.servers))}", field="name"

@@ -32,7 +32,7 @@ from google.protobuf import struct_pb2
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from pydantic.json_schema import GenerateJsonSchema
 
-from gym_grpc import errors, metrics
+from gym_grpc import errors, metrics, validation
 from gym_grpc.rows import struct_to_dict
 from gym_grpc.serving import GymServer, rpc_method
 from gym_grpc.v1 import registry_service_pb2 as reg
@@ -258,6 +258,9 @@ class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
     async def SeedSession(self, request: res_pb.SeedSessionRequest, context: Any) -> res_pb.SeedSessionResponse:
         if not request.session_id:
             raise errors.InvalidArgument("session_id is required", field="session_id")
+        validation.check_items(
+            request.task.responses_create_params.input_items.items, "task.responses_create_params.input_items.items"
+        )
         if request.session_id in self.app.sessions:
             raise errors.FailedPrecondition(f"session {request.session_id!r} is already open", field="session_id")
         session = Session(id=request.session_id, task=request.task)
@@ -273,12 +276,15 @@ class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
 
     @rpc_method
     async def CallTool(self, request: res_pb.CallToolRequest, context: Any) -> res_pb.CallToolResponse:
+        if not request.name:
+            raise errors.InvalidArgument("name: is required", field="name")
         session = self._session(request.session_id)
         output = await self.app.call_tool(session, request.name, request.arguments)
         return res_pb.CallToolResponse(output=output)
 
     @rpc_method
     async def Verify(self, request: res_pb.VerifyRequest, context: Any) -> res_pb.VerifyResponse:
+        validation.check_response(request.response, "response")
         # Verification needs no open session (re-scoring old rollouts has none).
         session = self.app.sessions.get(request.session_id) or Session(id=request.session_id, task=request.task)
         try:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from gym_grpc import errors, rows
+from gym_grpc import errors, jsonl, rows
 from gym_grpc.batch import BadInput, Batch, BatchOptions, BatchSummary, Job
 from gym_grpc.clients import ResourcesClient
 from gym_grpc.registry import Registry
@@ -96,7 +96,7 @@ def _jobs(options: ReverifyOptions) -> Iterator[Job | BadInput]:
                 continue
             index += 1
             try:
-                row = json.loads(raw.decode("utf-8"))
+                row = jsonl.loads(raw.decode("utf-8"))
                 if not isinstance(row, dict) or not isinstance(row.get("response"), dict):
                     raise rows.RowError("response", "is required: this is not a rollout row")
                 response = rows.response_from_json(row["response"])

@@ -28,18 +28,12 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 #: Calls a server lets wait for the application before it cancels them.
 MAX_PENDING_REQUESTS = 1 << 20
 
-_MESSAGE_OPTIONS: list[tuple[str, int]] = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
 
-SERVER_OPTIONS: list[tuple[str, int]] = _MESSAGE_OPTIONS + [
-    ("grpc.server.max_pending_requests", MAX_PENDING_REQUESTS),
-    ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_REQUESTS),
-    ("grpc.so_reuseport", 0),
-]
-
-CHANNEL_OPTIONS: list[tuple[str, int]] = _MESSAGE_OPTIONS
+def _message_options() -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ]
 
 
 #: Connections a client opens to each worker process of a multi-process server.
@@ -48,7 +42,11 @@ CONNECTIONS_PER_WORKER = 8
 
 def server_options(*, reuse_port: bool = False) -> list[tuple[str, int]]:
     """Server options; `reuse_port` lets the worker processes of one server share its port."""
-    return [(k, int(reuse_port) if k == "grpc.so_reuseport" else v) for k, v in SERVER_OPTIONS]
+    return _message_options() + [
+        ("grpc.server.max_pending_requests", MAX_PENDING_REQUESTS),
+        ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_REQUESTS),
+        ("grpc.so_reuseport", int(reuse_port)),
+    ]
 
 
 def open_channel(address: str, index: int = 0, security: Security | None = None) -> grpc.aio.Channel:
@@ -59,7 +57,7 @@ def open_channel(address: str, index: int = 0, security: Security | None = None)
     gives a channel its own, which is how a client reaches several worker
     processes behind one port (the kernel spreads connections, not calls).
     """
-    options = CHANNEL_OPTIONS + [("grpc.gym_channel_index", index)] if index else list(CHANNEL_OPTIONS)
+    options = _message_options() + ([("grpc.gym_channel_index", index)] if index else [])
     if security is None:
         return grpc.aio.insecure_channel(address, options=options)
     options += security.channel_options()

@@ -1,0 +1,82 @@
+"""Checks of request messages at the edge of every server.
+
+Protobuf guarantees types, not sense: an item with nothing set, a message
+without a role, a function call without a name or log-probs that do not
+match their token ids all parse. Each check raises InvalidArgument naming the
+field as a path (`task.responses_create_params.input_items.items[2].message.role`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from gym_grpc import errors
+from gym_grpc.v1 import responses_pb2 as r
+from gym_grpc.v1 import task_pb2
+
+
+def _fail(field: str, message: str) -> errors.InvalidArgument:
+    return errors.InvalidArgument(f"{field}: {message}", field=field)
+
+
+def _tokens(inner: r.Message | r.ReasoningItem | r.FunctionCall, path: str) -> None:
+    logprobs = inner.generation_log_probs
+    if len(logprobs) and len(logprobs) != len(inner.generation_token_ids):
+        raise _fail(
+            f"{path}.generation_log_probs",
+            f"{len(logprobs)} values for {len(inner.generation_token_ids)} generation_token_ids",
+        )
+    if any(not math.isfinite(x) or x > 0 for x in logprobs):
+        raise _fail(f"{path}.generation_log_probs", "log-probabilities must be finite and at most 0")
+
+
+def check_item(item: r.Item, path: str) -> None:
+    kind = item.WhichOneof("item")
+    if kind is None:
+        raise _fail(path, "the item has none of message, reasoning, function_call, function_call_output")
+    inner = getattr(item, kind)
+    here = f"{path}.{kind}"
+    if kind == "message":
+        if inner.role == r.ROLE_UNSPECIFIED:
+            raise _fail(f"{here}.role", "is required")
+        for i, part in enumerate(inner.parts.items):
+            if part.WhichOneof("part") is None:
+                raise _fail(f"{here}.parts.items[{i}]", "the part has nothing set")
+    elif kind == "function_call":
+        if not inner.name:
+            raise _fail(f"{here}.name", "is required")
+    elif kind == "function_call_output":
+        if not inner.call_id:
+            raise _fail(f"{here}.call_id", "is required")
+    if kind != "function_call_output":
+        _tokens(inner, here)
+
+
+def check_items(items: list[r.Item] | object, path: str) -> None:
+    for i, item in enumerate(items):  # type: ignore[call-overload]
+        check_item(item, f"{path}[{i}]")
+
+
+def check_params(params: r.CreateParams, path: str) -> None:
+    """A CreateParams that a model can be called with."""
+    which = params.WhichOneof("input")
+    if which is None:
+        raise _fail(f"{path}.input", "is required (input_text or input_items)")
+    if which == "input_items":
+        check_items(params.input_items.items, f"{path}.input_items.items")
+    for i, tool in enumerate(params.tools):
+        if tool.WhichOneof("tool") is None or not tool.function.name:
+            raise _fail(f"{path}.tools[{i}].function.name", "is required")
+    for key, high in (("temperature", math.inf), ("top_p", 1.0)):
+        if params.HasField(key):
+            value = getattr(params, key)
+            if math.isnan(value) or not 0.0 <= value <= high:
+                raise _fail(f"{path}.{key}", f"must be between 0 and {high:g}, got {value!r}")
+
+
+def check_task(task: task_pb2.Task, path: str) -> None:
+    check_params(task.responses_create_params, f"{path}.responses_create_params")
+
+
+def check_response(response: r.Response, path: str) -> None:
+    check_items(response.output, f"{path}.output")

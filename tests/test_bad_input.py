@@ -1,0 +1,260 @@
+"""Bad input, at the gRPC edge and in task files: each gets a clear error that
+names the field or line, and nothing else is lost."""
+
+import io
+import json
+
+import grpc
+import pytest
+
+from gym_grpc import errors, transport
+from gym_grpc.collector import CollectOptions, collect
+from gym_grpc.jsonl import failures_path
+from gym_grpc.registry import Registry
+from gym_grpc.runner import RegistryServer
+from gym_grpc.v1 import agent_service_pb2 as agent_pb
+from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
+from gym_grpc.v1 import model_service_pb2 as model_pb
+from gym_grpc.v1 import model_service_pb2_grpc as model_grpc
+from gym_grpc.v1 import registry_service_pb2 as reg_pb
+from gym_grpc.v1 import registry_service_pb2_grpc as reg_grpc
+from gym_grpc.v1 import resources_service_pb2 as res_pb
+from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
+from gym_grpc.v1 import responses_pb2 as r
+from gym_grpc.v1 import task_pb2
+from servers.agents.simple_agent.agent import SimpleAgent
+from tests.support import Calculator, EchoModel, call, static_registry, task
+from tests.test_cli import _gym
+
+
+def _params(*items: r.Item) -> r.CreateParams:
+    return r.CreateParams(input_items=r.ItemList(items=list(items)))
+
+
+def _user(text: str = "hi") -> r.Item:
+    return r.Item(message=r.Message(role=r.ROLE_USER, text=text))
+
+
+def _bad_log_probs() -> r.Item:
+    item = call("add", "{}")
+    item.function_call.generation_token_ids.extend([1, 2])
+    item.function_call.generation_log_probs.extend([-0.5])
+    return item
+
+
+# (service, method, request, expected code, field named in the BadRequest detail)
+CASES = [
+    ("agent", "Run", agent_pb.RunRequest(), grpc.StatusCode.INVALID_ARGUMENT, "task.responses_create_params.input"),
+    (
+        "agent",
+        "Run",
+        agent_pb.RunRequest(task=task_pb2.Task(responses_create_params=_params(r.Item()))),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "task.responses_create_params.input_items.items[0]",
+    ),
+    (
+        "agent",
+        "Run",
+        agent_pb.RunRequest(task=task_pb2.Task(responses_create_params=_params(r.Item(message=r.Message(text="x"))))),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "task.responses_create_params.input_items.items[0].message.role",
+    ),
+    (
+        "model",
+        "CreateResponse",
+        model_pb.CreateResponseRequest(params=_params(_user(), r.Item(function_call=r.FunctionCall(arguments="{}")))),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "params.input_items.items[1].function_call.name",
+    ),
+    (
+        "model",
+        "CreateResponse",
+        model_pb.CreateResponseRequest(params=_params(_user(), _bad_log_probs())),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "params.input_items.items[1].function_call.generation_log_probs",
+    ),
+    (
+        "model",
+        "CreateResponse",
+        model_pb.CreateResponseRequest(params=r.CreateParams(input_text="x", temperature=-1)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "params.temperature",
+    ),
+    (
+        "model",
+        "CreateResponse",
+        model_pb.CreateResponseRequest(params=r.CreateParams(input_text="x", tools=[r.Tool()])),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "params.tools[0].function.name",
+    ),
+    (
+        "resources",
+        "CallTool",
+        res_pb.CallToolRequest(session_id="s", name="subtract", arguments="{}"),
+        grpc.StatusCode.NOT_FOUND,
+        "name",
+    ),
+    (
+        "resources",
+        "CallTool",
+        res_pb.CallToolRequest(session_id="s", name="add", arguments="{1: 2}"),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "arguments",
+    ),
+    (
+        "resources",
+        "CallTool",
+        res_pb.CallToolRequest(session_id="s", name="add", arguments='{"a": [], "b": 1}'),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "arguments",
+    ),
+    (
+        "resources",
+        "CallTool",
+        res_pb.CallToolRequest(session_id="s", arguments="{}"),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "name",
+    ),
+    (
+        "resources",
+        "CallTool",
+        res_pb.CallToolRequest(session_id="never-seeded", name="add", arguments="{}"),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "session_id",
+    ),
+    ("resources", "SeedSession", res_pb.SeedSessionRequest(), grpc.StatusCode.INVALID_ARGUMENT, "session_id"),
+    (
+        "resources",
+        "Verify",
+        res_pb.VerifyRequest(response=r.Response(output=[r.Item()])),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "response.output[0]",
+    ),
+    ("registry", "GetServer", reg_pb.GetServerRequest(), grpc.StatusCode.INVALID_ARGUMENT, "name"),
+    ("registry", "GetServer", reg_pb.GetServerRequest(name="nobody"), grpc.StatusCode.NOT_FOUND, "name"),
+]
+
+
+@pytest.fixture
+async def servers(start):
+    model = await start(EchoModel())
+    calc = await start(Calculator())
+    agent = await start(
+        SimpleAgent(
+            {"model_server": "model", "resources_server": "calc"},
+            name="agent",
+            registry=static_registry(model=model, calc=calc),
+        )
+    )
+    registry = await start(RegistryServer())
+    stubs = {
+        "agent": agent_grpc.AgentServiceStub,
+        "model": model_grpc.ModelServiceStub,
+        "resources": res_grpc.ResourcesServiceStub,
+        "registry": reg_grpc.RegistryServiceStub,
+    }
+    addresses = {
+        "agent": agent.address,
+        "model": model.address,
+        "resources": calc.address,
+        "registry": registry.address,
+    }
+    channels = {name: transport.open_channel(address) for name, address in addresses.items()}
+    await stubs["resources"](channels["resources"]).SeedSession(
+        res_pb.SeedSessionRequest(session_id="s", task=task("x"))
+    )
+    yield {name: stubs[name](channel) for name, channel in channels.items()}
+    for channel in channels.values():
+        await channel.close()
+
+
+@pytest.mark.parametrize("service, method, request_, code, field", CASES, ids=[f"{c[1]}-{c[4]}" for c in CASES])
+async def test_a_malformed_request_gets_a_status_naming_the_field(servers, service, method, request_, code, field):
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await getattr(servers[service], method)(request_, timeout=10)
+    assert error.value.code() == code, error.value.details()
+    assert errors.field_of(error.value) == field  # in the google.rpc.BadRequest detail
+    assert error.value.details()
+
+
+async def test_a_payload_over_the_message_limit_is_refused_and_the_server_goes_on(start, monkeypatch):
+    monkeypatch.setattr(transport, "MAX_MESSAGE_BYTES", 1 << 20)
+    server = await start(Calculator())
+    monkeypatch.setattr(transport, "MAX_MESSAGE_BYTES", 64 << 20)  # the client may send more
+    async with transport.open_channel(server.address) as channel:
+        stub = res_grpc.ResourcesServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await stub.CallTool(res_pb.CallToolRequest(session_id="s", name="add", arguments="x" * (2 << 20)))
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "larger than max" in error.value.details()
+        reply = await stub.DescribeTools(res_pb.DescribeToolsRequest())  # still serving
+        assert len(reply.tools) == 2
+
+
+GOOD = json.dumps({"responses_create_params": {"input": "ok"}, "expected_answer": "ok"})
+
+# (raw line, what the report says about it)
+BAD_LINES = [
+    (b"\xff\xfe not utf-8", "not UTF-8"),
+    (b'{"responses_create_params": {"input": "x"', "not JSON"),
+    (b'{"expected_answer": 1}', "responses_create_params: is required"),
+    (b'{"responses_create_params": {"input": "x", "temperature": "hot"}}', "responses_create_params.temperature"),
+    (b'{"responses_create_params": {"input": "x"}, "a": 1, "a": 2}', "duplicate key 'a'"),
+    (b'["a", "list"]', "row: expected an object"),
+    (b'{"responses_create_params": {"input": [{"role": "user", "content": 5}]}}', "input[0].content"),
+    (b'{"responses_create_params": {"input": "x", "tools": [{"type": "function"}]}}', "tools[0].name"),
+]
+
+
+async def test_bad_rows_are_reported_by_line_and_the_rest_is_collected(start, tmp_path):
+    model = await start(EchoModel())
+    calc = await start(Calculator())
+    agent = await start(
+        SimpleAgent(
+            {"model_server": "model", "resources_server": "calc"},
+            name="agent",
+            registry=static_registry(model=model, calc=calc),
+        )
+    )
+    lines = [GOOD.encode()] + [line for line, _ in BAD_LINES] + [GOOD.encode()]
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_bytes(b"\n".join(lines) + b'\n{"responses_create_params": {"inp')  # a truncated last line
+    out, log = tmp_path / "out.jsonl", io.StringIO()
+    summary = await collect(
+        Registry(static={"agent": agent.address}),
+        CollectOptions(input=tasks, output=out, agent="agent", progress=False),
+        log=log,
+    )
+    assert (summary.done, summary.bad_rows) == (2, len(BAD_LINES) + 1)
+    report = log.getvalue()
+    for number, (_, expected) in enumerate(BAD_LINES, start=2):
+        assert f"{tasks}:{number}: " in report and expected in report.split(f"{tasks}:{number}: ")[1].splitlines()[0]
+    assert f"{tasks}:{len(lines) + 1}: not JSON" in report  # the truncated last line
+    sidecar = [json.loads(line) for line in failures_path(out).read_text().splitlines()]
+    assert sorted(f["line"] for f in sidecar) == [*range(2, len(BAD_LINES) + 2), len(lines) + 1]
+    assert sorted(row["task_index"] for row in map(json.loads, out.read_text().splitlines())) == [0, len(lines) - 1]
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        ["--limit", "-1"],
+        ["--num-repeats", "0"],
+        ["--max-in-flight", "0"],
+        ["--timeout", "0"],
+        ["--reward-range", "zero,one"],
+    ],
+)
+def test_bad_command_line_values_are_usage_errors(option, tmp_path):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(GOOD + "\n")
+    done = _gym("collect", "--input", str(tasks), "--output", str(tmp_path / "o.jsonl"), *option)
+    assert done.returncode == 2 and option[0] in done.stderr
+
+
+def test_an_empty_task_file_collects_nothing_without_error(tmp_path):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("\n\n")
+    done = _gym("collect", "--input", str(tasks), "--output", str(tmp_path / "o.jsonl"), "--registry", "127.0.0.1:1")
+    assert done.returncode == 0, done.stderr
+    assert "0 rollouts collected" in done.stderr
