@@ -148,6 +148,54 @@ _CALLER_FAULTS = frozenset(
 )
 
 
+class _Corrupt:
+    """What a request that does not parse becomes, so that the call can say so."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _guarded(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as e:  # protobuf's DecodeError and friends
+            return _Corrupt(e)
+
+    return deserialize
+
+
+class _DecodeGuard(grpc.aio.ServerInterceptor):
+    """A request whose bytes do not parse gets INVALID_ARGUMENT (grpcio would say UNKNOWN)."""
+
+    async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        method = details.method
+        behaviour = handler.unary_unary or handler.unary_stream
+
+        async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Corrupt):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request is not a valid message: {request.error}"
+                )
+            return await behaviour(request, context)
+
+        async def checked_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Corrupt):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request is not a valid message: {request.error}"
+                )
+            async for reply in behaviour(request, context):
+                yield reply
+
+        deserialize = _guarded(handler.request_deserializer)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(checked_stream, deserialize, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(checked, deserialize, handler.response_serializer)
+
+
 class Running:
     """A server that is up: its bound port, and how to stop it."""
 
@@ -191,7 +239,8 @@ async def serve(
     `security` adds TLS and the bearer token check."""
     security = security or Security()
     server = grpc.aio.server(
-        options=transport.server_options(reuse_port=reuse_port), interceptors=security.server_interceptors()
+        options=transport.server_options(reuse_port=reuse_port),
+        interceptors=[*security.server_interceptors(), _DecodeGuard()],
     )
     names = app.add_services(server)
     admin_grpc.add_AdminServiceServicer_to_server(AdminServicer(app), server)
