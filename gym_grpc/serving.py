@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -192,7 +193,9 @@ class _DecodeGuard(grpc.aio.ServerInterceptor):
 
         deserialize = _guarded(handler.request_deserializer)
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(checked_stream, deserialize, handler.response_serializer)
+            # A streaming handler is an async generator or a coroutine that writes; keep its kind.
+            wrapped = checked_stream if inspect.isasyncgenfunction(behaviour) else checked
+            return grpc.unary_stream_rpc_method_handler(wrapped, deserialize, handler.response_serializer)
         return grpc.unary_unary_rpc_method_handler(checked, deserialize, handler.response_serializer)
 
 
