@@ -50,6 +50,7 @@ class ServerSpec(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
     num_workers: int = Field(1, ge=1, description="processes serving the port together (SO_REUSEPORT)")
+    restart: bool = Field(False, description="start a process of this server again, on its port, when it dies")
     config: dict[str, Any] = Field(default_factory=dict, description="the server class's own settings")
 
 

@@ -17,6 +17,7 @@ parameter to reach the rollout's state; it is not part of the schema.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import logging
@@ -29,12 +30,12 @@ from typing import Any, ClassVar
 
 import grpc
 from google.protobuf import struct_pb2
-from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from pydantic.json_schema import GenerateJsonSchema
 
 from gym_grpc import errors, metrics, validation
 from gym_grpc.rows import struct_to_dict
-from gym_grpc.serving import GymServer, rpc_method
+from gym_grpc.serving import GymServer, ServerConfig, rpc_method
 from gym_grpc.v1 import registry_service_pb2 as reg
 from gym_grpc.v1 import resources_service_pb2 as res_pb
 from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
@@ -137,10 +138,19 @@ def _argument_error(tool_name: str, error: ValidationError) -> errors.InvalidArg
     return errors.InvalidArgument(f"tool {tool_name!r}: " + "; ".join(problems), field="arguments")
 
 
+class ResourcesConfig(ServerConfig):
+    """Settings every environment has; an environment's own Config extends it."""
+
+    verify_timeout_seconds: float = Field(
+        300.0, gt=0, description="a verify that takes longer fails its rollout (the server goes on)"
+    )
+
+
 class ResourcesServer(GymServer):
     """Base of an environment. Declare tools with @tool; implement verify."""
 
     role = reg.SERVER_ROLE_RESOURCES
+    Config: ClassVar[type[ServerConfig]] = ResourcesConfig
     tools: ClassVar[dict[str, _Tool]] = {}
     #: No per-rollout state: no seed_session or close_session, no tool takes the Session.
     #: Agents then skip SeedSession and CloseSession (two calls fewer per rollout).
@@ -287,8 +297,11 @@ class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
         validation.check_response(request.response, "response")
         # Verification needs no open session (re-scoring old rollouts has none).
         session = self.app.sessions.get(request.session_id) or Session(id=request.session_id, task=request.task)
+        limit = getattr(self.app.config, "verify_timeout_seconds", None)
         try:
-            result = await self.app.verify(session, request.response)
+            result = await asyncio.wait_for(self.app.verify(session, request.response), limit)
+        except TimeoutError:
+            raise errors.VerifierFailed(f"verify did not finish within {limit:g} s") from None
         except errors.GymError:
             raise
         except Exception as e:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -147,6 +148,7 @@ class Runner:
             "gym_grpc.worker",
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
+            start_new_session=True,  # its own process group, so that what it starts goes with it
         )
         server.processes.append(process)
         spec = server.spec
@@ -188,9 +190,14 @@ class Runner:
         return [(s.name, p) for s in self.servers.values() for p in s.processes]
 
     async def watch(self, stop: asyncio.Event) -> int:
-        """Until `stop` is set: report each server process that exits, and keep the
-        others serving. 1 when any exited (0 otherwise); returns early if all did."""
-        exits = {asyncio.ensure_future(p.wait()): (name, p) for name, p in self.processes()}
+        """Until `stop` is set: report each server process that exits, start it again
+        when its server says `restart`, keep the others serving. 1 when any process
+        exited (0 otherwise); returns early if every process is gone for good."""
+        exits = {
+            asyncio.ensure_future(p.wait()): (s, worker)
+            for s in self.servers.values()
+            for worker, p in enumerate(s.processes)
+        }
         stopping = asyncio.ensure_future(stop.wait())
         code = 0
         try:
@@ -199,14 +206,20 @@ class Runner:
                 if stopping in done:
                     break
                 for future in done:
-                    name, process = exits.pop(future)
+                    server, worker = exits.pop(future)
+                    process = server.processes[worker]
+                    _kill_group(process)  # what it started (a verifier's pool, say) is orphaned now
                     code = 1
-                    log.error(
-                        "server %r (pid %d) exited with code %s; the others keep serving (see gym-grpc status)",
-                        name,
-                        process.pid,
-                        process.returncode,
-                    )
+                    log.error("server %r (pid %d) exited with code %s", server.name, process.pid, process.returncode)
+                    if not server.spec.restart:
+                        log.error("the other servers keep serving (see gym-grpc status)")
+                        continue
+                    try:
+                        await self._restart(server, worker)
+                    except StartupError as e:
+                        log.error("could not restart it: %s", e)
+                        continue
+                    exits[asyncio.ensure_future(server.processes[worker].wait())] = (server, worker)
             if not exits:
                 log.error("every server has exited")
         finally:
@@ -214,6 +227,16 @@ class Runner:
             for future in exits:
                 future.cancel()
         return code
+
+    async def _restart(self, server: ServerProcesses, worker: int) -> None:
+        """Start worker `worker` of a server again on the server's port."""
+        address = server.info.addresses[0]
+        port = int(address.rsplit(":", 1)[1])
+        process = await self._spawn(server, port, worker)
+        server.processes[worker] = server.processes.pop()  # _spawn appended it
+        await asyncio.wait_for(self._ready(server, process), self.startup_timeout)
+        await _wait_healthy(address, self.config.security)
+        log.warning("server %r restarted (pid %d) on %s", server.name, process.pid, address)
 
     async def stop(self) -> None:
         """Stop every server (SIGTERM, then SIGKILL after the grace period) and the registry."""
@@ -228,10 +251,19 @@ class Runner:
                     process.kill()
                     await process.wait()
         for _, process in self.processes():
+            _kill_group(process)
             if process.stdin is not None:
                 process.stdin.close()
         if self.registry is not None:
             await self.registry.stop(grace=1.0)
+
+
+def _kill_group(process: asyncio.subprocess.Process) -> None:
+    """Kill whatever is left in the process group of a server process that has exited."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 async def _wait_healthy(address: str, security: Security, attempts: int = 50) -> None:

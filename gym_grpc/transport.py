@@ -36,6 +36,17 @@ def _message_options() -> list[tuple[str, int]]:
     ]
 
 
+# After a failed connection grpc waits before it tries again, doubling up to
+# two minutes by default: a server restarted on its port would stay
+# unreachable from an existing channel that long. Calls fail fast meanwhile
+# (they are not wait_for_ready), so trying again often costs little.
+_RECONNECT_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
 #: Connections a client opens to each worker process of a multi-process server.
 CONNECTIONS_PER_WORKER = 8
 
@@ -57,7 +68,7 @@ def open_channel(address: str, index: int = 0, security: Security | None = None)
     gives a channel its own, which is how a client reaches several worker
     processes behind one port (the kernel spreads connections, not calls).
     """
-    options = _message_options() + ([("grpc.gym_channel_index", index)] if index else [])
+    options = _message_options() + _RECONNECT_OPTIONS + ([("grpc.gym_channel_index", index)] if index else [])
     if security is None:
         return grpc.aio.insecure_channel(address, options=options)
     options += security.channel_options()

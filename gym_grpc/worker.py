@@ -23,10 +23,18 @@ from gym_grpc.registry import Registry
 from gym_grpc.security import Security
 from gym_grpc.serving import GymServer, Running, serve_until_signalled
 
+# The report pipe: our stdout as the parent gave it, on a descriptor that
+# processes we start (a verifier's pool, say) do not inherit. Descriptor 1
+# becomes a copy of stderr: a grandchild holding the pipe open would keep the
+# parent from seeing us exit (asyncio waits for the pipe to close).
+_REPORTS = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+sys.stdout = sys.stderr
+
 
 def _report(message: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(message) + "\n")
-    sys.stdout.flush()
+    _REPORTS.write(json.dumps(message) + "\n")
+    _REPORTS.flush()
 
 
 async def _serve(app: GymServer, spec: dict[str, Any]) -> None:

@@ -50,7 +50,7 @@ async def test_a_failed_call_is_one_log_line_and_success_is_quiet(start, caplog)
     await client.call_tool("s", r.FunctionCall(name="subtract", arguments="{}"))
     lines = [rec.getMessage() for rec in caplog.records if rec.name == "gym_grpc"]
     failed = [line for line in lines if "subtract" in line]  # (a late line of an earlier test may show up too)
-    assert len(failed) == 1 and not any(" OK " in line for line in lines)
+    assert len(failed) == 1 and not any(" OK " in line for line in lines), lines
     assert re.match(r"CallTool NOT_FOUND from ipv[46]:.+ after [\d.]+ ms: unknown tool 'subtract'", failed[0])
     await client.registry.close()
 

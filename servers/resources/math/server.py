@@ -15,9 +15,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 from pydantic import Field
 
-from gym_grpc.resources import ResourcesServer, Session, Verification
+from gym_grpc.resources import ResourcesConfig, ResourcesServer, Session, Verification
 from gym_grpc.responses import final_text
-from gym_grpc.serving import ServerConfig
 from gym_grpc.v1 import responses_pb2 as r
 
 
@@ -31,7 +30,7 @@ def check_answer(expected: str, text: str, timeout_seconds: int) -> tuple[bool, 
     return bool(verify(gold, answer, timeout_seconds=timeout_seconds)), extracted
 
 
-class MathConfig(ServerConfig):
+class MathConfig(ResourcesConfig):
     verify_workers: int = Field(1, ge=1, description="processes that run math-verify")
     timeout_seconds: int = Field(5, ge=1, description="math-verify's parse and verify timeout")
 
