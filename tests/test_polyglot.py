@@ -1,0 +1,66 @@
+"""Callers that are not Python: the Node.js client and the grpcurl recipes, against a live run."""
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from tests.support import REPO
+from tests.test_cli import BIN, _start_run
+
+NODE_CLIENT = REPO / "clients" / "node"
+RECIPES = REPO / "clients" / "grpcurl"
+
+
+@pytest.fixture(scope="module")
+def live():
+    run = _start_run()
+    yield run
+    run.stop()
+
+
+def test_the_node_client_runs_a_rollout_and_verifies_it(live):
+    node = shutil.which("node")
+    assert node, "Node.js is needed for the polyglot test"
+    assert (NODE_CLIENT / "node_modules" / "@grpc" / "grpc-js").exists(), "run: npm ci --prefix clients/node"
+    done = subprocess.run(
+        [node, str(NODE_CLIENT / "rollout.js"), live.registry, "math_agent", "What is 6 times 7?", "42"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["reward"] == 1 and result["reverified_reward"] == 1
+    assert result["stop_reason"] == "STOP_REASON_FINAL_MESSAGE" and result["turns_with_token_ids"] == 1
+    missing = subprocess.run(
+        [node, str(NODE_CLIENT / "rollout.js"), live.registry, "nobody", "x", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr and "did you mean" in missing.stderr
+
+
+def _recipe(name: str, *args: str) -> str:
+    env = {**os.environ, "GRPCURL": str(BIN / "grpcurl")}
+    done = subprocess.run(["bash", str(RECIPES / name), *args], capture_output=True, text=True, timeout=90, env=env)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_the_grpcurl_recipes_work_against_live_servers(live):
+    servers = {s["name"]: s for s in json.loads(_recipe("servers.sh", live.registry))["servers"]}
+    assert set(servers) == {"policy_model", "weather", "weather_agent", "math", "math_agent"}
+    math = servers["math"]["addresses"][0]
+    assert "gym.v1.ResourcesService" in _recipe("list.sh", math).split()
+    assert "rpc Verify" in _recipe("describe.sh", math)
+    assert "message Task" in _recipe("describe.sh", math, "gym.v1.Task")
+    right = json.loads(_recipe("verify.sh", math, "7/8", "So it is \\\\boxed{0.875}."))
+    assert right["reward"] == 1
+    wrong = json.loads(_recipe("verify.sh", math, "7/8", "It is \\\\boxed{3}."))
+    assert wrong.get("reward", 0) == 0
+    rollout = json.loads(_recipe("rollout.sh", servers["math_agent"]["addresses"][0], "What is 12 + 30?", "42"))
+    assert rollout["rollout"]["reward"] == 1
