@@ -52,9 +52,13 @@ class RolloutEvents:
             event = agent_pb.ToolCallEvent(step=step, call=call, output=output, error=error, seconds=seconds)
             self._put(agent_pb.RunStreamResponse(tool_call=event))
 
-    def verification(self, reward: float, fields: struct_pb2.Struct, seconds: float) -> None:
+    def verification(
+        self, reward: float, fields: struct_pb2.Struct, seconds: float, components: dict[str, float] | None = None
+    ) -> None:
         if self._queue is not None:
-            event = agent_pb.VerificationEvent(reward=reward, fields=fields, seconds=seconds)
+            event = agent_pb.VerificationEvent(
+                reward=reward, fields=fields, seconds=seconds, reward_components=components or {}
+            )
             self._put(agent_pb.RunStreamResponse(verification=event))
 
 

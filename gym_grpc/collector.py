@@ -93,6 +93,8 @@ def rollout_record(task_row: dict[str, Any], rollout: task_pb2.Rollout, placehol
     """The rollout row (without its key): the task row and what the rollout produced."""
     row = rows.rollout_row(task_row, rollout)
     row["verifier_fields"] = sorted(rollout.verifier_fields.fields)
+    if rollout.reward_components:
+        row["reward_components"] = dict(rollout.reward_components)
     if rollout.verification_skipped:
         row["reward"] = placeholder_reward
         row["verification_skipped"] = True
@@ -167,6 +169,8 @@ def _event_row(event: Any) -> dict[str, Any]:
     elif kind == "verification":
         e = event.verification
         row.update(reward=e.reward, fields=rows.struct_to_dict(e.fields), seconds=e.seconds)
+        if e.reward_components:
+            row["reward_components"] = dict(e.reward_components)
     elif kind == "rollout":
         row.update(reward=event.rollout.reward, stop_reason=STOP_REASONS.get(event.rollout.stop_reason))
     return row

@@ -22,6 +22,7 @@ import inspect
 import json
 import logging
 import math
+import time
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,6 +58,8 @@ class Session:
     task: task_pb2.Task
     #: Free for the environment to use between seed, tool calls and verify.
     state: dict[str, Any] = field(default_factory=dict)
+    #: time.monotonic() of the last call that used the session (for the idle time-out).
+    last_used: float = field(default_factory=time.monotonic)
 
     @cached_property
     def data(self) -> dict[str, Any]:
@@ -66,10 +69,12 @@ class Session:
 
 @dataclass
 class Verification:
-    """What verify returns: the reward, and extra fields for the rollout row."""
+    """What verify returns: the reward, extra fields for the rollout row, and
+    named parts of the reward for trainers that weigh several objectives."""
 
     reward: float
     fields: dict[str, Any] = field(default_factory=dict)
+    components: dict[str, float] = field(default_factory=dict)
 
 
 def tool(fn: Callable | None = None, *, name: str | None = None) -> Any:
@@ -144,6 +149,11 @@ class ResourcesConfig(ServerConfig):
     verify_timeout_seconds: float = Field(
         300.0, gt=0, description="a verify that takes longer fails its rollout (the server goes on)"
     )
+    session_idle_timeout_seconds: float | None = Field(
+        1800.0,
+        gt=0,
+        description="a session no call used for this long is closed (its agent died or gave up); null: never",
+    )
 
 
 class ResourcesServer(GymServer):
@@ -174,6 +184,7 @@ class ResourcesServer(GymServer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.sessions: dict[str, Session] = {}
+        self._sweeper: asyncio.Task | None = None
 
     # --- what an environment implements ------------------------------------
 
@@ -197,6 +208,42 @@ class ResourcesServer(GymServer):
     def add_services(self, server: grpc.aio.Server) -> list[str]:
         res_grpc.add_ResourcesServiceServicer_to_server(_ResourcesServicer(self), server)
         return [res_pb.DESCRIPTOR.services_by_name["ResourcesService"].full_name]
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        for session_id in list(self.sessions):
+            await self.end_session(session_id)
+        await super().stop()
+
+    async def end_session(self, session_id: str) -> bool:
+        """Forget a session and run close_session on it; False if it was not open."""
+        session = self.sessions.pop(session_id, None)
+        if session is None:
+            return False
+        try:
+            await self.close_session(session)
+        except Exception as e:
+            log.exception("close_session failed")
+            raise errors.GymError(f"close_session raised {type(e).__name__}: {e}") from None
+        return True
+
+    def _watch_idle_sessions(self) -> None:
+        limit = getattr(self.config, "session_idle_timeout_seconds", None)
+        if limit is not None and (self._sweeper is None or self._sweeper.done()):
+            self._sweeper = asyncio.create_task(self._close_idle_sessions(limit))
+
+    async def _close_idle_sessions(self, limit: float) -> None:
+        """Close the sessions of rollouts that stopped calling, so a dead agent leaks nothing."""
+        while True:
+            await asyncio.sleep(min(limit / 4, 60.0))
+            cutoff = time.monotonic() - limit
+            for session_id in [s.id for s in self.sessions.values() if s.last_used < cutoff]:
+                log.warning("closing session %r: no call for %g s", session_id, limit)
+                try:
+                    await self.end_session(session_id)
+                except errors.GymError:
+                    pass  # end_session logged it; the session is gone either way
 
     async def call_tool(self, session: Session, name: str, arguments: str) -> str:
         """Run one tool call: parse and check the arguments, run the tool, render its output."""
@@ -233,9 +280,9 @@ class ResourcesServer(GymServer):
 
 def _verification(result: Any) -> res_pb.VerifyResponse:
     if isinstance(result, Verification):
-        reward, fields = result.reward, result.fields
+        reward, fields, components = result.reward, result.fields, result.components
     else:
-        reward, fields = result, {}
+        reward, fields, components = result, {}, {}
     if isinstance(reward, bool):
         reward = float(reward)
     if not isinstance(reward, (int, float)) or not math.isfinite(reward):
@@ -245,6 +292,10 @@ def _verification(result: Any) -> res_pb.VerifyResponse:
         reply.fields.update(fields)
     except (TypeError, ValueError) as e:
         raise errors.VerifierFailed(f"verify returned fields that are not JSON data: {e}") from None
+    for name, value in components.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise errors.VerifierFailed(f"verify returned reward component {name!r} = {value!r}; expected a number")
+        reply.reward_components[name] = float(value)
     return reply
 
 
@@ -260,8 +311,10 @@ class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
             if self.app.stateless:
                 return Session(id=session_id, task=_NO_TASK)
             raise errors.FailedPrecondition(
-                f"session {session_id!r} is not open: call SeedSession first", field="session_id"
+                f"session {session_id!r} is not open: call SeedSession first (idle sessions are closed)",
+                field="session_id",
             )
+        session.last_used = time.monotonic()
         return session
 
     @rpc_method
@@ -282,6 +335,7 @@ class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
             log.exception("seed_session failed")
             raise errors.GymError(f"seed_session raised {type(e).__name__}: {e}") from None
         self.app.sessions[session.id] = session
+        self.app._watch_idle_sessions()
         return res_pb.SeedSessionResponse()
 
     @rpc_method
@@ -297,6 +351,7 @@ class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
         validation.check_response(request.response, "response")
         # Verification needs no open session (re-scoring old rollouts has none).
         session = self.app.sessions.get(request.session_id) or Session(id=request.session_id, task=request.task)
+        session.last_used = time.monotonic()
         limit = getattr(self.app.config, "verify_timeout_seconds", None)
         try:
             result = await asyncio.wait_for(self.app.verify(session, request.response), limit)
@@ -311,13 +366,7 @@ class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
 
     @rpc_method
     async def CloseSession(self, request: res_pb.CloseSessionRequest, context: Any) -> res_pb.CloseSessionResponse:
-        session = self.app.sessions.pop(request.session_id, None)
-        if session is not None:
-            try:
-                await self.app.close_session(session)
-            except Exception as e:
-                log.exception("close_session failed")
-                raise errors.GymError(f"close_session raised {type(e).__name__}: {e}") from None
+        await self.app.end_session(request.session_id)
         return res_pb.CloseSessionResponse()
 
     @rpc_method

@@ -141,6 +141,8 @@ async def reverify(
         fields = rows.struct_to_dict(verdict.fields)
         row = {**task_fields(rollout.row), "response": rollout.row["response"], "reward": verdict.reward, **fields}
         row["verifier_fields"] = sorted(fields)
+        if verdict.reward_components:
+            row["reward_components"] = dict(verdict.reward_components)
         for key in ("stop_reason", "model_calls"):
             if key in rollout.row:
                 row[key] = rollout.row[key]

@@ -27,6 +27,7 @@ ROLLOUT_FIELDS = frozenset(
     {
         "response",
         "reward",
+        "reward_components",
         "verifier_fields",
         "verification_skipped",
         "stop_reason",
@@ -127,6 +128,7 @@ def summarise_file(
         produced: dict[str, float] = {}
         for name in row.get("verifier_fields") or ():
             _numbers(name, row.get(name), produced)
+        _numbers("reward_components", row.get("reward_components"), produced)
         _numbers("model_calls", row.get("model_calls"), produced)
         _numbers("timings", row.get("timings"), produced)
         if row.get("verification_skipped"):

@@ -1,12 +1,15 @@
 """Writing an environment: typed tools, sessions, verify, and the errors a caller sees."""
 
+import asyncio
+
 import grpc
 import pytest
 
 from gym_grpc import errors, rows
 from gym_grpc.clients import ResourcesClient
-from gym_grpc.resources import ResourcesServer, Session, tool
+from gym_grpc.resources import ResourcesServer, Session, Verification, tool
 from gym_grpc.responses import assistant_message
+from gym_grpc.testing import ResourcesConformance
 from gym_grpc.transport import open_channel
 from gym_grpc.v1 import resources_service_pb2 as res_pb
 from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
@@ -96,6 +99,72 @@ async def test_closing_a_session_frees_it(calc):
     await client.close_session("s1")  # closing twice is fine
     with pytest.raises(errors.FailedPrecondition):
         await client.call_tool("s1", r.FunctionCall(name="add", arguments='{"a": 1, "b": 2}'))
+
+
+class Leaky(Calculator):
+    closed: list[str] = []
+
+    async def close_session(self, session: Session) -> None:
+        Leaky.closed.append(session.id)
+
+
+async def test_a_session_nobody_uses_is_closed_after_the_idle_timeout(start):
+    Leaky.closed = []
+    server = await start(Leaky({"session_idle_timeout_seconds": 0.2}))
+    client = ResourcesClient(static_registry(env=server), "env")
+    await client.seed_session("abandoned", task("x"))
+    await client.seed_session("busy", task("x"))
+    for _ in range(8):  # 0.4 s of calls: "busy" stays open, "abandoned" goes
+        await client.call_tool("busy", r.FunctionCall(name="add", arguments='{"a": 1, "b": 2}'))
+        await asyncio.sleep(0.05)
+    assert Leaky.closed == ["abandoned"]
+    assert set(server.app.sessions) == {"busy"}
+    with pytest.raises(errors.FailedPrecondition, match="idle sessions are closed"):
+        await client.call_tool("abandoned", r.FunctionCall(name="add", arguments='{"a": 1, "b": 2}'))
+    await client.registry.close()
+
+
+async def test_stopping_the_server_closes_the_open_sessions(start):
+    Leaky.closed = []
+    server = await start(Leaky())
+    client = ResourcesClient(static_registry(env=server), "env")
+    await client.seed_session("left-open", task("x"))
+    await client.registry.close()
+    await server.stop(grace=0.1)
+    assert Leaky.closed == ["left-open"]
+
+
+class Graded(ResourcesServer):
+    async def verify(self, session: Session, response: r.Response) -> Verification:
+        return Verification(reward=0.5, components={"format": 1.0, "correct": 0.0})
+
+
+class NotANumber(ResourcesServer):
+    async def verify(self, session: Session, response: r.Response) -> Verification:
+        return Verification(reward=1.0, components={"format": "yes"})  # type: ignore[dict-item]
+
+
+async def test_a_verifier_may_return_named_reward_components(start):
+    server = await start(Graded())
+    client = ResourcesClient(static_registry(env=server), "env")
+    verdict = await client.verify("s", task("x"), r.Response(output=[assistant_message("hi")]))
+    assert verdict.reward == 0.5 and dict(verdict.reward_components) == {"format": 1.0, "correct": 0.0}
+    await client.registry.close()
+
+
+async def test_a_reward_component_that_is_not_a_number_is_the_verifiers_fault(start):
+    server = await start(NotANumber())
+    client = ResourcesClient(static_registry(env=server), "env")
+    with pytest.raises(errors.GymError, match="reward component 'format'"):
+        await client.verify("s", task("x"), r.Response(output=[assistant_message("hi")]))
+    await client.registry.close()
+
+
+class TestCalculatorConformance(ResourcesConformance):
+    task_row = {"responses_create_params": {"input": "What is 2 + 3?"}, "expected_answer": 5}
+
+    def server(self) -> ResourcesServer:
+        return Calculator()
 
 
 async def test_verify_needs_no_session(calc):

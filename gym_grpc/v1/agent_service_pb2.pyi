@@ -3,9 +3,11 @@
 isort:skip_file
 The agent role: runs the multi-turn loop of one rollout."""
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import struct_pb2 as _struct_pb2
+from google.protobuf.internal import containers as _containers
 from gym_grpc.v1 import responses_pb2 as _responses_pb2
 from gym_grpc.v1 import task_pb2 as _task_pb2
 import builtins as _builtins
@@ -233,9 +235,30 @@ class VerificationEvent(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class RewardComponentsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     REWARD_FIELD_NUMBER: _builtins.int
     FIELDS_FIELD_NUMBER: _builtins.int
     SECONDS_FIELD_NUMBER: _builtins.int
+    REWARD_COMPONENTS_FIELD_NUMBER: _builtins.int
     reward: _builtins.float
     """The reward."""
     seconds: _builtins.float
@@ -244,16 +267,21 @@ class VerificationEvent(_message.Message):
     def fields(self) -> _struct_pb2.Struct:
         """The verifier's extra fields."""
 
+    @_builtins.property
+    def reward_components(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Named parts of the reward."""
+
     def __init__(
         self,
         *,
         reward: _builtins.float = ...,
         fields: _struct_pb2.Struct | None = ...,
         seconds: _builtins.float = ...,
+        reward_components: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["fields", b"fields"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fields", b"fields", "reward", b"reward", "seconds", b"seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fields", b"fields", "reward", b"reward", "reward_components", b"reward_components", "seconds", b"seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

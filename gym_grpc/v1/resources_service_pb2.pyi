@@ -162,23 +162,51 @@ class VerifyResponse(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class RewardComponentsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     REWARD_FIELD_NUMBER: _builtins.int
     FIELDS_FIELD_NUMBER: _builtins.int
+    REWARD_COMPONENTS_FIELD_NUMBER: _builtins.int
     reward: _builtins.float
     """The reward."""
     @_builtins.property
     def fields(self) -> _struct_pb2.Struct:
         """Extra fields for the rollout row (for example the extracted answer)."""
 
+    @_builtins.property
+    def reward_components(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Named parts of the reward (for example "format" and "correctness"), for
+        trainers that weigh several objectives; the reward itself is `reward`.
+        """
+
     def __init__(
         self,
         *,
         reward: _builtins.float = ...,
         fields: _struct_pb2.Struct | None = ...,
+        reward_components: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["fields", b"fields"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fields", b"fields", "reward", b"reward"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fields", b"fields", "reward", b"reward", "reward_components", b"reward_components"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

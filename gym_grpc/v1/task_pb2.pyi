@@ -3,9 +3,11 @@
 isort:skip_file
 Tasks and rollouts: the domain messages shared by the services."""
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import struct_pb2 as _struct_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from gym_grpc.v1 import responses_pb2 as _responses_pb2
 import builtins as _builtins
@@ -88,6 +90,26 @@ class Rollout(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class RewardComponentsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     RESPONSE_FIELD_NUMBER: _builtins.int
     REWARD_FIELD_NUMBER: _builtins.int
     VERIFIER_FIELDS_FIELD_NUMBER: _builtins.int
@@ -95,6 +117,7 @@ class Rollout(_message.Message):
     MODEL_CALLS_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
     VERIFICATION_SKIPPED_FIELD_NUMBER: _builtins.int
+    REWARD_COMPONENTS_FIELD_NUMBER: _builtins.int
     reward: _builtins.float
     """Reward the resources server gave."""
     stop_reason: Global___StopReason.ValueType
@@ -122,6 +145,10 @@ class Rollout(_message.Message):
     def timings(self) -> Global___RolloutTimings:
         """Where the rollout's time went."""
 
+    @_builtins.property
+    def reward_components(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Named parts of the reward, as the verifier gave them."""
+
     def __init__(
         self,
         *,
@@ -132,10 +159,11 @@ class Rollout(_message.Message):
         model_calls: _builtins.int = ...,
         timings: Global___RolloutTimings | None = ...,
         verification_skipped: _builtins.bool = ...,
+        reward_components: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["response", b"response", "timings", b"timings", "verifier_fields", b"verifier_fields"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_calls", b"model_calls", "response", b"response", "reward", b"reward", "stop_reason", b"stop_reason", "timings", b"timings", "verification_skipped", b"verification_skipped", "verifier_fields", b"verifier_fields"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_calls", b"model_calls", "response", b"response", "reward", b"reward", "reward_components", b"reward_components", "stop_reason", b"stop_reason", "timings", b"timings", "verification_skipped", b"verification_skipped", "verifier_fields", b"verifier_fields"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

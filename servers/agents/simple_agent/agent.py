@@ -141,8 +141,9 @@ class SimpleAgent(AgentServer):
         began = time.monotonic()
         verdict = await self.resources.verify(session_id, task, final)
         timings.verify_seconds = time.monotonic() - began
-        events.verification(verdict.reward, verdict.fields, timings.verify_seconds)
+        events.verification(verdict.reward, verdict.fields, timings.verify_seconds, dict(verdict.reward_components))
         rollout.reward = verdict.reward
         rollout.verifier_fields.CopyFrom(verdict.fields)
+        rollout.reward_components.update(verdict.reward_components)
         rollout.timings.CopyFrom(timings)
         return rollout

@@ -11,11 +11,15 @@ from gym_grpc.clients import AgentClient, ResourcesClient
 from gym_grpc.registry import Registry
 from gym_grpc.resources import ResourcesServer, tool
 from gym_grpc.responses import assistant_message, final_text, new_id
+from gym_grpc.serving import GymServer
+from gym_grpc.testing import AgentConformance
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
 from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
 from servers.agents.simple_agent.agent import SimpleAgent
+from servers.models.local_policy.server import LocalPolicyModel
+from servers.resources.weather.server import WeatherEnv
 from tests.support import Calculator, ScriptedModel, call, say, static_registry, task
 
 
@@ -251,3 +255,13 @@ async def test_a_stateless_environment_gets_no_seed_or_close(start, monkeypatch)
         assert rollout.reward == 1.0 and rollout.response.output[1].function_call_output.output == "5"
     assert calls == []
     await client.registry.close()
+
+
+class TestSimpleAgentConformance(AgentConformance):
+    task_row = {"responses_create_params": {"input": "What is the weather in Oslo?"}, "expected_city": "Oslo"}
+
+    def dependencies(self) -> dict[str, GymServer]:
+        return {"policy_model": LocalPolicyModel({"seed": 1}), "weather": WeatherEnv()}
+
+    def agent(self, registry: Registry) -> SimpleAgent:
+        return SimpleAgent({"model_server": "policy_model", "resources_server": "weather"}, registry=registry)

@@ -6,6 +6,7 @@ import pytest
 from gym_grpc import errors, rows
 from gym_grpc.clients import ResourcesClient
 from gym_grpc.responses import assistant_message
+from gym_grpc.testing import ResourcesConformance
 from gym_grpc.v1 import responses_pb2 as r
 from servers.resources.math.server import MathEnv
 from tests.support import static_registry
@@ -52,3 +53,11 @@ async def test_a_task_without_expected_answer_fails_verification_clearly(math_en
         await math_env.verify("s", task, r.Response(output=[assistant_message("\\boxed{1}")]))
     assert error.value.code == grpc.StatusCode.INTERNAL
     assert "no expected_answer" in error.value.message
+
+
+class TestMathConformance(ResourcesConformance):
+    task_row = {"responses_create_params": {"input": "What is 17 + 25?"}, "expected_answer": "42"}
+    answer = "\\boxed{42}"
+
+    def server(self) -> MathEnv:
+        return MathEnv()

@@ -7,6 +7,7 @@ import pytest
 from gym_grpc import rows
 from gym_grpc.clients import ResourcesClient
 from gym_grpc.responses import assistant_message
+from gym_grpc.testing import ResourcesConformance
 from gym_grpc.v1 import responses_pb2 as r
 from servers.resources.weather.server import WeatherEnv, forecast
 from tests.support import call, static_registry
@@ -72,3 +73,10 @@ async def test_an_empty_city_is_a_tool_error_for_the_model(weather):
     await weather.seed_session("s", _task("Paris"))
     result = await weather.call_tool("s", r.FunctionCall(name="get_weather", arguments='{"city": " "}'))
     assert result.error and "city must not be empty" in result.output
+
+
+class TestWeatherConformance(ResourcesConformance):
+    task_row = {"responses_create_params": {"input": "Weather in Paris?"}, "expected_city": "Paris"}
+
+    def server(self) -> WeatherEnv:
+        return WeatherEnv()
