@@ -96,9 +96,10 @@ TOOL_ERROR_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.
 
 
 def from_rpc_error(error: grpc.aio.AioRpcError, what: str) -> GymError:
-    """Wrap a downstream call's failure, keeping its code, naming the callee."""
+    """Wrap a downstream call's failure, keeping its code and the field it names, naming the callee."""
     code = error.code()
     message = f"{what}: {code.name}: {error.details()}"
+    field = field_of(error)
     for cls in (
         InvalidArgument,
         NotFound,
@@ -108,12 +109,12 @@ def from_rpc_error(error: grpc.aio.AioRpcError, what: str) -> GymError:
         DeadlineExceeded,
     ):
         if cls.code == code:
-            return cls(message)
+            return cls(message, field=field)
     if code == grpc.StatusCode.CANCELLED:
         # The downstream call was cancelled, usually because our own caller
         # went away; report it as unavailable rather than as our bug.
         return Unavailable(message)
-    return GymError(message, code=code)
+    return GymError(message, field=field, code=code)
 
 
 def field_of(error: grpc.aio.AioRpcError) -> str | None:

@@ -18,13 +18,14 @@ parameter to reach the rollout's state; it is not part of the schema.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import logging
 import math
 import time
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, ClassVar
@@ -35,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from pydantic.json_schema import GenerateJsonSchema
 
 from gym_grpc import errors, metrics, validation
-from gym_grpc.rows import struct_to_dict
+from gym_grpc.rows import params_to_json, struct_to_dict
 from gym_grpc.serving import GymServer, ServerConfig, rpc_method
 from gym_grpc.v1 import registry_service_pb2 as reg
 from gym_grpc.v1 import resources_service_pb2 as res_pb
@@ -58,8 +59,19 @@ class Session:
     task: task_pb2.Task
     #: Free for the environment to use between seed, tool calls and verify.
     state: dict[str, Any] = field(default_factory=dict)
-    #: time.monotonic() of the last call that used the session (for the idle time-out).
+    #: time.monotonic() when a call last used the session, and the calls using it now (for the idle time-out).
     last_used: float = field(default_factory=time.monotonic)
+    in_flight: int = 0
+
+    @contextlib.contextmanager
+    def in_use(self) -> Iterator[Session]:
+        """Mark the session busy for a call: the idle time-out never closes it under a running call."""
+        self.in_flight += 1
+        try:
+            yield self
+        finally:
+            self.in_flight -= 1
+            self.last_used = time.monotonic()
 
     @cached_property
     def data(self) -> dict[str, Any]:
@@ -186,13 +198,27 @@ class ResourcesServer(GymServer):
         self.sessions: dict[str, Session] = {}
         self._sweeper: asyncio.Task | None = None
 
+    @classmethod
+    def tool_definitions(cls) -> list[dict[str, Any]]:
+        """The tools as a task row offers them (`responses_create_params.tools`), for writing data."""
+        if not cls.tools:
+            return []
+        return params_to_json(r.CreateParams(tools=[r.Tool(function=t.schema) for t in cls.tools.values()]))["tools"]
+
     # --- what an environment implements ------------------------------------
 
     async def seed_session(self, session: Session) -> None:
         """Hook: set up `session.state` from `session.task` before any tool call."""
 
     async def verify(self, session: Session, response: r.Response) -> Verification | float:
-        """Score the rollout's final response. Return a reward or a Verification."""
+        """Score the rollout's final response. Return a reward or a Verification.
+
+        The session is the rollout's open one when there is one. Verify also
+        runs without: `gym-grpc reverify` scores old rollouts, and a session
+        may have been closed by the idle time-out. Then `session.task` is the
+        task sent with the request and `session.state` is empty; a stateful
+        environment should score from the response (or replay its tool calls).
+        """
         raise NotImplementedError(f"{type(self).__name__} must implement verify")
 
     async def close_session(self, session: Session) -> None:
@@ -200,7 +226,14 @@ class ResourcesServer(GymServer):
 
     async def aggregate_metrics(self, results: list[task_pb2.VerificationResult]) -> dict[str, Any]:
         """Metrics over many verified rollouts; by default the mean of every numeric field."""
-        rows = [{"reward": x.reward, **struct_to_dict(x.fields)} for x in results]
+        rows = [
+            {
+                "reward": x.reward,
+                **struct_to_dict(x.fields),
+                **{f"reward_components.{k}": v for k, v in x.reward_components.items()},
+            }
+            for x in results
+        ]
         return {"num_rollouts": len(rows), **metrics.numeric_means(rows)}
 
     # --- plumbing -----------------------------------------------------------
@@ -238,7 +271,7 @@ class ResourcesServer(GymServer):
         while True:
             await asyncio.sleep(min(limit / 4, 60.0))
             cutoff = time.monotonic() - limit
-            for session_id in [s.id for s in self.sessions.values() if s.last_used < cutoff]:
+            for session_id in [s.id for s in self.sessions.values() if s.last_used < cutoff and not s.in_flight]:
                 log.warning("closing session %r: no call for %g s", session_id, limit)
                 try:
                     await self.end_session(session_id)
@@ -314,7 +347,6 @@ class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
                 f"session {session_id!r} is not open: call SeedSession first (idle sessions are closed)",
                 field="session_id",
             )
-        session.last_used = time.monotonic()
         return session
 
     @rpc_method
@@ -342,8 +374,8 @@ class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
     async def CallTool(self, request: res_pb.CallToolRequest, context: Any) -> res_pb.CallToolResponse:
         if not request.name:
             raise errors.InvalidArgument("name: is required", field="name")
-        session = self._session(request.session_id)
-        output = await self.app.call_tool(session, request.name, request.arguments)
+        with self._session(request.session_id).in_use() as session:
+            output = await self.app.call_tool(session, request.name, request.arguments)
         return res_pb.CallToolResponse(output=output)
 
     @rpc_method
@@ -351,10 +383,10 @@ class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
         validation.check_response(request.response, "response")
         # Verification needs no open session (re-scoring old rollouts has none).
         session = self.app.sessions.get(request.session_id) or Session(id=request.session_id, task=request.task)
-        session.last_used = time.monotonic()
         limit = getattr(self.app.config, "verify_timeout_seconds", None)
         try:
-            result = await asyncio.wait_for(self.app.verify(session, request.response), limit)
+            with session.in_use():
+                result = await asyncio.wait_for(self.app.verify(session, request.response), limit)
         except TimeoutError:
             raise errors.VerifierFailed(f"verify did not finish within {limit:g} s") from None
         except errors.GymError:

@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 
 import grpc
 import pytest
+import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -64,13 +65,14 @@ class ResourcesConformance:
     """Conformance tests of a resources server. Set `task_row`; implement `server()`;
     optionally set `answer` (text of a final assistant message to verify)."""
 
+    pytestmark = pytest.mark.asyncio
     task_row: ClassVar[dict[str, Any]]
     answer: ClassVar[str] = "I do not know."
 
     def server(self) -> ResourcesServer:
         raise NotImplementedError("return the resources server to test")
 
-    @pytest.fixture
+    @pytest_asyncio.fixture
     async def served(self) -> AsyncIterator[tuple[Running, res_grpc.ResourcesServiceStub, grpc.aio.Channel]]:
         running = await serve(self.server(), "127.0.0.1", 0)
         channel = transport.open_channel(running.address)
@@ -130,6 +132,23 @@ class ResourcesConformance:
             assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, f"tool {name!r}"
             assert errors.field_of(error.value) == "arguments", f"tool {name!r}"
 
+    async def test_a_stateful_server_refuses_a_closed_or_unknown_session(self, served: Any) -> None:
+        running, stub, _ = served
+        described = await stub.DescribeTools(res_pb.DescribeToolsRequest(), timeout=10)
+        assert described.stateless == running.app.stateless
+        if described.stateless or not running.app.tools:
+            return  # a stateless server serves any session id, by design
+        name = next(iter(running.app.tools))
+        await stub.SeedSession(res_pb.SeedSessionRequest(session_id="closing", task=self._task()), timeout=10)
+        await stub.CloseSession(res_pb.CloseSessionRequest(session_id="closing"), timeout=10)
+        for session_id in ("closing", "never-seeded"):
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await stub.CallTool(
+                    res_pb.CallToolRequest(session_id=session_id, name=name, arguments="{}"), timeout=10
+                )
+            assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION, session_id
+            assert errors.field_of(error.value) == "session_id"
+
     async def test_bad_requests_get_invalid_argument(self, served: Any) -> None:
         _, stub, channel = served
         with pytest.raises(grpc.aio.AioRpcError) as error:
@@ -153,6 +172,7 @@ class ResourcesConformance:
 class AgentConformance:
     """Conformance tests of an agent. Set `task_row`; implement `dependencies()` and `agent(registry)`."""
 
+    pytestmark = pytest.mark.asyncio
     task_row: ClassVar[dict[str, Any]]
 
     def dependencies(self) -> dict[str, GymServer]:
@@ -161,7 +181,7 @@ class AgentConformance:
     def agent(self, registry: Registry) -> AgentServer:
         raise NotImplementedError("return the agent to test, built with `registry`")
 
-    @pytest.fixture
+    @pytest_asyncio.fixture
     async def served(self) -> AsyncIterator[tuple[agent_grpc.AgentServiceStub, grpc.aio.Channel]]:
         running = [await serve(server, "127.0.0.1", 0) for server in self.dependencies().values()]
         registry = Registry(static={name: r.address for name, r in zip(self.dependencies(), running, strict=True)})

@@ -124,6 +124,26 @@ async def test_a_session_nobody_uses_is_closed_after_the_idle_timeout(start):
     await client.registry.close()
 
 
+class Slow(Leaky):
+    @tool
+    async def wait(self, seconds: float, session: Session) -> str:
+        """Take a while."""
+        await asyncio.sleep(seconds)
+        return "done"
+
+
+async def test_the_idle_timeout_never_closes_a_session_under_a_running_call(start):
+    Leaky.closed = []
+    server = await start(Slow({"session_idle_timeout_seconds": 0.1}))
+    client = ResourcesClient(static_registry(env=server), "env")
+    await client.seed_session("slow", task("x"))
+    result = await client.call_tool("slow", r.FunctionCall(name="wait", arguments='{"seconds": 0.4}'))
+    assert result.output == "done" and Leaky.closed == [] and "slow" in server.app.sessions
+    await asyncio.sleep(0.3)  # idle now: it goes
+    assert Leaky.closed == ["slow"]
+    await client.registry.close()
+
+
 async def test_stopping_the_server_closes_the_open_sessions(start):
     Leaky.closed = []
     server = await start(Leaky())
@@ -202,9 +222,10 @@ async def test_aggregate_metrics_default_to_means(calc):
     for i, (reward, correct) in enumerate([(1.0, True), (0.0, False), (1.0, True), (1.0, False)]):
         result = task_pb2.VerificationResult(task_index=i // 2, reward=reward)
         result.fields.update({"correct": correct, "label": "x"})
+        result.reward_components["format"] = 1.0 if i < 2 else 0.0
         results.append(result)
     metrics = rows.struct_to_dict(await client.aggregate_metrics(results))
-    assert metrics == {"num_rollouts": 4, "reward": 0.75, "correct": 0.5}
+    assert metrics == {"num_rollouts": 4, "reward": 0.75, "correct": 0.5, "reward_components.format": 0.5}
 
 
 def test_a_tool_must_be_async():

@@ -209,9 +209,30 @@ class VerificationResult(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class RewardComponentsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     TASK_INDEX_FIELD_NUMBER: _builtins.int
     REWARD_FIELD_NUMBER: _builtins.int
     FIELDS_FIELD_NUMBER: _builtins.int
+    REWARD_COMPONENTS_FIELD_NUMBER: _builtins.int
     task_index: _builtins.int
     """Index of the task (row) the rollout came from; rollouts of the same task
     share it, so repeats can be grouped.
@@ -222,16 +243,21 @@ class VerificationResult(_message.Message):
     def fields(self) -> _struct_pb2.Struct:
         """Extra fields the verifier returned."""
 
+    @_builtins.property
+    def reward_components(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Named parts of the reward the verifier returned, if any."""
+
     def __init__(
         self,
         *,
         task_index: _builtins.int = ...,
         reward: _builtins.float = ...,
         fields: _struct_pb2.Struct | None = ...,
+        reward_components: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["fields", b"fields"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fields", b"fields", "reward", b"reward", "task_index", b"task_index"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fields", b"fields", "reward", b"reward", "reward_components", b"reward_components", "task_index", b"task_index"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
