@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import importlib.util
 import json
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -15,10 +17,11 @@ from typing import Any, TypeVar
 
 import click
 
-from gym_grpc import errors, status
+from gym_grpc import errors, hub, status
 from gym_grpc.batch import BatchSummary
 from gym_grpc.collector import CollectOptions, collect, parse_overrides
-from gym_grpc.config import ConfigError, GymConfig, dump_config, load_config
+from gym_grpc.config import ConfigError, GymConfig, dump_config, load_config, load_env
+from gym_grpc.datasets import MODES, DataError, Dataset, prepare, read_tasks
 from gym_grpc.jsonl import failures_path
 from gym_grpc.registry import Registry
 from gym_grpc.reverify import ReverifyOptions, reverify
@@ -50,6 +53,13 @@ def _split_args(args: tuple[str, ...]) -> tuple[list[str], list[str]]:
     return files, overrides
 
 
+_env_file_option = click.option(
+    "--env-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Secrets and variables, merged after the configs.  [default: ./env.yaml if it exists]",
+)
+
+
 async def _serve_until_stopped(runner: Runner) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -73,11 +83,7 @@ async def _run(config: GymConfig, grace: float) -> int:
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.argument("args", nargs=-1)
 @click.option("--grace", type=float, default=10.0, show_default=True, help="Seconds in-flight calls get at stop.")
-@click.option(
-    "--env-file",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="Secrets and variables, merged after the configs.  [default: ./env.yaml if it exists]",
-)
+@_env_file_option
 def run(args: tuple[str, ...], grace: float, env_file: Path | None) -> None:
     """Start the servers of CONFIG files (then KEY=VALUE overrides) and serve the registry."""
     files, overrides = _split_args(args)
@@ -90,11 +96,7 @@ def run(args: tuple[str, ...], grace: float, env_file: Path | None) -> None:
 
 @main.command("dump-config", context_settings={"ignore_unknown_options": True})
 @click.argument("args", nargs=-1)
-@click.option(
-    "--env-file",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="Secrets and variables, merged after the configs.  [default: ./env.yaml if it exists]",
-)
+@_env_file_option
 def dump_config_command(args: tuple[str, ...], env_file: Path | None) -> None:
     """Print the merged configuration of CONFIG files and KEY=VALUE overrides, secrets masked."""
     files, overrides = _split_args(args)
@@ -485,3 +487,256 @@ def quickstart(output_dir: Path, num_repeats: int) -> None:
     except (ConfigError, StartupError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(json.dumps(metrics, indent=2))
+
+
+# --- writing environments ------------------------------------------------------
+
+
+@main.command("init-env")
+@click.argument("name")
+@click.option(
+    "--dir",
+    "parent",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("servers/resources"),
+    show_default=True,
+    help="Where the environment's directory is created.",
+)
+def init_env_command(name: str, parent: Path) -> None:
+    """Create a new environment NAME: a server with a tool and a verify, config, data, tests."""
+    from gym_grpc.scaffold import init_env
+
+    try:
+        target = init_env(name, parent)
+    except (ValueError, FileExistsError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"created {target}")
+    click.echo(
+        f"next:\n"
+        f"  gym-grpc test {target}\n"
+        f"  gym-grpc run configs/local_policy.yaml {target}/config.yaml\n"
+        f"  gym-grpc collect --agent {name}_agent --input {target}/data/example.jsonl --output {name}.jsonl\n"
+        f"  gym-grpc prepare-data {target}/config.yaml --mode example-validation"
+    )
+
+
+def _server_test_dirs(root: Path) -> list[Path]:
+    return sorted(p for p in root.glob("*/*/tests") if p.is_dir())
+
+
+@main.command("test", context_settings={"ignore_unknown_options": True})
+@click.option("--all", "run_all", is_flag=True, help="Run the tests of every server under ./servers.")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def test_command(run_all: bool, args: tuple[str, ...]) -> None:
+    """Run the tests of the server in PATH (its tests/ directory), or of every server with --all.
+
+    \b
+    gym-grpc test servers/resources/math -x -k boxed   # what follows PATH goes to pytest
+    gym-grpc test --all"""
+    if run_all:
+        targets = _server_test_dirs(Path("servers"))
+        if not targets:
+            raise click.ClickException("no servers/*/*/tests directories here; run it from the repository's root")
+        pytest_args = args
+    else:
+        if not args or args[0].startswith("-"):
+            raise click.UsageError("give a server's directory, or --all")
+        path = Path(args[0])
+        if not path.is_dir():
+            raise click.UsageError(f"{path}: no such directory")
+        targets = [path / "tests" if (path / "tests").is_dir() else path]
+        pytest_args = args[1:]
+    missing = [m for m in ("pytest", "pytest_asyncio") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise click.ClickException(f"{', '.join(missing)} not installed: pip install 'gym-grpc[test]'")
+    click.echo(f"testing {len(targets)} server(s): {', '.join(str(t.parent) for t in targets)}", err=True)
+    sys.exit(subprocess.call([sys.executable, "-m", "pytest", *map(str, targets), *pytest_args]))
+
+
+# --- data ------------------------------------------------------------------------
+
+
+def _hub_settings(env_file: Path | None) -> hub.HubSettings:
+    try:
+        return hub.HubSettings.from_env(load_env(env_file))
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+
+
+@main.command("prepare-data", context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1)
+@click.option(
+    "--mode", type=click.Choice(list(MODES)), required=True, help="Which datasets: example, or train and validation."
+)
+@click.option(
+    "--output-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("prepared_data"),
+    show_default=True,
+    help="Where the collated <type>.jsonl files are written.",
+)
+@click.option("--update-stats", is_flag=True, help="Accept changed data: rewrite its statistics files.")
+@click.option("--download", is_flag=True, help="Fetch missing files from their huggingface_identifier.")
+@_env_file_option
+def prepare_data_command(
+    args: tuple[str, ...], mode: str, output_dir: Path, update_stats: bool, download: bool, env_file: Path | None
+) -> None:
+    """Check, measure and collate the datasets that CONFIG files list on their agents.
+
+    Every malformed row is reported (file, line, field) before anything is
+    written; statistics are kept in <data>.stats.json next to each file and a
+    change to them is an error; the rows are collated into one JSONL per type
+    in --output-dir, each with an agent_ref and repeated num_repeats times.
+    A dataset is listed as `datasets: [{name, type: train|validation|example,
+    jsonl_fpath, license, num_repeats, huggingface_identifier: {repo_id,
+    artifact_fpath}}]` on a server of the config."""
+    files, overrides = _split_args(args)
+    settings = _hub_settings(env_file)
+
+    def fetch(dataset: Dataset) -> Path:
+        where = dataset.spec.huggingface_identifier
+        assert where is not None
+        return hub.download(where.repo_id, where.artifact_fpath, dataset.path, settings, revision=where.revision)
+
+    try:
+        config = load_config(files, overrides, env_file=env_file)
+        done = prepare(
+            config,
+            mode,  # type: ignore[arg-type]
+            output_dir,
+            update_stats=update_stats,
+            fetch=fetch if download else None,
+            echo=lambda line: click.echo(line, err=True),
+        )
+    except (ConfigError, DataError, hub.HubError) as e:
+        raise click.ClickException(str(e)) from None
+    for path in done.stats_written:
+        click.echo(f"wrote statistics {path} (commit it)")
+    for kind, (path, count) in done.outputs.items():
+        click.echo(f"{kind}: {count} rows in {path}")
+
+
+@main.group()
+def dataset() -> None:
+    """Upload task files to the Hugging Face Hub, or download them."""
+
+
+def _repo_options(command: Callable) -> Callable:
+    options = [
+        click.option("--repo-id", help="The dataset repository, instead of the four parts below."),
+        click.option("--organization", help="Hub organization.  [default: env.yaml hf_organization]"),
+        click.option("--prefix", default="gym", show_default=True, help="First part of the repository name."),
+        click.option("--domain", help="Second part: the domain (math, coding, agent, ...)."),
+        click.option("--name", help="Last part: the dataset's name."),
+        click.option("--revision", help="Branch, tag or PR ref (refs/pr/N).  [default: main]"),
+        _env_file_option,
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _repo_id(
+    settings: hub.HubSettings,
+    repo_id: str | None,
+    organization: str | None,
+    prefix: str,
+    domain: str | None,
+    name: str | None,
+) -> str:
+    if repo_id:
+        return repo_id
+    organization = organization or settings.organization
+    missing = [o for o, v in (("--organization", organization), ("--domain", domain), ("--name", name)) if not v]
+    if missing:
+        raise click.UsageError(f"give --repo-id, or {', '.join(missing)}")
+    try:
+        return hub.repo_name(organization, prefix, domain, name)  # type: ignore[arg-type]
+    except hub.HubError as e:
+        raise click.UsageError(str(e)) from None
+
+
+@dataset.command("upload")
+@click.argument("path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@_repo_options
+@click.option("--split", type=click.Choice(hub.SPLITS), help="Upload as <split>.jsonl, after checking every row.")
+@click.option("--artifact-fpath", help="Path in the repository, for a raw file.  [default: the file's name]")
+@click.option("--create-pr", is_flag=True, help="Open a pull request instead of committing to the branch.")
+@click.option("--message", help="Commit message.")
+@click.option("--description", help="Commit description.")
+@click.option("--public", is_flag=True, help="Create the repository public (it is private by default).")
+def upload_command(
+    path: Path,
+    repo_id: str | None,
+    organization: str | None,
+    prefix: str,
+    domain: str | None,
+    name: str | None,
+    revision: str | None,
+    env_file: Path | None,
+    split: str | None,
+    artifact_fpath: str | None,
+    create_pr: bool,
+    message: str | None,
+    description: str | None,
+    public: bool,
+) -> None:
+    """Upload PATH to a dataset repository: a split (checked first) or a raw file."""
+    if split and artifact_fpath:
+        raise click.UsageError("give --split or --artifact-fpath, not both")
+    settings = _hub_settings(env_file)
+    repo = _repo_id(settings, repo_id, organization, prefix, domain, name)
+    if split:
+        checked = read_tasks(path)
+        if checked.problems:
+            lines = "\n".join(f"  {p}" for p in checked.problems)
+            raise click.ClickException(f"{len(checked.problems)} malformed row(s); nothing was uploaded\n{lines}")
+        click.echo(f"{path}: {len(checked.rows)} rows, all tasks", err=True)
+    in_repo = hub.split_file(split) if split else (artifact_fpath or path.name)
+    try:
+        done = hub.upload(
+            path,
+            repo,
+            in_repo,
+            settings,
+            message=message,
+            description=description,
+            create_pr=create_pr,
+            revision=revision,
+            private=not public,
+        )
+    except hub.HubError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"uploaded {path} to {done.repo_id}:{done.path_in_repo}  {done.commit_url}")
+    if done.pr_url:
+        click.echo(f"pull request: {done.pr_url}")
+
+
+@dataset.command("download")
+@_repo_options
+@click.option("--split", type=click.Choice(hub.SPLITS), help="Download <split>.jsonl.")
+@click.option("--artifact-fpath", help="Download this file of the repository.")
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Where to write it.")
+def download_command(
+    repo_id: str | None,
+    organization: str | None,
+    prefix: str,
+    domain: str | None,
+    name: str | None,
+    revision: str | None,
+    env_file: Path | None,
+    split: str | None,
+    artifact_fpath: str | None,
+    output: Path,
+) -> None:
+    """Download a split or a raw file of a dataset repository to --output."""
+    if bool(split) == bool(artifact_fpath):
+        raise click.UsageError("give --split or --artifact-fpath")
+    settings = _hub_settings(env_file)
+    repo = _repo_id(settings, repo_id, organization, prefix, domain, name)
+    filename = hub.split_file(split) if split else artifact_fpath
+    try:
+        hub.download(repo, filename, output, settings, revision=revision)  # type: ignore[arg-type]
+    except hub.HubError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"downloaded {repo}:{filename} to {output}")

@@ -32,13 +32,42 @@ import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gym_grpc.errors import ConfigError
 from gym_grpc.security import Security
+
+
+class HubIdentifier(BaseModel):
+    """Where a dataset lives on the Hugging Face Hub."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    repo_id: str = Field(description='"organization/name" of a dataset repository')
+    artifact_fpath: str = Field(description="the file in the repository, such as train.jsonl")
+    revision: str | None = Field(None, description="branch, tag or commit; default: main")
+
+
+class DatasetSpec(BaseModel):
+    """One data file of an agent, for `gym-grpc prepare-data`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    type: Literal["train", "validation", "example"]
+    jsonl_fpath: str = Field(description="the JSONL of tasks; a relative path is relative to its YAML file")
+    license: str | None = Field(None, description="required for train and validation data")
+    num_repeats: int = Field(1, ge=1, description="times each row appears in the prepared file")
+    huggingface_identifier: HubIdentifier | None = Field(None, description="where to download it when it is missing")
+
+    @model_validator(mode="after")
+    def _training_data_has_a_license(self) -> DatasetSpec:
+        if self.type != "example" and not self.license:
+            raise ValueError(f"dataset {self.name!r}: {self.type} data needs a license")
+        return self
 
 
 class ServerSpec(BaseModel):
@@ -52,6 +81,15 @@ class ServerSpec(BaseModel):
     num_workers: int = Field(1, ge=1, description="processes serving the port together (SO_REUSEPORT)")
     restart: bool = Field(False, description="start a process of this server again, on its port, when it dies")
     config: dict[str, Any] = Field(default_factory=dict, description="the server class's own settings")
+    datasets: list[DatasetSpec] = Field(default_factory=list, description="its data, for prepare-data")
+
+    @model_validator(mode="after")
+    def _dataset_names_are_unique(self) -> ServerSpec:
+        names = [d.name for d in self.datasets]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"dataset names repeat: {', '.join(repeated)}")
+        return self
 
 
 class RegistrySpec(BaseModel):
@@ -91,16 +129,23 @@ def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return base
 
 
-def _resolve_entrypoints(data: dict[str, Any], directory: Path) -> None:
-    """Make "file.py:Class" entrypoints absolute, relative to their YAML file."""
+def _resolve_paths(data: dict[str, Any], directory: Path) -> None:
+    """Make "file.py:Class" entrypoints and dataset paths absolute, relative to their YAML file."""
     servers = data.get("servers")
     if not isinstance(servers, dict):
         return
     for spec in servers.values():
-        entry = spec.get("entrypoint") if isinstance(spec, dict) else None
+        if not isinstance(spec, dict):
+            continue
+        entry = spec.get("entrypoint")
         if isinstance(entry, str) and ".py:" in entry:
             path, _, cls = entry.rpartition(":")
             spec["entrypoint"] = f"{(directory / path).resolve()}:{cls}"
+        datasets = spec.get("datasets")
+        for dataset in datasets if isinstance(datasets, list) else ():
+            fpath = dataset.get("jsonl_fpath") if isinstance(dataset, dict) else None
+            if isinstance(fpath, str) and "${" not in fpath:
+                dataset["jsonl_fpath"] = str((directory / fpath).resolve())
 
 
 def _load_file(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
@@ -119,7 +164,7 @@ def _load_file(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     includes = data.pop("include", [])
     for include in [includes] if isinstance(includes, str) else includes:
         merge(merged, _load_file(path.parent / include, (*chain, path)))
-    _resolve_entrypoints(data, path.parent)
+    _resolve_paths(data, path.parent)
     return merge(merged, data)
 
 
@@ -170,17 +215,27 @@ def _interpolate(value: Any, variables: dict[str, Any], where: str) -> Any:
     return _VARIABLE.sub(lambda m: str(lookup(m.group(1))), value)
 
 
+def load_env(env_file: str | Path | None = None) -> dict[str, Any]:
+    """The contents of env.yaml: the file given, else ./env.yaml when it exists, else nothing."""
+    env_path = Path(env_file) if env_file is not None else Path("env.yaml")
+    if env_file is None and not env_path.exists():
+        return {}
+    return _load_file(env_path)
+
+
+def secrets_of(env: dict[str, Any]) -> set[str]:
+    """The values of env.yaml keys named like a key, token, secret or password."""
+    return {v for k, v in env.items() if _SECRET_KEY.search(k) and isinstance(v, str) and len(v) >= 4}
+
+
 def _load(paths: Sequence[str | Path], overrides: Sequence[str], env_file: str | Path | None) -> tuple[GymConfig, set]:
     """The validated configuration, and the values env.yaml supplied (its secrets)."""
     data: dict[str, Any] = {}
     for path in paths:
         merge(data, _load_file(Path(path)))
-    env_path = Path(env_file) if env_file is not None else Path("env.yaml")
-    secrets: set = set()
-    if env_file is not None or env_path.exists():
-        env = _load_file(env_path)
-        secrets = {v for k, v in env.items() if _SECRET_KEY.search(k) and isinstance(v, str) and len(v) >= 4}
-        merge(data, env)
+    env = load_env(env_file)
+    secrets = secrets_of(env)
+    merge(data, env)
     for override in overrides:
         apply_override(data, override)
     variables = {k: v for k, v in data.items() if k not in _SECTIONS}

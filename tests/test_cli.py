@@ -55,10 +55,11 @@ class Run:
             self.process.wait(timeout=30)
 
 
-def _start_run(*overrides: str, stderr=subprocess.PIPE) -> Run:
-    """Start `gym-grpc run configs/quickstart.yaml` (port 0 registry) and wait until it is healthy."""
+def _start_run(*overrides: str, stderr=subprocess.PIPE, configs: tuple[Path, ...] = ()) -> Run:
+    """Start `gym-grpc run configs/quickstart.yaml` (or `configs`; port 0 registry) and wait until it is healthy."""
+    configs = configs or (REPO / "configs" / "quickstart.yaml",)
     process = subprocess.Popen(
-        [_tool("gym-grpc"), "run", str(REPO / "configs" / "quickstart.yaml"), "registry.port=0", *overrides],
+        [_tool("gym-grpc"), "run", *map(str, configs), "registry.port=0", *overrides],
         stdout=subprocess.PIPE,
         stderr=stderr,
         text=True,
