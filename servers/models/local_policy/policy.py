@@ -2,11 +2,13 @@
 
 A small program that plays a model: it calls a tool the prompt is about with
 arguments read from the prompt, answers from tool outputs once they arrive,
-and works out arithmetic. Each of those has one random decision, whether to
-slip (mangle an argument, get a sum wrong), whose chance grows with the work
-involved. The decision is sampled the way an engine samples a token:
-`temperature` sharpens or flattens the distribution (0 is greedy and never
-slips), `top_p` cuts the unlikely branch.
+works out arithmetic, and guesses at multiple-choice questions (it cannot
+know their answers, so it takes the longest option, a test-taker's hunch).
+A tool call, a sum and a guess each rest on one random decision, whether to
+slip (mangle an argument, get a sum wrong, pick another option), whose
+chance grows with the work involved. The decision is sampled the way an
+engine samples a token: `temperature` sharpens or flattens the distribution
+(0 is greedy and never slips), `top_p` cuts the unlikely branch.
 """
 
 from __future__ import annotations
@@ -105,6 +107,47 @@ def latex(value: Fraction) -> str:
         return str(value.numerator)
     sign = "-" if value < 0 else ""
     return f"{sign}\\frac{{{abs(value.numerator)}}}{{{value.denominator}}}"
+
+
+# --- multiple choice ---------------------------------------------------------
+
+#: An option's marker at the start of a line or after white space: "(C) ", "A) " or "B. ".
+_OPTION = re.compile(r"(?:^|(?<=\s))(?:\(([A-J])\)|([A-J])[.)])[ \t]+(?=\S)", re.M)
+
+
+def find_options(prompt: str) -> list[tuple[str, str]]:
+    """The lettered options a prompt lists, as (letter, text): the longest run
+    A, B, C, ... of option markers, if it has two or more. An option's text runs
+    to the next marker or the end of its line."""
+    runs: list[list[re.Match[str]]] = []
+    for match in _OPTION.finditer(prompt):
+        letter = match.group(1) or match.group(2)
+        if letter == "A":
+            runs.append([match])
+        elif runs and ord(letter) == ord("A") + len(runs[-1]):
+            runs[-1].append(match)
+    best = max(runs, key=len, default=[])
+    if len(best) < 2:
+        return []
+    options = []
+    for i, match in enumerate(best):
+        end = best[i + 1].start() if i + 1 < len(best) else len(prompt)
+        text = prompt[match.end() : end].split("\n", 1)[0].strip()
+        options.append((match.group(1) or match.group(2), text))
+    return options
+
+
+def choose_option(
+    options: list[tuple[str, str]], rng: random.Random, error_rate: float, temperature: float, top_p: float
+) -> tuple[str, float]:
+    """The letter the policy guesses, and its log-probability: the longest option
+    (the first of the longest), or after a slip any other option, all equally likely."""
+    hunch = max(range(len(options)), key=lambda i: (len(options[i][1]), -i))
+    slipped, logprob = sample_slip(rng, error_rate, temperature, top_p)
+    if not slipped:
+        return options[hunch][0], logprob
+    others = [letter for i, (letter, _) in enumerate(options) if i != hunch]
+    return rng.choice(others), logprob - math.log(len(others))
 
 
 # --- tools -------------------------------------------------------------------
@@ -250,6 +293,13 @@ def decide(
             args, decided = _mangle(args)
         reasoning = f"The user asks something {chosen.name} can answer; I will call it." if think else ""
         return Turn(calls=[(chosen.name, json.dumps(args))], reasoning=reasoning, logprob=logprob, decided=decided)
+
+    options = find_options(prompt)
+    if options:
+        letter, logprob = choose_option(options, rng, error_rate, temperature, top_p)
+        # No capital A-J before the letter: the log-prob goes on the first occurrence of `decided`.
+        reasoning = "Several options are given; the most complete one looks right." if think else ""
+        return Turn(text=f"The answer is \\boxed{{{letter}}}.", reasoning=reasoning, logprob=logprob, decided=letter)
 
     found = find_arithmetic(prompt)
     if found is None:

@@ -2,13 +2,14 @@
 
 It is a real participant in the rollout, not an oracle: it never sees the
 task's expected answer. It computes arithmetic, calls the declared tools with
-arguments read from the prompt, answers from tool outputs, and sometimes slips
-(see policy.py). Its token ids come from a byte-level tokenizer with a
-ChatML-style template (tokenizer.py), and each generated token has a
-log-probability: the log of the probability of the random decision the token
-carries (the first token of the decided text), 0.0 for tokens that follow
-from it with certainty. max_output_tokens truncates the generation and makes
-the response incomplete, as an engine would.
+arguments read from the prompt, answers from tool outputs, guesses at
+multiple-choice questions, and sometimes slips (see policy.py). Its token ids
+come from a byte-level tokenizer with a ChatML-style template (tokenizer.py),
+and each generated token has a log-probability: the log of the probability
+of the random decision the token carries (the first token of the decided
+text), 0.0 for tokens that follow from it with certainty. max_output_tokens
+truncates the generation and makes the response incomplete, as an engine
+would.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 from gym_grpc import rows
 from gym_grpc.clients import ModelClient
 from gym_grpc.responses import final_text, function_calls
@@ -120,3 +122,62 @@ def test_arithmetic_reader_handles_words_and_ignores_plain_numbers():
     assert policy.find_arithmetic("In 2024 there were 12 apples.") is None
     assert policy.find_arithmetic("divide: 1 / 0") is None
     assert policy.latex(policy.find_arithmetic("1/2 - 1")[1]) == "-\\frac{1}{2}"
+
+
+MCQA_DATA = HERE.parents[2] / "resources" / "mcqa" / "data" / "example.jsonl"
+
+
+@pytest.mark.parametrize(
+    "prompt, options",
+    [
+        (
+            "Pick one.\nA) Paris\nB) Lyon\nC) Nice\nPut the letter in \\boxed{}.",
+            [("A", "Paris"), ("B", "Lyon"), ("C", "Nice")],
+        ),
+        ("Pick one: (A) red (B) green (C) blue", [("A", "red"), ("B", "green"), ("C", "blue")]),
+        ("A. 1985\nB. 1989", [("A", "1985"), ("B", "1989")]),
+        ("Plan A. Then B) is up\nA) yes\nB) no\nC) maybe", [("A", "yes"), ("B", "no"), ("C", "maybe")]),
+        ("I got an A. Nothing else.", []),  # one marker is no list of options
+        ("Compare A) and C) only.", []),  # not a run from A
+        ("What is 12 * (7 - 3) + 5?", []),
+        ("What's the weather like in Paris right now?", []),
+    ],
+)
+def test_options_are_read_as_a_lettered_run_from_a(prompt, options):
+    assert policy.find_options(prompt) == options
+
+
+async def test_greedy_policy_boxes_the_longest_option(start):
+    server = await start(LocalPolicyModel())
+    model = ModelClient(static_registry(m=server), "m")
+    for line, letter in [(0, "C"), (3, "C"), (4, "A"), (2, "A")]:  # longest, or the first of equally long
+        response = await model.create_response(_params(MCQA_DATA, line, temperature=0.0), "s")
+        assert final_text(response) == f"The answer is \\boxed{{{letter}}}."
+    await model.registry.close()
+
+
+async def test_policy_sometimes_guesses_another_option_with_an_honest_log_prob(start):
+    server = await start(LocalPolicyModel({"error_rate": 0.2}))
+    model = ModelClient(static_registry(m=server), "m")
+    # Four options, C the longest; with reasoning, which must not take the log-prob's place.
+    params = _params(MCQA_DATA, 0, temperature=1.0, reasoning={"effort": "low"})
+    letters = []
+    for i in range(100):
+        response = await model.create_response(params, f"s{i}")
+        letter = final_text(response).removeprefix("The answer is \\boxed{").removesuffix("}.")
+        carrier = _last_carrier(response)
+        [(at, logprob)] = [(i, lp) for i, lp in enumerate(carrier.generation_log_probs) if lp != 0.0]
+        assert tokenizer.decode(carrier.generation_token_ids[at : at + 1]) == letter
+        assert math.isclose(logprob, math.log(0.8 if letter == "C" else 0.2 / 3), rel_tol=1e-6)
+        letters.append(letter)
+    assert 5 < sum(letter != "C" for letter in letters) < 40
+    assert set(letters) <= {"A", "B", "C", "D"}
+    await model.registry.close()
+
+
+async def test_a_prompt_with_nothing_to_work_out_still_gets_no_answer(start):
+    server = await start(LocalPolicyModel())
+    model = ModelClient(static_registry(m=server), "m")
+    params = r.CreateParams(input_text="Write a poem about plan A.", temperature=0.0)
+    assert final_text(await model.create_response(params, "s")) == "I am not sure how to answer that."
+    await model.registry.close()
