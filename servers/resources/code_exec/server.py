@@ -1,0 +1,224 @@
+"""Code execution: the model writes a Python function; its tests decide the reward.
+
+The task names the function in `function_name` and gives `tests`, a list of
+{"args": [...], "expected": ...}: the function is called as
+`function_name(*args)` and must return `expected` (compared as JSON data,
+floats within 1e-9, tuples as lists). Task data travels as a protobuf Struct,
+whose numbers are doubles: give integers beyond 2**53 as strings. The model's
+final answer must hold the code in a ```python block (the last block that
+defines the function wins).
+
+Reward: 1.0 when every test passes, else 0.0. Fields: tests_passed,
+tests_total, timeout (a test ran out of time, or the candidate was killed) and
+error (the first thing that went wrong, short; "" on success). Components:
+compiles (1/0) and tests_passed_fraction.
+
+Where the code runs: each check starts a fresh `python -I` child in its own
+process group that limits itself with setrlimit (address space, CPU seconds,
+file size, open files, processes), gets SIGALRM per test, and is killed with
+its whole group at a wall-clock deadline (see checker.py). The child is started
+by a worker of a spawn process pool, or by a Ray task when `ray_address` is
+set, never by the event loop; a candidate that hangs costs its rollout a 0
+with timeout=true and holds one worker until its deadline, never the server.
+
+NOT A SANDBOX. rlimits and a subprocess keep an honest mistake (an infinite
+loop, a memory blow-up) from hurting the server; they do not contain hostile
+code. The candidate runs as the server's user, can read every file that user
+can read (including the task data with the expected answers), open network
+connections, and leave its process group. Run policies you do not trust only
+with this server inside a container with no network and a read-only root, or
+under gVisor/nsjail/Firecracker, on a machine that holds no secrets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import re
+import textwrap
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from functools import partial
+from typing import Any
+
+from pydantic import Field
+
+from gym_grpc import errors
+from gym_grpc.errors import ConfigError
+from gym_grpc.resources import ResourcesConfig, ResourcesServer, Session, Verification
+from gym_grpc.responses import final_text
+from gym_grpc.v1 import responses_pb2 as r
+
+from . import checker
+
+log = logging.getLogger("gym_grpc.code_exec")
+
+# A fenced block: ```lang ... ``` (the closing fence may be missing when the answer was cut off).
+_FENCE = re.compile(r"^[ \t]*```[ \t]*([\w+.#-]*)[^\n]*\n(.*?)(?:^[ \t]*```|\Z)", re.DOTALL | re.MULTILINE)
+_PYTHON = {"python", "py", "python3"}
+_IDENTIFIER = re.compile(r"[A-Za-z_]\w*\Z")
+
+
+def extract_code(text: str, function_name: str | None = None) -> str | None:
+    """The Python code of an answer: the last ```python block (plain ``` blocks if there is
+    none) that defines `function_name`, else the last such block; None without a block."""
+    blocks = [(lang.lower(), textwrap.dedent(body)) for lang, body in _FENCE.findall(text)]
+    chosen = [body for lang, body in blocks if lang in _PYTHON] or [body for lang, body in blocks if not lang]
+    if not chosen:
+        return None
+    if function_name:
+        defining = re.compile(rf"^\s*(?:async\s+)?def\s+{re.escape(function_name)}\s*\(", re.MULTILINE)
+        chosen = [body for body in chosen if defining.search(body)] or chosen
+    return chosen[-1]
+
+
+class CodeExecConfig(ResourcesConfig):
+    # A check's wall-clock deadline is startup_seconds + test_timeout_seconds * (tests + 1).
+    # Keep verify_timeout_seconds above it: a verify cut short on the process pool leaves its
+    # worker busy until that deadline (on Ray the task is cancelled and the candidate killed).
+    verify_workers: int = Field(
+        2, ge=1, description="checks that run at once: pool processes, or CPUs of a local Ray ('local')"
+    )
+    test_timeout_seconds: float = Field(2.0, gt=0, description="wall time each test (and defining the code) may take")
+    memory_limit_mb: int = Field(512, ge=64, description="address-space limit of the candidate's process (RLIMIT_AS)")
+    startup_seconds: float = Field(
+        5.0, gt=0, description="time the candidate's interpreter gets to start, on top of the tests' time"
+    )
+    max_tests: int = Field(100, ge=1, description="a task with more tests than this is refused")
+    ray_address: str | None = Field(
+        None,
+        description='run checks as Ray tasks: "auto", "ray://host:10001", or "local" to start Ray in this process',
+    )
+
+
+class CodeExecEnv(ResourcesServer):
+    Config = CodeExecConfig
+    config: CodeExecConfig
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._pool: ProcessPoolExecutor | None = None
+        self._remote: Any = None  # run_tests as a Ray remote function, when ray_address is set
+        self._owns_ray = False
+
+    async def start(self) -> None:
+        if self.config.ray_address is None:
+            self._pool = self._new_pool()
+        else:
+            self._remote = self._connect_ray(self.config.ray_address)
+        # Start the workers (a process, or a Ray worker) before the first rollout needs them.
+        warm = await self._run("def f():\n    return 1\n", "f", [{"args": [], "expected": 1}])
+        if warm["passed"] != 1:
+            raise RuntimeError(f"{self.name}: the code checker does not work here: {warm['error']}")
+
+    async def stop(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._owns_ray:
+            import ray
+
+            ray.shutdown()
+        await super().stop()
+
+    def _new_pool(self) -> ProcessPoolExecutor:
+        # spawn, not fork: forking a process that runs gRPC is unsafe.
+        return ProcessPoolExecutor(self.config.verify_workers, mp_context=multiprocessing.get_context("spawn"))
+
+    def _connect_ray(self, address: str) -> Any:
+        try:
+            import ray
+        except ImportError:
+            raise ConfigError(
+                f"server {self.name!r}: config.ray_address is {address!r} but Ray is not installed; "
+                "pip install 'gym-grpc[ray]', or remove ray_address to check in a local process pool"
+            ) from None
+        self._owns_ray = not ray.is_initialized()
+        # Blocks for a few seconds, once, before the server takes calls.
+        if address == "local":
+            ray.init(num_cpus=self.config.verify_workers, include_dashboard=False, ignore_reinit_error=True)
+        else:
+            try:
+                ray.init(address=address, ignore_reinit_error=True)
+            except ConnectionError as e:
+                raise ConfigError(f"server {self.name!r}: cannot reach Ray at {address!r}: {e}") from None
+        # The checker travels by value: the cluster's workers need neither gym_grpc nor this repository.
+        ray.cloudpickle.register_pickle_by_value(checker)
+        return ray.remote(num_cpus=1, max_retries=1)(checker.run_tests)
+
+    async def _run(self, code: str, function_name: str, tests: list[dict[str, Any]]) -> dict[str, Any]:
+        limits = {
+            "test_timeout": self.config.test_timeout_seconds,
+            "memory_mb": self.config.memory_limit_mb,
+            "startup_seconds": self.config.startup_seconds,
+        }
+        if self._remote is not None:
+            return await self._run_on_ray(code, function_name, tests, limits)
+        run = partial(checker.run_tests, code, function_name, tests, **limits)
+        loop = asyncio.get_running_loop()
+        pool = self._pool
+        try:
+            return await loop.run_in_executor(pool, run)
+        except BrokenProcessPool:
+            # A worker died (the OOM killer, a stray signal). Candidates run in their own
+            # children, so this is rare; replace the pool once and retry on the new one.
+            if self._pool is pool:
+                log.warning("a code-check worker died; starting a new pool")
+                self._pool = self._new_pool()
+                pool.shutdown(wait=False, cancel_futures=True)
+            return await loop.run_in_executor(self._pool, run)
+
+    async def _run_on_ray(
+        self, code: str, function_name: str, tests: list[dict[str, Any]], limits: dict[str, Any]
+    ) -> dict[str, Any]:
+        import ray
+
+        ref = self._remote.remote(code, function_name, tests, **limits)
+        try:
+            return await asyncio.wrap_future(ref.future())
+        except asyncio.CancelledError:
+            ray.cancel(ref)  # interrupts run_tests, whose cleanup kills the candidate
+            raise
+
+    async def verify(self, session: Session, response: r.Response) -> Verification:
+        function_name, tests = self._task(session.data)
+        code = extract_code(final_text(response), function_name)
+        if code is None:
+            error = "the final answer has no ```python code block"
+            verdict = {"compiled": False, "passed": 0, "total": len(tests), "timeout": False, "error": error}
+        else:
+            verdict = await self._run(code, function_name, tests)
+        passed, total = verdict["passed"], verdict["total"]
+        return Verification(
+            reward=1.0 if passed == total else 0.0,
+            fields={
+                "tests_passed": passed,
+                "tests_total": total,
+                "timeout": verdict["timeout"],
+                "error": verdict["error"],
+            },
+            components={"compiles": 1.0 if verdict["compiled"] else 0.0, "tests_passed_fraction": passed / total},
+        )
+
+    def _task(self, data: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+        """The task's function name and tests, checked (InvalidArgument names the field at fault)."""
+        name = data.get("function_name")
+        if not isinstance(name, str) or not _IDENTIFIER.match(name):
+            raise errors.InvalidArgument(
+                f"task.data.function_name must be a Python identifier, got {name!r}", field="task.data.function_name"
+            )
+        tests = data.get("tests")
+        if not isinstance(tests, list) or not tests:
+            raise errors.InvalidArgument("task.data.tests must be a non-empty list", field="task.data.tests")
+        if len(tests) > self.config.max_tests:
+            raise errors.InvalidArgument(
+                f"task.data.tests has {len(tests)} tests; this server allows {self.config.max_tests}",
+                field="task.data.tests",
+            )
+        for i, test in enumerate(tests):
+            if not isinstance(test, dict) or not isinstance(test.get("args"), list) or "expected" not in test:
+                raise errors.InvalidArgument(
+                    f'task.data.tests[{i}] must be {{"args": [...], "expected": ...}}, got {str(test)[:100]}',
+                    field=f"task.data.tests[{i}]",
+                )
+        return name, tests

@@ -1,0 +1,403 @@
+"""The code execution environment: extraction, verdicts over gRPC, candidates that hang
+or blow up, the event loop staying free, and the same verdicts on Ray."""
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gym_grpc import errors, rows, transport
+from gym_grpc.clients import ResourcesClient
+from gym_grpc.errors import ConfigError
+from gym_grpc.responses import assistant_message
+from gym_grpc.testing import ResourcesConformance
+from gym_grpc.v1 import resources_service_pb2 as res_pb
+from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
+from gym_grpc.v1 import responses_pb2 as r
+from servers.resources.code_exec.checker import run_tests
+from servers.resources.code_exec.server import CodeExecEnv, extract_code
+from tests.support import static_registry
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "data" / "example.jsonl"
+
+# Short limits keep the hanging candidates quick; the server's own verify limit is far above
+# the candidate's deadline, so a verdict (rather than a failed Verify) proves the kill.
+LIMITS = {"test_timeout_seconds": 0.5, "startup_seconds": 3.0, "memory_limit_mb": 256, "verify_timeout_seconds": 60}
+
+ADD_TESTS = [{"args": [2, 3], "expected": 5}, {"args": [-1, 1], "expected": 0}, {"args": [10, 5], "expected": 15}]
+
+ADD = "def add(a, b):\n    return a + b\n"
+
+
+def _answer(code: str) -> r.Response:
+    return r.Response(output=[assistant_message(f"Here is my solution.\n\n```python\n{code}```\n")])
+
+
+def _task(tests=None, function_name="add"):
+    return rows.task_from_row(
+        {
+            "responses_create_params": {"input": "Write add(a, b)."},
+            "function_name": function_name,
+            "tests": tests or ADD_TESTS,
+        }
+    )
+
+
+async def _verdict(client, code, tests=None, function_name="add"):
+    reply = await client.verify("s", _task(tests, function_name), _answer(code))
+    return reply.reward, rows.struct_to_dict(reply.fields), dict(reply.reward_components)
+
+
+async def _serve(start, **config):
+    server = await start(CodeExecEnv({**LIMITS, **config}))
+    return server, ResourcesClient(static_registry(code_exec=server), "code_exec")
+
+
+@pytest.fixture
+async def code_exec(start):
+    _, client = await _serve(start, verify_workers=1)
+    yield client
+    await client.registry.close()
+
+
+# --- extraction ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("Sure:\n```python\ndef add(a, b):\n    return a + b\n```\nDone.", ADD),
+        ("```py\ndef add(a, b):\n    return a + b\n```", ADD),
+        ("```Python3\ndef add(a, b):\n    return a + b\n```", ADD),
+        ("```\ndef add(a, b):\n    return a + b\n```", ADD),
+        ("1. The code:\n   ```python\n   def add(a, b):\n       return a + b\n   ```\n", ADD),
+        ("Cut off mid-answer:\n```python\ndef add(a, b):\n    return a + b\n", ADD),
+        ("No code, only words: a + b.", None),
+        ("```bash\npython add.py\n```", None),
+    ],
+)
+def test_the_code_is_taken_from_a_fenced_block(text, expected):
+    assert extract_code(text, "add") == expected
+
+
+def test_python_blocks_win_over_unlabelled_ones_and_the_last_definition_wins():
+    text = (
+        "First try:\n```python\ndef add(a, b):\n    return a - b\n```\n"
+        "Output:\n```\n-1\n```\n"
+        "Fixed:\n```python\ndef add(a, b):\n    return a + b\n```\n"
+        "Usage:\n```python\nprint(add(2, 3))\n```\n"
+    )
+    assert extract_code(text, "add") == ADD
+    assert extract_code(text) == "print(add(2, 3))\n"
+
+
+# --- verdicts over gRPC -----------------------------------------------------------
+
+
+async def test_a_correct_function_earns_the_reward(code_exec):
+    reward, fields, components = await _verdict(code_exec, ADD)
+    assert reward == 1.0
+    assert fields == {"tests_passed": 3, "tests_total": 3, "timeout": False, "error": ""}
+    assert components == {"compiles": 1.0, "tests_passed_fraction": 1.0}
+
+
+async def test_a_function_that_fails_one_test_earns_nothing_and_says_which(code_exec):
+    code = "def add(a, b):\n    return a + b if a < 10 else 0\n"
+    reward, fields, components = await _verdict(code_exec, code)
+    assert reward == 0.0
+    assert fields["tests_passed"] == 2 and fields["tests_total"] == 3
+    assert fields["error"] == "test 3: expected 15, got 0"
+    assert components == {"compiles": 1.0, "tests_passed_fraction": pytest.approx(2 / 3)}
+
+
+async def test_a_syntax_error_does_not_compile(code_exec):
+    reward, fields, components = await _verdict(code_exec, "def add(a, b)\n    return a + b\n")
+    assert reward == 0.0 and components["compiles"] == 0.0
+    assert fields["error"].startswith("SyntaxError") and "line 1" in fields["error"]
+
+
+async def test_an_exception_fails_the_test_with_its_message(code_exec):
+    reward, fields, components = await _verdict(code_exec, "def add(a, b):\n    return a / 0\n")
+    assert reward == 0.0 and components["compiles"] == 1.0
+    assert fields["error"] == "test 1: ZeroDivisionError: division by zero"
+
+
+async def test_an_answer_without_a_code_block_earns_nothing(code_exec):
+    reply = await code_exec.verify("s", _task(), r.Response(output=[assistant_message("a + b")]))
+    assert reply.reward == 0.0 and "no ```python code block" in reply.fields["error"]
+    assert reply.reward_components["compiles"] == 0.0
+
+
+async def test_a_missing_function_or_bad_module_code_fails_every_test(code_exec):
+    _, fields, _ = await _verdict(code_exec, "def plus(a, b):\n    return a + b\n")
+    assert fields["error"] == "the code defines no function 'add'" and fields["tests_passed"] == 0
+    _, fields, _ = await _verdict(code_exec, "import no_such_module_here\n" + ADD)
+    assert "ModuleNotFoundError" in fields["error"]
+
+
+async def test_a_returned_object_that_claims_equality_does_not_pass(code_exec):
+    code = (
+        "class Anything:\n    def __eq__(self, other):\n        return True\n\ndef add(a, b):\n    return Anything()\n"
+    )
+    reward, fields, _ = await _verdict(code_exec, code)
+    assert reward == 0.0 and "not JSON data" in fields["error"]
+
+
+async def test_tuples_and_close_floats_match_their_json(code_exec):
+    tests = [{"args": [1, 2], "expected": [2, 1]}, {"args": [0.1, 0.2], "expected": [0.2, 0.1]}]
+    reward, _, _ = await _verdict(code_exec, "def swap(a, b):\n    return (b, a)\n", tests, "swap")
+    assert reward == 1.0
+    reward, fields, _ = await _verdict(
+        code_exec, "def total(a, b):\n    return a + b\n", [{"args": [0.1, 0.2], "expected": 0.3}], "total"
+    )
+    assert reward == 1.0, fields
+
+
+async def test_an_infinite_loop_times_out_and_the_server_answers_the_next_verify(code_exec):
+    reward, fields, components = await _verdict(code_exec, "def add(a, b):\n    while True:\n        pass\n")
+    assert reward == 0.0 and fields["timeout"] is True
+    assert fields["error"].startswith("test 1: timed out")
+    assert components["tests_passed_fraction"] == 0.0
+    assert (await _verdict(code_exec, ADD))[0] == 1.0
+
+
+async def test_a_candidate_that_ignores_its_alarm_is_killed(code_exec, tmp_path):
+    pid_file = tmp_path / "pid"
+    code = (
+        "import os, signal, time\n"
+        "def add(path):\n"
+        "    signal.signal(signal.SIGALRM, signal.SIG_IGN)\n"
+        "    open(path, 'w').write(str(os.getpid()))\n"
+        "    time.sleep(3600)\n"
+    )
+    reward, fields, _ = await _verdict(code_exec, code, [{"args": [str(pid_file)], "expected": 1}])
+    assert reward == 0.0 and fields["timeout"] is True
+    assert fields["error"] == "test 1: killed after the time limit"
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)  # gone, not left sleeping
+    assert (await _verdict(code_exec, ADD))[0] == 1.0  # the (single) worker is free again
+
+
+async def test_a_memory_hog_fails_its_test_and_the_server_carries_on(code_exec):
+    code = "def add(a, b):\n    hog = [0] * (10 ** 10)\n    return len(hog)\n"
+    reward, fields, _ = await _verdict(code_exec, code)
+    assert reward == 0.0 and fields["error"] == "test 1: MemoryError" and fields["timeout"] is False
+    assert (await _verdict(code_exec, ADD))[0] == 1.0
+
+
+async def test_a_candidate_that_exits_the_process_fails_the_rest(code_exec):
+    code = "import os\ndef add(a, b):\n    if a == -1:\n        os._exit(3)\n    return a + b\n"
+    _, fields, _ = await _verdict(code_exec, code)
+    assert fields["tests_passed"] == 1 and fields["error"] == "test 2: the process exited with code 3"
+
+
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        ({"tests": ADD_TESTS}, "task.data.function_name"),
+        ({"function_name": "add; import os", "tests": ADD_TESTS}, "task.data.function_name"),
+        ({"function_name": "add", "tests": []}, "task.data.tests"),
+        ({"function_name": "add", "tests": [{"args": 1, "expected": 2}]}, "task.data.tests[0]"),
+        ({"function_name": "add", "tests": [{"args": [1]}]}, "task.data.tests[0]"),
+    ],
+)
+async def test_a_malformed_task_is_an_invalid_argument_naming_the_field(start, data, field):
+    server, client = await _serve(start, verify_workers=1)
+    task = rows.task_from_row({"responses_create_params": {"input": "?"}, **data})
+    channel = transport.open_channel(server.address)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            request = res_pb.VerifyRequest(session_id="s", task=task, response=_answer(ADD))
+            await res_grpc.ResourcesServiceStub(channel).Verify(request, timeout=10)
+    finally:
+        await channel.close()
+        await client.registry.close()
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert errors.field_of(error.value) == field
+
+
+# --- the event loop stays free ------------------------------------------------------
+
+
+async def test_a_slow_verify_does_not_hold_up_other_calls(start, tmp_path):
+    server, client = await _serve(start, verify_workers=2, test_timeout_seconds=30)
+    started, release = tmp_path / "started", tmp_path / "release"
+    waiter = (
+        "import os, time\n"
+        "def wait(started, release):\n"
+        "    open(started, 'w').close()\n"
+        "    while not os.path.exists(release):\n"
+        "        time.sleep(0.01)\n"
+        "    return True\n"
+    )
+    slow = asyncio.create_task(
+        _verdict(client, waiter, [{"args": [str(started), str(release)], "expected": True}], "wait")
+    )
+    try:
+        while not started.exists():  # the candidate is running in its child
+            assert not slow.done(), slow.result()
+            await asyncio.sleep(0.02)
+        channel = transport.open_channel(server.address)
+        try:
+            health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        finally:
+            await channel.close()
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        assert not (await client.describe_tools()).tools
+        assert (await _verdict(client, ADD))[0] == 1.0  # a second verify, on the second worker
+        assert not slow.done()
+    finally:
+        release.touch()
+    assert (await slow)[0] == 1.0
+    await client.registry.close()
+
+
+async def test_concurrent_verifies_all_get_their_own_verdict(start):
+    _, client = await _serve(start, verify_workers=2)
+    codes = [
+        ADD,
+        "def add(a, b):\n    return a * b\n",
+        "def add(a, b)\n",
+        ADD,
+        "def add(a, b):\n    raise KeyError(a)\n",
+    ]
+    verdicts = await asyncio.gather(*(_verdict(client, code) for code in codes))
+    assert [reward for reward, _, _ in verdicts] == [1.0, 0.0, 0.0, 1.0, 0.0]
+    assert [components["compiles"] for _, _, components in verdicts] == [1.0, 1.0, 0.0, 1.0, 1.0]
+    await client.registry.close()
+
+
+async def test_a_dead_pool_worker_is_replaced(start):
+    server, client = await _serve(start, verify_workers=1)
+    for process in list(server.app._pool._processes.values()):
+        os.kill(process.pid, signal.SIGKILL)
+    assert (await _verdict(client, ADD))[0] == 1.0
+    await client.registry.close()
+
+
+# --- the example rows ---------------------------------------------------------------
+
+REFERENCE = {
+    "is_palindrome": "def is_palindrome(s):\n    t = [c.lower() for c in s if c.isalnum()]\n    return t == t[::-1]\n",
+    "two_sum": (
+        "def two_sum(nums, target):\n    seen = {}\n    for j, x in enumerate(nums):\n"
+        "        if target - x in seen:\n            return [seen[target - x], j]\n        seen[x] = j\n"
+    ),
+    "merge_intervals": (
+        "def merge_intervals(intervals):\n    out = []\n    for s, e in sorted(intervals):\n"
+        "        if out and s <= out[-1][1]:\n            out[-1][1] = max(out[-1][1], e)\n"
+        "        else:\n            out.append([s, e])\n    return out\n"
+    ),
+    "roman_to_int": (
+        "def roman_to_int(s):\n    v = dict(I=1, V=5, X=10, L=50, C=100, D=500, M=1000)\n    total = 0\n"
+        "    for a, b in zip(s, s[1:] + ' '):\n        total += -v[a] if b != ' ' and v[a] < v[b] else v[a]\n"
+        "    return total\n"
+    ),
+    "count_primes": (
+        "def count_primes(n):\n    if n < 3:\n        return 0\n"
+        "    sieve = bytearray([1]) * n\n    sieve[0] = sieve[1] = 0\n"
+        "    for i in range(2, int(n ** 0.5) + 1):\n        if sieve[i]:\n"
+        "            sieve[i * i :: i] = bytes(len(range(i * i, n, i)))\n    return sum(sieve)\n"
+    ),
+}
+
+
+def _examples():
+    return [json.loads(line) for line in EXAMPLES.read_text().splitlines() if line.strip()]
+
+
+def test_every_example_row_loads_as_a_task():
+    examples = _examples()
+    assert len(examples) == 5
+    for row in examples:
+        task = rows.task_from_row(row)
+        data = rows.struct_to_dict(task.data)
+        assert data["function_name"] in REFERENCE and data["tests"] == row["tests"]
+
+
+def test_a_reference_solution_passes_every_example_row():
+    for row in _examples():
+        data = rows.struct_to_dict(rows.task_from_row(row).data)  # the tests as verify sees them
+        verdict = run_tests(
+            REFERENCE[data["function_name"]],
+            data["function_name"],
+            data["tests"],
+            test_timeout=5.0,
+            memory_mb=512,
+            startup_seconds=5.0,
+        )
+        assert verdict["passed"] == verdict["total"], (data["function_name"], verdict)
+
+
+class TestCodeExecConformance(ResourcesConformance):
+    task_row = {"responses_create_params": {"input": "Write add(a, b)."}, "function_name": "add", "tests": ADD_TESTS}
+    answer = f"```python\n{ADD}```"
+
+    def server(self) -> CodeExecEnv:
+        return CodeExecEnv({"verify_workers": 1})
+
+
+# --- Ray (last in the module: the cluster lives until the module ends) --------------
+
+
+async def test_without_ray_installed_a_ray_address_is_a_config_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray now raises ImportError
+    app = CodeExecEnv({"ray_address": "auto"}, name="code_exec")
+    with pytest.raises(ConfigError, match="Ray is not installed"):
+        await app.start()
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray  # in the test extras, so these tests run wherever the others do
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+SAME_ON_BOTH = [
+    ADD,
+    "def add(a, b):\n    return a - b\n",
+    "def add(a, b)\n    return a + b\n",
+    "def add(a, b):\n    return {}[a]\n",
+    "def add(a, b):\n    while True:\n        pass\n",
+]
+
+
+async def test_a_check_on_ray_gives_the_same_verdict_as_the_process_pool(start, local_ray):
+    on_ray, ray_client = await _serve(start, ray_address="local", verify_workers=1)
+    assert on_ray.app._remote is not None and on_ray.app._pool is None
+    assert not on_ray.app._owns_ray  # it joined the fixture's Ray; stopping it leaves that Ray up
+    _, pool_client = await _serve(start, verify_workers=1)
+    for code in SAME_ON_BOTH:
+        assert await _verdict(ray_client, code) == await _verdict(pool_client, code), code
+    await ray_client.registry.close()
+    await pool_client.registry.close()
+
+
+async def test_a_verify_that_runs_out_of_time_on_ray_kills_its_candidate(start, local_ray, tmp_path):
+    _, client = await _serve(
+        start, ray_address="local", verify_workers=1, verify_timeout_seconds=2, test_timeout_seconds=60
+    )
+    pid_file = tmp_path / "pid"
+    sleeper = "import os, time\ndef add(path):\n    open(path, 'w').write(str(os.getpid()))\n    time.sleep(3600)\n"
+    with pytest.raises(errors.GymError, match="did not finish within 2 s"):
+        await _verdict(client, sleeper, [{"args": [str(pid_file)], "expected": 1}])
+    pid = int(pid_file.read_text())
+    for _ in range(100):  # ray.cancel interrupts the task, whose cleanup kills the candidate's group
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        await asyncio.sleep(0.1)
+    else:
+        pytest.fail(f"the candidate {pid} outlived its cancelled Ray task")
+    assert (await _verdict(client, ADD))[0] == 1.0
+    await client.registry.close()
