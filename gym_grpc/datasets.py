@@ -176,8 +176,6 @@ class Prepared:
     outputs: dict[str, tuple[Path, int]] = field(default_factory=dict)
     #: Statistics files written (new, or updated on request).
     stats_written: list[Path] = field(default_factory=list)
-    #: Files downloaded from the Hub.
-    downloaded: list[Path] = field(default_factory=list)
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -193,7 +191,7 @@ def prepare(
     output_dir: Path,
     *,
     update_stats: bool = False,
-    fetch: Callable[[Dataset], Path] | None = None,
+    fetch: Callable[[Dataset], object] | None = None,
     echo: Callable[[str], None] = print,
 ) -> Prepared:
     """Check, measure and collate the datasets of a mode (see the module docstring).
@@ -205,7 +203,7 @@ def prepare(
     for dataset in datasets:
         if not dataset.path.exists() and fetch is not None and dataset.spec.huggingface_identifier is not None:
             echo(f"downloading {dataset.spec.name} of {dataset.server} to {dataset.path}")
-            done.downloaded.append(fetch(dataset))
+            fetch(dataset)
 
     agents = list(config.servers)
     loaded: list[tuple[Dataset, TaskFile]] = []
