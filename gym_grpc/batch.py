@@ -53,6 +53,8 @@ class BatchOptions:
     output: Path
     n_tasks: int
     repeats: int
+    #: Jobs the progress bar expects; default n_tasks * repeats.
+    total: int | None = None
     max_in_flight: int = 4096
     reward_range: tuple[float, float] = (0.0, 1.0)
     pass_threshold: float = 1.0
@@ -65,7 +67,6 @@ class BatchOptions:
 class BatchSummary:
     """What a run did, and the metrics of everything in its output."""
 
-    done: int = 0
     skipped: int = 0
     failed: int = 0
     bad_rows: int = 0
@@ -74,6 +75,11 @@ class BatchSummary:
     run: RunStats = field(default_factory=RunStats)
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+
+    @property
+    def done(self) -> int:
+        """Rollouts this run wrote."""
+        return self.run.rollouts
 
 
 Produce = Callable[[Job], Awaitable[dict[str, Any]]]
@@ -140,7 +146,6 @@ class Batch:
         finally:
             self.bar.update(1)
             self.window.release()
-        self.summary.done += 1
         self.summary.run.add(row)
         self._progress()
 
@@ -153,7 +158,7 @@ class Batch:
         options.output.parent.mkdir(parents=True, exist_ok=True)
         running: set[asyncio.Task] = set()
         self.bar = tqdm(
-            total=options.n_tasks * options.repeats,
+            total=options.total if options.total is not None else options.n_tasks * options.repeats,
             unit="rollout",
             disable=not options.progress,
             file=self.log,

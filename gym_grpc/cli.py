@@ -107,10 +107,9 @@ def dump_config_command(args: tuple[str, ...], env_file: Path | None) -> None:
 
 
 def _print_summary(summary: BatchSummary, output: Path, what: str, estimate_for: int = 0) -> None:
-    rate = summary.done / summary.seconds if summary.seconds else 0.0
     click.echo(
         f"{summary.done} rollouts {what}, {summary.failed} failed, {summary.skipped} already done, "
-        f"{summary.bad_rows} bad rows, in {summary.seconds:.2f} s ({rate:.1f}/s) -> {output}",
+        f"{summary.bad_rows} bad rows, in {summary.seconds:.2f} s -> {output}",
         err=True,
     )
     for line in summary.run.lines(summary.seconds, estimate_for):

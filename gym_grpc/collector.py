@@ -92,9 +92,6 @@ def apply_overrides(params: dict[str, Any], overrides: dict[str, Any]) -> None:
 def rollout_record(task_row: dict[str, Any], rollout: task_pb2.Rollout, placeholder_reward: float = 0.0) -> dict:
     """The rollout row (without its key): the task row and what the rollout produced."""
     row = rows.rollout_row(task_row, rollout)
-    row["verifier_fields"] = sorted(rollout.verifier_fields.fields)
-    if rollout.reward_components:
-        row["reward_components"] = dict(rollout.reward_components)
     if rollout.verification_skipped:
         row["reward"] = placeholder_reward
         row["verification_skipped"] = True
@@ -127,30 +124,16 @@ def _jobs(options: CollectOptions) -> Iterator[Job | BadInput]:
             if options.limit is not None and task_index >= options.limit:
                 return
             try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                yield BadInput(
-                    task_index, line_no, f"not UTF-8 (byte {e.start}): {raw[:80]!r}", jobs=options.num_repeats
-                )
-                continue
-            try:
-                row = jsonl.loads(line)
+                row = jsonl.parse_line(raw)
                 if isinstance(row, dict) and isinstance(row.get(rows.PARAMS_KEY), dict) and options.overrides:
                     apply_overrides(row[rows.PARAMS_KEY], options.overrides)
                 task = rows.task_from_row(row)
-                agent_ref = row.get("agent_ref")
-                agent = (agent_ref.get("name") if isinstance(agent_ref, dict) else None) or options.agent
-                if not agent:
-                    raise rows.RowError("agent_ref.name", "the row names no agent and no --agent was given")
-            except json.JSONDecodeError as e:
-                yield BadInput(task_index, line_no, f"not JSON: {e}", jobs=options.num_repeats)
+                agent = rows.agent_name(row, options.agent, " and no --agent was given")
+            except ValueError as e:
+                yield BadInput(task_index, line_no, str(e), getattr(e, "field", None), jobs=options.num_repeats)
                 continue
-            except jsonl.DuplicateKey as e:
-                yield BadInput(task_index, line_no, str(e), jobs=options.num_repeats)
-                continue
-            except rows.RowError as e:
-                yield BadInput(task_index, line_no, str(e), e.field, jobs=options.num_repeats)
-                continue
+            if "agent_ref" not in row:  # say which agent ran it, for reverify and for readers
+                row["agent_ref"] = {"name": agent}
             for repeat in range(options.num_repeats):
                 yield Job(task_index, repeat, agent, _Task(row, task))
 
@@ -203,10 +186,7 @@ async def collect(registry: Registry, options: CollectOptions, *, log: TextIO = 
         return last
 
     async def produce(job: Job) -> dict[str, Any]:
-        row = job.payload.row
-        if "agent_ref" not in row:  # say which agent ran it, for reverify and for readers
-            row = {**row, "agent_ref": {"name": job.group}}
-        return rollout_record(row, await rollout(job), options.placeholder_reward)
+        return rollout_record(job.payload.row, await rollout(job), options.placeholder_reward)
 
     batch = Batch(
         BatchOptions(

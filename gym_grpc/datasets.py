@@ -89,54 +89,34 @@ def read_tasks(path: Path, agents: list[str] | None = None) -> TaskFile:
 
     With `agents`, a row's `agent_ref.name` must be one of them."""
     result = TaskFile(path)
-
-    def bad(line: int | None, field_name: str, message: str) -> None:
-        result.problems.append(Problem(path, line, field_name, message))
-
     try:
-        handle = path.open(encoding="utf-8")
+        handle = path.open("rb")
     except OSError as e:
-        bad(None, "", f"cannot read: {e.strerror}")
+        result.problems.append(Problem(path, None, "", f"cannot read: {e.strerror}"))
         return result
     with handle:
-        try:
-            for number, line in enumerate(handle, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = jsonl.loads(line)
-                    task = rows.task_from_row(row)
-                except json.JSONDecodeError as e:
-                    bad(number, "", f"not JSON: {e}")
-                    continue
-                except jsonl.DuplicateKey as e:
-                    bad(number, "", str(e))
-                    continue
-                except rows.RowError as e:
-                    bad(number, e.field, e.message)
-                    continue
+        for number, raw in enumerate(handle, 1):
+            if not raw.strip():
+                continue
+            try:
+                row = jsonl.parse_line(raw)
+                task = rows.task_from_row(row)
                 if _input_is_empty(task):
-                    bad(number, f"{rows.PARAMS_KEY}.input", "is empty")
-                    continue
-                ref = row.get("agent_ref")
-                if ref is not None:
-                    name = ref.get("name") if isinstance(ref, dict) else None
-                    if not isinstance(name, str) or not name:
-                        bad(number, "agent_ref.name", "expected the name of an agent")
-                        continue
+                    raise rows.RowError(f"{rows.PARAMS_KEY}.input", "is empty")
+                if "agent_ref" in row:
+                    name = rows.agent_name(row, None)
                     if agents is not None and name not in agents:
-                        bad(
-                            number,
-                            "agent_ref.name",
-                            f"no server {name!r} in the configuration; {closest(name, agents)}",
+                        raise rows.RowError(
+                            "agent_ref.name", f"no server {name!r} in the configuration; {closest(name, agents)}"
                         )
-                        continue
-                result.rows.append(row)
-                result.tasks.append(task)
-        except UnicodeDecodeError as e:
-            bad(None, "", f"not UTF-8 text: {e}")
+            except ValueError as e:
+                field_name = e.field if isinstance(e, rows.RowError) else ""
+                result.problems.append(Problem(path, number, field_name, getattr(e, "message", str(e))))
+                continue
+            result.rows.append(row)
+            result.tasks.append(task)
     if not result.rows and not result.problems:
-        bad(None, "", "has no rows")
+        result.problems.append(Problem(path, None, "", "has no rows"))
     return result
 
 

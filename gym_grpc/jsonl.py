@@ -32,6 +32,16 @@ def loads(text: str | bytes) -> Any:
     return json.loads(text, object_pairs_hook=_no_duplicates)
 
 
+def parse_line(raw: bytes) -> Any:
+    """One input line as JSON; ValueError saying what is wrong (not UTF-8, not JSON, a duplicate key)."""
+    try:
+        return loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 (byte {e.start}): {raw[:80]!r}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON: {e}") from None
+
+
 def failures_path(output: Path) -> Path:
     """The failures sidecar of an output file: `<stem>.failures.jsonl` next to it."""
     return output.with_name(f"{output.stem}.failures.jsonl")

@@ -72,40 +72,47 @@ class Registry:
         #: TLS and token settings for every channel this registry opens.
         self.security = security
         self._static = dict(static or {})
-        self._infos: dict[str, reg.ServerInfo] = {}
+        self._infos: dict[str, asyncio.Future[reg.ServerInfo]] = {}
         self._channels: dict[str, list[grpc.aio.Channel]] = {}
         self._registry_channel: grpc.aio.Channel | None = None
         self._lock = asyncio.Lock()
 
+    def _stub(self) -> reg_grpc.RegistryServiceStub:
+        if self._registry_channel is None:
+            self._registry_channel = transport.open_channel(self.address, security=self.security)
+        return reg_grpc.RegistryServiceStub(self._registry_channel)
+
     async def info(self, name: str) -> reg.ServerInfo:
-        """The registry's entry for `name` (UNAVAILABLE/NOT_FOUND errors as GymError)."""
-        if name in self._infos:
-            return self._infos[name]
+        """The registry's entry for `name` (UNAVAILABLE/NOT_FOUND errors as GymError).
+
+        Looked up once: callers that ask at the same time share the answer."""
+        lookup = self._infos.get(name)
+        if lookup is None:
+            lookup = self._infos[name] = asyncio.ensure_future(self._look_up(name))
+        try:
+            return await asyncio.shield(lookup)
+        except errors.GymError:
+            if self._infos.get(name) is lookup:
+                del self._infos[name]  # ask again next time: the server may be up by then
+            raise
+
+    async def _look_up(self, name: str) -> reg.ServerInfo:
         if name in self._static:
-            info = reg.ServerInfo(name=name, addresses=[self._static[name]])
-        elif self.address is None:
+            return reg.ServerInfo(name=name, addresses=[self._static[name]])
+        if self.address is None:
             raise errors.Unavailable(f"server {name!r} is unknown: {closest(name, list(self._static))}")
-        else:
-            if self._registry_channel is None:
-                self._registry_channel = transport.open_channel(self.address, security=self.security)
-            stub = reg_grpc.RegistryServiceStub(self._registry_channel)
-            try:
-                reply = await stub.GetServer(reg.GetServerRequest(name=name), timeout=transport.timeout_for(10.0))
-            except grpc.aio.AioRpcError as e:
-                raise errors.from_rpc_error(e, f"registry {self.address} looking up {name!r}") from None
-            info = reply.server
-        self._infos[name] = info
-        return info
+        try:
+            reply = await self._stub().GetServer(reg.GetServerRequest(name=name), timeout=transport.timeout_for(10.0))
+        except grpc.aio.AioRpcError as e:
+            raise errors.from_rpc_error(e, f"registry {self.address} looking up {name!r}") from None
+        return reply.server
 
     async def list(self) -> list[reg.ServerInfo]:
         """Every server the registry knows."""
         if self.address is None:
             return [reg.ServerInfo(name=k, addresses=[v]) for k, v in sorted(self._static.items())]
-        if self._registry_channel is None:
-            self._registry_channel = transport.open_channel(self.address, security=self.security)
-        stub = reg_grpc.RegistryServiceStub(self._registry_channel)
         try:
-            reply = await stub.ListServers(reg.ListServersRequest(), timeout=transport.timeout_for(10.0))
+            reply = await self._stub().ListServers(reg.ListServersRequest(), timeout=transport.timeout_for(10.0))
         except grpc.aio.AioRpcError as e:
             raise errors.from_rpc_error(e, f"registry {self.address}") from None
         return list(reply.servers)

@@ -69,50 +69,80 @@ class _Rollout:
     response: r.Response
 
 
-def _scan(path: Path) -> tuple[int, int]:
-    """(number of task slots, repeats) that the keys of a rollout file need."""
-    n_tasks, repeats, lines = 0, 1, 0
+def _key(row: Any, lines: int) -> tuple[int, int] | None:
+    """A row's (task_index, repeat_index) when it has one a file of `lines` rows can hold."""
+    t, k = (row.get("task_index"), row.get("repeat_index")) if isinstance(row, dict) else (None, None)
+    if isinstance(t, int) and isinstance(k, int) and 0 <= t < lines and 0 <= k < lines:
+        return t, k
+    return None
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How the rows of a rollout file map onto key slots."""
+
+    lines: int
+    #: Task slots taken by the rows' own keys; a row without one gets the next slot after them.
+    keyed_tasks: int
+    repeats: int
+    keyless: int
+
+    @property
+    def n_tasks(self) -> int:
+        return self.keyed_tasks + self.keyless
+
+
+def _scan(path: Path) -> _Layout:
+    lines, keyed_tasks, repeats = 0, 0, 1
+    keys = []
     with path.open("rb") as f:
         for raw in f:
-            if not raw.strip():
-                continue
-            lines += 1
-            try:
-                row = json.loads(raw)
-            except ValueError:
-                continue
-            t, k = (row.get("task_index"), row.get("repeat_index")) if isinstance(row, dict) else (None, None)
-            if isinstance(t, int) and isinstance(k, int) and t >= 0 and k >= 0:
-                n_tasks, repeats = max(n_tasks, t + 1), max(repeats, k + 1)
-    return max(n_tasks, lines), repeats
+            if raw.strip():
+                lines += 1
+                try:
+                    keys.append(json.loads(raw))
+                except ValueError:
+                    keys.append(None)
+    keyless = 0
+    for row in keys:
+        key = _key(row, lines)
+        if key is None:
+            keyless += 1
+        else:
+            keyed_tasks, repeats = max(keyed_tasks, key[0] + 1), max(repeats, key[1] + 1)
+    return _Layout(lines, keyed_tasks, repeats, keyless)
 
 
-def _jobs(options: ReverifyOptions) -> Iterator[Job | BadInput]:
-    """One job per rollout row, keyed as it was (or by its line when it has no key)."""
-    index = -1
+def _jobs(options: ReverifyOptions, layout: _Layout) -> Iterator[Job | BadInput]:
+    """One job per rollout row, keyed as it was; a row without a key gets a slot after the keyed ones."""
+    index, keyless = -1, 0
+    fallback = options.agent or options.resources
     with options.input.open("rb") as f:
         for line_no, raw in enumerate(f, 1):
             if not raw.strip():
                 continue
             index += 1
+            key = None
             try:
-                row = jsonl.loads(raw.decode("utf-8"))
+                row = jsonl.parse_line(raw)
                 if not isinstance(row, dict) or not isinstance(row.get("response"), dict):
                     raise rows.RowError("response", "is required: this is not a rollout row")
+                key = _key(row, layout.lines)
+                if key is None and ("task_index" in row or "repeat_index" in row):
+                    raise rows.RowError("task_index", "the key is not two non-negative integers within the file's rows")
                 response = rows.response_from_json(row["response"])
-                task = rows.task_from_row(task_fields(row))
-                agent_ref = row.get("agent_ref")
-                group = (agent_ref.get("name") if isinstance(agent_ref, dict) else None) or options.agent
-                group = group or options.resources
-                if not group:
-                    raise rows.RowError("agent_ref.name", "the row names no agent; give --agent or --resources")
-            except (UnicodeDecodeError, ValueError) as e:
-                yield BadInput(index, line_no, str(e), getattr(e, "field", None))
+                task_row = task_fields(row)
+                task = rows.task_from_row(task_row)
+                group = rows.agent_name(row, fallback, "; give --agent or --resources")
+            except ValueError as e:
+                t = key[0] if key else layout.keyed_tasks + keyless
+                keyless += key is None
+                yield BadInput(t, line_no, str(e), getattr(e, "field", None))
                 continue
-            t, k = row.get("task_index"), row.get("repeat_index")
-            if not (isinstance(t, int) and isinstance(k, int) and t >= 0 and k >= 0):
-                t, k = index, 0
-            yield Job(t, k, group, _Rollout(row, task, response))
+            if key is None:
+                key = (layout.keyed_tasks + keyless, 0)
+                keyless += 1
+            yield Job(key[0], key[1], group, _Rollout(row, task, response))
 
 
 async def reverify(
@@ -124,13 +154,10 @@ async def reverify(
 
     async def verifier(group: str) -> ResourcesClient:
         if group not in verifiers:
-            name = options.resources
-            if name is None:
-                info = await registry.info(group)
-                name = info.references.get("resources")
-                if not name:
-                    raise errors.FailedPrecondition(f"agent {group!r} names no resources server; give --resources")
-            verifiers[group] = ResourcesClient(registry, name, timeout=options.timeout)
+            name = options.resources or (await registry.info(group)).references.get("resources")
+            if not name:
+                raise errors.FailedPrecondition(f"agent {group!r} names no resources server; give --resources")
+            verifiers.setdefault(group, ResourcesClient(registry, name, timeout=options.timeout))
         return verifiers[group]
 
     async def produce(job: Job) -> dict[str, Any]:
@@ -138,29 +165,26 @@ async def reverify(
         began = time.monotonic()
         verdict = await (await verifier(job.group)).verify(uuid.uuid4().hex, rollout.task, rollout.response)
         seconds = time.monotonic() - began
-        fields = rows.struct_to_dict(verdict.fields)
-        row = {**task_fields(rollout.row), "response": rollout.row["response"], "reward": verdict.reward, **fields}
-        row["verifier_fields"] = sorted(fields)
-        if verdict.reward_components:
-            row["reward_components"] = dict(verdict.reward_components)
-        for key in ("stop_reason", "model_calls"):
-            if key in rollout.row:
-                row[key] = rollout.row[key]
-        row["timings"] = {**(rollout.row.get("timings") or {}), "verify": seconds}
-        old = rollout.row.get("reward")
-        if isinstance(old, int | float) and not rollout.row.get("verification_skipped"):
+        old = rollout.row
+        replaced = {*(old.get("verifier_fields") or ()), "reward_components", "verification_skipped"}
+        kept = {k: v for k, v in old.items() if k not in replaced}
+        row = rows.with_verdict(kept, verdict.reward, rows.struct_to_dict(verdict.fields), verdict.reward_components)
+        row["timings"] = {**(old.get("timings") or {}), "verify": seconds}
+        before = old.get("reward")
+        if isinstance(before, int | float) and not old.get("verification_skipped"):
             changes.compared += 1
-            changes.changed += old != verdict.reward
-            changes.before += old
+            changes.changed += before != verdict.reward
+            changes.before += before
             changes.after += verdict.reward
         return row
 
-    n_tasks, repeats = _scan(options.input)
+    layout = _scan(options.input)
     batch = Batch(
         BatchOptions(
             output=options.output,
-            n_tasks=n_tasks,
-            repeats=repeats,
+            n_tasks=layout.n_tasks,
+            repeats=layout.repeats,
+            total=layout.lines,
             max_in_flight=options.max_in_flight,
             reward_range=options.reward_range,
             pass_threshold=options.pass_threshold,
@@ -169,4 +193,4 @@ async def reverify(
         ),
         log,
     )
-    return await batch.run(_jobs(options), produce), changes
+    return await batch.run(_jobs(options, layout), produce), changes

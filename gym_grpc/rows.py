@@ -378,6 +378,20 @@ def params_from_json(obj: Any, path: str = PARAMS_KEY) -> r.CreateParams:
     return params
 
 
+def agent_name(row: JSON, default: str | None, hint: str = "") -> str:
+    """The agent a row names in `agent_ref`, else `default`; RowError when neither names
+    one (`hint` says how to give one) or when `agent_ref` is malformed."""
+    ref = row.get("agent_ref")
+    if ref is None:
+        if default:
+            return default
+        raise RowError("agent_ref.name", f"the row names no agent{hint}")
+    name = ref.get("name") if isinstance(ref, dict) else None
+    if not isinstance(name, str) or not name:
+        raise RowError("agent_ref.name", f"expected the name of an agent, got {ref!r}")
+    return name
+
+
 def task_from_row(row: Any) -> task_pb2.Task:
     """A task row: `responses_create_params` plus any other fields (kept in `data`)."""
     row = _obj(row, "row")
@@ -655,10 +669,16 @@ def response_to_json(resp: r.Response) -> JSON:
     return _echoed_params(resp, out)
 
 
-def rollout_row(row: JSON, rollout: task_pb2.Rollout) -> JSON:
-    """The rollout row: the task row, then `response`, `reward` and the verifier's fields."""
-    out = dict(row)
-    out["response"] = response_to_json(rollout.response)
-    out["reward"] = rollout.reward
-    out.update(struct_to_dict(rollout.verifier_fields))
+def with_verdict(row: JSON, reward: float, fields: JSON, components: Mapping[str, float]) -> JSON:
+    """A copy of `row` with a verification: `reward`, the verifier's fields (named
+    in `verifier_fields`) and `reward_components` when there are any."""
+    out = {**row, "reward": reward, **fields, "verifier_fields": sorted(fields)}
+    if components:
+        out["reward_components"] = dict(components)
     return out
+
+
+def rollout_row(row: JSON, rollout: task_pb2.Rollout) -> JSON:
+    """The rollout row: the task row, then `response` and the verification."""
+    scored = {**row, "response": response_to_json(rollout.response)}
+    return with_verdict(scored, rollout.reward, struct_to_dict(rollout.verifier_fields), rollout.reward_components)

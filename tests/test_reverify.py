@@ -7,7 +7,8 @@ import json
 from gym_grpc.collector import CollectOptions, collect
 from gym_grpc.registry import Registry
 from gym_grpc.resources import ResourcesServer, Session
-from gym_grpc.reverify import ReverifyOptions, reverify
+from gym_grpc.responses import final_text
+from gym_grpc.reverify import ReverifyOptions, _scan, reverify
 from gym_grpc.v1 import responses_pb2 as r
 from servers.agents.simple_agent.agent import SimpleAgent
 from servers.models.local_policy.server import LocalPolicyModel
@@ -21,19 +22,13 @@ class Inverted(ResourcesServer):
     """A 'fixed' verifier that disagrees with the math one on every rollout."""
 
     async def verify(self, session: Session, response: r.Response) -> float:
-        return 0.0 if "\\boxed{" + str(session.data["expected_answer"]) + "}" in _text(response) else 1.0
+        return 0.0 if "\\boxed{" + str(session.data["expected_answer"]) + "}" in final_text(response) else 1.0
 
 
 class SlowVerifier(ResourcesServer):
     async def verify(self, session: Session, response: r.Response) -> float:
         await asyncio.sleep(0.05)
         return 1.0
-
-
-def _text(response: r.Response) -> str:
-    from gym_grpc.responses import final_text
-
-    return final_text(response)
 
 
 async def _math_stack(start, env=None):
@@ -149,4 +144,24 @@ async def test_a_slow_verifier_is_named_the_slowest_stage(start, tmp_path):
     stage, median, p95 = summary.run.slowest_stage()
     assert stage == "verify" and 0.05 <= median <= p95
     assert any(line.startswith("slowest stage: verify (median") for line in summary.run.lines(summary.seconds, 0))
+    await registry.close()
+
+
+async def test_rows_keep_their_keys_a_row_without_one_gets_a_free_slot_and_a_wild_key_is_refused(start, tmp_path):
+    registry, _ = await _math_stack(start)
+    await collect(registry, _collect_options(tmp_path, "old.jsonl"), log=io.StringIO())
+    old = [json.loads(line) for line in (tmp_path / "old.jsonl").read_text().splitlines()]
+    assert _scan(tmp_path / "old.jsonl").n_tasks == 6  # 6 tasks x 3 repeats: slots for 18, not 18 x 3
+    for row in old[:2]:
+        del row["task_index"], row["repeat_index"]
+    old[2]["task_index"] = 10**12  # hand-edited: must not size anything
+    (tmp_path / "old.jsonl").write_text("".join(json.dumps(row) + "\n" for row in old))
+    options = ReverifyOptions(
+        input=tmp_path / "old.jsonl", output=tmp_path / "new.jsonl", resources="math", progress=False
+    )
+    summary, _ = await reverify(registry, options, log=(log := io.StringIO()))
+    assert (summary.done, summary.bad_rows) == (17, 1) and "task_index: the key is not" in log.getvalue()
+    new = _rows(tmp_path / "new.jsonl")
+    assert len(new) == 17  # no two rows share a key
+    assert {(6, 0), (7, 0)} <= new.keys()  # the keyless rows, after the 6 keyed tasks
     await registry.close()

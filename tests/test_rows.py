@@ -219,9 +219,12 @@ def test_dumped_response_is_valid_for_the_openai_sdk():
 def test_rollout_row_is_the_task_row_plus_response_reward_and_verifier_fields():
     rollout = task_pb2.Rollout(response=_response(), reward=0.5)
     rollout.verifier_fields.update({"extracted_answer": "18", "close": True})
+    rollout.reward_components["format"] = 1.0
     row = rows.rollout_row(CANONICAL_ROW, rollout)
     assert {k: row[k] for k in CANONICAL_ROW} == CANONICAL_ROW
     assert row["reward"] == 0.5 and row["extracted_answer"] == "18" and row["close"] is True
+    assert row["verifier_fields"] == ["close", "extracted_answer"]
+    assert row["reward_components"] == {"format": 1.0}
     assert row["response"]["id"] == "resp_1"
 
 
