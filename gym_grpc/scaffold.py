@@ -96,7 +96,7 @@ from gym_grpc import rows
 from gym_grpc.entrypoints import load_entrypoint
 from gym_grpc.resources import Session
 from gym_grpc.responses import assistant_message
-from gym_grpc.testing import ResourcesConformance
+from gym_grpc.testing import ResourcesConformance, example_rows
 from gym_grpc.v1 import responses_pb2 as r
 
 HERE = Path(__file__).resolve().parent.parent
@@ -128,9 +128,7 @@ async def test_a_wrong_answer_earns_nothing():
 
 
 def test_the_example_rows_are_tasks_that_offer_the_servers_tools():
-    for row in EXAMPLES:
-        rows.task_from_row(row)
-        assert row["responses_create_params"]["tools"] == Env.tool_definitions()
+    assert example_rows(HERE / "data" / "example.jsonl", Env) == EXAMPLES
 
 
 class Test{cls}Conformance(ResourcesConformance):

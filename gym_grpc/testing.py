@@ -24,9 +24,9 @@ status codes of bad input.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any, ClassVar
 
 import grpc
@@ -35,7 +35,7 @@ import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from gym_grpc import errors, rows, transport
+from gym_grpc import errors, jsonl, rows, transport
 from gym_grpc.agent import AgentServer
 from gym_grpc.registry import Registry
 from gym_grpc.resources import ResourcesServer
@@ -46,6 +46,7 @@ from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
 from gym_grpc.v1 import resources_service_pb2 as res_pb
 from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
 from gym_grpc.v1 import responses_pb2 as r
+from gym_grpc.v1 import task_pb2
 
 
 async def _services(channel: grpc.aio.Channel) -> set[str]:
@@ -59,6 +60,18 @@ async def _services(channel: grpc.aio.Channel) -> set[str]:
 async def _serving(channel: grpc.aio.Channel) -> bool:
     reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
     return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def example_rows(path: Path, server: type[ResourcesServer]) -> list[dict[str, Any]]:
+    """The rows of an environment's example file, each checked to be a task that offers
+    exactly the server's tools (`tool_definitions()`; a row may add `strict` to each)."""
+    found = [jsonl.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    assert found, f"{path} has no rows"
+    for number, row in enumerate(found, 1):
+        rows.task_from_row(row)
+        offered = [{k: v for k, v in t.items() if k != "strict"} for t in row[rows.PARAMS_KEY].get("tools", [])]
+        assert offered == server.tool_definitions(), f"{path}:{number}: the tools are not {server.__name__}'s"
+    return found
 
 
 class ResourcesConformance:
@@ -109,7 +122,6 @@ class ResourcesConformance:
             res_pb.VerifyRequest(session_id="conformance", task=task, response=response), timeout=60
         )
         assert math.isfinite(verdict.reward)
-        json.dumps(rows.struct_to_dict(verdict.fields))  # the fields are JSON data
         assert all(math.isfinite(v) for v in verdict.reward_components.values())
         await stub.CloseSession(res_pb.CloseSessionRequest(session_id="conformance"), timeout=10)
         await stub.CloseSession(res_pb.CloseSessionRequest(session_id="conformance"), timeout=10)
@@ -163,10 +175,16 @@ class ResourcesConformance:
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert await _serving(channel)
 
-    async def test_metrics_aggregate(self, served: Any) -> None:
+    async def test_metrics_aggregate_its_own_verdicts(self, served: Any) -> None:
         _, stub, _ = served
-        reply = await stub.AggregateMetrics(res_pb.AggregateMetricsRequest(), timeout=10)
-        json.dumps(rows.struct_to_dict(reply.metrics))
+        response = r.Response(output=[assistant_message(self.answer)])
+        verdict = await stub.Verify(
+            res_pb.VerifyRequest(session_id="m", task=self._task(), response=response), timeout=60
+        )
+        result = task_pb2.VerificationResult(
+            reward=verdict.reward, fields=verdict.fields, reward_components=verdict.reward_components
+        )
+        await stub.AggregateMetrics(res_pb.AggregateMetricsRequest(results=[result, result]), timeout=10)
 
 
 class AgentConformance:
@@ -183,8 +201,9 @@ class AgentConformance:
 
     @pytest_asyncio.fixture
     async def served(self) -> AsyncIterator[tuple[agent_grpc.AgentServiceStub, grpc.aio.Channel]]:
-        running = [await serve(server, "127.0.0.1", 0) for server in self.dependencies().values()]
-        registry = Registry(static={name: r.address for name, r in zip(self.dependencies(), running, strict=True)})
+        dependencies = self.dependencies()
+        running = [await serve(server, "127.0.0.1", 0) for server in dependencies.values()]
+        registry = Registry(static={name: r.address for name, r in zip(dependencies, running, strict=True)})
         agent = await serve(self.agent(registry), "127.0.0.1", 0)
         running.append(agent)
         channel = transport.open_channel(agent.address)

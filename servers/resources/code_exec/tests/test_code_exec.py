@@ -2,7 +2,6 @@
 or blow up, the event loop staying free, and the same verdicts on Ray."""
 
 import asyncio
-import json
 import os
 import signal
 import sys
@@ -16,7 +15,7 @@ from gym_grpc import errors, rows, transport
 from gym_grpc.clients import ResourcesClient
 from gym_grpc.errors import ConfigError
 from gym_grpc.responses import assistant_message
-from gym_grpc.testing import ResourcesConformance
+from gym_grpc.testing import ResourcesConformance, example_rows
 from gym_grpc.v1 import resources_service_pb2 as res_pb
 from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
 from gym_grpc.v1 import responses_pb2 as r
@@ -308,12 +307,8 @@ REFERENCE = {
 }
 
 
-def _examples():
-    return [json.loads(line) for line in EXAMPLES.read_text().splitlines() if line.strip()]
-
-
 def test_every_example_row_loads_as_a_task():
-    examples = _examples()
+    examples = example_rows(EXAMPLES, CodeExecEnv)
     assert len(examples) == 5
     for row in examples:
         task = rows.task_from_row(row)
@@ -322,7 +317,7 @@ def test_every_example_row_loads_as_a_task():
 
 
 def test_a_reference_solution_passes_every_example_row():
-    for row in _examples():
+    for row in example_rows(EXAMPLES, CodeExecEnv):
         data = rows.struct_to_dict(rows.task_from_row(row).data)  # the tests as verify sees them
         verdict = run_tests(
             REFERENCE[data["function_name"]],

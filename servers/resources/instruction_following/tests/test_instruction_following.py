@@ -13,7 +13,7 @@ from gym_grpc import errors, rows
 from gym_grpc.clients import ResourcesClient
 from gym_grpc.collector import CollectOptions, collect
 from gym_grpc.responses import assistant_message
-from gym_grpc.testing import ResourcesConformance
+from gym_grpc.testing import ResourcesConformance, example_rows
 from gym_grpc.v1 import responses_pb2 as r
 from servers.agents.simple_agent.agent import SimpleAgent
 from servers.resources.instruction_following.server import (
@@ -178,12 +178,12 @@ async def test_a_malformed_row_fails_verification_with_a_clear_message(env, row,
 
 
 async def test_every_example_row_loads_and_verifies(env):
-    lines = DATA.read_text().splitlines()
-    assert len(lines) == 5
-    for line in lines:
-        verdict = await _verify(env, json.loads(line), "I am not sure how to answer that.")
+    examples = example_rows(DATA, InstructionFollowingEnv)
+    assert len(examples) == 5
+    for row in examples:
+        verdict = await _verify(env, row, "I am not sure how to answer that.")
         assert math.isfinite(verdict.reward) and 0.0 <= verdict.reward <= 1.0
-        assert len(verdict.reward_components) == len(json.loads(line)["instructions"])
+        assert len(verdict.reward_components) == len(row["instructions"])
 
 
 async def test_reward_components_reach_the_collected_rows_and_the_summary(start, tmp_path):

@@ -6,10 +6,12 @@ import pytest
 from gym_grpc import errors, rows
 from gym_grpc.clients import ResourcesClient
 from gym_grpc.responses import assistant_message
-from gym_grpc.testing import ResourcesConformance
+from gym_grpc.testing import ResourcesConformance, example_rows
 from gym_grpc.v1 import responses_pb2 as r
 from servers.resources.math.server import MathEnv
-from tests.support import static_registry
+from tests.support import REPO, static_registry
+
+EXAMPLES = REPO / "servers" / "resources" / "math" / "data" / "example.jsonl"
 
 
 @pytest.fixture
@@ -53,6 +55,10 @@ async def test_a_task_without_expected_answer_fails_verification_clearly(math_en
         await math_env.verify("s", task, r.Response(output=[assistant_message("\\boxed{1}")]))
     assert error.value.code == grpc.StatusCode.INTERNAL
     assert "no expected_answer" in error.value.message
+
+
+def test_the_example_rows_are_tasks():
+    assert len(example_rows(EXAMPLES, MathEnv)) == 6
 
 
 class TestMathConformance(ResourcesConformance):

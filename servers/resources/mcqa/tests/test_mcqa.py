@@ -1,6 +1,5 @@
 """The multiple-choice environment: how letters are read, and what its verifier rewards."""
 
-import json
 import math
 from pathlib import Path
 
@@ -10,7 +9,7 @@ import pytest
 from gym_grpc import errors, rows
 from gym_grpc.clients import ResourcesClient
 from gym_grpc.responses import assistant_message
-from gym_grpc.testing import ResourcesConformance
+from gym_grpc.testing import ResourcesConformance, example_rows
 from gym_grpc.v1 import responses_pb2 as r
 from servers.resources.mcqa.server import MCQAEnv, boxed, extract, letter_of, read_question
 from tests.support import static_registry
@@ -186,10 +185,9 @@ async def test_a_malformed_row_fails_verification_naming_the_field(mcqa):
 
 
 async def test_every_example_row_loads_and_verifies(mcqa):
-    lines = DATA.read_text().splitlines()
-    assert len(lines) == 5
-    for line in lines:
-        row = json.loads(line)
+    examples = example_rows(DATA, MCQAEnv)
+    assert len(examples) == 5
+    for row in examples:
         reward, fields = await _verify(mcqa, row, f"The answer is \\boxed{{{row['expected_answer']}}}.")
         assert math.isfinite(reward) and reward == 1.0, fields
         prompt = row["responses_create_params"]["input"][-1]["content"]

@@ -9,7 +9,7 @@ import pytest
 from gym_grpc import errors, rows
 from gym_grpc.clients import AgentClient, ResourcesClient
 from gym_grpc.responses import assistant_message
-from gym_grpc.testing import ResourcesConformance
+from gym_grpc.testing import ResourcesConformance, example_rows
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
 from servers.agents.simple_agent.agent import SimpleAgent
@@ -245,21 +245,11 @@ async def test_a_scripted_agent_that_refunds_the_whole_order_gets_partial_credit
 # --- the example rows -----------------------------------------------------------
 
 
-def _examples() -> list[dict]:
-    return [json.loads(line) for line in EXAMPLES.read_text().splitlines() if line.strip()]
+def test_the_example_rows_are_tasks_with_the_servers_tools():
+    assert len(example_rows(EXAMPLES, CustomerSupportEnv)) == 5
 
 
-def test_the_example_rows_load_as_tasks_with_the_servers_tools():
-    examples = _examples()
-    assert len(examples) == 5
-    for row in examples:
-        task = rows.task_from_row(row)
-        assert task.responses_create_params.input_items.items
-        offered = [{k: v for k, v in t.items() if k != "strict"} for t in row["responses_create_params"]["tools"]]
-        assert offered == CustomerSupportEnv.tool_definitions()  # the rows set strict: true on top
-
-
-@pytest.mark.parametrize("row", _examples(), ids=lambda row: row["expected_order_id"])
+@pytest.mark.parametrize("row", example_rows(EXAMPLES, CustomerSupportEnv), ids=lambda row: row["expected_order_id"])
 async def test_every_example_can_be_solved_from_its_prompt(row):
     env = CustomerSupportEnv()
     prompt = row["responses_create_params"]["input"][-1]["content"]

@@ -11,7 +11,7 @@ import pytest
 from gym_grpc import errors, rows
 from gym_grpc.clients import AgentClient, ResourcesClient
 from gym_grpc.responses import assistant_message
-from gym_grpc.testing import ResourcesConformance
+from gym_grpc.testing import ResourcesConformance, example_rows
 from gym_grpc.transport import open_channel
 from gym_grpc.v1 import resources_service_pb2 as res_pb
 from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
@@ -299,21 +299,11 @@ async def test_a_scripted_agent_that_forgets_to_check_out_gets_partial_credit(st
 # --- the example rows ----------------------------------------------------------------
 
 
-def _examples() -> list[dict]:
-    return [json.loads(line) for line in EXAMPLES.read_text().splitlines() if line.strip()]
+def test_the_example_rows_are_tasks_with_the_servers_tools():
+    assert len(example_rows(EXAMPLES, ShoppingCartEnv)) == 5
 
 
-def test_the_example_rows_load_as_tasks_with_the_servers_tools():
-    examples = _examples()
-    assert len(examples) == 5
-    for row in examples:
-        task = rows.task_from_row(row)
-        assert task.responses_create_params.input_items.items
-        offered = [{k: v for k, v in t.items() if k != "strict"} for t in row["responses_create_params"]["tools"]]
-        assert offered == ShoppingCartEnv.tool_definitions()  # the rows set strict: true on top
-
-
-@pytest.mark.parametrize("row", _examples(), ids=lambda row: ",".join(row["expected_cart"]))
+@pytest.mark.parametrize("row", example_rows(EXAMPLES, ShoppingCartEnv), ids=lambda row: ",".join(row["expected_cart"]))
 def test_every_example_asks_for_a_cart_the_store_allows(row):
     initial = quantities(row["initial_cart"], "initial_cart")
     expected = quantities(row["expected_cart"], "expected_cart")

@@ -7,10 +7,12 @@ import pytest
 from gym_grpc import rows
 from gym_grpc.clients import ResourcesClient
 from gym_grpc.responses import assistant_message
-from gym_grpc.testing import ResourcesConformance
+from gym_grpc.testing import ResourcesConformance, example_rows
 from gym_grpc.v1 import responses_pb2 as r
 from servers.resources.weather.server import WeatherEnv, forecast
-from tests.support import call, static_registry
+from tests.support import REPO, call, static_registry
+
+EXAMPLES = REPO / "servers" / "resources" / "weather" / "data" / "example.jsonl"
 
 
 @pytest.fixture
@@ -73,6 +75,10 @@ async def test_an_empty_city_is_a_tool_error_for_the_model(weather):
     await weather.seed_session("s", _task("Paris"))
     result = await weather.call_tool("s", r.FunctionCall(name="get_weather", arguments='{"city": " "}'))
     assert result.error and "city must not be empty" in result.output
+
+
+def test_the_example_rows_are_tasks_with_the_servers_tools():
+    assert len(example_rows(EXAMPLES, WeatherEnv)) == 5
 
 
 class TestWeatherConformance(ResourcesConformance):
