@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import grpc
@@ -23,18 +23,13 @@ class RolloutEvents:
     """Where an agent reports the steps of a rollout. For Run nobody listens
     and reporting costs nothing; for RunStream each step becomes an event."""
 
-    def __init__(self, queue: asyncio.Queue[agent_pb.RunStreamResponse] | None = None) -> None:
+    def __init__(self, queue: asyncio.Queue[agent_pb.RunStreamResponse | None] | None = None) -> None:
         self._queue = queue
         self._started = time.monotonic()
         self._sequence = 0
 
-    @property
-    def listening(self) -> bool:
-        return self._queue is not None
-
     def _put(self, event: agent_pb.RunStreamResponse) -> None:
-        if self._queue is None:
-            return
+        assert self._queue is not None
         event.sequence = self._sequence
         event.elapsed_seconds = time.monotonic() - self._started
         self._sequence += 1
@@ -53,7 +48,7 @@ class RolloutEvents:
             self._put(agent_pb.RunStreamResponse(tool_call=event))
 
     def verification(
-        self, reward: float, fields: struct_pb2.Struct, seconds: float, components: dict[str, float] | None = None
+        self, reward: float, fields: struct_pb2.Struct, seconds: float, components: Mapping[str, float] | None = None
     ) -> None:
         if self._queue is not None:
             event = agent_pb.VerificationEvent(
@@ -81,34 +76,30 @@ class _AgentServicer(agent_grpc.AgentServiceServicer):
     def __init__(self, app: AgentServer) -> None:
         self.app = app
 
+    async def _roll_out(
+        self, request: agent_pb.RunRequest | agent_pb.RunStreamRequest, events: RolloutEvents
+    ) -> task_pb2.Rollout:
+        validation.check_task(request.task, "task")
+        rollout = await self.app.run(request.task, events, verify=not request.skip_verification)
+        self.app.counters.rollout(rollout.timings)
+        return rollout
+
     @rpc_method
     async def Run(self, request: agent_pb.RunRequest, context: Any) -> agent_pb.RunResponse:
-        validation.check_task(request.task, "task")
-        rollout = await self.app.run(request.task, RolloutEvents(), verify=not request.skip_verification)
-        self.app.counters.rollout(rollout.timings)
-        return agent_pb.RunResponse(rollout=rollout)
+        return agent_pb.RunResponse(rollout=await self._roll_out(request, RolloutEvents()))
 
     async def RunStream(
         self, request: agent_pb.RunStreamRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[agent_pb.RunStreamResponse]:
-        queue: asyncio.Queue[agent_pb.RunStreamResponse] = asyncio.Queue()
+        queue: asyncio.Queue[agent_pb.RunStreamResponse | None] = asyncio.Queue()
         events = RolloutEvents(queue)
         rollout = asyncio.ensure_future(self._RunStream(request, context, events))
+        rollout.add_done_callback(lambda _: queue.put_nowait(None))  # after every event it reported
         try:
-            while True:
-                getter = asyncio.ensure_future(queue.get())
-                await asyncio.wait({getter, rollout}, return_when=asyncio.FIRST_COMPLETED)
-                if getter.done():
-                    yield getter.result()
-                    continue
-                getter.cancel()
-                while not queue.empty():
-                    yield queue.get_nowait()
-                final = rollout.result()  # re-raises the abort of a failed rollout
-                if final is not None:
-                    events._put(agent_pb.RunStreamResponse(rollout=final))
-                    yield queue.get_nowait()
-                return
+            while (event := await queue.get()) is not None:
+                yield event
+            events._put(agent_pb.RunStreamResponse(rollout=rollout.result()))  # result() re-raises an abort
+            yield queue.get_nowait()
         finally:
             rollout.cancel()
 
@@ -116,7 +107,4 @@ class _AgentServicer(agent_grpc.AgentServiceServicer):
     async def _RunStream(
         self, request: agent_pb.RunStreamRequest, context: Any, events: RolloutEvents
     ) -> task_pb2.Rollout:
-        validation.check_task(request.task, "task")
-        rollout = await self.app.run(request.task, events, verify=not request.skip_verification)
-        self.app.counters.rollout(rollout.timings)
-        return rollout
+        return await self._roll_out(request, events)

@@ -41,20 +41,34 @@ class _Client:
         self._stubs: list[Any] = []
         self._next = 0
 
-    async def _get_stub(self) -> Any:
+    def _next_stub(self) -> Any:
         """A stub for the next call: calls go round the server's channels."""
-        if not self._stubs:
-            self._stubs = [self._stub_class(channel) for channel in await self.registry.channels(self.name)]
         self._next = (self._next + 1) % len(self._stubs)
         return self._stubs[self._next]
 
-    async def _call(self, method: str, request: Any, timeout: float | None = None, *, detached: bool = False) -> Any:
-        """Call `method`. `detached` calls ignore the caller's deadline (for cleanup)."""
-        stub = await self._get_stub()
+    async def _get_stub(self) -> Any:
+        if not self._stubs:
+            self._stubs = [self._stub_class(channel) for channel in await self.registry.channels(self.name)]
+        return self._next_stub()
+
+    async def _call(
+        self,
+        method: str,
+        request: Any,
+        timeout: float | None = None,
+        *,
+        detached: bool = False,
+        passing: frozenset[grpc.StatusCode] = frozenset(),
+    ) -> Any:
+        """Call `method`. `detached` calls ignore the caller's deadline (for cleanup);
+        a failure with a code in `passing` is returned, not raised."""
+        stub = self._next_stub() if self._stubs else await self._get_stub()
         timeout = timeout if timeout is not None else self.timeout
         try:
             return await getattr(stub, method)(request, timeout=timeout if detached else transport.timeout_for(timeout))
         except grpc.aio.AioRpcError as e:
+            if e.code() in passing:
+                return e
             raise errors.from_rpc_error(e, f"{self._kind} {self.name!r} {method}") from None
 
 
@@ -65,7 +79,11 @@ class ModelClient(_Client):
     _kind = "model server"
 
     async def create_response(self, params: r.CreateParams, session_id: str = "") -> r.Response:
-        reply = await self._call("CreateResponse", model_pb.CreateResponseRequest(params=params, session_id=session_id))
+        return await self.send(model_pb.CreateResponseRequest(params=params, session_id=session_id))
+
+    async def send(self, request: model_pb.CreateResponseRequest) -> r.Response:
+        """CreateResponse with a request the caller keeps (an agent grows one conversation in place)."""
+        reply = await self._call("CreateResponse", request)
         return reply.response
 
 
@@ -93,13 +111,9 @@ class ResourcesClient(_Client):
         request = res_pb.CallToolRequest(
             session_id=session_id, name=call.name, arguments=call.arguments, call_id=call.call_id
         )
-        stub = await self._get_stub()
-        try:
-            reply = await stub.CallTool(request, timeout=transport.timeout_for(self.timeout))
-        except grpc.aio.AioRpcError as e:
-            if e.code() in errors.TOOL_ERROR_CODES:
-                return ToolResult(output=e.details() or e.code().name, error=True)
-            raise errors.from_rpc_error(e, f"{self._kind} {self.name!r} CallTool") from None
+        reply = await self._call("CallTool", request, passing=errors.TOOL_ERROR_CODES)
+        if isinstance(reply, grpc.aio.AioRpcError):
+            return ToolResult(output=reply.details() or reply.code().name, error=True)
         return ToolResult(output=reply.output)
 
     async def verify(self, session_id: str, task: task_pb2.Task, response: r.Response) -> res_pb.VerifyResponse:

@@ -63,16 +63,6 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     in_flight: int = 0
 
-    @contextlib.contextmanager
-    def in_use(self) -> Iterator[Session]:
-        """Mark the session busy for a call: the idle time-out never closes it under a running call."""
-        self.in_flight += 1
-        try:
-            yield self
-        finally:
-            self.in_flight -= 1
-            self.last_used = time.monotonic()
-
     @cached_property
     def data(self) -> dict[str, Any]:
         """The task's free-form fields (expected_answer, ...) as a dict."""
@@ -245,21 +235,27 @@ class ResourcesServer(GymServer):
     async def stop(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
-        for session_id in list(self.sessions):
-            await self.end_session(session_id)
-        await super().stop()
+        try:
+            for session_id in list(self.sessions):
+                await self._end_quietly(session_id)
+        finally:
+            await super().stop()
 
     async def end_session(self, session_id: str) -> bool:
         """Forget a session and run close_session on it; False if it was not open."""
         session = self.sessions.pop(session_id, None)
         if session is None:
             return False
-        try:
+        with _hook("close_session"):
             await self.close_session(session)
-        except Exception as e:
-            log.exception("close_session failed")
-            raise errors.GymError(f"close_session raised {type(e).__name__}: {e}") from None
         return True
+
+    async def _end_quietly(self, session_id: str) -> None:
+        """end_session where nobody waits for an answer (idle time-out, stop): a failure is only logged."""
+        try:
+            await self.end_session(session_id)
+        except errors.GymError:
+            pass  # _hook logged it; the session is gone either way
 
     def _watch_idle_sessions(self) -> None:
         limit = getattr(self.config, "session_idle_timeout_seconds", None)
@@ -273,10 +269,7 @@ class ResourcesServer(GymServer):
             cutoff = time.monotonic() - limit
             for session_id in [s.id for s in self.sessions.values() if s.last_used < cutoff and not s.in_flight]:
                 log.warning("closing session %r: no call for %g s", session_id, limit)
-                try:
-                    await self.end_session(session_id)
-                except errors.GymError:
-                    pass  # end_session logged it; the session is gone either way
+                await self._end_quietly(session_id)
 
     async def call_tool(self, session: Session, name: str, arguments: str) -> str:
         """Run one tool call: parse and check the arguments, run the tool, render its output."""
@@ -309,6 +302,19 @@ class ResourcesServer(GymServer):
             log.debug("tool %s raised", name, exc_info=True)
             raise errors.ToolFailed(f"tool {name!r} raised {type(e).__name__}: {e}") from None
         return result if isinstance(result, str) else json.dumps(result)
+
+
+@contextlib.contextmanager
+def _hook(name: str, failure: type[errors.GymError] = errors.GymError) -> Iterator[None]:
+    """Run an environment's hook: its own GymErrors pass; any other exception is
+    logged with its traceback and becomes `failure`, naming the hook and the error."""
+    try:
+        yield
+    except errors.GymError:
+        raise
+    except Exception as e:
+        log.exception("%s failed", name)
+        raise failure(f"{name} raised {type(e).__name__}: {e}") from None
 
 
 def _verification(result: Any) -> res_pb.VerifyResponse:
@@ -359,13 +365,8 @@ class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
         if request.session_id in self.app.sessions:
             raise errors.FailedPrecondition(f"session {request.session_id!r} is already open", field="session_id")
         session = Session(id=request.session_id, task=request.task)
-        try:
+        with _hook("seed_session"):
             await self.app.seed_session(session)
-        except errors.GymError:
-            raise
-        except Exception as e:
-            log.exception("seed_session failed")
-            raise errors.GymError(f"seed_session raised {type(e).__name__}: {e}") from None
         self.app.sessions[session.id] = session
         self.app._watch_idle_sessions()
         return res_pb.SeedSessionResponse()
@@ -374,8 +375,13 @@ class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
     async def CallTool(self, request: res_pb.CallToolRequest, context: Any) -> res_pb.CallToolResponse:
         if not request.name:
             raise errors.InvalidArgument("name: is required", field="name")
-        with self._session(request.session_id).in_use() as session:
+        session = self._session(request.session_id)
+        session.in_flight += 1  # the idle time-out never closes a session under a running call
+        try:
             output = await self.app.call_tool(session, request.name, request.arguments)
+        finally:
+            session.in_flight -= 1
+            session.last_used = time.monotonic()
         return res_pb.CallToolResponse(output=output)
 
     @rpc_method
@@ -384,16 +390,16 @@ class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
         # Verification needs no open session (re-scoring old rollouts has none).
         session = self.app.sessions.get(request.session_id) or Session(id=request.session_id, task=request.task)
         limit = getattr(self.app.config, "verify_timeout_seconds", None)
+        session.in_flight += 1
         try:
-            with session.in_use():
-                result = await asyncio.wait_for(self.app.verify(session, request.response), limit)
-        except TimeoutError:
-            raise errors.VerifierFailed(f"verify did not finish within {limit:g} s") from None
-        except errors.GymError:
-            raise
-        except Exception as e:
-            log.exception("verify failed")
-            raise errors.VerifierFailed(f"verify raised {type(e).__name__}: {e}") from None
+            with _hook("verify", errors.VerifierFailed):
+                try:
+                    result = await asyncio.wait_for(self.app.verify(session, request.response), limit)
+                except TimeoutError:
+                    raise errors.VerifierFailed(f"verify did not finish within {limit:g} s") from None
+        finally:
+            session.in_flight -= 1
+            session.last_used = time.monotonic()
         return _verification(result)
 
     @rpc_method

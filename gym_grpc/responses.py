@@ -55,6 +55,15 @@ def function_outputs(response: r.Response) -> dict[str, str]:
     }
 
 
+#: How an agent tells the model that its tool call failed: the output starts with this.
+TOOL_ERROR_PREFIX = "Error: "
+
+
+def tool_error_output(message: str) -> str:
+    """The output a model sees for a failed tool call."""
+    return TOOL_ERROR_PREFIX + message
+
+
 def assistant_message(text: str, status: r.ItemStatus.ValueType = r.ITEM_STATUS_COMPLETED) -> r.Item:
     """An assistant message item with one output_text part."""
     return r.Item(

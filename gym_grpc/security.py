@@ -124,7 +124,7 @@ class _CheckToken(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or details.method.startswith(OPEN_PREFIXES):
             return handler
-        given = dict(details.invocation_metadata or ()).get("authorization", "")
+        given = next((v for k, v in details.invocation_metadata or () if k == "authorization"), "")
         if hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._expected):
             return handler
         if handler.unary_stream:

@@ -167,13 +167,26 @@ def _guarded(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
 
 
 class _DecodeGuard(grpc.aio.ServerInterceptor):
-    """A request whose bytes do not parse gets INVALID_ARGUMENT (grpcio would say UNKNOWN)."""
+    """A request whose bytes do not parse gets INVALID_ARGUMENT (grpcio would say UNKNOWN).
+
+    The last interceptor, so a method's handler never changes: it is wrapped once."""
+
+    def __init__(self) -> None:
+        self._wrapped: dict[str, Any] = {}
 
     async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
-        handler = await continuation(details)
-        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+        wrapped = self._wrapped.get(details.method)
+        if wrapped is None:
+            handler = await continuation(details)
+            if handler is None:
+                return None
+            wrapped = self._wrapped[details.method] = self._wrap(details.method, handler)
+        return wrapped
+
+    @staticmethod
+    def _wrap(method: str, handler: Any) -> Any:
+        if handler.request_streaming or handler.request_deserializer is None:
             return handler
-        method = details.method
         behaviour = handler.unary_unary or handler.unary_stream
 
         async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:

@@ -19,42 +19,45 @@ def _fail(field: str, message: str) -> errors.InvalidArgument:
     return errors.InvalidArgument(f"{field}: {message}", field=field)
 
 
-def _tokens(inner: r.Message | r.ReasoningItem | r.FunctionCall, path: str) -> None:
-    logprobs = inner.generation_log_probs
-    if len(logprobs) and len(logprobs) != len(inner.generation_token_ids):
-        raise _fail(
-            f"{path}.generation_log_probs",
-            f"{len(logprobs)} values for {len(inner.generation_token_ids)} generation_token_ids",
-        )
-    if any(not math.isfinite(x) or x > 0 for x in logprobs):
-        raise _fail(f"{path}.generation_log_probs", "log-probabilities must be finite and at most 0")
+_NO_ITEM = "the item has none of message, reasoning, function_call, function_call_output"
 
 
-def check_item(item: r.Item, path: str) -> None:
+def _problem(item: r.Item) -> tuple[str, str] | None:
+    """What is wrong with an item: (its field, relative to the item, and a message), or None.
+
+    Runs for every item of every request, so paths are only built for a failure."""
     kind = item.WhichOneof("item")
     if kind is None:
-        raise _fail(path, "the item has none of message, reasoning, function_call, function_call_output")
+        return "", _NO_ITEM
     inner = getattr(item, kind)
-    here = f"{path}.{kind}"
     if kind == "message":
         if inner.role == r.ROLE_UNSPECIFIED:
-            raise _fail(f"{here}.role", "is required")
+            return ".message.role", "is required"
         for i, part in enumerate(inner.parts.items):
             if part.WhichOneof("part") is None:
-                raise _fail(f"{here}.parts.items[{i}]", "the part has nothing set")
-    elif kind == "function_call":
-        if not inner.name:
-            raise _fail(f"{here}.name", "is required")
+                return f".message.parts.items[{i}]", "the part has nothing set"
     elif kind == "function_call_output":
-        if not inner.call_id:
-            raise _fail(f"{here}.call_id", "is required")
-    if kind != "function_call_output":
-        _tokens(inner, here)
+        return (".function_call_output.call_id", "is required") if not inner.call_id else None
+    elif kind == "function_call" and not inner.name:
+        return ".function_call.name", "is required"
+    logprobs = inner.generation_log_probs
+    if logprobs:
+        if len(logprobs) != len(inner.generation_token_ids):
+            return (
+                f".{kind}.generation_log_probs",
+                f"{len(logprobs)} values for {len(inner.generation_token_ids)} generation_token_ids",
+            )
+        # All finite and <= 0, in C: a NaN or an infinity makes the sum non-finite.
+        if max(logprobs) > 0 or not math.isfinite(sum(logprobs)):
+            return f".{kind}.generation_log_probs", "log-probabilities must be finite and at most 0"
+    return None
 
 
 def check_items(items: list[r.Item] | object, path: str) -> None:
     for i, item in enumerate(items):  # type: ignore[call-overload]
-        check_item(item, f"{path}[{i}]")
+        problem = _problem(item)
+        if problem is not None:
+            raise _fail(f"{path}[{i}]{problem[0]}", problem[1])
 
 
 def check_params(params: r.CreateParams, path: str) -> None:

@@ -154,6 +154,23 @@ async def test_stopping_the_server_closes_the_open_sessions(start):
     assert Leaky.closed == ["left-open"]
 
 
+class FailsToClose(Leaky):
+    async def close_session(self, session: Session) -> None:
+        Leaky.closed.append(session.id)
+        raise RuntimeError("the cart service is down")
+
+
+async def test_stopping_closes_every_session_even_when_a_close_fails(start):
+    Leaky.closed = []
+    server = await start(FailsToClose())
+    client = ResourcesClient(static_registry(env=server), "env")
+    for session_id in ("first", "second"):
+        await client.seed_session(session_id, task("x"))
+    await client.registry.close()
+    await server.stop(grace=0.1)  # does not raise
+    assert Leaky.closed == ["first", "second"] and server.app.sessions == {}
+
+
 class Graded(ResourcesServer):
     async def verify(self, session: Session, response: r.Response) -> Verification:
         return Verification(reward=0.5, components={"format": 1.0, "correct": 0.0})

@@ -21,8 +21,9 @@ from pydantic import Field
 from gym_grpc import errors
 from gym_grpc.agent import AgentServer, RolloutEvents
 from gym_grpc.clients import ModelClient, ResourcesClient
-from gym_grpc.responses import input_items, new_id
+from gym_grpc.responses import function_calls, input_items, new_id, tool_error_output
 from gym_grpc.serving import ServerConfig
+from gym_grpc.v1 import model_service_pb2 as model_pb
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
 
@@ -72,36 +73,38 @@ class SimpleAgent(AgentServer):
     async def run(self, task: task_pb2.Task, events: RolloutEvents, *, verify: bool = True) -> task_pb2.Rollout:
         started = time.monotonic()
         session_id = uuid.uuid4().hex
-        if await self._environment_is_stateless():
-            rollout = await self._rollout(session_id, task, events, verify)
-            rollout.timings.total_seconds = time.monotonic() - started
-            return rollout
-        await self.resources.seed_session(session_id, task)
+        stateful = not await self._environment_is_stateless()
+        if stateful:
+            await self.resources.seed_session(session_id, task)
         try:
             rollout = await self._rollout(session_id, task, events, verify)
         finally:
-            try:
-                await self.resources.close_session(session_id, timeout=CLOSE_TIMEOUT)
-            except errors.GymError as e:
-                log.warning("could not close session %s: %s", session_id, e.message)
+            if stateful:
+                try:
+                    await self.resources.close_session(session_id, timeout=CLOSE_TIMEOUT)
+                except errors.GymError as e:
+                    log.warning("could not close session %s: %s", session_id, e.message)
         rollout.timings.total_seconds = time.monotonic() - started
         return rollout
 
     async def _rollout(
         self, session_id: str, task: task_pb2.Task, events: RolloutEvents, verify: bool
     ) -> task_pb2.Rollout:
-        params = r.CreateParams()
+        # Built in place: the request is sent every turn and grows, and copying it,
+        # the final response or the timings again would cost per turn and per rollout.
+        request = model_pb.CreateResponseRequest(session_id=session_id)
+        params = request.params
         params.CopyFrom(task.responses_create_params)
         if params.WhichOneof("input") == "input_text":
             params.input_items.items.extend(input_items(params))  # replaces the text
         conversation = params.input_items.items
-        final = r.Response(status=r.RESPONSE_STATUS_COMPLETED)
-        timings = task_pb2.RolloutTimings()
-        stop = task_pb2.STOP_REASON_MAX_STEPS
+        rollout = task_pb2.Rollout(stop_reason=task_pb2.STOP_REASON_MAX_STEPS)
+        final, timings = rollout.response, rollout.timings
+        final.status = r.RESPONSE_STATUS_COMPLETED
         step = 0
         for step in range(self.config.max_steps):
             began = time.monotonic()
-            response = await self.model.create_response(params, session_id)
+            response = await self.model.send(request)
             seconds = time.monotonic() - began
             timings.model_seconds += seconds
             events.model_call(step, response, seconds)
@@ -113,11 +116,11 @@ class SimpleAgent(AgentServer):
             conversation.extend(response.output)
             if response.status == r.RESPONSE_STATUS_INCOMPLETE:
                 final.incomplete_details.CopyFrom(response.incomplete_details)
-                stop = task_pb2.STOP_REASON_INCOMPLETE
+                rollout.stop_reason = task_pb2.STOP_REASON_INCOMPLETE
                 break
-            calls = [i.function_call for i in response.output if i.WhichOneof("item") == "function_call"]
+            calls = function_calls(response)
             if not calls:
-                stop = task_pb2.STOP_REASON_FINAL_MESSAGE
+                rollout.stop_reason = task_pb2.STOP_REASON_FINAL_MESSAGE
                 break
             for call in calls:
                 began = time.monotonic()
@@ -127,23 +130,22 @@ class SimpleAgent(AgentServer):
                 output = r.FunctionCallOutput(
                     id=new_id("fco"),
                     call_id=call.call_id,
-                    output=f"Error: {result.output}" if result.error else result.output,
+                    output=tool_error_output(result.output) if result.error else result.output,
                     status=r.ITEM_STATUS_COMPLETED,
                 )
                 events.tool_call(step, call, output, result.error, seconds)
                 item = r.Item(function_call_output=output)
                 final.output.append(item)
                 conversation.append(item)
-        rollout = task_pb2.Rollout(response=final, stop_reason=stop, model_calls=step + 1, timings=timings)
+        rollout.model_calls = step + 1
         if not verify:
             rollout.verification_skipped = True
             return rollout
         began = time.monotonic()
         verdict = await self.resources.verify(session_id, task, final)
         timings.verify_seconds = time.monotonic() - began
-        events.verification(verdict.reward, verdict.fields, timings.verify_seconds, dict(verdict.reward_components))
+        events.verification(verdict.reward, verdict.fields, timings.verify_seconds, verdict.reward_components)
         rollout.reward = verdict.reward
         rollout.verifier_fields.CopyFrom(verdict.fields)
         rollout.reward_components.update(verdict.reward_components)
-        rollout.timings.CopyFrom(timings)
         return rollout

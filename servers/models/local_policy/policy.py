@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from gym_grpc.responses import message_text
+from gym_grpc.responses import TOOL_ERROR_PREFIX, message_text
 from gym_grpc.rows import struct_to_dict
 from gym_grpc.v1 import responses_pb2 as r
 
@@ -275,7 +275,7 @@ def decide(
     if outputs:
         answers = []
         for name, output in outputs:
-            if output.startswith("Error:"):
+            if output.startswith(TOOL_ERROR_PREFIX):
                 answers.append(f"I could not get an answer from {name}. {output}")
             else:
                 answers.append(f"According to {name}: {_summarise(output)}.")

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 import time
 import zlib
+from array import array
 
 from pydantic import Field
 
@@ -27,6 +29,13 @@ from gym_grpc.serving import ServerConfig
 from gym_grpc.v1 import responses_pb2 as r
 
 from . import policy, tokenizer
+
+
+def _low_bytes(ids: list[int]) -> bytes:
+    """The low byte of every id, in C: the ids are hashed once per model call and grow with the conversation."""
+    if sys.byteorder == "little":
+        return array("I", ids).tobytes()[::4]
+    return bytes(i & 0xFF for i in ids)
 
 
 class LocalPolicyConfig(ServerConfig):
@@ -47,7 +56,7 @@ class LocalPolicyModel(ModelServer):
         prompt_ids = tokenizer.render_prompt(params.instructions, params.tools, items)
         temperature = params.temperature if params.HasField("temperature") else 1.0
         top_p = params.top_p if params.HasField("top_p") else 1.0
-        rng = random.Random(f"{self.config.seed}:{session_id}:{zlib.crc32(bytes(i & 0xFF for i in prompt_ids))}")
+        rng = random.Random(f"{self.config.seed}:{session_id}:{zlib.crc32(_low_bytes(prompt_ids))}")
         turn = policy.decide(items, params, rng, self.config.error_rate, temperature, top_p)
 
         text = tokenizer.render_turn(turn.reasoning, turn.text, turn.calls)

@@ -8,7 +8,7 @@ import pytest
 
 from gym_grpc import errors, rows
 from gym_grpc.clients import AgentClient, ResourcesClient
-from gym_grpc.responses import assistant_message
+from gym_grpc.responses import assistant_message, tool_error_output
 from gym_grpc.testing import ResourcesConformance, example_rows
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
@@ -132,7 +132,7 @@ async def _call(client: ResourcesClient, name: str, **arguments) -> tuple[r.Item
     """Run a tool call as the agent would: the call item, its output item, the output and whether it failed."""
     fc = call(name, json.dumps(arguments))
     result = await client.call_tool("s", fc.function_call)
-    output = f"Error: {result.output}" if result.error else result.output
+    output = tool_error_output(result.output) if result.error else result.output
     item = r.Item(function_call_output=r.FunctionCallOutput(call_id=fc.function_call.call_id, output=output))
     return fc, item, result.output, result.error
 
