@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -22,3 +23,13 @@ async def start() -> AsyncIterator[Callable[[GymServer], Awaitable[Running]]]:
     yield _start
     for server in reversed(running):
         await server.stop(grace=0.5)
+
+
+@pytest.fixture(scope="session")
+def local_ray() -> Iterator[Any]:
+    """A local Ray for the whole session (it takes seconds to start); Ray is in the test extras."""
+    import ray
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()

@@ -32,27 +32,19 @@ under gVisor/nsjail/Firecracker, on a machine that holds no secrets.
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import multiprocessing
 import re
 import textwrap
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
-from functools import partial
 from typing import Any
 
 from pydantic import Field
 
 from gym_grpc import errors
-from gym_grpc.errors import ConfigError
-from gym_grpc.resources import ResourcesConfig, ResourcesServer, Session, Verification
+from gym_grpc.cpu_pool import CpuPool, CpuPoolConfig
+from gym_grpc.resources import ResourcesServer, Session, Verification
 from gym_grpc.responses import final_text
 from gym_grpc.v1 import responses_pb2 as r
 
 from . import checker
-
-log = logging.getLogger("gym_grpc.code_exec")
 
 # A fenced block: ```lang ... ``` (the closing fence may be missing when the answer was cut off).
 _FENCE = re.compile(r"^[ \t]*```[ \t]*([\w+.#-]*)[^\n]*\n(.*?)(?:^[ \t]*```|\Z)", re.DOTALL | re.MULTILINE)
@@ -73,23 +65,17 @@ def extract_code(text: str, function_name: str | None = None) -> str | None:
     return chosen[-1]
 
 
-class CodeExecConfig(ResourcesConfig):
+class CodeExecConfig(CpuPoolConfig):
     # A check's wall-clock deadline is startup_seconds + test_timeout_seconds * (tests + 1).
     # Keep verify_timeout_seconds above it: a verify cut short on the process pool leaves its
     # worker busy until that deadline (on Ray the task is cancelled and the candidate killed).
-    verify_workers: int = Field(
-        2, ge=1, description="checks that run at once: pool processes, or CPUs of a local Ray ('local')"
-    )
     test_timeout_seconds: float = Field(2.0, gt=0, description="wall time each test (and defining the code) may take")
     memory_limit_mb: int = Field(512, ge=64, description="address-space limit of the candidate's process (RLIMIT_AS)")
     startup_seconds: float = Field(
         5.0, gt=0, description="time the candidate's interpreter gets to start, on top of the tests' time"
     )
     max_tests: int = Field(100, ge=1, description="a task with more tests than this is refused")
-    ray_address: str | None = Field(
-        None,
-        description='run checks as Ray tasks: "auto", "ray://host:10001", or "local" to start Ray in this process',
-    )
+    verify_workers: int = Field(2, ge=1, description="checks that run at once: pool processes, or CPUs of local Ray")
 
 
 class CodeExecEnv(ResourcesServer):
@@ -98,53 +84,18 @@ class CodeExecEnv(ResourcesServer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._pool: ProcessPoolExecutor | None = None
-        self._remote: Any = None  # run_tests as a Ray remote function, when ray_address is set
-        self._owns_ray = False
+        self.pool = CpuPool.from_config(self.name, self.config)
 
     async def start(self) -> None:
-        if self.config.ray_address is None:
-            self._pool = self._new_pool()
-        else:
-            self._remote = self._connect_ray(self.config.ray_address)
-        # Start the workers (a process, or a Ray worker) before the first rollout needs them.
+        await self.pool.start()
+        # Start a worker (a process, or a Ray worker) before the first rollout needs it.
         warm = await self._run("def f():\n    return 1\n", "f", [{"args": [], "expected": 1}])
         if warm["passed"] != 1:
             raise RuntimeError(f"{self.name}: the code checker does not work here: {warm['error']}")
 
     async def stop(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._owns_ray:
-            import ray
-
-            ray.shutdown()
+        self.pool.close()
         await super().stop()
-
-    def _new_pool(self) -> ProcessPoolExecutor:
-        # spawn, not fork: forking a process that runs gRPC is unsafe.
-        return ProcessPoolExecutor(self.config.verify_workers, mp_context=multiprocessing.get_context("spawn"))
-
-    def _connect_ray(self, address: str) -> Any:
-        try:
-            import ray
-        except ImportError:
-            raise ConfigError(
-                f"server {self.name!r}: config.ray_address is {address!r} but Ray is not installed; "
-                "pip install 'gym-grpc[ray]', or remove ray_address to check in a local process pool"
-            ) from None
-        self._owns_ray = not ray.is_initialized()
-        # Blocks for a few seconds, once, before the server takes calls.
-        if address == "local":
-            ray.init(num_cpus=self.config.verify_workers, include_dashboard=False, ignore_reinit_error=True)
-        else:
-            try:
-                ray.init(address=address, ignore_reinit_error=True)
-            except ConnectionError as e:
-                raise ConfigError(f"server {self.name!r}: cannot reach Ray at {address!r}: {e}") from None
-        # The checker travels by value: the cluster's workers need neither gym_grpc nor this repository.
-        ray.cloudpickle.register_pickle_by_value(checker)
-        return ray.remote(num_cpus=1, max_retries=1)(checker.run_tests)
 
     async def _run(self, code: str, function_name: str, tests: list[dict[str, Any]]) -> dict[str, Any]:
         limits = {
@@ -152,33 +103,8 @@ class CodeExecEnv(ResourcesServer):
             "memory_mb": self.config.memory_limit_mb,
             "startup_seconds": self.config.startup_seconds,
         }
-        if self._remote is not None:
-            return await self._run_on_ray(code, function_name, tests, limits)
-        run = partial(checker.run_tests, code, function_name, tests, **limits)
-        loop = asyncio.get_running_loop()
-        pool = self._pool
-        try:
-            return await loop.run_in_executor(pool, run)
-        except BrokenProcessPool:
-            # A worker died (the OOM killer, a stray signal). Candidates run in their own
-            # children, so this is rare; replace the pool once and retry on the new one.
-            if self._pool is pool:
-                log.warning("a code-check worker died; starting a new pool")
-                self._pool = self._new_pool()
-                pool.shutdown(wait=False, cancel_futures=True)
-            return await loop.run_in_executor(self._pool, run)
-
-    async def _run_on_ray(
-        self, code: str, function_name: str, tests: list[dict[str, Any]], limits: dict[str, Any]
-    ) -> dict[str, Any]:
-        import ray
-
-        ref = self._remote.remote(code, function_name, tests, **limits)
-        try:
-            return await asyncio.wrap_future(ref.future())
-        except asyncio.CancelledError:
-            ray.cancel(ref)  # interrupts run_tests, whose cleanup kills the candidate
-            raise
+        # The checker is stdlib only, so on Ray it needs nothing installed on the cluster.
+        return await self.pool.run(checker.run_tests, code, function_name, tests, **limits)
 
     async def verify(self, session: Session, response: r.Response) -> Verification:
         function_name, tests = self._task(session.data)

@@ -3,19 +3,19 @@
 The task gives `expected_answer` (a number or LaTeX). The model's last
 message is parsed by math-verify (\\boxed{} first, then any expression) and
 checked for mathematical equivalence, so 7/8, 0.875 and \\frac{7}{8} all
-count. Parsing and checking are CPU work: they run in a pool of worker
-processes, never on the event loop, with math-verify's own timeouts.
+count. Parsing and checking are CPU work: they run in a CpuPool (worker
+processes, or Ray with `ray_address`), never on the event loop, with
+math-verify's own timeouts.
 """
 
 from __future__ import annotations
 
-import asyncio
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
+from typing import Any
 
 from pydantic import Field
 
-from gym_grpc.resources import ResourcesConfig, ResourcesServer, Session, Verification
+from gym_grpc.cpu_pool import CpuPool, CpuPoolConfig
+from gym_grpc.resources import ResourcesServer, Session, Verification
 from gym_grpc.responses import final_text
 from gym_grpc.v1 import responses_pb2 as r
 
@@ -30,8 +30,7 @@ def check_answer(expected: str, text: str, timeout_seconds: int) -> tuple[bool, 
     return bool(verify(gold, answer, timeout_seconds=timeout_seconds)), extracted
 
 
-class MathConfig(ResourcesConfig):
-    verify_workers: int = Field(1, ge=1, description="processes that run math-verify")
+class MathConfig(CpuPoolConfig):
     timeout_seconds: int = Field(5, ge=1, description="math-verify's parse and verify timeout")
 
 
@@ -39,18 +38,20 @@ class MathEnv(ResourcesServer):
     Config = MathConfig
     config: MathConfig
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pool = CpuPool.from_config(self.name, self.config)
+
     async def start(self) -> None:
-        # spawn, not fork: forking a process that runs gRPC is unsafe.
-        self._pool = ProcessPoolExecutor(self.config.verify_workers, mp_context=multiprocessing.get_context("spawn"))
-        await self._check("1", "1")  # start the workers and import math-verify before the first rollout
+        await self.pool.start()
+        await self._check("1", "1")  # start a worker and import math-verify before the first rollout
 
     async def stop(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.close()
         await super().stop()
 
     async def _check(self, expected: str, text: str) -> tuple[bool, str]:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, check_answer, expected, text, self.config.timeout_seconds)
+        return await self.pool.run(check_answer, expected, text, self.config.timeout_seconds)
 
     async def verify(self, session: Session, response: r.Response) -> Verification:
         if "expected_answer" not in session.data:

@@ -28,6 +28,15 @@ def forecast(city: str) -> dict:
     return {"city": city, "temperature_c": digest[0] % 45 - 10, "conditions": CONDITIONS[digest[1] % len(CONDITIONS)]}
 
 
+def _json_object(text: str) -> dict:
+    """A JSON object, or {} for anything else (a tool's error output, arguments the model garbled)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 class WeatherEnv(ResourcesServer):
     @tool
     async def get_weather(
@@ -42,19 +51,16 @@ class WeatherEnv(ResourcesServer):
         expected = str(session.data.get("expected_city", "")).strip().lower()
         outputs = function_outputs(response)
         calls = [c for c in function_calls(response) if c.name == "get_weather"]
-        right_calls = []
+        temperatures = []  # of the calls for the right city that returned a forecast
         for call in calls:
-            try:
-                city = json.loads(call.arguments).get("city", "")
-            except (json.JSONDecodeError, AttributeError):
-                continue
-            if isinstance(city, str) and city.strip().lower() == expected and call.call_id in outputs:
-                right_calls.append(call)
-        reported = False
-        if right_calls:
-            temperature = json.loads(outputs[right_calls[-1].call_id])["temperature_c"]
-            reported = re.search(rf"(?<![\d-]){temperature}(?!\d)", final_text(response)) is not None
+            arguments, output = _json_object(call.arguments), _json_object(outputs.get(call.call_id, ""))
+            city = arguments.get("city")
+            if isinstance(city, str) and city.strip().lower() == expected and "temperature_c" in output:
+                temperatures.append(output["temperature_c"])
+        reported = bool(temperatures) and (
+            re.search(rf"(?<![\d-]){temperatures[-1]}(?!\d)", final_text(response)) is not None
+        )
         return Verification(
-            reward=1.0 if right_calls and reported else 0.0,
-            fields={"tool_calls": len(calls), "right_city": bool(right_calls), "reported_temperature": reported},
+            reward=1.0 if reported else 0.0,
+            fields={"tool_calls": len(calls), "right_city": bool(temperatures), "reported_temperature": reported},
         )

@@ -77,6 +77,19 @@ async def test_an_empty_city_is_a_tool_error_for_the_model(weather):
     assert result.error and "city must not be empty" in result.output
 
 
+async def test_a_tool_call_that_failed_earns_nothing_and_does_not_break_the_verifier(weather):
+    await weather.seed_session("s", _task("Paris"))
+    fc = call("get_weather", json.dumps({"city": "Paris", "unit": "C"}))  # an argument the tool does not take
+    result = await weather.call_tool("s", fc.function_call)
+    assert result.error
+    output = r.Item(function_call_output=r.FunctionCallOutput(call_id=fc.function_call.call_id, output=result.output))
+    verdict = await weather.verify(
+        "s", _task("Paris"), r.Response(output=[fc, output, assistant_message("It is 12 C.")])
+    )
+    assert verdict.reward == 0.0
+    assert rows.struct_to_dict(verdict.fields) == {"tool_calls": 1, "right_city": False, "reported_temperature": False}
+
+
 def test_the_example_rows_are_tasks_with_the_servers_tools():
     assert len(example_rows(EXAMPLES, WeatherEnv)) == 5
 
