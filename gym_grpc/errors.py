@@ -53,6 +53,14 @@ class InvalidArgument(GymError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class TaskDataError(InvalidArgument):
+    """A task's data does not hold what the environment needs (raise it from seed_session or
+    verify). `key` is the path inside the row's free-form fields, such as "options[2]"."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"task.data.{key}: {message}", field=f"task.data.{key}")
+
+
 class NotFound(GymError):
     """A named thing (tool, server) does not exist."""
 

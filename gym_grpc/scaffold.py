@@ -40,6 +40,7 @@ from typing import Annotated
 
 from pydantic import Field
 
+from gym_grpc import errors
 from gym_grpc.resources import ResourcesServer, Session, Verification, tool
 from gym_grpc.responses import final_text, function_calls
 from gym_grpc.v1 import responses_pb2 as r
@@ -61,7 +62,7 @@ class {cls}(ResourcesServer):
     async def verify(self, session: Session, response: r.Response) -> Verification:
         expected = str(session.data.get("expected_answer", "")).strip().lower()
         if not expected:
-            raise ValueError("the task has no expected_answer")
+            raise errors.TaskDataError("expected_answer", "is required")
         answered = expected in final_text(response).lower()
         used_tool = any(call.name == "lookup_capital" for call in function_calls(response))
         return Verification(reward=1.0 if answered else 0.0, fields={{"used_tool": used_tool}})

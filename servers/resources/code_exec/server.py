@@ -127,24 +127,18 @@ class CodeExecEnv(ResourcesServer):
         )
 
     def _task(self, data: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
-        """The task's function name and tests, checked (InvalidArgument names the field at fault)."""
+        """The task's function name and tests, checked (TaskDataError names the field at fault)."""
         name = data.get("function_name")
         if not isinstance(name, str) or not _IDENTIFIER.match(name):
-            raise errors.InvalidArgument(
-                f"task.data.function_name must be a Python identifier, got {name!r}", field="task.data.function_name"
-            )
+            raise errors.TaskDataError("function_name", f"must be a Python identifier, got {name!r}")
         tests = data.get("tests")
         if not isinstance(tests, list) or not tests:
-            raise errors.InvalidArgument("task.data.tests must be a non-empty list", field="task.data.tests")
+            raise errors.TaskDataError("tests", "must be a non-empty list")
         if len(tests) > self.config.max_tests:
-            raise errors.InvalidArgument(
-                f"task.data.tests has {len(tests)} tests; this server allows {self.config.max_tests}",
-                field="task.data.tests",
-            )
+            raise errors.TaskDataError("tests", f"has {len(tests)} tests; this server allows {self.config.max_tests}")
         for i, test in enumerate(tests):
             if not isinstance(test, dict) or not isinstance(test.get("args"), list) or "expected" not in test:
-                raise errors.InvalidArgument(
-                    f'task.data.tests[{i}] must be {{"args": [...], "expected": ...}}, got {str(test)[:100]}',
-                    field=f"task.data.tests[{i}]",
+                raise errors.TaskDataError(
+                    f"tests[{i}]", f'must be {{"args": [...], "expected": ...}}, got {str(test)[:100]}'
                 )
         return name, tests

@@ -37,6 +37,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
+from gym_grpc import errors
 from gym_grpc.resources import ResourcesConfig, ResourcesServer, Session, Verification
 from gym_grpc.responses import final_text
 from gym_grpc.v1 import responses_pb2 as r
@@ -165,19 +166,21 @@ def read_instructions(data: dict[str, Any]) -> list[Check]:
     """The checks of a task row; ValueError naming the instruction when one is malformed."""
     raw = data.get("instructions")
     if not isinstance(raw, list) or not raw:
-        raise ValueError('instructions: expected a non-empty list such as [{"type": "max_words", "value": 50}]')
+        raise errors.TaskDataError(
+            "instructions", 'expected a non-empty list such as [{"type": "max_words", "value": 50}]'
+        )
     checks = []
     for i, instruction in enumerate(raw):
         if not isinstance(instruction, dict):
-            raise ValueError(f'instructions[{i}]: expected an object with a "type", got {instruction!r}')
+            raise errors.TaskDataError(f"instructions[{i}]", f'expected an object with a "type", got {instruction!r}')
         kind = instruction.get("type")
         if kind not in CHECKS:
-            raise ValueError(f"instructions[{i}]: unknown type {kind!r} (known: {', '.join(CHECKS)})")
+            raise errors.TaskDataError(f"instructions[{i}]", f"unknown type {kind!r} (known: {', '.join(CHECKS)})")
         try:
             checks.append(CHECKS[kind].model_validate(instruction))
         except ValidationError as e:
             problems = "; ".join(f"{'.'.join(str(p) for p in x['loc'])}: {x['msg']}" for x in e.errors())
-            raise ValueError(f"instructions[{i}] ({kind}): {problems}") from None
+            raise errors.TaskDataError(f"instructions[{i}]", f"{kind}: {problems}") from None
     return checks
 
 
@@ -201,7 +204,7 @@ class InstructionFollowingEnv(ResourcesServer):
         checks = read_instructions(session.data)
         mode = session.data.get("reward_mode", self.config.reward_mode)
         if mode not in REWARD_MODES:
-            raise ValueError(f"reward_mode: {mode!r} is not one of {', '.join(REWARD_MODES)}")
+            raise errors.TaskDataError("reward_mode", f"{mode!r} is not one of {', '.join(REWARD_MODES)}")
         text = final_text(response)
         results = {name: check.passes(text) for name, check in zip(component_names(checks), checks, strict=True)}
         passed = sum(results.values())

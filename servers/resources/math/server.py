@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import Field
 
+from gym_grpc import errors
 from gym_grpc.cpu_pool import CpuPool, CpuPoolConfig
 from gym_grpc.resources import ResourcesServer, Session, Verification
 from gym_grpc.responses import final_text
@@ -55,6 +56,6 @@ class MathEnv(ResourcesServer):
 
     async def verify(self, session: Session, response: r.Response) -> Verification:
         if "expected_answer" not in session.data:
-            raise ValueError("the task has no expected_answer")
+            raise errors.TaskDataError("expected_answer", "is required")
         correct, extracted = await self._check(str(session.data["expected_answer"]), final_text(response))
         return Verification(reward=1.0 if correct else 0.0, fields={"extracted_answer": extracted})

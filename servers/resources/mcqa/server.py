@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from gym_grpc import errors
 from gym_grpc.resources import ResourcesConfig, ResourcesServer, Session, Verification
 from gym_grpc.responses import final_text
 from gym_grpc.v1 import responses_pb2 as r
@@ -74,35 +75,39 @@ def read_question(data: dict[str, Any], default_mode: GradingMode) -> Question:
     """The question of a task row; ValueError naming the field when the row is malformed."""
     raw = data.get("options")
     if not isinstance(raw, list) or not raw:
-        raise ValueError('options: expected a non-empty list such as [{"A": "Paris"}, {"B": "Lyon"}]')
+        raise errors.TaskDataError("options", 'expected a non-empty list such as [{"A": "Paris"}, {"B": "Lyon"}]')
     options: dict[str, str] = {}
     for i, entry in enumerate(raw):
         if not isinstance(entry, dict) or len(entry) != 1:
-            raise ValueError(f'options[{i}]: expected one {{"letter": "text"}} entry, got {entry!r}')
+            raise errors.TaskDataError(f"options[{i}]", f'expected one {{"letter": "text"}} entry, got {entry!r}')
         [(letter, text)] = entry.items()
         if not re.fullmatch(r"[A-Z]", letter) or not isinstance(text, str):
-            raise ValueError(f"options[{i}]: expected a capital letter and its text, got {entry!r}")
+            raise errors.TaskDataError(f"options[{i}]", f"expected a capital letter and its text, got {entry!r}")
         if letter in options:
-            raise ValueError(f"options[{i}]: letter {letter} is used twice")
+            raise errors.TaskDataError(f"options[{i}]", f"letter {letter} is used twice")
         options[letter] = text
     expected = data.get("expected_answer")
     if not isinstance(expected, str) or expected.strip().upper() not in options:
-        raise ValueError(f"expected_answer: {expected!r} is not one of the options' letters {', '.join(options)}")
+        raise errors.TaskDataError(
+            "expected_answer", f"{expected!r} is not one of the options' letters {', '.join(options)}"
+        )
     mode = data.get("grading_mode", default_mode)
     if mode not in GRADING_MODES:
-        raise ValueError(f"grading_mode: {mode!r} is not one of {', '.join(GRADING_MODES)}")
+        raise errors.TaskDataError("grading_mode", f"{mode!r} is not one of {', '.join(GRADING_MODES)}")
     metadata = data.get("template_metadata", {})
     if not isinstance(metadata, dict):
-        raise ValueError(f"template_metadata: expected an object, got {metadata!r}")
+        raise errors.TaskDataError("template_metadata", f"expected an object, got {metadata!r}")
     pattern = metadata.get("output_regex")
     regex = None
     if pattern is not None:
         try:
             regex = re.compile(pattern) if isinstance(pattern, str) else None
         except re.error as e:
-            raise ValueError(f"template_metadata.output_regex: not a valid regex ({e})") from None
+            raise errors.TaskDataError("template_metadata.output_regex", f"not a valid regex ({e})") from None
         if regex is None or regex.groups < 1:
-            raise ValueError("template_metadata.output_regex: expected a regex with a group that holds the letter")
+            raise errors.TaskDataError(
+                "template_metadata.output_regex", "expected a regex with a group that holds the letter"
+            )
     return Question(options, expected.strip().upper(), mode, regex)
 
 

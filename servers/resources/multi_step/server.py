@@ -27,6 +27,7 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
+from gym_grpc import errors
 from gym_grpc.resources import ResourcesServer, Session, Verification, tool
 from gym_grpc.responses import function_calls, function_outputs
 from gym_grpc.v1 import responses_pb2 as r
@@ -121,7 +122,7 @@ def grade(response: r.Response, expected_order_id: str, expected_amount: float) 
     """Score a rollout: the last refund_order call decides the reward; the steps before it earn partial credit."""
     expected_order = ORDERS.get(_order_id(expected_order_id))
     if expected_order is None:
-        raise ValueError(f"expected_order_id {expected_order_id!r} is not an order of the store")
+        raise errors.TaskDataError("expected_order_id", f"{expected_order_id!r} is not an order of the store")
     owner = expected_order["user_id"]
     calls = function_calls(response)
     outputs = function_outputs(response)
@@ -207,7 +208,7 @@ class CustomerSupportEnv(ResourcesServer):
         )
 
     async def verify(self, session: Session, response: r.Response) -> Verification:
-        missing = [k for k in ("expected_order_id", "expected_amount") if k not in session.data]
-        if missing:
-            raise ValueError(f"the task has no {' or '.join(missing)}")
+        for key in ("expected_order_id", "expected_amount"):
+            if key not in session.data:
+                raise errors.TaskDataError(key, "is required")
         return grade(response, str(session.data["expected_order_id"]), float(session.data["expected_amount"]))

@@ -167,15 +167,13 @@ class CartStore:
 def quantities(value: Any, key: str) -> dict[str, int]:
     """A task's {sku: quantity}, checked against the catalogue; a bad one names its key."""
     if not isinstance(value, dict):
-        raise errors.InvalidArgument(f"task {key} must be an object of SKU to quantity", field=f"task.data.{key}")
+        raise errors.TaskDataError(key, "must be an object of SKU to quantity")
     out = {}
     for sku, quantity in value.items():
         if _sku(sku) not in CATALOG:
-            raise errors.InvalidArgument(f"task {key}: unknown SKU {sku!r}", field=f"task.data.{key}")
+            raise errors.TaskDataError(key, f"unknown SKU {sku!r}")
         if isinstance(quantity, bool) or not isinstance(quantity, int) or quantity < 0:
-            raise errors.InvalidArgument(
-                f"task {key}: quantity of {sku!r} must be a whole number >= 0", field=f"task.data.{key}"
-            )
+            raise errors.TaskDataError(key, f"quantity of {sku!r} must be a whole number >= 0")
         if quantity:
             out[_sku(sku)] = quantity
     return out
@@ -265,11 +263,11 @@ class ShoppingCartEnv(ResourcesServer):
 
     async def verify(self, session: Session, response: r.Response) -> Verification:
         if "expected_cart" not in session.data:
-            raise ValueError("the task has no expected_cart")
+            raise errors.TaskDataError("expected_cart", "is required")
         expected = quantities(session.data["expected_cart"], "expected_cart")
         expect_checkout = session.data.get("expect_checkout", False)
         if not isinstance(expect_checkout, bool):
-            raise ValueError(f"the task's expect_checkout must be true or false, got {expect_checkout!r}")
+            raise errors.TaskDataError("expect_checkout", f"must be true or false, got {expect_checkout!r}")
         cart = self.carts.get(session.state.get("cart_id", ""))
         if cart is not None:
             verdict = score(cart, expected, expect_checkout)

@@ -84,15 +84,15 @@ def test_words_are_runs_with_a_letter_or_digit():
         ([{"type": "max_words", "value": 5}, "lowercase"], 'instructions\\[1\\]: expected an object with a "type"'),
         ([{"type": "no_commas"}, {"type": "rhyme"}], "instructions\\[1\\]: unknown type 'rhyme'"),
         ([{"value": 3}], "instructions\\[0\\]: unknown type None"),
-        ([{"type": "max_words"}], "instructions\\[0\\] \\(max_words\\): value: Field required"),
-        ([{"type": "max_words", "value": -1}], "instructions\\[0\\] \\(max_words\\): value:"),
-        ([{"type": "no_commas", "strict": True}], "instructions\\[0\\] \\(no_commas\\): strict: Extra inputs"),
-        ([{"type": "include_keywords", "keywords": [" "]}], "instructions\\[0\\] \\(include_keywords\\): keywords.0"),
-        ([{"type": "end_with", "phrase": ""}], "instructions\\[0\\] \\(end_with\\): phrase"),
+        ([{"type": "max_words"}], "instructions\\[0\\]: max_words: value: Field required"),
+        ([{"type": "max_words", "value": -1}], "instructions\\[0\\]: max_words: value:"),
+        ([{"type": "no_commas", "strict": True}], "instructions\\[0\\]: no_commas: strict: Extra inputs"),
+        ([{"type": "include_keywords", "keywords": [" "]}], "instructions\\[0\\]: include_keywords: keywords.0"),
+        ([{"type": "end_with", "phrase": ""}], "instructions\\[0\\]: end_with: phrase"),
     ],
 )
 def test_a_malformed_instruction_is_an_error_naming_its_index_and_type(instructions, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(errors.TaskDataError, match=message):
         read_instructions({"instructions": instructions})
 
 
@@ -173,8 +173,9 @@ async def test_the_configs_reward_mode_is_the_default(start):
 async def test_a_malformed_row_fails_verification_with_a_clear_message(env, row, message):
     with pytest.raises(errors.GymError) as error:
         await _verify(env, row, "hi")
-    assert error.value.code == grpc.StatusCode.INTERNAL
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert message in error.value.message
+    assert error.value.field == "task.data." + message.split(":")[0]
 
 
 async def test_every_example_row_loads_and_verifies(env):

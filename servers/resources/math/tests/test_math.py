@@ -53,8 +53,9 @@ async def test_a_task_without_expected_answer_fails_verification_clearly(math_en
     task = rows.task_from_row({"responses_create_params": {"input": "?"}})
     with pytest.raises(errors.GymError) as error:
         await math_env.verify("s", task, r.Response(output=[assistant_message("\\boxed{1}")]))
-    assert error.value.code == grpc.StatusCode.INTERNAL
-    assert "no expected_answer" in error.value.message
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.value.field == "task.data.expected_answer"
+    assert "task.data.expected_answer: is required" in error.value.message
 
 
 def test_the_example_rows_are_tasks():

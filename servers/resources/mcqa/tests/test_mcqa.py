@@ -131,7 +131,7 @@ def test_letter_of_names_only_the_options():
     ],
 )
 def test_a_malformed_row_is_an_error_naming_its_field(fields, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+    with pytest.raises(errors.TaskDataError, match=message.replace("(", r"\(").replace("[", r"\[")):
         read_question(_row(**fields), "strict")
 
 
@@ -180,7 +180,8 @@ async def test_the_configs_grading_mode_is_the_default(start):
 async def test_a_malformed_row_fails_verification_naming_the_field(mcqa):
     with pytest.raises(errors.GymError) as error:
         await _verify(mcqa, _row(expected_answer="Z"), "\\boxed{A}")
-    assert error.value.code == grpc.StatusCode.INTERNAL
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.value.field == "task.data.expected_answer"
     assert "expected_answer" in error.value.message
 
 

@@ -113,7 +113,7 @@ def test_refund_arguments_that_are_not_json_count_as_a_wrong_refund():
 
 
 def test_an_expected_order_the_store_does_not_have_is_the_tasks_fault():
-    with pytest.raises(ValueError, match="not an order of the store"):
+    with pytest.raises(errors.TaskDataError, match="not an order of the store"):
         grade(_transcript(), "ORD-00000", 1.0)
 
 
@@ -188,8 +188,9 @@ async def test_unknown_customers_are_tool_errors(support):
 
 async def test_a_task_without_the_expected_refund_fails_verification_clearly(support):
     task = rows.task_from_row({"responses_create_params": {"input": "Refund me."}, "expected_order_id": "ORD-19876"})
-    with pytest.raises(errors.GymError, match="no expected_amount"):
+    with pytest.raises(errors.InvalidArgument, match="task.data.expected_amount: is required") as error:
         await support.verify("s", task, r.Response(output=[assistant_message("Done.")]))
+    assert error.value.field == "task.data.expected_amount"
 
 
 # --- whole rollouts through the simple agent ------------------------------------
