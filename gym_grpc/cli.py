@@ -121,21 +121,12 @@ def _print_summary(summary: BatchSummary, output: Path, what: str, estimate_for:
 
 
 async def _with_registry(
-    registry_address: str, agent: str | None, work: Callable[[Registry], Awaitable[T]], security: Security | None = None
+    address: str, name: str | None, work: Callable[[Registry], Awaitable[T]], security: Security | None = None
 ) -> T:
-    """Run `work` against the registry of a `gym-grpc run`, checking first that it answers."""
-    registry = Registry(registry_address, security=security)
-    try:
-        if agent:
-            try:
-                await registry.info(agent)
-            except errors.GymError as e:
-                raise click.ClickException(
-                    f"{e.message}\n(is `gym-grpc run` up with its registry at {registry_address}?)"
-                ) from None
+    """Run `work` against the registry of a `gym-grpc run`, checking first that it answers
+    and, when `name` is given, that it knows that server."""
+    async with _registry(address, security, name) as registry:
         return await work(registry)
-    finally:
-        await registry.close()
 
 
 def _reward_range(ctx: click.Context, param: click.Parameter, value: str) -> tuple[float, float]:
@@ -431,12 +422,14 @@ def profile_command(names: tuple[str, ...], registry: str, limit: int, security:
 
 
 @contextlib.asynccontextmanager
-async def _registry(address: str, security: Security) -> AsyncIterator[Registry]:
-    """A Registry client whose failure to reach `gym-grpc run` is a clear error."""
+async def _registry(address: str, security: Security | None, name: str | None = None) -> AsyncIterator[Registry]:
+    """A Registry client whose failure to reach `gym-grpc run` (or to know `name`) is a clear error."""
     registry = Registry(address, security=security)
     try:
         try:
             await registry.list()
+            if name:
+                await registry.info(name)
         except errors.GymError as e:
             raise click.ClickException(f"{e.message}\n(is `gym-grpc run` up with its registry at {address}?)") from None
         yield registry

@@ -364,10 +364,17 @@ class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
         )
         if request.session_id in self.app.sessions:
             raise errors.FailedPrecondition(f"session {request.session_id!r} is already open", field="session_id")
-        session = Session(id=request.session_id, task=request.task)
-        with _hook("seed_session"):
-            await self.app.seed_session(session)
-        self.app.sessions[session.id] = session
+        # Held from the start, so a second SeedSession with the same id is refused, not raced.
+        session = self.app.sessions[request.session_id] = Session(id=request.session_id, task=request.task)
+        session.in_flight += 1
+        try:
+            with _hook("seed_session"):
+                await self.app.seed_session(session)
+        except BaseException:
+            del self.app.sessions[session.id]
+            raise
+        finally:
+            session.in_flight -= 1
         self.app._watch_idle_sessions()
         return res_pb.SeedSessionResponse()
 

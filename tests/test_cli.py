@@ -241,6 +241,20 @@ def test_collect_with_an_unknown_agent_names_the_known_ones(live, tmp_path):
     assert "did you mean 'math_agent'" in done.stderr
 
 
+@pytest.mark.parametrize("command", ["collect", "reverify"])
+def test_without_a_running_registry_collect_and_reverify_say_so_once(command, tmp_path):
+    """Rows that name their own agent (no --agent) still get one clear error, not one failure per row."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(
+        json.dumps({"responses_create_params": {"input": "hi"}, "agent_ref": {"name": "a"}, "response": {}}) + "\n"
+    )
+    io = ["--input", str(rows), "--output"] if command == "collect" else [str(rows), "--out"]
+    done = _gym(command, "--registry", "127.0.0.1:1", *io, str(tmp_path / "out.jsonl"), "--no-progress")
+    assert done.returncode == 1
+    assert "is `gym-grpc run` up with its registry at 127.0.0.1:1?" in done.stderr
+    assert not (tmp_path / "out.failures.jsonl").exists()
+
+
 def test_ctrl_c_stops_every_server(live):
     process = live["process"]
     addresses = list(live["servers"].values())

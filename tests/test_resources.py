@@ -171,6 +171,40 @@ async def test_stopping_closes_every_session_even_when_a_close_fails(start):
     assert Leaky.closed == ["first", "second"] and server.app.sessions == {}
 
 
+class SlowToSeed(Leaky):
+    seeded: list[str] = []
+
+    async def seed_session(self, session: Session) -> None:
+        await asyncio.sleep(0.05)
+        SlowToSeed.seeded.append(session.id)
+
+
+async def test_two_seeds_of_one_session_id_at_once_seed_it_once(start):
+    SlowToSeed.seeded = []
+    server = await start(SlowToSeed())
+    client = ResourcesClient(static_registry(env=server), "env")
+    results = await asyncio.gather(*(client.seed_session("same", task("x")) for _ in range(2)), return_exceptions=True)
+    assert sum(r is None for r in results) == 1
+    [refused] = [r for r in results if r is not None]
+    assert isinstance(refused, errors.FailedPrecondition) and "already open" in refused.message
+    assert SlowToSeed.seeded == ["same"]
+    await client.registry.close()
+
+
+class FailsToSeed(ResourcesServer):
+    async def seed_session(self, session: Session) -> None:
+        raise KeyError("initial_cart")
+
+
+async def test_a_seed_that_fails_leaves_no_session_behind(start):
+    server = await start(FailsToSeed())
+    client = ResourcesClient(static_registry(env=server), "env")
+    with pytest.raises(errors.GymError, match="seed_session raised KeyError"):
+        await client.seed_session("s", task("x"))
+    assert server.app.sessions == {}
+    await client.registry.close()
+
+
 class Graded(ResourcesServer):
     async def verify(self, session: Session, response: r.Response) -> Verification:
         return Verification(reward=0.5, components={"format": 1.0, "correct": 0.0})
