@@ -155,7 +155,7 @@ def _event_row(event: Any) -> dict[str, Any]:
         if e.reward_components:
             row["reward_components"] = dict(e.reward_components)
     elif kind == "rollout":
-        row.update(reward=event.rollout.reward, stop_reason=STOP_REASONS.get(event.rollout.stop_reason))
+        row.update(reward=event.rollout.reward, stop_reason=STOP_REASONS.get(event.rollout.stop_reason, "unspecified"))
     return row
 
 

@@ -51,13 +51,16 @@ class HubIdentifier(BaseModel):
     revision: str | None = Field(None, description="branch, tag or commit; default: main")
 
 
+DatasetType = Literal["train", "validation", "example"]
+
+
 class DatasetSpec(BaseModel):
     """One data file of an agent, for `gym-grpc prepare-data`."""
 
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1)
-    type: Literal["train", "validation", "example"]
+    type: DatasetType
     jsonl_fpath: str = Field(description="the JSONL of tasks; a relative path is relative to its YAML file")
     license: str | None = Field(None, description="required for train and validation data")
     num_repeats: int = Field(1, ge=1, description="times each row appears in the prepared file")

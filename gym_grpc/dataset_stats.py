@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from gym_grpc.responses import input_items, message_text
@@ -95,6 +96,13 @@ def statistics(tasks: Iterable[task_pb2.Task]) -> dict[str, Any]:
             if values
         },
     }
+
+
+def write_statistics(path: Path, stats: dict[str, Any]) -> None:
+    """Save statistics as stable, reviewable JSON (sorted keys), replacing the file at once."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    temporary.replace(path)
 
 
 def differences(committed: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:

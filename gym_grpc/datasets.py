@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 from gym_grpc import jsonl, rows
 from gym_grpc.config import DatasetSpec, GymConfig
-from gym_grpc.dataset_stats import differences, statistics
+from gym_grpc.dataset_stats import differences, statistics, write_statistics
 from gym_grpc.registry import closest
 from gym_grpc.v1 import task_pb2
 
@@ -218,7 +218,7 @@ def prepare(
             "the data no longer matches its committed statistics (pass --update-stats to accept the change)", changed
         )
     for path, stats in to_write.items():
-        _write_atomically(path, json.dumps(stats, indent=2, sort_keys=True) + "\n")
+        write_statistics(path, stats)
         done.stats_written.append(path)
 
     for kind in MODES[mode]:

@@ -16,11 +16,11 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
-from gym_grpc.config import MASK
+from gym_grpc.config import MASK, DatasetType
 
-SPLITS = ("train", "validation", "example")
+SPLITS: tuple[str, ...] = get_args(DatasetType)
 _PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 

@@ -17,8 +17,6 @@ from gym_grpc.v1 import admin_service_pb2 as admin_pb
 
 log = logging.getLogger("gym_grpc.profiling")
 
-COLUMNS = ("name", "ncall", "tsub", "ttot", "tavg")
-
 
 def _short(path: str) -> str:
     """A file path relative to the working directory when it is under it."""

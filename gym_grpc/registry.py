@@ -21,6 +21,10 @@ from gym_grpc.v1 import registry_service_pb2_grpc as reg_grpc
 REGISTRY_SERVICE = reg.DESCRIPTOR.services_by_name["RegistryService"].full_name
 
 
+#: A server role's name, for tables and JSON.
+SERVER_ROLES = {reg.SERVER_ROLE_MODEL: "model", reg.SERVER_ROLE_RESOURCES: "resources", reg.SERVER_ROLE_AGENT: "agent"}
+
+
 def closest(name: str, known: list[str]) -> str:
     """A hint naming the known name closest to `name`, for error messages."""
     if not known:

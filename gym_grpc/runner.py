@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gym_grpc import transport
 from gym_grpc.config import ConfigError, GymConfig, ServerSpec
-from gym_grpc.registry import REGISTRY_SERVICE, RegistryServicer, closest
+from gym_grpc.registry import REGISTRY_SERVICE, SERVER_ROLES, RegistryServicer, closest
 from gym_grpc.security import Security
 from gym_grpc.serving import DEFAULT_GRACE_SECONDS, GymServer, Running, serve
 from gym_grpc.v1 import registry_service_pb2 as reg
@@ -283,12 +283,13 @@ async def _wait_healthy(address: str, security: Security, attempts: int = 50) ->
 
 def describe(runner: Runner, started: float) -> str:
     """A table of the running servers, for the terminal."""
-    roles = {reg.SERVER_ROLE_MODEL: "model", reg.SERVER_ROLE_RESOURCES: "resources", reg.SERVER_ROLE_AGENT: "agent"}
     lines = [f"registry   {runner.registry_address}"]
     for s in runner.servers.values():
         refs = ", ".join(f"{k}={v}" for k, v in sorted(s.info.references.items()))
         workers = f"{s.info.workers} workers" if s.info.workers > 1 else ""
-        lines.append(f"{roles.get(s.info.role, '?'):<10} {s.name:<24} {s.info.addresses[0]:<22} {workers:<11}{refs}")
+        lines.append(
+            f"{SERVER_ROLES.get(s.info.role, '?'):<10} {s.name:<24} {s.info.addresses[0]:<22} {workers:<11}{refs}"
+        )
     processes = len(runner.processes())
     lines.append(f"{len(runner.servers)} servers healthy in {time.monotonic() - started:.1f} s ({processes} processes)")
     return "\n".join(lines)

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 from gym_grpc import rows
-from gym_grpc.dataset_stats import statistics
+from gym_grpc.dataset_stats import statistics, write_statistics
 from gym_grpc.entrypoints import load_entrypoint
 from gym_grpc.resources import ResourcesServer
 
@@ -188,6 +188,5 @@ def init_env(name: str, parent: Path) -> Path:
     data = target / "data"
     data.mkdir()
     (data / "example.jsonl").write_text("".join(json.dumps(row) + "\n" for row in examples), encoding="utf-8")
-    stats = statistics(rows.task_from_row(row) for row in examples)
-    (data / "example.stats.json").write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    write_statistics(data / "example.stats.json", statistics(rows.task_from_row(row) for row in examples))
     return target

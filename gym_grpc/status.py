@@ -9,13 +9,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gym_grpc import transport
-from gym_grpc.registry import Registry
+from gym_grpc.registry import SERVER_ROLES, Registry
 from gym_grpc.security import Security
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from gym_grpc.v1 import registry_service_pb2 as reg
 
-ROLES = {reg.SERVER_ROLE_MODEL: "model", reg.SERVER_ROLE_RESOURCES: "resources", reg.SERVER_ROLE_AGENT: "agent"}
 _HEALTH = {
     health_pb2.HealthCheckResponse.SERVING: "serving",
     health_pb2.HealthCheckResponse.NOT_SERVING: "not serving",
@@ -23,7 +22,7 @@ _HEALTH = {
 
 
 async def _one(info: reg.ServerInfo, address: str, interval: float, security: Security | None) -> dict[str, Any]:
-    row: dict[str, Any] = {"name": info.name, "role": ROLES.get(info.role, "?"), "address": address}
+    row: dict[str, Any] = {"name": info.name, "role": SERVER_ROLES.get(info.role, "?"), "address": address}
     async with transport.open_channel(address, security=security) as channel:
         try:
             reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2.0)

@@ -37,7 +37,7 @@ def _report(message: dict[str, Any]) -> None:
     _REPORTS.flush()
 
 
-async def _serve(app: GymServer, spec: dict[str, Any]) -> None:
+async def _serve(app: GymServer, spec: dict[str, Any], security: Security) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -59,7 +59,7 @@ async def _serve(app: GymServer, spec: dict[str, Any]) -> None:
         on_ready=on_ready,
         stop_event=stop,
         reuse_port=spec.get("reuse_port", False),
-        security=Security.model_validate(spec.get("security") or {}),
+        security=security,
     )
 
 
@@ -78,7 +78,7 @@ def main() -> None:
         app.entrypoint = spec["entrypoint"]
         if spec.get("profiling_dir"):
             app.profiler = Profiler(spec["profiling_dir"], spec.get("log_name", name))
-        asyncio.run(_serve(app, spec))
+        asyncio.run(_serve(app, spec, security))
     except ConfigError as e:
         _report({"error": str(e)})
         sys.exit(2)

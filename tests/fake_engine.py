@@ -45,12 +45,10 @@ class FakeEngine:
         *,
         strip_history_reasoning: bool = False,
         max_model_len: int = 1_000_000,
-        delay: float = 0.0,
     ) -> None:
         self.turns = turns or [Turn(content="ok")]
         self.strip_history_reasoning = strip_history_reasoning
         self.max_model_len = max_model_len
-        self.delay = delay
         self.requests: list[dict] = []
         self.headers: list[dict] = []
         self.fail_next: list[int] = []  # statuses to answer the next requests with
@@ -109,8 +107,6 @@ class FakeEngine:
         self.headers.append(dict(request.headers))
         if self.hang:
             await asyncio.sleep(3600)
-        if self.delay:
-            await asyncio.sleep(self.delay)
         if self.fail_next:
             status = self.fail_next.pop(0)
             return body, web.json_response({"error": {"message": f"injected {status}", "code": status}}, status=status)
@@ -119,7 +115,7 @@ class FakeEngine:
     def _next_turn(self, body: dict) -> Turn:
         if callable(self.turns):
             return self.turns(body)
-        index = min(sum(1 for _ in self.requests) - 1, len(self.turns) - 1)
+        index = min(len(self.requests) - 1, len(self.turns) - 1)
         return self.turns[index]
 
     async def _chat(self, request: web.Request) -> web.Response:

@@ -366,32 +366,35 @@ def _status(registry: str) -> tuple[int, dict[str, dict]]:
 
 def test_a_server_that_dies_is_shown_down_and_the_others_keep_serving(tmp_path):
     run = _start_run()
-    code, rows = _status(run.registry)
-    assert code == 0 and all(row["health"] == "serving" and row["pid"] > 0 for row in rows.values())
-    os.kill(rows["weather"]["pid"], signal.SIGKILL)
-    for _ in range(100):
+    try:
         code, rows = _status(run.registry)
-        if rows["weather"]["health"] == "down":
-            break
-        time.sleep(0.1)
-    assert code == 1 and rows["weather"]["health"] == "down" and "pid" not in rows["weather"]
-    assert all(row["health"] == "serving" for name, row in rows.items() if name != "weather")
-    done = _gym(
-        "collect",
-        "--registry",
-        run.registry,
-        "--agent",
-        "math_agent",
-        "--input",
-        str(MATH),
-        "--output",
-        str(tmp_path / "out.jsonl"),
-        "--no-progress",
-    )
-    assert done.returncode == 0, done.stderr  # the math side still works
-    run.process.send_signal(signal.SIGINT)
-    assert run.process.wait(timeout=30) == 1  # a server died during the run
-    assert "server 'weather'" in run.process.stderr.read()
+        assert code == 0 and all(row["health"] == "serving" and row["pid"] > 0 for row in rows.values())
+        os.kill(rows["weather"]["pid"], signal.SIGKILL)
+        for _ in range(100):
+            code, rows = _status(run.registry)
+            if rows["weather"]["health"] == "down":
+                break
+            time.sleep(0.1)
+        assert code == 1 and rows["weather"]["health"] == "down" and "pid" not in rows["weather"]
+        assert all(row["health"] == "serving" for name, row in rows.items() if name != "weather")
+        done = _gym(
+            "collect",
+            "--registry",
+            run.registry,
+            "--agent",
+            "math_agent",
+            "--input",
+            str(MATH),
+            "--output",
+            str(tmp_path / "out.jsonl"),
+            "--no-progress",
+        )
+        assert done.returncode == 0, done.stderr  # the math side still works
+        run.process.send_signal(signal.SIGINT)
+        assert run.process.wait(timeout=30) == 1  # a server died during the run
+        assert "server 'weather'" in run.process.stderr.read()
+    finally:
+        run.stop()  # a no-op when the test got to stop it
 
 
 def test_a_reference_to_a_missing_server_fails_startup_naming_the_closest(tmp_path):

@@ -43,7 +43,7 @@ from gym_grpc.responses import final_text
 from gym_grpc.v1 import responses_pb2 as r
 
 RewardMode = Literal["all", "fraction"]
-REWARD_MODES = ("all", "fraction")
+REWARD_MODES: tuple[str, ...] = get_args(RewardMode)
 
 NonBlank = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)]
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import Field
 
@@ -43,7 +43,7 @@ from gym_grpc.responses import final_text
 from gym_grpc.v1 import responses_pb2 as r
 
 GradingMode = Literal["strict", "lenient"]
-GRADING_MODES = ("strict", "lenient")
+GRADING_MODES: tuple[str, ...] = get_args(GradingMode)
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _LATEX_WRAPPER = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mathit)\s*\{([^{}]*)\}")

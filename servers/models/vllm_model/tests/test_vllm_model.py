@@ -7,7 +7,7 @@ import time
 import grpc
 import pytest
 
-from gym_grpc import errors
+from gym_grpc import errors, rows, validation
 from gym_grpc.clients import AgentClient, ModelClient
 from gym_grpc.responses import final_text, function_calls, user_message
 from gym_grpc.v1 import responses_pb2 as r
@@ -287,11 +287,14 @@ async def test_the_api_key_goes_as_a_bearer_token(start, engine):
     await model.registry.close()
 
 
-def test_a_rollout_row_with_the_answer_is_valid():
+def test_an_answer_becomes_a_valid_response_and_rollout_row():
     answer = {
         "choices": [{"message": {"content": "hi", "tool_calls": []}, "finish_reason": "stop"}],
         "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
     }
     response = chat.to_response(answer, ("<think>", "</think>"))
     assert function_calls(response) == [] and response.usage.total_tokens == 4
-    assert task_pb2.Rollout(response=response).response.output[0].message.role == r.ROLE_ASSISTANT
+    validation.check_response(response, "response")  # what Verify would accept
+    row = rows.rollout_row({"responses_create_params": {"input": "hi"}}, task_pb2.Rollout(response=response))
+    assert row["response"]["output"][0]["role"] == "assistant"
+    assert row["response"]["output"][0]["content"][0]["text"] == "hi"
