@@ -17,12 +17,14 @@ import json
 import logging
 import random
 import zlib
-from typing import Any
+from typing import Any, ClassVar
 
 import aiohttp
+import grpc
 from pydantic import Field, field_validator
 
 from gym_grpc import errors, transport
+from gym_grpc.model import ModelServer
 from gym_grpc.serving import ServerConfig
 
 log = logging.getLogger("gym_grpc.engines")
@@ -58,22 +60,21 @@ class EngineSettings(ServerConfig):
         return [url.rstrip("/") for url in value]
 
 
-class EngineError(Exception):
-    """An engine answered with an HTTP error that is not worth retrying."""
+class EngineError(errors.GymError):
+    """An engine answered with an HTTP error that is not worth retrying. Its status code
+    follows the HTTP status: 401/403 FAILED_PRECONDITION, other 4xx INVALID_ARGUMENT, else INTERNAL."""
 
-    def __init__(self, status: int, message: str, url: str) -> None:
-        super().__init__(f"{url}: HTTP {status}: {message}")
+    def __init__(self, status: int, detail: str, url: str) -> None:
+        text = f"engine {url} answered HTTP {status}: {detail}"
+        code = grpc.StatusCode.INTERNAL
+        if status in (401, 403):
+            text, code = f"{text} (check the API key)", grpc.StatusCode.FAILED_PRECONDITION
+        elif 400 <= status < 500:
+            code = grpc.StatusCode.INVALID_ARGUMENT
+        super().__init__(text, code=code)
         self.status = status
-        self.message = message
+        self.detail = detail
         self.url = url
-
-    def to_gym_error(self) -> errors.GymError:
-        text = f"engine {self.url} answered HTTP {self.status}: {self.message}"
-        if self.status in (401, 403):
-            return errors.FailedPrecondition(f"{text} (check the API key)")
-        if 400 <= self.status < 500:
-            return errors.InvalidArgument(text)
-        return errors.GymError(text)
 
 
 def _error_message(status: int, body: bytes) -> str:
@@ -177,3 +178,17 @@ class EnginePool:
     async def close(self) -> None:
         for engine in self.engines:
             await engine.close()
+
+
+class EngineModelServer(ModelServer):
+    """Base of a model server in front of engines: its EnginePool lives from start to stop."""
+
+    Config: ClassVar[type[ServerConfig]] = EngineSettings
+    config: EngineSettings
+
+    async def start(self) -> None:
+        self.engines = EnginePool(self.config)
+
+    async def stop(self) -> None:
+        await self.engines.close()
+        await super().stop()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from gym_grpc.v1 import responses_pb2 as r
 
@@ -17,6 +19,32 @@ def input_items(params: r.CreateParams) -> list[r.Item]:
     if params.WhichOneof("input") == "input_text":
         return [r.Item(message=r.Message(role=r.ROLE_USER, text=params.input_text))]
     return list(params.input_items.items)
+
+
+def item_body(item: r.Item) -> Any:
+    """What an item holds: its message, reasoning, function call or function call output."""
+    return getattr(item, item.WhichOneof("item"))
+
+
+def _from_assistant(item: r.Item) -> bool:
+    kind = item.WhichOneof("item")
+    return kind in ("reasoning", "function_call") or (kind == "message" and item.message.role == r.ROLE_ASSISTANT)
+
+
+def turns(items: Sequence[r.Item]) -> Iterator[list[r.Item] | r.Item]:
+    """A conversation as a chat template sees it: each assistant turn (consecutive
+    reasoning, function calls and assistant messages) as one list, any other item alone."""
+    turn: list[r.Item] = []
+    for item in items:
+        if _from_assistant(item):
+            turn.append(item)
+            continue
+        if turn:
+            yield turn
+            turn = []
+        yield item
+    if turn:
+        yield turn
 
 
 def message_text(message: r.Message) -> str:

@@ -24,7 +24,7 @@ from array import array
 from pydantic import Field
 
 from gym_grpc.model import ModelServer
-from gym_grpc.responses import assistant_message, input_items, new_id
+from gym_grpc.responses import assistant_message, input_items, item_body, new_id
 from gym_grpc.serving import ServerConfig
 from gym_grpc.v1 import responses_pb2 as r
 
@@ -97,7 +97,7 @@ class LocalPolicyModel(ModelServer):
                     )
                 )
         last = response.output[-1]
-        carrier = getattr(last, last.WhichOneof("item"))
+        carrier = item_body(last)
         carrier.prompt_token_ids.extend(prompt_ids)
         carrier.generation_token_ids.extend(gen_ids)
         carrier.generation_log_probs.extend(log_probs)

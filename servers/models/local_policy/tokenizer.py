@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from gym_grpc.responses import message_text
+from gym_grpc.responses import item_body, message_text, turns
 from gym_grpc.rows import struct_to_dict
 from gym_grpc.v1 import responses_pb2 as r
 
@@ -52,14 +52,9 @@ def _block(role: str, text: str) -> list[int]:
     return [IM_START, *encode(f"{role}\n{text}"), IM_END, *encode("\n")]
 
 
-def _is_assistant_side(item: r.Item) -> bool:
-    kind = item.WhichOneof("item")
-    return kind in ("reasoning", "function_call") or (kind == "message" and item.message.role == r.ROLE_ASSISTANT)
-
-
 def _assistant_turn(turn: list[r.Item]) -> list[int]:
     for item in reversed(turn):
-        inner = getattr(item, item.WhichOneof("item"))
+        inner = item_body(item)
         if inner.generation_token_ids:
             return [IM_START, *encode("assistant\n"), *inner.generation_token_ids, *encode("\n")]
     reasoning = " ".join(s.text for i in turn if i.WhichOneof("item") == "reasoning" for s in i.reasoning.summary)
@@ -87,18 +82,11 @@ def render_prompt(instructions: str, tools: Sequence[r.Tool], items: Sequence[r.
         system = f"{system}\n\n# Tools\n{described}".strip()
     if system:
         ids += _block("system", system)
-    turn: list[r.Item] = []
-    for item in items:
-        if _is_assistant_side(item):
-            turn.append(item)
-            continue
-        if turn:
-            ids += _assistant_turn(turn)
-            turn = []
-        if item.WhichOneof("item") == "function_call_output":
-            ids += _block("tool", item.function_call_output.output)
+    for part in turns(items):
+        if isinstance(part, list):
+            ids += _assistant_turn(part)
+        elif part.WhichOneof("item") == "function_call_output":
+            ids += _block("tool", part.function_call_output.output)
         else:
-            ids += _block(_ROLE_TAGS.get(item.message.role, "user"), message_text(item.message))
-    if turn:
-        ids += _assistant_turn(turn)
+            ids += _block(_ROLE_TAGS.get(part.message.role, "user"), message_text(part.message))
     return ids + [IM_START, *encode("assistant\n")]

@@ -9,8 +9,7 @@ a native Responses endpoint. For token ids from vLLM, use the vllm server.
 from __future__ import annotations
 
 from gym_grpc import errors, rows
-from gym_grpc.engines import EngineError, EnginePool, EngineSettings
-from gym_grpc.model import ModelServer
+from gym_grpc.engines import EngineModelServer, EngineSettings
 from gym_grpc.v1 import responses_pb2 as r
 
 
@@ -18,26 +17,16 @@ class OpenAIModelConfig(EngineSettings):
     pass
 
 
-class OpenAIModel(ModelServer):
+class OpenAIModel(EngineModelServer):
     Config = OpenAIModelConfig
     config: OpenAIModelConfig
-
-    async def start(self) -> None:
-        self.engines = EnginePool(self.config)
-
-    async def stop(self) -> None:
-        await self.engines.close()
-        await super().stop()
 
     async def create_response(self, params: r.CreateParams, session_id: str) -> r.Response:
         body = rows.params_to_json(params, training=False)
         body["model"] = self.config.model
         body.setdefault("store", False)
         engine = self.engines.for_session(session_id)
-        try:
-            answer = await engine.post("/responses", body)
-        except EngineError as e:
-            raise e.to_gym_error() from None
+        answer = await engine.post("/responses", body)
         try:
             return rows.response_from_json(answer)
         except rows.RowError as e:

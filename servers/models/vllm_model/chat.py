@@ -17,8 +17,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from gym_grpc.responses import input_items, message_text, new_id
-from gym_grpc.rows import struct_to_dict
+from gym_grpc.responses import assistant_message, input_items, item_body, message_text, new_id, turns
+from gym_grpc.rows import TOOL_CHOICE_MODE_NAMES, struct_to_dict
 from gym_grpc.v1 import responses_pb2 as r
 
 JSON = dict[str, Any]
@@ -42,11 +42,6 @@ def _content(message: r.Message) -> str | list[JSON]:
                 image["detail"] = part.input_image.detail
             out.append({"type": "image_url", "image_url": image})
     return out
-
-
-def _is_assistant_side(item: r.Item) -> bool:
-    kind = item.WhichOneof("item")
-    return kind in ("reasoning", "function_call") or (kind == "message" and item.message.role == r.ROLE_ASSISTANT)
 
 
 def _assistant_message(turn: list[r.Item], tags: tuple[str, str]) -> JSON:
@@ -75,22 +70,15 @@ def to_messages(params: r.CreateParams, tags: tuple[str, str]) -> list[JSON]:
         else:
             break
     messages: list[JSON] = [{"role": "system", "content": "\n\n".join(system)}] if system else []
-    turn: list[r.Item] = []
-    for item in items[start:]:
-        if _is_assistant_side(item):
-            turn.append(item)
-            continue
-        if turn:
-            messages.append(_assistant_message(turn, tags))
-            turn = []
-        if item.WhichOneof("item") == "function_call_output":
-            out = item.function_call_output
+    for part in turns(items[start:]):
+        if isinstance(part, list):
+            messages.append(_assistant_message(part, tags))
+        elif part.WhichOneof("item") == "function_call_output":
+            out = part.function_call_output
             messages.append({"role": "tool", "tool_call_id": out.call_id, "content": out.output})
         else:
-            role = "user" if item.message.role == r.ROLE_USER else "system"
-            messages.append({"role": role, "content": _content(item.message)})
-    if turn:
-        messages.append(_assistant_message(turn, tags))
+            role = "user" if part.message.role == r.ROLE_USER else "system"
+            messages.append({"role": role, "content": _content(part.message)})
     return messages
 
 
@@ -116,7 +104,7 @@ def to_request(params: r.CreateParams, model: str, tags: tuple[str, str]) -> JSO
     if choice.WhichOneof("choice") == "function_name":
         body["tool_choice"] = {"type": "function", "function": {"name": choice.function_name}}
     elif choice.WhichOneof("choice") == "mode" and choice.mode:
-        body["tool_choice"] = {1: "none", 2: "auto", 3: "required"}[choice.mode]
+        body["tool_choice"] = TOOL_CHOICE_MODE_NAMES[choice.mode]
     if params.HasField("max_output_tokens"):
         body["max_tokens"] = params.max_output_tokens
     for key in ("temperature", "top_p"):
@@ -174,14 +162,7 @@ def to_response(answer: JSON, tags: tuple[str, str]) -> r.Response:
         )
     calls = message.get("tool_calls") or []
     if text or not calls:
-        response.output.add().message.CopyFrom(
-            r.Message(
-                id=new_id("msg"),
-                role=r.ROLE_ASSISTANT,
-                parts=r.ContentList(items=[r.ContentPart(output_text=r.OutputText(text=text))]),
-                status=r.ITEM_STATUS_COMPLETED,
-            )
-        )
+        response.output.append(assistant_message(text))
     for call in calls:
         function = call.get("function") or {}
         response.output.add().function_call.CopyFrom(
@@ -200,7 +181,7 @@ def to_response(answer: JSON, tags: tuple[str, str]) -> r.Response:
             r.INCOMPLETE_REASON_MAX_OUTPUT_TOKENS if reason == "length" else r.INCOMPLETE_REASON_CONTENT_FILTER
         )
         for item in response.output:
-            getattr(item, item.WhichOneof("item")).status = r.ITEM_STATUS_INCOMPLETE
+            item_body(item).status = r.ITEM_STATUS_INCOMPLETE
     usage = answer.get("usage") or {}
     response.usage.input_tokens = int(usage.get("prompt_tokens") or 0)
     response.usage.output_tokens = int(usage.get("completion_tokens") or 0)

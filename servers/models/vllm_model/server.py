@@ -27,9 +27,8 @@ from typing import Any, Literal
 from pydantic import Field
 
 from gym_grpc import errors
-from gym_grpc.engines import Engine, EngineError, EnginePool, EngineSettings
-from gym_grpc.model import ModelServer
-from gym_grpc.responses import assistant_message, input_items
+from gym_grpc.engines import Engine, EngineError, EngineModelServer, EngineSettings
+from gym_grpc.responses import assistant_message, input_items, item_body, turns
 from gym_grpc.v1 import responses_pb2 as r
 
 from . import chat
@@ -49,25 +48,10 @@ class VLLMModelConfig(EngineSettings):
     extra_body: dict[str, Any] = Field(default_factory=dict, description="more request fields; a task's win")
 
 
-def _is_assistant_side(item: r.Item) -> bool:
-    kind = item.WhichOneof("item")
-    return kind in ("reasoning", "function_call") or (kind == "message" and item.message.role == r.ROLE_ASSISTANT)
-
-
 def _prefix(items: list[r.Item]) -> list[int] | None:
     """Prompt + generation ids of the last assistant turn, when the conversation carries ids."""
-    turns: list[list[r.Item]] = []
-    current: list[r.Item] = []
-    for item in items:
-        if _is_assistant_side(item):
-            current.append(item)
-        elif current:
-            turns.append(current)
-            current = []
-    if current:
-        turns.append(current)
-    carriers = [[getattr(i, i.WhichOneof("item")) for i in turn] for turn in turns]
-    carriers = [[c for c in turn if c.generation_token_ids] for turn in carriers]
+    assistant = [part for part in turns(items) if isinstance(part, list)]
+    carriers = [[c for c in map(item_body, turn) if c.generation_token_ids] for turn in assistant]
     if not any(carriers):
         return None
     if not carriers[-1]:
@@ -114,16 +98,9 @@ def _generated_ids(engine: Engine, choice: dict[str, Any]) -> tuple[list[int], l
     return generated, values
 
 
-class VLLMModel(ModelServer):
+class VLLMModel(EngineModelServer):
     Config = VLLMModelConfig
     config: VLLMModelConfig
-
-    async def start(self) -> None:
-        self.engines = EnginePool(self.config)
-
-    async def stop(self) -> None:
-        await self.engines.close()
-        await super().stop()
 
     async def create_response(self, params: r.CreateParams, session_id: str) -> r.Response:
         tags = self.config.reasoning_tags
@@ -140,9 +117,9 @@ class VLLMModel(ModelServer):
         try:
             answer = await engine.post("/chat/completions", body)
         except EngineError as e:
-            if e.status == 400 and any(marker in e.message.lower() for marker in _CONTEXT_ERRORS):
-                return _context_full(self.config.model, e.message)
-            raise e.to_gym_error() from None
+            if e.status == 400 and any(marker in e.detail.lower() for marker in _CONTEXT_ERRORS):
+                return _context_full(self.config.model, e.detail)
+            raise
         try:
             response = chat.to_response(answer, tags)
             choice = answer["choices"][0]
@@ -175,7 +152,7 @@ class VLLMModel(ModelServer):
                 "accepts required_prefix_token_ids, or a template that keeps history as generated)"
             )
         last = response.output[-1]
-        carrier = getattr(last, last.WhichOneof("item"))
+        carrier = item_body(last)
         carrier.prompt_token_ids.extend(prompt)
         carrier.generation_token_ids.extend(generated)
         carrier.generation_log_probs.extend(log_probs)
@@ -184,10 +161,7 @@ class VLLMModel(ModelServer):
         """Prompt ids from the engine's /tokenize, for engines that do not return them."""
         request = {k: body[k] for k in ("model", "messages", "tools", "chat_template_kwargs") if k in body}
         request["add_generation_prompt"] = True
-        try:
-            tokens = (await engine.post("/tokenize", request, from_root=True)).get("tokens")
-        except EngineError as e:
-            raise e.to_gym_error() from None
+        tokens = (await engine.post("/tokenize", request, from_root=True)).get("tokens")
         if not isinstance(tokens, list):
             raise errors.GymError(f"engine {engine.base_url}: /tokenize returned no tokens")
         return tokens

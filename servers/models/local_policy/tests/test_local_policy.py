@@ -9,7 +9,7 @@ import pytest
 
 from gym_grpc import rows
 from gym_grpc.clients import ModelClient
-from gym_grpc.responses import final_text, function_calls
+from gym_grpc.responses import final_text, function_calls, item_body
 from gym_grpc.v1 import responses_pb2 as r
 from servers.models.local_policy import policy, tokenizer
 from servers.models.local_policy.server import LocalPolicyModel
@@ -28,7 +28,7 @@ def _params(path: Path, line: int = 0, **overrides) -> r.CreateParams:
 
 def _last_carrier(response: r.Response):
     last = response.output[-1]
-    return getattr(last, last.WhichOneof("item"))
+    return item_body(last)
 
 
 async def test_greedy_policy_solves_the_arithmetic_it_reads(start):
