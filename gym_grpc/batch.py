@@ -138,7 +138,12 @@ class Batch:
                     "task_index": job.task_index,
                     "repeat_index": job.repeat_index,
                     "group": job.group,
-                    "error": {"class": type(e).__name__, "code": code, "message": message},
+                    "error": {
+                        "class": type(e).__name__,
+                        "code": code,
+                        "message": message,
+                        "field": getattr(e, "field", None),
+                    },
                 },
                 f"task {job.task_index} repeat {job.repeat_index} failed: {message}",
             )

@@ -22,7 +22,7 @@ from gym_grpc.batch import BatchSummary
 from gym_grpc.collector import CollectOptions, collect, parse_overrides
 from gym_grpc.config import ConfigError, GymConfig, dump_config, load_config, load_env
 from gym_grpc.datasets import MODES, DataError, Dataset, prepare, read_tasks
-from gym_grpc.jsonl import failures_path
+from gym_grpc.jsonl import count_rows, failures_path
 from gym_grpc.registry import Registry
 from gym_grpc.reverify import ReverifyOptions, reverify
 from gym_grpc.runner import Runner, StartupError, describe
@@ -121,10 +121,22 @@ def _print_summary(summary: BatchSummary, output: Path, what: str, estimate_for:
 
 
 async def _with_registry(
-    address: str, name: str | None, work: Callable[[Registry], Awaitable[T]], security: Security | None = None
+    address: str,
+    name: str | None,
+    work: Callable[[Registry], Awaitable[T]],
+    security: Security | None = None,
+    *,
+    rows: Path | None = None,
 ) -> T:
     """Run `work` against the registry of a `gym-grpc run`, checking first that it answers
-    and, when `name` is given, that it knows that server."""
+    and, when `name` is given, that it knows that server. An input file of `rows` with
+    none needs no servers: nothing is checked."""
+    if rows is not None and not count_rows(rows, limit=1):
+        registry = Registry(address, security=security)
+        try:
+            return await work(registry)
+        finally:
+            await registry.close()
     async with _registry(address, security, name) as registry:
         return await work(registry)
 
@@ -315,7 +327,9 @@ def collect_command(
         pass_threshold=pass_threshold,
         progress=not no_progress,
     )
-    summary = _interruptible(_with_registry(registry, agent, lambda reg: collect(reg, options), security), output)
+    summary = _interruptible(
+        _with_registry(registry, agent, lambda reg: collect(reg, options), security, rows=input_path), output
+    )
     _print_summary(summary, output, "collected", estimate_for)
     click.echo(json.dumps(summary.metrics, indent=2))
     if summary.failed or summary.bad_rows:
@@ -372,7 +386,8 @@ def reverify_command(
         progress=not no_progress,
     )
     summary, changes = _interruptible(
-        _with_registry(registry, resources or agent, lambda reg: reverify(reg, options), security), output
+        _with_registry(registry, resources or agent, lambda reg: reverify(reg, options), security, rows=input_path),
+        output,
     )
     _print_summary(summary, output, "re-verified")
     click.echo(changes.line(), err=True)

@@ -201,6 +201,14 @@ def _content_part(obj: Any, path: str, strict: bool = True) -> r.ContentPart:
     return part
 
 
+def _id_and_status(target: Any, obj: JSON, path: str) -> None:
+    """The `id` and `status` every item may carry (the load side of `_common`)."""
+    if obj.get("id") is not None:
+        target.id = _str(obj["id"], f"{path}.id")
+    if obj.get("status") is not None:
+        target.status = _enum(ITEM_STATUSES, obj["status"], f"{path}.status")
+
+
 def item_from_json(obj: Any, path: str = "item", strict: bool = True) -> r.Item:
     """One input or output item. A dict without "type" but with "role" is a message.
 
@@ -222,10 +230,7 @@ def item_from_json(obj: Any, path: str = "item", strict: bool = True) -> r.Item:
             m.parts.items.extend(_content_part(p, f"{path}.content[{i}]", strict) for i, p in enumerate(content))
         else:
             raise RowError(f"{path}.content", f"expected a string or a list, got {_type_name(content)}")
-        if obj.get("id") is not None:
-            m.id = _str(obj["id"], f"{path}.id")
-        if obj.get("status") is not None:
-            m.status = _enum(ITEM_STATUSES, obj["status"], f"{path}.status")
+        _id_and_status(m, obj, path)
         _tokens(m, obj, path)
     elif kind == "reasoning":
         _obj(obj, path, _REASONING_KEYS if strict else None)
@@ -240,12 +245,9 @@ def item_from_json(obj: Any, path: str = "item", strict: bool = True) -> r.Item:
                 if p.get("type", part_type) != part_type:
                     raise RowError(f"{path}.{key}[{i}].type", f"expected {part_type!r}, got {p['type']!r}")
                 target.add(text=_str(p.get("text"), f"{path}.{key}[{i}].text"))
-        if obj.get("id") is not None:
-            rs.id = _str(obj["id"], f"{path}.id")
         if obj.get("encrypted_content") is not None:
             rs.encrypted_content = _str(obj["encrypted_content"], f"{path}.encrypted_content")
-        if obj.get("status") is not None:
-            rs.status = _enum(ITEM_STATUSES, obj["status"], f"{path}.status")
+        _id_and_status(rs, obj, path)
         _tokens(rs, obj, path)
     elif kind == "function_call":
         _obj(obj, path, _CALL_KEYS if strict else None)
@@ -253,10 +255,7 @@ def item_from_json(obj: Any, path: str = "item", strict: bool = True) -> r.Item:
         fc.SetInParent()
         for key in ("call_id", "name", "arguments"):
             setattr(fc, key, _str(obj.get(key), f"{path}.{key}"))
-        if obj.get("id") is not None:
-            fc.id = _str(obj["id"], f"{path}.id")
-        if obj.get("status") is not None:
-            fc.status = _enum(ITEM_STATUSES, obj["status"], f"{path}.status")
+        _id_and_status(fc, obj, path)
         _tokens(fc, obj, path)
     elif kind == "function_call_output":
         _obj(obj, path, _CALL_OUTPUT_KEYS if strict else None)
@@ -264,10 +263,7 @@ def item_from_json(obj: Any, path: str = "item", strict: bool = True) -> r.Item:
         out.SetInParent()
         out.call_id = _str(obj.get("call_id"), f"{path}.call_id")
         out.output = _str(obj.get("output"), f"{path}.output")
-        if obj.get("id") is not None:
-            out.id = _str(obj["id"], f"{path}.id")
-        if obj.get("status") is not None:
-            out.status = _enum(ITEM_STATUSES, obj["status"], f"{path}.status")
+        _id_and_status(out, obj, path)
     else:
         raise RowError(
             f"{path}.type",

@@ -108,15 +108,30 @@ class Leaky(Calculator):
         Leaky.closed.append(session.id)
 
 
+async def _until(condition, seconds: float = 10.0) -> None:
+    """Wait for the sweeper (it runs every quarter of the idle time-out) rather than for a fixed time."""
+    for _ in range(int(seconds / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the condition never held")
+
+
 async def test_a_session_nobody_uses_is_closed_after_the_idle_timeout(start):
     Leaky.closed = []
-    server = await start(Leaky({"session_idle_timeout_seconds": 0.2}))
+    server = await start(Leaky({"session_idle_timeout_seconds": 0.5}))
     client = ResourcesClient(static_registry(env=server), "env")
     await client.seed_session("abandoned", task("x"))
     await client.seed_session("busy", task("x"))
-    for _ in range(8):  # 0.4 s of calls: "busy" stays open, "abandoned" goes
-        await client.call_tool("busy", r.FunctionCall(name="add", arguments='{"a": 1, "b": 2}'))
-        await asyncio.sleep(0.05)
+
+    async def keep_busy() -> None:  # a call every 20 ms keeps "busy" far inside its 0.5 s
+        while True:
+            await client.call_tool("busy", r.FunctionCall(name="add", arguments='{"a": 1, "b": 2}'))
+            await asyncio.sleep(0.02)
+
+    caller = asyncio.create_task(keep_busy())
+    await _until(lambda: Leaky.closed)
+    caller.cancel()
     assert Leaky.closed == ["abandoned"]
     assert set(server.app.sessions) == {"busy"}
     with pytest.raises(errors.FailedPrecondition, match="idle sessions are closed"):
@@ -139,7 +154,7 @@ async def test_the_idle_timeout_never_closes_a_session_under_a_running_call(star
     await client.seed_session("slow", task("x"))
     result = await client.call_tool("slow", r.FunctionCall(name="wait", arguments='{"seconds": 0.4}'))
     assert result.output == "done" and Leaky.closed == [] and "slow" in server.app.sessions
-    await asyncio.sleep(0.3)  # idle now: it goes
+    await _until(lambda: Leaky.closed)  # idle now: it goes
     assert Leaky.closed == ["slow"]
     await client.registry.close()
 
