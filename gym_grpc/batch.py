@@ -64,6 +64,35 @@ class BatchOptions:
 
 
 @dataclass
+class RunOptions:
+    """What collect and reverify share: the files, the window and how the summary judges."""
+
+    input: Path
+    output: Path
+    #: Agent for rows that have no `agent_ref`.
+    agent: str | None = None
+    max_in_flight: int = 4096
+    #: Rewards outside this range are reported.
+    reward_range: tuple[float, float] = (0.0, 1.0)
+    #: A rollout passes (for pass@k) when its reward is at least this.
+    pass_threshold: float = 1.0
+    progress: bool = True
+
+    def batch(self, n_tasks: int, repeats: int, total: int | None = None) -> BatchOptions:
+        return BatchOptions(
+            output=self.output,
+            n_tasks=n_tasks,
+            repeats=repeats,
+            total=total,
+            max_in_flight=self.max_in_flight,
+            reward_range=self.reward_range,
+            pass_threshold=self.pass_threshold,
+            progress=self.progress,
+            input_name=str(self.input),
+        )
+
+
+@dataclass
 class BatchSummary:
     """What a run did, and the metrics of everything in its output."""
 

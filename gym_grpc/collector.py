@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gym_grpc import errors, jsonl, rows
-from gym_grpc.batch import BadInput, Batch, BatchOptions, BatchSummary, Job
+from gym_grpc.batch import BadInput, Batch, BatchSummary, Job, RunOptions
 from gym_grpc.clients import AgentClient
 from gym_grpc.jsonl import count_rows
 from gym_grpc.registry import Registry
@@ -35,17 +35,12 @@ STOP_REASONS = {
 
 
 @dataclass
-class CollectOptions:
+class CollectOptions(RunOptions):
     """What to collect and how."""
 
-    input: Path
-    output: Path
-    #: Agent for rows that have no `agent_ref`.
-    agent: str | None = None
     #: Use only the first `limit` task rows.
     limit: int | None = None
     num_repeats: int = 1
-    max_in_flight: int = 4096
     #: Seconds one rollout may take before it fails.
     timeout: float = 3600.0
     #: `responses_create_params` values that win over each row's, by dotted key.
@@ -55,11 +50,6 @@ class CollectOptions:
     #: Do not verify; write `placeholder_reward` and `verification_skipped: true`.
     skip_verify: bool = False
     placeholder_reward: float = 0.0
-    #: Rewards outside this range are reported.
-    reward_range: tuple[float, float] = (0.0, 1.0)
-    #: A rollout passes (for pass@k) when its reward is at least this.
-    pass_threshold: float = 1.0
-    progress: bool = True
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
@@ -188,19 +178,7 @@ async def collect(registry: Registry, options: CollectOptions, *, log: TextIO = 
     async def produce(job: Job) -> dict[str, Any]:
         return rollout_record(job.payload.row, await rollout(job), options.placeholder_reward)
 
-    batch = Batch(
-        BatchOptions(
-            output=options.output,
-            n_tasks=count_rows(options.input, options.limit),
-            repeats=options.num_repeats,
-            max_in_flight=options.max_in_flight,
-            reward_range=options.reward_range,
-            pass_threshold=options.pass_threshold,
-            progress=options.progress,
-            input_name=str(options.input),
-        ),
-        log,
-    )
+    batch = Batch(options.batch(count_rows(options.input, options.limit), options.num_repeats), log)
     try:
         return await batch.run(_jobs(options), produce)
     finally:

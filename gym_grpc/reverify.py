@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gym_grpc import errors, jsonl, rows
-from gym_grpc.batch import BadInput, Batch, BatchOptions, BatchSummary, Job
+from gym_grpc.batch import BadInput, Batch, BatchSummary, Job, RunOptions
 from gym_grpc.clients import ResourcesClient
 from gym_grpc.registry import Registry
 from gym_grpc.summary import task_fields
@@ -29,19 +29,13 @@ from gym_grpc.v1 import task_pb2
 
 
 @dataclass
-class ReverifyOptions:
-    input: Path
-    output: Path
-    #: Agent for rows without an agent_ref; its resources server verifies.
-    agent: str | None = None
+class ReverifyOptions(RunOptions):
+    """What to re-score and how; a row without an agent_ref is verified by `agent`'s resources server."""
+
     #: The resources server that verifies every row (instead of the agents' own).
     resources: str | None = None
-    max_in_flight: int = 4096
     #: Seconds one verification may take.
     timeout: float = 600.0
-    reward_range: tuple[float, float] = (0.0, 1.0)
-    pass_threshold: float = 1.0
-    progress: bool = True
 
 
 @dataclass
@@ -179,18 +173,5 @@ async def reverify(
         return row
 
     layout = _scan(options.input)
-    batch = Batch(
-        BatchOptions(
-            output=options.output,
-            n_tasks=layout.n_tasks,
-            repeats=layout.repeats,
-            total=layout.lines,
-            max_in_flight=options.max_in_flight,
-            reward_range=options.reward_range,
-            pass_threshold=options.pass_threshold,
-            progress=options.progress,
-            input_name=str(options.input),
-        ),
-        log,
-    )
+    batch = Batch(options.batch(layout.n_tasks, layout.repeats, total=layout.lines), log)
     return await batch.run(_jobs(options, layout), produce), changes
