@@ -56,7 +56,7 @@ def test_the_scaffold_is_lint_clean(scaffold):
 
 
 def test_the_scaffold_runs_with_the_embedded_model_and_earns_rewards(scaffold, tmp_path):
-    run = _start_run(configs=(LOCAL_POLICY, scaffold / "config.yaml"), stderr=subprocess.DEVNULL)
+    run = _start_run(configs=(LOCAL_POLICY, scaffold / "config.yaml"))
     try:
         output = tmp_path / "out.jsonl"
         done = _gym(
@@ -258,7 +258,7 @@ def test_the_collated_files_feed_collect(tmp_path):
         str(WEATHER_CONFIG), str(MATH_CONFIG), "--mode", "example-validation", "--output-dir", "out", cwd=tmp_path
     )
     assert done.returncode == 0, done.stderr
-    run = _start_run(stderr=subprocess.DEVNULL)
+    run = _start_run()
     try:
         output = tmp_path / "rollouts.jsonl"
         args = ["--registry", run.registry, "--input", str(tmp_path / "out" / "example.jsonl"), "--output", str(output)]

@@ -7,9 +7,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -48,16 +50,26 @@ class Run:
     lines: list[str]
     registry: str
     servers: dict[str, str]
+    stderr: IO[str]
 
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)
             self.process.wait(timeout=30)
 
+    def log(self) -> str:
+        """What the runner and its servers wrote to stderr so far."""
+        self.stderr.flush()
+        with open(self.stderr.name) as f:
+            return f.read()
 
-def _start_run(*overrides: str, stderr=subprocess.PIPE, configs: tuple[Path, ...] = ()) -> Run:
-    """Start `gym-grpc run configs/quickstart.yaml` (or `configs`; port 0 registry) and wait until it is healthy."""
+
+def _start_run(*overrides: str, configs: tuple[Path, ...] = ()) -> Run:
+    """Start `gym-grpc run configs/quickstart.yaml` (or `configs`; port 0 registry) and wait until it is healthy.
+
+    Its stderr goes to a file: a pipe nobody reads would fill and block the servers' logging."""
     configs = configs or (REPO / "configs" / "quickstart.yaml",)
+    stderr = tempfile.NamedTemporaryFile("w+", prefix="gym-grpc-run-", suffix=".log")
     process = subprocess.Popen(
         [_tool("gym-grpc"), "run", *map(str, configs), "registry.port=0", *overrides],
         stdout=subprocess.PIPE,
@@ -70,10 +82,12 @@ def _start_run(*overrides: str, stderr=subprocess.PIPE, configs: tuple[Path, ...
         if "servers healthy" in line:
             break
     else:
-        pytest.fail("gym-grpc run stopped before it was ready:\n" + "".join(lines))
+        process.wait(timeout=30)
+        stderr.seek(0)
+        pytest.fail("gym-grpc run stopped before it was ready:\n" + "".join(lines) + stderr.read())
     registry = re.search(r"^registry\s+(\S+)", lines[0]).group(1)
     servers = {m.group(2): m.group(3) for m in (re.match(r"(\w+)\s+(\w+)\s+(\S+)", x) for x in lines[1:-1])}
-    return Run(process, lines, registry, servers)
+    return Run(process, lines, registry, servers, stderr)
 
 
 def test_quickstart_end_to_end(tmp_path):
@@ -268,7 +282,7 @@ def test_ctrl_c_stops_every_server(live):
 
 
 def test_a_collector_killed_mid_run_resumes_with_every_key_exactly_once(tmp_path):
-    run = _start_run("servers.policy_model.config.latency_seconds=0.05", stderr=subprocess.DEVNULL)
+    run = _start_run("servers.policy_model.config.latency_seconds=0.05")
     try:
         tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
         tasks.write_text("".join(MATH.read_text() for _ in range(10)))  # 60 tasks
@@ -289,7 +303,7 @@ def test_a_collector_killed_mid_run_resumes_with_every_key_exactly_once(tmp_path
             "8",
             "--no-progress",
         ]
-        collector = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        collector = subprocess.Popen(args, stdout=subprocess.DEVNULL)
         while not out.exists() or len(out.read_bytes().splitlines()) < 40:
             time.sleep(0.02)
         collector.kill()  # SIGKILL: no chance to clean up
@@ -329,7 +343,7 @@ def _cpu_ticks(pid: int) -> int:
 
 
 def test_num_workers_serve_one_port_and_share_the_calls(tmp_path):
-    run = _start_run("servers.policy_model.num_workers=2", stderr=subprocess.DEVNULL)
+    run = _start_run("servers.policy_model.num_workers=2")
     try:
         assert "(6 processes)" in run.lines[-1]
         model = json.loads(_grpcurl("-d", '{"name": "policy_model"}', run.registry, "gym.v1.RegistryService/GetServer"))
@@ -392,7 +406,7 @@ def test_a_server_that_dies_is_shown_down_and_the_others_keep_serving(tmp_path):
         assert done.returncode == 0, done.stderr  # the math side still works
         run.process.send_signal(signal.SIGINT)
         assert run.process.wait(timeout=30) == 1  # a server died during the run
-        assert "server 'weather'" in run.process.stderr.read()
+        assert "server 'weather'" in run.log()
     finally:
         run.stop()  # a no-op when the test got to stop it
 

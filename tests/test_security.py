@@ -119,7 +119,7 @@ def test_tls_and_token_through_gym_grpc_run_and_secrets_stay_out_of_logs(certs, 
         assert plain.returncode != 0  # TLS only
     finally:
         run.stop()
-    logs = run.process.stderr.read() + "".join(run.lines) + refused.stderr + done.stderr + status.stderr
+    logs = run.log() + "".join(run.lines) + refused.stderr + done.stderr + status.stderr
     assert token not in logs and "sk-also-secret-1234" not in logs
     dumped = _gym("dump-config", str(REPO / "configs/quickstart.yaml"), *settings, "--env-file", str(env)).stdout
     assert token not in dumped and "token: '***'" in dumped and certs.ca in dumped
