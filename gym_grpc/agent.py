@@ -88,23 +88,25 @@ class _AgentServicer(agent_grpc.AgentServiceServicer):
     async def Run(self, request: agent_pb.RunRequest, context: Any) -> agent_pb.RunResponse:
         return agent_pb.RunResponse(rollout=await self._roll_out(request, RolloutEvents()))
 
+    @rpc_method
     async def RunStream(
         self, request: agent_pb.RunStreamRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[agent_pb.RunStreamResponse]:
         queue: asyncio.Queue[agent_pb.RunStreamResponse | None] = asyncio.Queue()
         events = RolloutEvents(queue)
-        rollout = asyncio.ensure_future(self._RunStream(request, context, events))
+        # The rollout runs as its own task so that events stream while it runs. It
+        # never sees the call's context: when the call ends early (cancel, deadline,
+        # a client that died) the task is cancelled and awaited here, before grpc
+        # releases the call.
+        rollout = asyncio.ensure_future(self._roll_out(request, events))
         rollout.add_done_callback(lambda _: queue.put_nowait(None))  # after every event it reported
         try:
             while (event := await queue.get()) is not None:
                 yield event
-            events._put(agent_pb.RunStreamResponse(rollout=rollout.result()))  # result() re-raises an abort
+            events._put(agent_pb.RunStreamResponse(rollout=rollout.result()))  # result() re-raises its error
             yield queue.get_nowait()
         finally:
             rollout.cancel()
-
-    @rpc_method
-    async def _RunStream(
-        self, request: agent_pb.RunStreamRequest, context: Any, events: RolloutEvents
-    ) -> task_pb2.Rollout:
-        return await self._roll_out(request, events)
+            await asyncio.wait([rollout])
+            if not rollout.cancelled():
+                rollout.exception()  # retrieved: a failure the client never saw is not logged as lost

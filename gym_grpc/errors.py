@@ -1,6 +1,6 @@
 """The error catalogue: every error a gym-grpc server reports, in one place.
 
-A handler raises one of these; the servicer plumbing (`serving.error_boundary`)
+A handler raises one of these; the servicer plumbing (`serving.rpc_method`)
 turns it into a gRPC status with its public message. Anything else that
 escapes a handler is a bug: it is logged with its traceback and the caller
 sees INTERNAL with the exception's class, never the internal detail.
@@ -91,6 +91,12 @@ class Unavailable(GymError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class Cancelled(GymError):
+    """A downstream call was cancelled: by our own caller going away, or by the callee."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
 class DeadlineExceeded(GymError):
     """The caller's deadline ran out while a downstream call was running."""
 
@@ -114,14 +120,11 @@ def from_rpc_error(error: grpc.aio.AioRpcError, what: str) -> GymError:
         FailedPrecondition,
         ToolFailed,
         Unavailable,
+        Cancelled,
         DeadlineExceeded,
     ):
         if cls.code == code:
             return cls(message, field=field)
-    if code == grpc.StatusCode.CANCELLED:
-        # The downstream call was cancelled, usually because our own caller
-        # went away; report it as unavailable rather than as our bug.
-        return Unavailable(message)
     return GymError(message, field=field, code=code)
 
 

@@ -15,8 +15,9 @@ import functools
 import inspect
 import logging
 import signal
-from collections.abc import Awaitable, Callable
-from typing import Any, ClassVar, TypeVar
+import time
+from collections.abc import Callable
+from typing import Any, ClassVar, NoReturn, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -96,51 +97,102 @@ def _describe_validation(name: str, error: ValidationError) -> str:
     return f"server {name!r}: " + "; ".join(problems)
 
 
-H = TypeVar("H", bound=Callable[..., Awaitable[Any]])
+H = TypeVar("H", bound=Callable[..., Any])
+
+
+class _Call:
+    """One call as the log and the counters see it.
+
+    Everything it needs from the call's context is read when the call starts:
+    touching a grpc.aio context after its call has ended (client cancel,
+    deadline, client death) can crash the process."""
+
+    __slots__ = ("app", "method", "peer", "deadline", "began", "status", "detail")
+
+    def __init__(self, app: GymServer, method: str, context: grpc.aio.ServicerContext) -> None:
+        self.app, self.method = app, method
+        self.peer = context.peer()
+        remaining = context.time_remaining()
+        self.deadline = None if remaining is None else time.monotonic() + remaining
+        self.began = app.counters.begin(method)
+        self.status, self.detail = "OK", ""
+
+    async def fail(self, error: BaseException, context: grpc.aio.ServicerContext) -> NoReturn:
+        """Turn what the handler raised into the call's status; always raises."""
+        if isinstance(error, errors.GymError):
+            self.status, self.detail = error.code.name, error.message
+            await context.abort_with_status(error.to_status())
+        if isinstance(error, grpc.aio.AbortError):
+            raise error
+        if not isinstance(error, Exception):  # cancelled, or a stream closed early
+            expired = self.deadline is not None and time.monotonic() >= self.deadline
+            self.status = "DEADLINE_EXCEEDED" if expired else "CANCELLED"
+            raise error
+        self.status, self.detail = "INTERNAL", f"{type(error).__name__}: {error}"
+        log.error("%s failed", self.method, exc_info=error)
+        await context.abort(
+            grpc.StatusCode.INTERNAL,
+            f"internal error in {self.method}: {type(error).__name__} (details in the server log)",
+        )
+        raise AssertionError("abort returned")
+
+    def end(self) -> None:
+        seconds = self.app.counters.end(self.method, self.began, self.status)
+        if self.status != "OK":
+            level = logging.INFO if self.status in _CALLER_FAULTS else logging.WARNING
+            log.log(
+                level,
+                "%s %s from %s after %.1f ms: %s",
+                self.method,
+                self.status,
+                self.peer,
+                1000 * seconds,
+                self.detail,
+            )
 
 
 def rpc_method(handler: H) -> H:
-    """Wrap a servicer method: errors become statuses, the deadline propagates.
+    """Wrap a servicer method (a coroutine, or an async generator for a stream):
+    errors become statuses, the deadline propagates, the call is counted and logged.
 
     A `GymError` aborts the call with its code and public message. Any other
     exception is a bug: logged with its traceback, reported as INTERNAL with
-    the exception's class only.
+    the exception's class only. A call that ends because its deadline passed
+    counts as DEADLINE_EXCEEDED, one the client gave up on as CANCELLED.
     """
     method = handler.__name__.lstrip("_")
 
+    if inspect.isasyncgenfunction(handler):
+
+        @functools.wraps(handler)
+        async def stream(self: Any, request: Any, context: grpc.aio.ServicerContext, *rest: Any) -> Any:
+            call = _Call(self.app, method, context)
+            # Not reset: the stream may be closed from another task, and each call
+            # runs in its own task, whose context dies with it.
+            transport.set_deadline(context.time_remaining())
+            try:
+                async for reply in handler(self, request, context, *rest):
+                    yield reply
+            except BaseException as e:
+                await call.fail(e, context)
+            finally:
+                call.end()
+
+        return stream  # type: ignore[return-value]
+
     @functools.wraps(handler)
-    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext, *rest: Any) -> Any:
+    async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext, *rest: Any) -> Any:
+        call = _Call(self.app, method, context)
         token = transport.set_deadline(context.time_remaining())
-        counters: Counters = self.app.counters
-        began = counters.begin(method)
-        status, detail = "OK", ""
         try:
             return await handler(self, request, context, *rest)
-        except errors.GymError as e:
-            status, detail = e.code.name, e.message
-            await context.abort_with_status(e.to_status())
-        except asyncio.CancelledError:
-            status = "CANCELLED"
-            raise
-        except grpc.aio.AbortError:
-            raise
-        except Exception as e:
-            status, detail = "INTERNAL", f"{type(e).__name__}: {e}"
-            log.exception("%s failed", method)
-            await context.abort(
-                grpc.StatusCode.INTERNAL,
-                f"internal error in {method}: {type(e).__name__} (details in the server log)",
-            )
+        except BaseException as e:
+            await call.fail(e, context)
         finally:
             transport.reset_deadline(token)
-            seconds = counters.end(method, began, status)
-            if status != "OK":
-                level = logging.INFO if status in _CALLER_FAULTS else logging.WARNING
-                log.log(
-                    level, "%s %s from %s after %.1f ms: %s", method, status, context.peer(), 1000 * seconds, detail
-                )
+            call.end()
 
-    return wrapper  # type: ignore[return-value]
+    return unary  # type: ignore[return-value]
 
 
 # Failures that come from the caller's request (or the model's tool call), not the server.
@@ -210,6 +262,19 @@ class _DecodeGuard(grpc.aio.ServerInterceptor):
             wrapped = checked_stream if inspect.isasyncgenfunction(behaviour) else checked
             return grpc.unary_stream_rpc_method_handler(wrapped, deserialize, handler.response_serializer)
         return grpc.unary_unary_rpc_method_handler(checked, deserialize, handler.response_serializer)
+
+
+class _EndedCallWrites(logging.Filter):
+    """grpc logs an ERROR with a traceback when a stream's next reply is written
+    after its call ended (the deadline passed in between). The call's end is
+    already counted and logged by rpc_method; the traceback is noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("ExecuteBatchError raised in core")
+
+
+_GRPC_CORE_LOG = logging.getLogger("grpc._cython.cygrpc")
+_GRPC_CORE_LOG.addFilter(_EndedCallWrites())
 
 
 class Running:

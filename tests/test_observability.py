@@ -1,17 +1,23 @@
 """Counters, failed-call logs, the admin service, status and profiling."""
 
+import asyncio
 import json
 import logging
 import re
 import signal
 
+import grpc
+import pytest
+
 from gym_grpc import transport
 from gym_grpc.clients import ResourcesClient
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
+from gym_grpc.v1 import model_service_pb2 as model_pb
+from gym_grpc.v1 import model_service_pb2_grpc as model_grpc
 from gym_grpc.v1 import registry_service_pb2 as reg
 from gym_grpc.v1 import responses_pb2 as r
-from tests.support import REPO, Calculator, static_registry, task
+from tests.support import REPO, Calculator, EchoModel, static_registry, task
 from tests.test_cli import WEATHER, _grpcurl, _gym, _start_run
 
 
@@ -53,6 +59,31 @@ async def test_a_failed_call_is_one_log_line_and_success_is_quiet(start, caplog)
     assert len(failed) == 1 and not any(" OK " in line for line in lines), lines
     assert re.match(r"CallTool NOT_FOUND from ipv[46]:.+ after [\d.]+ ms: unknown tool 'subtract'", failed[0])
     await client.registry.close()
+
+
+async def test_a_deadline_that_passes_counts_as_deadline_exceeded_and_a_cancel_as_cancelled(start, caplog):
+    caplog.set_level(logging.INFO, logger="gym_grpc")
+    server = await start(EchoModel(delay=30.0))
+    channel, admin = await _admin(server)
+    stub = model_grpc.ModelServiceStub(channel)
+    request = model_pb.CreateResponseRequest(params=r.CreateParams(input_text="hello"))
+    with pytest.raises(grpc.aio.AioRpcError) as timed_out:
+        await stub.CreateResponse(request, timeout=0.2)
+    assert timed_out.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    cancelled = stub.CreateResponse(request)
+    await asyncio.sleep(0.2)
+    cancelled.cancel()
+    for _ in range(200):  # the server sees the cancel a moment later
+        counters = await admin.GetCounters(admin_pb.GetCountersRequest())
+        if counters.in_flight == 0:
+            break
+        await asyncio.sleep(0.05)
+    methods = {m.method: m for m in counters.methods}
+    assert dict(methods["CreateResponse"].calls_by_status) == {"DEADLINE_EXCEEDED": 1, "CANCELLED": 1}
+    lines = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("CreateResponse")]
+    assert [line.split()[1] for line in lines] == ["DEADLINE_EXCEEDED", "CANCELLED"], lines
+    assert all(" from ipv" in line for line in lines)  # the peer, read while the call was alive
+    await channel.close()
 
 
 def test_profiling_writes_a_log_with_the_verifiers_call_count_and_the_admin_answers_grpcurl(tmp_path):

@@ -1,0 +1,70 @@
+"""Clients that give up, time out or die mid-call never take a server down.
+
+Real processes on both sides: `gym-grpc run` serves the quickstart, and the
+clients are separate processes (a Python client, grpcurl) that cancel streams,
+give them deadlines from 1 ms to 2 s, or are SIGKILLed while a stream is open.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+from google.protobuf import json_format
+
+from gym_grpc import rows
+from gym_grpc.v1 import agent_service_pb2 as agent_pb
+from tests.support import REPO
+from tests.test_cli import WEATHER, _start_run, _status, _tool
+
+
+def test_streams_cancelled_timed_out_or_killed_mid_call_never_crash_the_agent():
+    run = _start_run("servers.policy_model.config.latency_seconds=0.05")
+    try:
+        _, before = _status(run.registry)
+        agent = run.servers["weather_agent"]
+        # 1,000 streams in two client processes, each ended early by a cancel or a deadline.
+        cancellers = [
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.programs.stream_canceller", agent, str(WEATHER), "500", str(seed)],
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for seed in (1, 2)
+        ]
+        for canceller in cancellers:
+            out, err = canceller.communicate(timeout=300)
+            assert canceller.returncode == 0, err
+            ended = json.loads(out)
+            assert ended.pop("final_run_ok") == 1  # the agent served the next rollout
+            assert sum(ended.values()) == 500
+            assert ended.get("CANCELLED", 0) > 0 and ended.get("DEADLINE_EXCEEDED", 0) > 0, ended
+
+        # 50 grpcurl processes, each SIGKILLed once its stream has delivered an event.
+        row = json.loads(WEATHER.read_text().splitlines()[0])
+        request = json_format.MessageToJson(agent_pb.RunStreamRequest(task=rows.task_from_row(row)))
+        for _ in range(50):
+            client = subprocess.Popen(
+                [_tool("grpcurl"), "-plaintext", "-d", "@", agent, "gym.v1.AgentService/RunStream"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
+            client.stdin.write(request)
+            client.stdin.close()
+            assert client.stdout.readline().startswith("{")  # mid-stream: the first event arrived
+            os.kill(client.pid, signal.SIGKILL)
+            client.wait()
+            client.stdout.close()
+
+        _, after = _status(run.registry)
+        assert after["weather_agent"]["health"] == "serving"
+        assert after["weather_agent"]["pid"] == before["weather_agent"]["pid"]  # never died, never restarted
+    finally:
+        run.stop()
+    log = run.log()
+    assert "exited with code" not in log and "Traceback" not in log, log[-3000:]
