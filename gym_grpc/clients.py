@@ -3,11 +3,14 @@
 Each resolves its server by name through a `Registry`, gives every call a
 deadline (what is left of the current call's deadline when called from a
 handler, else the client's default timeout) and turns a failed call into a
-`GymError` that names the server and method.
+`GymError` that names the server and method. A server that answered before
+is waited for while it cannot be reached (see `transport.Connection`): a
+pause or a restart costs time, not the rollout.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -38,18 +41,26 @@ class _Client:
         self.registry = registry
         self.name = name
         self.timeout = timeout
-        self._stubs: list[Any] = []
+        self._peers: list[tuple[Any, transport.Connection]] = []
         self._next = 0
 
-    def _next_stub(self) -> Any:
-        """A stub for the next call: calls go round the server's channels."""
-        self._next = (self._next + 1) % len(self._stubs)
-        return self._stubs[self._next]
+    async def _peer(self) -> tuple[Any, transport.Connection]:
+        """A stub and its connection for the next call: calls go round the server's connections."""
+        if not self._peers:
+            connections = await self.registry.connections(self.name)
+            self._peers = [(self._stub_class(c.channel), c) for c in connections]
+        self._next = (self._next + 1) % len(self._peers)
+        return self._peers[self._next]
 
-    async def _get_stub(self) -> Any:
-        if not self._stubs:
-            self._stubs = [self._stub_class(channel) for channel in await self.registry.channels(self.name)]
-        return self._next_stub()
+    def _error(
+        self, error: grpc.aio.AioRpcError | None, method: str, connection: transport.Connection
+    ) -> errors.GymError:
+        where = f"{self._kind} {self.name!r} {method}"
+        if error is None:  # cancelled by the connection: the peer was given up
+            return errors.Unavailable(
+                f"{where}: UNAVAILABLE: {connection.address} unreachable for {connection.unreachable_seconds:g} s"
+            )
+        return errors.from_rpc_error(error, where)
 
     async def _call(
         self,
@@ -62,14 +73,31 @@ class _Client:
     ) -> Any:
         """Call `method`. `detached` calls ignore the caller's deadline (for cleanup);
         a failure with a code in `passing` is returned, not raised."""
-        stub = self._next_stub() if self._stubs else await self._get_stub()
+        stub, connection = await self._peer()
         timeout = timeout if timeout is not None else self.timeout
+        wait = connection.wait
+        call = getattr(stub, method)(
+            request, timeout=timeout if detached else transport.timeout_for(timeout), wait_for_ready=wait
+        )
+        if wait:
+            connection.waiting(call)
         try:
-            return await getattr(stub, method)(request, timeout=timeout if detached else transport.timeout_for(timeout))
+            return await call
         except grpc.aio.AioRpcError as e:
             if e.code() in passing:
                 return e
-            raise errors.from_rpc_error(e, f"{self._kind} {self.name!r} {method}") from None
+            raise self._error(e, method, connection) from None
+        except asyncio.CancelledError:
+            if _cancelled_by(connection):
+                raise self._error(None, method, connection) from None
+            raise
+
+
+def _cancelled_by(connection: transport.Connection) -> bool:
+    """Whether a call that ended in CancelledError was cancelled by its connection
+    giving up on the peer, not by a cancel of the task that made it."""
+    task = asyncio.current_task()
+    return connection.given_up and task is not None and not task.cancelling()
 
 
 class ModelClient(_Client):
@@ -150,15 +178,23 @@ class AgentClient(_Client):
         self, task: task_pb2.Task, timeout: float | None = None, *, skip_verification: bool = False
     ) -> AsyncIterator[agent_pb.RunStreamResponse]:
         """The events of one rollout as they happen; the last one holds the rollout."""
-        stub = await self._get_stub()
+        stub, connection = await self._peer()
+        wait = connection.wait
         call = stub.RunStream(
             agent_pb.RunStreamRequest(task=task, skip_verification=skip_verification),
             timeout=transport.timeout_for(timeout if timeout is not None else self.timeout),
+            wait_for_ready=wait,
         )
+        if wait:
+            connection.waiting(call)
         try:
             async for event in call:
                 yield event
         except grpc.aio.AioRpcError as e:
-            raise errors.from_rpc_error(e, f"{self._kind} {self.name!r} RunStream") from None
+            raise self._error(e, "RunStream", connection) from None
+        except asyncio.CancelledError:
+            if _cancelled_by(connection):
+                raise self._error(None, "RunStream", connection) from None
+            raise
         finally:
             call.cancel()

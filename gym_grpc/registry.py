@@ -70,14 +70,21 @@ class Registry:
     """
 
     def __init__(
-        self, address: str | None = None, *, static: dict[str, str] | None = None, security: Security | None = None
+        self,
+        address: str | None = None,
+        *,
+        static: dict[str, str] | None = None,
+        security: Security | None = None,
+        unreachable_seconds: float = transport.UNREACHABLE_SECONDS,
     ) -> None:
         self.address = address
+        #: How long calls wait for a server that answered before and cannot be reached now.
+        self.unreachable_seconds = unreachable_seconds
         #: TLS and token settings for every channel this registry opens.
         self.security = security
         self._static = dict(static or {})
         self._infos: dict[str, asyncio.Future[reg.ServerInfo]] = {}
-        self._channels: dict[str, list[grpc.aio.Channel]] = {}
+        self._connections: dict[str, list[transport.Connection]] = {}
         self._registry_channel: grpc.aio.Channel | None = None
         self._lock = asyncio.Lock()
 
@@ -121,29 +128,33 @@ class Registry:
             raise errors.from_rpc_error(e, f"registry {self.address}") from None
         return list(reply.servers)
 
-    async def channels(self, name: str) -> list[grpc.aio.Channel]:
-        """The channels to server `name`, opened on first use: one per address, or
+    async def connections(self, name: str) -> list[transport.Connection]:
+        """The connections to server `name`, opened on first use: one per address, or
         several per address when worker processes share it."""
-        pool = self._channels.get(name)
+        pool = self._connections.get(name)
         if pool is not None:
             return pool
         async with self._lock:  # thousands of first calls must not open thousands of channels
-            pool = self._channels.get(name)
+            pool = self._connections.get(name)
             if pool is None:
                 info = await self.info(name)
                 if not info.addresses:
                     raise errors.Unavailable(f"server {name!r} has no address")
                 per_address = transport.CONNECTIONS_PER_WORKER * info.workers if info.workers > 1 else 1
-                pool = [transport.open_channel(a, i, self.security) for a in info.addresses for i in range(per_address)]
-                self._channels[name] = pool
+                pool = [
+                    transport.Connection(transport.open_channel(a, i, self.security), a, self.unreachable_seconds)
+                    for a in info.addresses
+                    for i in range(per_address)
+                ]
+                self._connections[name] = pool
         return pool
 
     async def close(self) -> None:
         """Close every channel this registry opened."""
-        channels = [channel for pool in self._channels.values() for channel in pool]
+        connections = [connection for pool in self._connections.values() for connection in pool]
+        self._connections.clear()
+        for connection in connections:
+            await connection.close()
         if self._registry_channel is not None:
-            channels.append(self._registry_channel)
-        self._channels.clear()
-        self._registry_channel = None
-        for channel in channels:
-            await channel.close()
+            await self._registry_channel.close()
+            self._registry_channel = None

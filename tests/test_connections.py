@@ -1,0 +1,60 @@
+"""Calls to a server that answered before wait for it while it cannot be reached
+(a restart costs time, not the call) and fail once it has been gone too long;
+a server never reached fails at once."""
+
+import asyncio
+
+import pytest
+
+from gym_grpc import errors
+from gym_grpc.clients import ResourcesClient
+from gym_grpc.registry import Registry
+from gym_grpc.serving import serve
+from gym_grpc.v1 import responses_pb2 as r
+from tests.support import Calculator, task
+
+ADD = r.FunctionCall(name="add", arguments='{"a": 2, "b": 3}')
+
+
+async def test_a_call_waits_for_a_server_restarted_on_its_port_and_succeeds():
+    server = await serve(Calculator(name="calc"))
+    registry = Registry(static={"calc": server.address}, unreachable_seconds=30)
+    client = ResourcesClient(registry, "calc")
+    try:
+        await client.seed_session("s", task("x"))
+        await server.stop(grace=0)
+        waiting = asyncio.ensure_future(client.seed_session("t", task("y")))
+        await asyncio.sleep(1.0)
+        assert not waiting.done()  # waiting for the server, not failed
+        server = await serve(Calculator(name="calc"), port=server.port)
+        await asyncio.wait_for(waiting, 30)
+        assert (await client.call_tool("t", ADD)).output == "5"
+    finally:
+        await registry.close()
+        await server.stop(grace=0)
+
+
+async def test_a_server_gone_longer_than_the_limit_fails_waiting_and_later_calls_with_unavailable():
+    server = await serve(Calculator(name="calc"))
+    registry = Registry(static={"calc": server.address}, unreachable_seconds=1.0)
+    client = ResourcesClient(registry, "calc", timeout=120)
+    try:
+        await client.seed_session("s", task("x"))
+        await server.stop(grace=0)
+        with pytest.raises(errors.Unavailable) as waited:  # not DeadlineExceeded: the limit ended the wait
+            await client.seed_session("t", task("y"))
+        expected = f"resources server 'calc' SeedSession: UNAVAILABLE: {server.address} unreachable for 1 s"
+        assert str(waited.value) == expected
+        with pytest.raises(errors.Unavailable) as at_once:  # no wait: grpc's own reason
+            await client.seed_session("u", task("z"))
+        assert "Connection refused" in str(at_once.value)
+    finally:
+        await registry.close()
+
+
+async def test_a_server_never_reached_fails_at_once_with_grpcs_reason():
+    registry = Registry(static={"calc": "127.0.0.1:1"})
+    with pytest.raises(errors.Unavailable) as error:
+        await ResourcesClient(registry, "calc", timeout=120).seed_session("s", task("x"))
+    assert "Connection refused" in str(error.value)
+    await registry.close()
