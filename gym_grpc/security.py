@@ -87,13 +87,19 @@ class Security(BaseModel):
         return []
 
     def client_interceptors(self) -> list[Any]:
-        return [_SendToken(self.token)] if self.token else []
+        return [_SendTokenUnary(self.token), _SendTokenStream(self.token)] if self.token else []
 
     def server_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         return [_CheckToken(self.token)] if self.token else []
 
 
-class _SendToken(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+class _SendToken:
+    """Adds the bearer token to a call's metadata.
+
+    grpc.aio files an interceptor under the first call kind it implements
+    only, so each kind gets its own subclass (one class for both would leave
+    streaming calls without the token)."""
+
     def __init__(self, token: str) -> None:
         self._header = ("authorization", f"Bearer {token}")
 
@@ -103,9 +109,13 @@ class _SendToken(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClien
             details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
         )
 
+
+class _SendTokenUnary(_SendToken, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation: Callable, details: Any, request: Any) -> Any:
         return await continuation(self._with_token(details), request)
 
+
+class _SendTokenStream(_SendToken, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation: Callable, details: Any, request: Any) -> Any:
         return await continuation(self._with_token(details), request)
 

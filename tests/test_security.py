@@ -9,13 +9,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gym_grpc import errors, transport
-from gym_grpc.clients import ResourcesClient
+from gym_grpc.clients import AgentClient, ResourcesClient
 from gym_grpc.registry import Registry
 from gym_grpc.security import Security, TlsSettings
 from gym_grpc.serving import serve
 from gym_grpc.v1 import responses_pb2 as r
+from servers.agents.simple_agent.agent import SimpleAgent
 from tests.certs import make_certs
-from tests.support import REPO, Calculator, task
+from tests.support import REPO, Calculator, ScriptedModel, say, task
 from tests.test_cli import MATH, _gym, _start_run, _tool
 
 
@@ -53,6 +54,25 @@ async def test_a_call_without_the_token_is_unauthenticated():
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         await server.stop(0.5)
+
+
+async def test_a_streaming_call_carries_the_token():
+    security = Security(token="s3cret-token")
+    model = await serve(ScriptedModel([say("3")]), security=security)
+    env = await serve(Calculator(name="calc"), security=security)
+    peers = Registry(static={"model": model.address, "calc": env.address}, security=security)
+    agent = await serve(
+        SimpleAgent({"model_server": "model", "resources_server": "calc"}, name="agent", registry=peers),
+        security=security,
+    )
+    client = AgentClient(Registry(static={"agent": agent.address}, security=security), "agent")
+    try:
+        events = [event async for event in client.run_stream(task("1 + 2?", expected_answer=3), timeout=10)]
+        assert events[-1].rollout.reward == 1.0
+    finally:
+        await client.registry.close()
+        for server in (agent, env, model):
+            await server.stop(0.5)
 
 
 async def test_a_plaintext_client_cannot_talk_to_a_tls_server(certs):
