@@ -16,7 +16,8 @@ constant time and never logged.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,8 @@ from gym_grpc.errors import ConfigError
 
 #: RPCs that answer without the token.
 OPEN_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
+
+log = logging.getLogger("gym_grpc.security")
 
 
 class TlsSettings(BaseModel):
@@ -120,11 +123,15 @@ class _SendTokenStream(_SendToken, grpc.aio.UnaryStreamClientInterceptor):
         return await continuation(self._with_token(details), request)
 
 
-async def _deny(request: Any, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token (authorization metadata)")
-
-
 class _CheckToken(grpc.aio.ServerInterceptor):
+    """Refuses a gym.v1 call without the right token before reading its request.
+
+    The token is in the call's metadata, which arrives first. A refused call
+    gets a handler that takes the request as a stream and never reads it, so
+    grpc neither receives nor parses the body: a stranger's 200 MB message
+    costs the server nothing but the HTTP/2 flow-control window. Each refusal
+    is logged at WARNING with the peer and the method (never the token)."""
+
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}".encode()
 
@@ -137,8 +144,23 @@ class _CheckToken(grpc.aio.ServerInterceptor):
         given = next((v for k, v in details.invocation_metadata or () if k == "authorization"), "")
         if hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._expected):
             return handler
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                _deny, handler.request_deserializer, handler.response_serializer
-            )
-        return grpc.unary_unary_rpc_method_handler(_deny, handler.request_deserializer, handler.response_serializer)
+        deny = _Deny(details.method, "wrong" if given else "missing")
+        if handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(deny.stream, None, handler.response_serializer)
+        return grpc.stream_unary_rpc_method_handler(deny.unary, None, handler.response_serializer)
+
+
+class _Deny:
+    """The behaviour of a refused call: log it, then abort without reading the request."""
+
+    def __init__(self, method: str, why: str) -> None:
+        self.method, self.why = method, why
+
+    async def unary(self, requests: Any, context: grpc.aio.ServicerContext) -> None:
+        # The peer is read at once: a context touched after its call ended can crash grpc.aio.
+        log.warning("refused %s from %s: %s bearer token", self.method, context.peer(), self.why)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token (authorization metadata)")
+
+    async def stream(self, requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        await self.unary(requests, context)
+        yield  # never reached; makes this an async generator, as a streaming handler is

@@ -1,8 +1,11 @@
 """TLS, mutual TLS and the bearer token, in process and through `gym-grpc run`."""
 
+import asyncio
 import json
+import logging
 import os
 import subprocess
+import time
 
 import grpc
 import pytest
@@ -13,6 +16,10 @@ from gym_grpc.clients import AgentClient, ResourcesClient
 from gym_grpc.registry import Registry
 from gym_grpc.security import Security, TlsSettings
 from gym_grpc.serving import serve
+from gym_grpc.v1 import admin_service_pb2 as admin_pb
+from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
+from gym_grpc.v1 import resources_service_pb2 as res_pb
+from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
 from gym_grpc.v1 import responses_pb2 as r
 from servers.agents.simple_agent.agent import SimpleAgent
 from tests.certs import make_certs
@@ -73,6 +80,59 @@ async def test_a_streaming_call_carries_the_token():
         await client.registry.close()
         for server in (agent, env, model):
             await server.stop(0.5)
+
+
+async def test_a_refused_call_is_logged_with_its_peer_and_method(caplog):
+    caplog.set_level(logging.WARNING, logger="gym_grpc.security")
+    agent = SimpleAgent({"model_server": "m", "resources_server": "calc"}, name="agent")
+    server = await serve(agent, security=Security(token="s3cret-token"))
+    client = AgentClient(Registry(static={"agent": server.address}, security=Security(token="wrong")), "agent")
+    try:
+        with pytest.raises(errors.GymError) as error:
+            async for _ in client.run_stream(task("x"), timeout=10):
+                pass
+        assert error.value.code == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        await client.registry.close()
+        await server.stop(0.5)
+    refused = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.WARNING]
+    assert len(refused) == 1
+    assert "/gym.v1.AgentService/RunStream" in refused[0] and "127.0.0.1" in refused[0]
+    assert "wrong bearer token" in refused[0] and "s3cret" not in refused[0]
+
+
+def _peak_rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+
+
+async def test_an_unauthenticated_huge_message_is_refused_without_being_read(tmp_path):
+    """A 200 MB request without the token: the server process (a real `gym-grpc run`) refuses it
+    from the metadata alone. Its peak memory does not grow by the message, and the log says who."""
+    config = tmp_path / "weather.yaml"
+    config.write_text(f"servers:\n  weather:\n    entrypoint: {REPO}/servers/resources/weather/server.py:WeatherEnv\n")
+    token = "s3cret-token"
+    run = _start_run(f"security.token={token}", configs=(config,))
+    size = 200 * 1024 * 1024
+    try:
+        address = run.servers["weather"]
+        async with transport.open_channel(address, security=Security(token=token)) as channel:
+            info = await admin_grpc.AdminServiceStub(channel).GetServerInfo(admin_pb.GetServerInfoRequest(), timeout=10)
+        before = _peak_rss_kb(info.pid)
+        huge = res_pb.CallToolRequest(session_id="s", name="get_weather", arguments="x" * size)
+        async with transport.open_channel(address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await res_grpc.ResourcesServiceStub(channel).CallTool(huge, timeout=120)
+        assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        grown = _peak_rss_kb(info.pid) - before
+        assert grown * 1024 < size / 4, f"the server's peak RSS grew by {grown} kB"
+        deadline = time.monotonic() + 30
+        while "refused /gym.v1.ResourcesService/CallTool from ipv4:127.0.0.1:" not in run.log():
+            assert time.monotonic() < deadline, run.log()
+            await asyncio.sleep(0.1)
+        assert "missing bearer token" in run.log()
+    finally:
+        run.stop()
 
 
 async def test_a_plaintext_client_cannot_talk_to_a_tls_server(certs):
