@@ -85,6 +85,12 @@ class VerifierFailed(GymError):
     code = grpc.StatusCode.INTERNAL
 
 
+class ResourceExhausted(GymError):
+    """The server is at a configured limit (such as its open sessions); the message names the knob."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class Unavailable(GymError):
     """A server this one depends on is down or unknown."""
 
@@ -119,6 +125,7 @@ def from_rpc_error(error: grpc.aio.AioRpcError, what: str) -> GymError:
         NotFound,
         FailedPrecondition,
         ToolFailed,
+        ResourceExhausted,
         Unavailable,
         Cancelled,
         DeadlineExceeded,

@@ -156,6 +156,14 @@ class ResourcesConfig(ServerConfig):
         gt=0,
         description="a session no call used for this long is closed (its agent died or gave up); null: never",
     )
+    # Far above the in-flight rollouts of one server process (16,000 is routine),
+    # so only a leak reaches it: agents that seed sessions and never close them
+    # would otherwise grow the process until the idle time-out catches up.
+    max_sessions: int | None = Field(
+        50_000,
+        ge=1,
+        description="most sessions open at once; SeedSession beyond it is RESOURCE_EXHAUSTED; null: no cap",
+    )
 
 
 class ResourcesServer(GymServer):
@@ -364,6 +372,12 @@ class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
         )
         if request.session_id in self.app.sessions:
             raise errors.FailedPrecondition(f"session {request.session_id!r} is already open", field="session_id")
+        cap = getattr(self.app.config, "max_sessions", None)
+        if cap is not None and len(self.app.sessions) >= cap:
+            raise errors.ResourceExhausted(
+                f"{len(self.app.sessions)} sessions are open, this server's cap (config max_sessions: {cap}); "
+                "close finished sessions, or raise max_sessions or lower session_idle_timeout_seconds"
+            )
         # Held from the start, so a second SeedSession with the same id is refused, not raced.
         session = self.app.sessions[request.session_id] = Session(id=request.session_id, task=request.task)
         session.in_flight += 1

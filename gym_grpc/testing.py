@@ -18,8 +18,8 @@ Subclass in a test module (pytest and pytest-asyncio are needed):
             return SimpleAgent({"model_server": "policy_model", "resources_server": "weather"}, registry=registry)
 
 The tests serve the server on 127.0.0.1:0 and check, over real gRPC: health
-and reflection, tool descriptions, the session cycle, verification, and the
-status codes of bad input.
+and reflection, tool descriptions, the session cycle, verification, the
+status codes of bad input, and the cap on open sessions.
 """
 
 from __future__ import annotations
@@ -160,6 +160,24 @@ class ResourcesConformance:
                 )
             assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION, session_id
             assert errors.field_of(error.value) == "session_id"
+
+    async def test_seeding_past_the_session_cap_is_resource_exhausted(self) -> None:
+        app = self.server()
+        app.config = type(app.config).model_validate({**app.config.model_dump(), "max_sessions": 1})
+        running = await serve(app, "127.0.0.1", 0)
+        try:
+            async with transport.open_channel(running.address) as channel:
+                stub = res_grpc.ResourcesServiceStub(channel)
+                await stub.SeedSession(res_pb.SeedSessionRequest(session_id="first", task=self._task()), timeout=10)
+                second = res_pb.SeedSessionRequest(session_id="second", task=self._task())
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    await stub.SeedSession(second, timeout=10)
+                assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "max_sessions" in (error.value.details() or "")
+                await stub.CloseSession(res_pb.CloseSessionRequest(session_id="first"), timeout=10)
+                await stub.SeedSession(second, timeout=10)  # closing one made room
+        finally:
+            await running.stop(grace=0.5)
 
     async def test_bad_requests_get_invalid_argument(self, served: Any) -> None:
         _, stub, channel = served

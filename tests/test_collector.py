@@ -8,16 +8,17 @@ import time
 
 import pytest
 
+from gym_grpc.clients import ResourcesClient
 from gym_grpc.collector import CollectOptions, collect
 from gym_grpc.jsonl import failures_path
 from servers.agents.simple_agent.agent import SimpleAgent
-from tests.support import Calculator, EchoModel, static_registry
+from tests.support import Calculator, EchoModel, static_registry, task
 
 
-async def _servers(start, delay=0.01):
+async def _servers(start, delay=0.01, env=None):
     model = EchoModel(delay)
     m = await start(model)
-    env = await start(Calculator())
+    env = env or await start(Calculator())
     registry = static_registry(model=m, calc=env)
     agent = await start(
         SimpleAgent({"model_server": "model", "resources_server": "calc"}, name="agent", registry=registry)
@@ -58,6 +59,24 @@ async def test_a_failed_rollout_goes_to_the_sidecar_and_the_rest_are_collected(s
     row = _read(tmp_path / "out.jsonl")[0]
     assert set(row["timings"]) == {"model", "tools", "verify", "total"}
     assert row["timings"]["total"] >= row["timings"]["model"] > 0
+    await registry.close()
+
+
+async def test_an_environment_at_its_session_cap_fails_rollouts_that_a_rerun_collects(start, tmp_path):
+    env = await start(Calculator({"max_sessions": 1}))
+    _, registry = await _servers(start, env=env)
+    holder = ResourcesClient(static_registry(calc=env), "calc")
+    await holder.seed_session("held", task("x"))  # another agent's rollout holds the only session
+    _write_tasks(tmp_path / "tasks.jsonl", ["one", "two"])
+    summary = await collect(registry, _options(tmp_path), log=io.StringIO())
+    assert (summary.done, summary.failed) == (0, 2)
+    failures = _read(failures_path(tmp_path / "out.jsonl"))
+    assert {f["error"]["code"] for f in failures} == {"RESOURCE_EXHAUSTED"}
+    assert "max_sessions: 1" in failures[0]["error"]["message"]
+    await holder.close_session("held")
+    summary = await collect(registry, _options(tmp_path, max_in_flight=1), log=io.StringIO())
+    assert summary.failed == 0 and _keys(tmp_path / "out.jsonl") == [(0, 0), (1, 0)]
+    await holder.registry.close()
     await registry.close()
 
 

@@ -159,6 +159,33 @@ async def test_the_idle_timeout_never_closes_a_session_under_a_running_call(star
     await client.registry.close()
 
 
+async def test_seeding_past_max_sessions_is_resource_exhausted_until_one_closes(start):
+    server = await start(Calculator({"max_sessions": 2}))
+    client = ResourcesClient(static_registry(calc=server), "calc")
+    await client.seed_session("a", task("x"))
+    await client.seed_session("b", task("x"))
+    with pytest.raises(errors.ResourceExhausted) as error:
+        await client.seed_session("c", task("x"))
+    assert error.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "2 sessions are open" in error.value.message and "max_sessions: 2" in error.value.message
+    assert set(server.app.sessions) == {"a", "b"}  # the refused one holds nothing
+    await client.close_session("a")
+    await client.seed_session("c", task("x"))
+    await client.registry.close()
+
+
+async def test_sessions_the_idle_timeout_closed_make_room_under_the_cap(start):
+    Leaky.closed = []
+    server = await start(Leaky({"max_sessions": 1, "session_idle_timeout_seconds": 0.2}))
+    client = ResourcesClient(static_registry(env=server), "env")
+    await client.seed_session("abandoned", task("x"))
+    with pytest.raises(errors.ResourceExhausted):
+        await client.seed_session("next", task("x"))
+    await _until(lambda: Leaky.closed == ["abandoned"])
+    await client.seed_session("next", task("x"))
+    await client.registry.close()
+
+
 async def test_stopping_the_server_closes_the_open_sessions(start):
     Leaky.closed = []
     server = await start(Leaky())
