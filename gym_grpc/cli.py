@@ -408,7 +408,7 @@ def reverify_command(
 )
 @_security_options
 def status_command(registry: str, as_json: bool, interval: float, security: Security) -> None:
-    """Every server of a running config: address, health, pid, uptime, in flight, calls/s."""
+    """Every server of a running config: address, health, pid, uptime, in flight, calls/s, engine retries."""
 
     async def ask() -> list[dict]:
         async with _registry(registry, security) as reg:

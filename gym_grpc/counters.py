@@ -1,5 +1,6 @@
 """Live counters of a server: calls by method and status, in flight, latency
-percentiles over recent calls, and the time agents' rollouts spend per stage.
+percentiles over recent calls, the time agents' rollouts spend per stage, and
+the retries of requests to engines by failure class.
 
 Recording a call costs two clock reads and a few dict and array updates;
 percentiles are computed only when someone asks (AdminService.GetCounters).
@@ -54,6 +55,7 @@ class Counters:
         self.started = time.monotonic()
         self.methods: dict[str, _Method] = {}
         self.stages = {stage: _Recent() for stage in ("model", "tools", "verify")}
+        self.retries: Counter[str] = Counter()
 
     def begin(self, method: str) -> float:
         """A call started; returns the time to pass to end()."""
@@ -78,11 +80,15 @@ class Counters:
         self.stages["tools"].add(timings.tools_seconds)
         self.stages["verify"].add(timings.verify_seconds)
 
+    def retried(self, kind: str) -> None:
+        """A request to an engine is retried after a failure of class `kind` (see gym_grpc.retries)."""
+        self.retries[kind] += 1
+
     def uptime(self) -> float:
         return time.monotonic() - self.started
 
     def to_proto(self) -> admin_pb.GetCountersResponse:
-        reply = admin_pb.GetCountersResponse(uptime_seconds=self.uptime())
+        reply = admin_pb.GetCountersResponse(uptime_seconds=self.uptime(), retries=dict(self.retries))
         for name, counters in sorted(self.methods.items()):
             ordered = counters.latency.sorted()
             reply.methods.add(

@@ -2,20 +2,24 @@
 
 aiohttp, never httpx on the hot path (httpx's pool is quadratic in queued
 requests). Each engine gets connect and read timeouts, a cap on concurrent
-requests (its connection pool), and bounded retries with exponential backoff on 429,
-502, 503, 504 and connection errors, each retry logged with its cause and
-count. A request never outlives the deadline of the call that made it, so an
-engine that is down costs UNAVAILABLE (or DEADLINE_EXCEEDED), never a hang.
-Several base URLs make a pool: one session sticks to one engine, sessions
-spread over all of them.
+requests (its connection pool), and bounded retries per failure class
+(`gym_grpc.retries`), each retry logged with its cause and counted in the
+server's counters. A request never outlives the deadline of the call that
+made it, so an engine that is down costs UNAVAILABLE (or DEADLINE_EXCEEDED),
+never a hang. An engine that has not answered yet (vLLM loading its model) is
+waited for, up to `startup_wait_seconds`, so a collect started early loses no
+rollouts. Several base URLs make a pool: one session sticks to one engine,
+sessions spread over all of them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import logging
-import random
+import time
 import zlib
 from typing import Any, ClassVar
 
@@ -23,16 +27,19 @@ import aiohttp
 import grpc
 from pydantic import Field, field_validator
 
-from gym_grpc import errors, transport
+from gym_grpc import errors
+from gym_grpc.counters import Counters
 from gym_grpc.model import ModelServer
+from gym_grpc.retries import Failure, Retries, RetrySettings, retry_after_seconds
 from gym_grpc.serving import ServerConfig
 
 log = logging.getLogger("gym_grpc.engines")
 
+#: HTTP statuses worth retrying; the others are the engine's answer.
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 
 
-class EngineSettings(ServerConfig):
+class EngineSettings(ServerConfig, RetrySettings):
     """How to reach the engines of one model server (the `config:` keys of model servers)."""
 
     base_url: list[str] = Field(description="one base URL or several, such as http://gpu-1:8000/v1")
@@ -43,9 +50,6 @@ class EngineSettings(ServerConfig):
     )
     connect_timeout: float = Field(10.0, gt=0, description="seconds to open a connection")
     read_timeout: float = Field(600.0, gt=0, description="seconds to wait for an answer")
-    max_retries: int = Field(5, ge=0, description="retries of a request that failed in a retryable way")
-    backoff_seconds: float = Field(0.5, ge=0, description="first retry delay; doubles each time, with jitter")
-    max_backoff_seconds: float = Field(10.0, ge=0, description="longest retry delay")
 
     @field_validator("base_url", mode="before")
     @classmethod
@@ -93,10 +97,15 @@ def _error_message(status: int, body: bytes) -> str:
 class Engine:
     """One engine behind one base URL."""
 
-    def __init__(self, base_url: str, settings: EngineSettings) -> None:
+    def __init__(self, base_url: str, settings: EngineSettings, counters: Counters | None = None) -> None:
         self.base_url = base_url
         self.settings = settings
+        self.counters = counters or Counters()
         self._session: aiohttp.ClientSession | None = None
+        #: Set once the engine answered anything (even an error): it is up.
+        self._answered = asyncio.Event()
+        self._first_request: float | None = None
+        self._waiting_since: float | None = None
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -116,35 +125,77 @@ class Engine:
         "/v1": vLLM's /tokenize), retrying what is worth retrying; the answer's JSON.
 
         Raises EngineError for an HTTP error not worth retrying, and a GymError
-        (UNAVAILABLE, DEADLINE_EXCEEDED) when retries or the deadline run out."""
+        (UNAVAILABLE, DEADLINE_EXCEEDED) when retries, budget or deadline run out."""
         url = f"{self.base_url.removesuffix('/v1') if from_root else self.base_url}{path}"
         payload = json.dumps(body).encode()
-        attempts = self.settings.max_retries + 1
-        for attempt in range(1, attempts + 1):
-            budget = transport.timeout_for(None)
-            if budget is not None and budget <= 0:
-                raise errors.DeadlineExceeded(f"engine {url}: no time left for attempt {attempt}")
+        retries = Retries(self.settings, f"engine {url}")
+        if self._first_request is None:
+            self._first_request = time.monotonic()
+        startup_waits = 0
+        while True:
             try:
-                return await asyncio.wait_for(self._send(url, payload), budget)
+                return await asyncio.wait_for(self._send(url, payload), retries.time_left())
             except _Retryable as e:
-                cause = str(e)
-            except (aiohttp.ClientConnectionError, aiohttp.ServerTimeoutError) as e:
-                cause = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                failure = e.failure
+            except aiohttp.SocketTimeoutError:
+                failure = Failure("timeout", f"no answer within read_timeout ({self.settings.read_timeout:g} s)")
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+                failure = Failure("connect", f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
             except TimeoutError:
-                raise errors.DeadlineExceeded(f"engine {url}: the caller's deadline ran out") from None
-            if attempt == attempts:
-                raise errors.Unavailable(f"engine {url} failed {attempts} times; last: {cause}")
-            delay = min(self.settings.backoff_seconds * 2 ** (attempt - 1), self.settings.max_backoff_seconds)
-            delay *= 0.5 + random.random() / 2
-            log.warning("engine %s: %s (attempt %d of %d); retrying in %.2f s", url, cause, attempt, attempts, delay)
+                raise retries.out_of_time() from None
+            if failure.kind == "connect" and not self._answered.is_set():
+                if await self._wait_for_start(failure, retries, startup_waits + 1):
+                    startup_waits += 1
+                    continue
+                failure = dataclasses.replace(failure, cause=f"{failure.cause} (the engine never answered)")
+            delay = retries.wait_before_retry(failure)
+            self.counters.retried(failure.kind)
+            log.warning(
+                "engine %s: %s (%s retry %d of %d); retrying in %.2f s",
+                url,
+                failure.cause,
+                failure.kind,
+                retries.counts[failure.kind],
+                self.settings.retry_limit(failure.kind),
+                delay,
+            )
             await asyncio.sleep(delay)
-        raise AssertionError("unreachable")
+
+    async def _wait_for_start(self, failure: Failure, retries: Retries, wait: int) -> bool:
+        """While the engine has never answered (still loading), wait for it instead of
+        counting a connection failure, up to startup_wait_seconds from the first
+        request; False once that is over. The `wait`-th wait of a request backs off
+        like a retry, and wakes as soon as any request gets through."""
+        assert self._first_request is not None
+        left = self.settings.startup_wait_seconds - (time.monotonic() - self._first_request)
+        if left <= 0:
+            return False
+        if self._waiting_since is None:
+            self._waiting_since = time.monotonic()
+            log.warning(
+                "engine %s does not answer yet (%s); waiting up to %.0f s for it to start (startup_wait_seconds)",
+                self.base_url,
+                failure.cause,
+                left,
+            )
+        delay = min(self.settings.backoff(wait), left)
+        retries.check_wait(delay, failure.cause)
+        self.counters.retried("connect")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._answered.wait(), delay)
+        return True
 
     async def _send(self, url: str, payload: bytes) -> dict[str, Any]:
         async with self._client().post(url, data=payload) as reply:
+            if not self._answered.is_set():
+                self._answered.set()
+                if self._waiting_since is not None:
+                    log.warning(
+                        "engine %s answered after %.1f s", self.base_url, time.monotonic() - self._waiting_since
+                    )
             body = await reply.read()
             if reply.status in RETRY_STATUSES:
-                raise _Retryable(f"HTTP {reply.status}: {_error_message(reply.status, body)}")
+                raise _Retryable(reply.status, _error_message(reply.status, body), reply.headers.get("Retry-After"))
             if reply.status >= 400:
                 raise EngineError(reply.status, _error_message(reply.status, body), url)
             try:
@@ -158,14 +209,22 @@ class Engine:
 
 
 class _Retryable(Exception):
-    """An answer worth retrying (429, 502, 503, 504)."""
+    """An answer worth retrying (429, 502, 503, 504), as the Failure it is."""
+
+    def __init__(self, status: int, detail: str, retry_after: str | None) -> None:
+        super().__init__(detail)
+        kind = "rate_limited" if status == 429 else "server_error"
+        # Retry-After is honoured where HTTP defines it for these statuses.
+        wait = retry_after_seconds(retry_after) if status in (429, 503) else None
+        cause = f"HTTP {status}: {detail}" + (f" (Retry-After {wait:g} s)" if wait is not None else "")
+        self.failure = Failure(kind, cause, wait)
 
 
 class EnginePool:
     """The engines of one model server; a session always goes to the same one."""
 
-    def __init__(self, settings: EngineSettings) -> None:
-        self.engines = [Engine(url, settings) for url in settings.base_url]
+    def __init__(self, settings: EngineSettings, counters: Counters | None = None) -> None:
+        self.engines = [Engine(url, settings, counters) for url in settings.base_url]
         self._next = 0
 
     def for_session(self, session_id: str) -> Engine:
@@ -187,7 +246,7 @@ class EngineModelServer(ModelServer):
     config: EngineSettings
 
     async def start(self) -> None:
-        self.engines = EnginePool(self.config)
+        self.engines = EnginePool(self.config, self.counters)
 
     async def stop(self) -> None:
         await self.engines.close()

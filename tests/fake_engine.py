@@ -6,13 +6,15 @@ fields: `logprobs` + `return_tokens_as_token_ids` give "token_id:N" tokens,
 `required_prefix_token_ids` as NeMo RL's vLLM accepts it), `/tokenize`, and
 OpenAI's `/v1/responses`. Its "model" is a script of turns; its tokenizer is
 byte-level with a ChatML template, so prompt ids are real functions of the
-messages. Faults on demand: HTTP errors for the first N requests, hanging,
-a context limit.
+messages. Faults on demand: HTTP errors for the first N requests (with a
+Retry-After header if asked), hanging, a context limit; and a late start, on
+a socket bound before (connections to it are refused until then).
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -52,20 +54,25 @@ class FakeEngine:
         self.requests: list[dict] = []
         self.headers: list[dict] = []
         self.fail_next: list[int] = []  # statuses to answer the next requests with
+        self.retry_after: str | None = None  # the Retry-After header of those answers
         self.hang = False
         self.disagree = False  # token_ids and log-prob tokens that differ
         self.without_token_ids = False  # an older vLLM: no return_token_ids
         self.runner: web.AppRunner | None = None
         self.base_url = ""
 
-    async def start(self) -> str:
+    async def start(self, sock: socket.socket | None = None) -> str:
+        """Serve on 127.0.0.1, on a free port or on `sock` (bound, not yet listening); the base URL."""
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/responses", self._responses)
         app.router.add_post("/tokenize", self._tokenize)
         self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0, backlog=8192)
+        if sock is None:
+            site: web.BaseSite = web.TCPSite(self.runner, "127.0.0.1", 0, backlog=8192)
+        else:
+            site = web.SockSite(self.runner, sock, backlog=8192)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self.base_url = f"http://127.0.0.1:{port}/v1"
@@ -109,7 +116,9 @@ class FakeEngine:
             await asyncio.sleep(3600)
         if self.fail_next:
             status = self.fail_next.pop(0)
-            return body, web.json_response({"error": {"message": f"injected {status}", "code": status}}, status=status)
+            headers = {"Retry-After": self.retry_after} if self.retry_after is not None else None
+            error = {"error": {"message": f"injected {status}", "code": status}}
+            return body, web.json_response(error, status=status, headers=headers)
         return body, None
 
     def _next_turn(self, body: dict) -> Turn:

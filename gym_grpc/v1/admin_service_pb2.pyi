@@ -215,11 +215,32 @@ class GetCountersResponse(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class RetriesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     METHODS_FIELD_NUMBER: _builtins.int
     IN_FLIGHT_FIELD_NUMBER: _builtins.int
     CALLS_TOTAL_FIELD_NUMBER: _builtins.int
     UPTIME_SECONDS_FIELD_NUMBER: _builtins.int
     STAGES_FIELD_NUMBER: _builtins.int
+    RETRIES_FIELD_NUMBER: _builtins.int
     in_flight: _builtins.int
     """Calls running now, over all methods."""
     calls_total: _builtins.int
@@ -234,6 +255,16 @@ class GetCountersResponse(_message.Message):
     def stages(self) -> _containers.RepeatedCompositeFieldContainer[Global___StageCounters]:
         """Agents only: time per stage of their rollouts."""
 
+    @_builtins.property
+    def retries(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Model servers in front of engines: retries of requests to the engines
+        since start, by failure class: "connect" (no connection, or it dropped
+        before the answer; includes waiting for an engine that is still
+        starting), "server_error" (HTTP 502, 503, 504), "rate_limited" (HTTP 429),
+        "timeout" (no answer within the read time-out). A class never retried is
+        absent.
+        """
+
     def __init__(
         self,
         *,
@@ -242,10 +273,11 @@ class GetCountersResponse(_message.Message):
         calls_total: _builtins.int = ...,
         uptime_seconds: _builtins.float = ...,
         stages: _abc.Iterable[Global___StageCounters] | None = ...,
+        retries: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls_total", b"calls_total", "in_flight", b"in_flight", "methods", b"methods", "stages", b"stages", "uptime_seconds", b"uptime_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls_total", b"calls_total", "in_flight", b"in_flight", "methods", b"methods", "retries", b"retries", "stages", b"stages", "uptime_seconds", b"uptime_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

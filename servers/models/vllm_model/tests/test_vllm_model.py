@@ -132,7 +132,8 @@ async def test_a_429_storm_recovers_and_every_retry_is_logged(start, engine, cap
     assert final_text(response) == "fine" and len(fake.requests) == 5
     retries = [rec.getMessage() for rec in caplog.records if "retrying" in rec.getMessage()]
     assert len(retries) == 4
-    assert "HTTP 429" in retries[0] and "attempt 1 of 6" in retries[0] and "HTTP 503" in retries[2]
+    assert "HTTP 429" in retries[0] and "rate_limited retry 1 of 5" in retries[0]
+    assert "HTTP 503" in retries[2] and "server_error retry 1 of 5" in retries[2]
     await model.registry.close()
 
 
@@ -142,7 +143,7 @@ async def test_retries_are_bounded_then_unavailable(start, engine):
     model = await _model(start, fake, max_retries=2)
     with pytest.raises(errors.Unavailable) as error:
         await model.create_response(_params(), "s")
-    assert "failed 3 times" in error.value.message and "HTTP 503" in error.value.message
+    assert "gave up after 2 server_error retries" in error.value.message and "HTTP 503" in error.value.message
     assert len(fake.requests) == 3
     await model.registry.close()
 
@@ -154,7 +155,7 @@ async def test_an_engine_that_never_answers_fails_in_bounded_time(start, engine)
     began = time.monotonic()
     with pytest.raises(errors.Unavailable) as error:
         await model.create_response(_params(), "s")
-    assert "failed 2 times" in error.value.message and time.monotonic() - began < 5
+    assert "gave up after 1 timeout retries" in error.value.message and time.monotonic() - began < 5
     # With the caller's deadline shorter than the read timeout, the deadline wins.
     patient = await _model(start, fake, read_timeout=60)
     began = time.monotonic()
@@ -173,7 +174,16 @@ def _request():
 
 async def test_an_engine_that_is_down_is_unavailable(start):
     model = await start(
-        VLLMModel({"base_url": "http://127.0.0.1:1/v1", "model": "p", "max_retries": 1, **FAST_RETRIES}, name="m")
+        VLLMModel(
+            {
+                "base_url": "http://127.0.0.1:1/v1",
+                "model": "p",
+                "max_retries": 1,
+                "startup_wait_seconds": 0,
+                **FAST_RETRIES,
+            },
+            name="m",
+        )
     )
     client = ModelClient(static_registry(m=model), "m")
     with pytest.raises(errors.Unavailable) as error:

@@ -1,0 +1,178 @@
+"""Retries toward engines: per failure class, Retry-After, the budget, the startup wait, the counters.
+
+The engine is tests/fake_engine.py, a real aiohttp server speaking vLLM's wire
+format, behind the real vLLM model server."""
+
+import asyncio
+import io
+import json
+import logging
+import socket
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
+
+import pytest
+
+from gym_grpc import errors, status, transport
+from gym_grpc.clients import ModelClient
+from gym_grpc.collector import CollectOptions, collect
+from gym_grpc.retries import retry_after_seconds
+from gym_grpc.v1 import admin_service_pb2 as admin_pb
+from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
+from gym_grpc.v1 import model_service_pb2 as model_pb
+from gym_grpc.v1 import responses_pb2 as r
+from servers.agents.simple_agent.agent import SimpleAgent
+from servers.models.vllm_model.server import VLLMModel
+from tests.fake_engine import FakeEngine, Turn
+from tests.support import Calculator, static_registry
+
+FAST = {"backoff_seconds": 0.01, "max_backoff_seconds": 0.05}
+
+
+@pytest.fixture
+async def engines():
+    started: list[FakeEngine] = []
+
+    async def make(sock: socket.socket | None = None) -> FakeEngine:
+        fake = FakeEngine([Turn(content="5")])
+        await fake.start(sock)
+        started.append(fake)
+        return fake
+
+    yield make
+    for fake in started:
+        await fake.stop()
+
+
+@pytest.fixture
+def unopened():
+    """A port that refuses connections until an engine starts on it: bound, not listening."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    yield sock
+    sock.close()
+
+
+def _url(sock: socket.socket) -> str:
+    return f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+
+
+async def _model(start, base_url: str, **config):
+    server = await start(VLLMModel({"base_url": base_url, "model": "policy", **FAST, **config}, name="model"))
+    return server, ModelClient(static_registry(model=server), "model")
+
+
+def _request() -> model_pb.CreateResponseRequest:
+    request = model_pb.CreateResponseRequest(session_id="s")
+    request.params.input_items.items.add().message.CopyFrom(r.Message(role=r.ROLE_USER, text="What is 2 + 3?"))
+    return request
+
+
+async def _until(condition, seconds: float = 30.0) -> None:
+    for _ in range(int(seconds / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the condition never held")
+
+
+async def test_a_collect_started_before_its_engine_is_ready_loses_no_rollouts(
+    start, engines, unopened, tmp_path, caplog
+):
+    caplog.set_level(logging.WARNING, logger="gym_grpc.engines")
+    model, client = await _model(start, _url(unopened), startup_wait_seconds=120, max_retries=1)
+    env = await start(Calculator())
+    peers = static_registry(model=model, calc=env)
+    agent = await start(
+        SimpleAgent({"model_server": "model", "resources_server": "calc"}, name="agent", registry=peers)
+    )
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"responses_create_params": {"input": "2 + 3?"}, "expected_answer": 5}) + "\n")
+    registry = static_registry(agent=agent)
+    options = CollectOptions(input=tasks, output=tmp_path / "out.jsonl", agent="agent", num_repeats=8, progress=False)
+    collecting = asyncio.create_task(collect(registry, options, log=io.StringIO()))
+    # More refused connections than max_retries allows: only the startup wait keeps the rollouts alive.
+    await _until(lambda: model.app.counters.retries["connect"] > 8 * 2 or collecting.done())
+    assert not collecting.done()
+    await engines(unopened.dup())  # the engine owns its copy of the socket
+    summary = await asyncio.wait_for(collecting, 60)
+    assert (summary.done, summary.failed) == (8, 0)
+    messages = [rec.getMessage() for rec in caplog.records]
+    assert sum("does not answer yet" in m and "startup_wait_seconds" in m for m in messages) == 1
+    assert sum("answered after" in m for m in messages) == 1
+    await registry.close()
+    await peers.close()
+    await client.registry.close()
+
+
+async def test_an_engine_that_never_starts_fails_after_the_startup_wait(start, unopened):
+    model, client = await _model(start, _url(unopened), startup_wait_seconds=0.5, max_retries=1)
+    with pytest.raises(errors.Unavailable) as error:
+        await client._call("CreateResponse", _request(), timeout=60)
+    assert "the engine never answered" in error.value.message
+    assert "gave up after 1 connect retries" in error.value.message
+    assert model.app.counters.retries["connect"] >= 2  # waited during startup, then one retry
+    await client.registry.close()
+
+
+async def test_retries_are_bounded_per_failure_class_and_counted(start, engines):
+    fake = await engines()
+    fake.fail_next = [503, 503, 429, 429, 429]
+    model, client = await _model(start, fake.base_url, max_retries=0, retries={"server_error": 2, "rate_limited": 3})
+    response = await client.create_response(_request().params, "s")
+    assert response.output and len(fake.requests) == 6  # five retries, more than either class allows
+    async with transport.open_channel(model.address) as channel:
+        counters = await admin_grpc.AdminServiceStub(channel).GetCounters(admin_pb.GetCountersRequest(), timeout=10)
+    assert dict(counters.retries) == {"server_error": 2, "rate_limited": 3}
+    [row] = await status.status(static_registry(model=model), interval=0.1)
+    assert row["retries"] == {"server_error": 2, "rate_limited": 3}
+    assert status.format_status([row]).splitlines()[1].split()[-1] == "5"
+
+    fake.fail_next = [503, 503, 503]
+    with pytest.raises(errors.Unavailable) as error:
+        await client.create_response(_request().params, "s")
+    assert "HTTP 503" in error.value.message and "gave up after 2 server_error retries" in error.value.message
+    assert len(fake.requests) == 9
+    await client.registry.close()
+
+
+async def test_a_retry_after_is_waited_for(start, engines, caplog):
+    caplog.set_level(logging.WARNING, logger="gym_grpc.engines")
+    fake = await engines()
+    fake.fail_next, fake.retry_after = [503], "1"
+    _, client = await _model(start, fake.base_url)
+    response = await client.create_response(_request().params, "s")
+    assert response.output and len(fake.requests) == 2
+    [retry] = [rec.getMessage() for rec in caplog.records if "retrying" in rec.getMessage()]
+    assert "(Retry-After 1 s)" in retry and "retrying in 1.00 s" in retry
+    await client.registry.close()
+
+
+async def test_a_retry_after_past_the_callers_deadline_fails_at_once_naming_it(start, engines):
+    fake = await engines()
+    fake.fail_next, fake.retry_after = [429], "3600"
+    _, client = await _model(start, fake.base_url)
+    with pytest.raises(errors.Unavailable) as error:
+        await client._call("CreateResponse", _request(), timeout=30)
+    assert "HTTP 429" in error.value.message and "Retry-After 3600 s" in error.value.message
+    assert "after the caller's deadline" in error.value.message
+    assert len(fake.requests) == 1
+    await client.registry.close()
+
+
+async def test_a_storm_longer_than_the_retry_budget_ends_with_the_budget(start, engines):
+    fake = await engines()
+    fake.fail_next = [503] * 100_000
+    _, client = await _model(start, fake.base_url, retries={"server_error": 100_000}, retry_budget_seconds=0.5)
+    with pytest.raises(errors.Unavailable) as error:
+        await client._call("CreateResponse", _request(), timeout=60)
+    assert "retry budget (retry_budget_seconds: 0.5)" in error.value.message
+    await client.registry.close()
+
+
+def test_retry_after_is_read_as_seconds_or_as_an_http_date():
+    assert retry_after_seconds("7") == 7.0
+    assert retry_after_seconds(None) is None and retry_after_seconds("soon") is None
+    assert retry_after_seconds("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # in the past: at once
+    later = format_datetime(datetime.now(UTC) + timedelta(hours=1), usegmt=True)
+    assert 3500 < retry_after_seconds(later) <= 3600
