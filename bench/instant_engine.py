@@ -1,11 +1,14 @@
-"""An OpenAI-compatible engine that answers at once, for benchmarking model servers.
+"""An OpenAI-compatible engine that answers at once (or after a fixed latency),
+for benchmarking model servers.
 
-    python bench/instant_engine.py PORT_FILE
+    python bench/instant_engine.py PORT_FILE [LATENCY_SECONDS]
 
 It serves `/v1/chat/completions` in vLLM's wire format, token fields included
-(byte-level ids, one log-prob per generated token): with tools and no tool
-output yet it calls the first tool with the capitalised words of the last
-user message as its first argument; after a tool output it answers with it.
+(byte-level ids, one log-prob per generated token), and `/v1/responses` in
+the Responses format: with tools and no tool output yet it calls the first
+tool with the capitalised words of the last user message as its first
+argument; after a tool output it answers with it. With a latency, every
+answer waits that long, as a busy engine would.
 """
 
 from __future__ import annotations
@@ -34,8 +37,19 @@ def _prompt(messages: list[dict]) -> list[int]:
     return ids + [256, *_ids("assistant\n")]
 
 
+LATENCY = 0.0
+
+
+def _tool_arguments(tool: dict, user: object) -> str:
+    """The capitalised words of the user's message as the tool's first argument."""
+    words = re.findall(r"\b[A-Z][a-z]+(?:\s+[A-Z][a-z]+)*", str(user)[1:])
+    argument = next(iter(tool.get("parameters", {}).get("properties", {})), "query")
+    return json.dumps({argument: words[-1] if words else ""})
+
+
 async def chat(request: web.Request) -> web.Response:
     body = await request.json()
+    await asyncio.sleep(LATENCY)
     messages = body["messages"]
     last = messages[-1]
     calls = []
@@ -44,14 +58,11 @@ async def chat(request: web.Request) -> web.Response:
     elif body.get("tools"):
         tool = body["tools"][0]["function"]
         user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
-        words = re.findall(r"\b[A-Z][a-z]+(?:\s+[A-Z][a-z]+)*", str(user)[1:])
-        argument = next(iter(tool.get("parameters", {}).get("properties", {})), "query")
-        arguments = json.dumps({argument: words[-1] if words else ""})
         calls = [
             {
                 "id": f"call_{uuid.uuid4().hex[:12]}",
                 "type": "function",
-                "function": {"name": tool["name"], "arguments": arguments},
+                "function": {"name": tool["name"], "arguments": _tool_arguments(tool, user)},
             }
         ]
         content = ""
@@ -84,9 +95,55 @@ async def chat(request: web.Request) -> web.Response:
     return web.json_response(answer)
 
 
+async def responses(request: web.Request) -> web.Response:
+    body = await request.json()
+    await asyncio.sleep(LATENCY)
+    items = body["input"] if isinstance(body["input"], list) else [{"role": "user", "content": body["input"]}]
+    last = items[-1]
+    if last.get("type") == "function_call_output":
+        output = {
+            "type": "message",
+            "id": f"msg_{uuid.uuid4().hex}",
+            "role": "assistant",
+            "status": "completed",
+            "content": [{"type": "output_text", "text": f"According to the tool: {last['output']}", "annotations": []}],
+        }
+    elif body.get("tools"):
+        tool = body["tools"][0]
+        user = next((i.get("content") for i in reversed(items) if i.get("role") == "user"), "")
+        output = {
+            "type": "function_call",
+            "id": f"fc_{uuid.uuid4().hex}",
+            "call_id": f"call_{uuid.uuid4().hex[:12]}",
+            "name": tool["name"],
+            "arguments": _tool_arguments(tool, user),
+            "status": "completed",
+        }
+    else:
+        output = {
+            "type": "message",
+            "id": f"msg_{uuid.uuid4().hex}",
+            "role": "assistant",
+            "status": "completed",
+            "content": [{"type": "output_text", "text": "I do not know.", "annotations": []}],
+        }
+    return web.json_response(
+        {
+            "id": f"resp_{uuid.uuid4().hex}",
+            "object": "response",
+            "created_at": int(time.time()),
+            "model": body.get("model"),
+            "status": "completed",
+            "output": [output],
+            "usage": {"input_tokens": 50, "output_tokens": 10, "total_tokens": 60},
+        }
+    )
+
+
 async def main(port_file: str) -> None:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/responses", responses)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, backlog=8192)
@@ -97,4 +154,6 @@ async def main(port_file: str) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 2:
+        LATENCY = float(sys.argv[2])
     asyncio.run(main(sys.argv[1]))

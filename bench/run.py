@@ -11,6 +11,9 @@ What it measures, each in real processes on loopback:
   (c) latency_16k      16,384 rollouts in flight against a model with 2 s of latency
   (d) collector_1m     the collector on a 1,000,000-row input (--limit 10,000, then resumed to
                        --limit 50,000), and the servers' memory, idle, after each
+  (e) http_engine_16k  16,384 weather rollouts in flight through each HTTP model server (vllm:
+                       Chat Completions, openai: Responses) to an engine that answers after 2 s,
+                       then 10 s, with --cpu-hogs busy processes loading the machine meanwhile
       startup          `gym-grpc run` of the quickstart, from start to every server healthy
 CPU per rollout is the CPU time of every process (servers and collector) divided by the rollouts.
 """
@@ -78,14 +81,24 @@ def _write_config(directory: Path, model_latency: float, engine_url: str | None 
             },
         },
     }
-    if engine_url is not None:  # the vllm model server in front of an engine that answers at once
+    if engine_url is not None:  # the HTTP model servers in front of bench/instant_engine.py
+        # No connection cap: every rollout in flight reaches the engine, whose latency is the point.
+        engine = {"base_url": engine_url, "model": "instant", "max_connections": 0}
         config["servers"]["http_policy_model"] = {
             "entrypoint": f"{REPO}/servers/models/vllm_model/server.py:VLLMModel",
-            "config": {"base_url": engine_url, "model": "instant", "return_token_ids": True},
+            "config": {**engine, "return_token_ids": True},
         }
         config["servers"]["http_weather_agent"] = {
             "entrypoint": agent,
             "config": {"model_server": "http_policy_model", "resources_server": "weather"},
+        }
+        config["servers"]["responses_policy_model"] = {
+            "entrypoint": f"{REPO}/servers/models/openai_model/server.py:OpenAIModel",
+            "config": engine,
+        }
+        config["servers"]["responses_weather_agent"] = {
+            "entrypoint": agent,
+            "config": {"model_server": "responses_policy_model", "resources_server": "weather"},
         }
     path = directory / f"bench_{model_latency}_{engine_url is not None}.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
@@ -93,11 +106,14 @@ def _write_config(directory: Path, model_latency: float, engine_url: str | None 
 
 
 class InstantEngine:
-    """bench/instant_engine.py in its own process."""
+    """bench/instant_engine.py in its own process, answering after `latency` seconds."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, latency: float = 0.0) -> None:
         port_file = directory / "engine_port"
-        self.process = subprocess.Popen([sys.executable, str(REPO / "bench/instant_engine.py"), str(port_file)])
+        port_file.unlink(missing_ok=True)
+        self.process = subprocess.Popen(
+            [sys.executable, str(REPO / "bench/instant_engine.py"), str(port_file), str(latency)]
+        )
         while not port_file.exists() or not port_file.read_text():
             time.sleep(0.05)
         self.url = f"http://127.0.0.1:{port_file.read_text()}/v1"
@@ -305,6 +321,52 @@ def bench_latency(tmp: Path, in_flight: int, latency: float, peak_rate: float) -
     }
 
 
+class CpuHogs:
+    """Busy processes that keep the machine loaded while a scenario runs."""
+
+    def __init__(self, count: int) -> None:
+        self.processes = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+
+    def stop(self) -> None:
+        for process in self.processes:
+            process.kill()
+            process.wait()
+
+
+def bench_http_engine(tmp: Path, in_flight: int, latencies: list[float], cpu_hogs: int) -> list[dict]:
+    """`in_flight` weather rollouts at once through each HTTP model server to an engine
+    that answers after each latency, while `cpu_hogs` busy processes load the machine."""
+    results = []
+    tasks = _tasks(tmp, "weather", WEATHER_ROWS, in_flight)
+    for latency in latencies:
+        engine = InstantEngine(tmp, latency)
+        stack = Stack(_write_config(tmp, 0.0, engine.url))
+        hogs = CpuHogs(cpu_hogs)
+        try:
+            for agent, server in (("http_weather_agent", "vllm"), ("responses_weather_agent", "openai")):
+                load_before = os.getloadavg()[0]
+                run = collect(stack, agent, tasks, tmp / "out.jsonl", in_flight, "--timeout", "900")
+                results.append(
+                    {
+                        "model_server": server,
+                        "in_flight": in_flight,
+                        "engine_latency_seconds": latency,
+                        "cpu_hogs": cpu_hogs,
+                        "load_average_1m": [round(load_before, 1), round(os.getloadavg()[0], 1)],
+                        "rollouts": run.rollouts,
+                        "errors": run.failed,
+                        "seconds": round(run.seconds, 2),
+                        # Two model calls per rollout, each at least `latency`: the floor is 2 x latency.
+                        "floor_seconds": 2 * latency,
+                    }
+                )
+        finally:
+            hogs.stop()
+            stack.stop()
+            engine.stop()
+    return results
+
+
 def bench_collector(tmp: Path, input_rows: int, limit: int, checkpoint: int) -> dict:
     """Collect the first `checkpoint` rows of a large input, then resume the same
     command up to `limit`; the servers' memory is read, idle, after each."""
@@ -403,6 +465,12 @@ def table(results: dict) -> str:
     during, after = (v for k, v in d.items() if k.startswith("server_rss_mb_after_"))
     lines.append(f"| (d) server RSS MB after {d['resumed_from']:,} rollouts | {json.dumps(during)} | |")
     lines.append(f"| (d) server RSS MB after {d['limit']:,} rollouts | {json.dumps(after)} | |")
+    for e in results.get("http_engine_16k", []):
+        lines.append(
+            f"| (e) {e['in_flight']:,} weather rollouts in flight through the {e['model_server']} model server, "
+            f"engine latency {e['engine_latency_seconds']:g} s, {e['cpu_hogs']} CPU hogs (load "
+            f"{e['load_average_1m'][1]}) | {e['errors']} errors, {e['seconds']} s (floor {e['floor_seconds']:g} s) | |"
+        )
     s = results["startup"]
     lines.append(
         f"| `gym-grpc run` quickstart, start to all healthy | {s['seconds_median']} s "
@@ -415,6 +483,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="small sizes, for CI")
     parser.add_argument("--name", default=platform.node() or "local", help="results file name")
+    parser.add_argument("--cpu-hogs", type=int, default=4, help="busy processes loading the machine during (e)")
+    parser.add_argument("--only", choices=["http_engine_16k"], help="run one scenario and print it (not saved)")
     args = parser.parse_args()
     if args.smoke:
         sizes = dict(
@@ -427,6 +497,8 @@ def main() -> None:
             limit=2_000,
             checkpoint=500,
             latency=0.5,
+            http_in_flight=512,
+            http_latencies=[0.5],
         )
     else:
         sizes = dict(
@@ -439,8 +511,15 @@ def main() -> None:
             limit=50_000,
             checkpoint=10_000,
             latency=2.0,
+            http_in_flight=16384,
+            http_latencies=[2.0, 10.0],
         )
     results: dict = {}
+    if args.only:
+        with tempfile.TemporaryDirectory() as directory:
+            rows = bench_http_engine(Path(directory), sizes["http_in_flight"], sizes["http_latencies"], args.cpu_hogs)
+        print(json.dumps(rows, indent=2))
+        sys.exit(1 if any(row["errors"] for row in rows) else 0)
     with tempfile.TemporaryDirectory() as directory:
         tmp = Path(directory)
         print("(a) raw gRPC ...", file=sys.stderr)
@@ -454,6 +533,10 @@ def main() -> None:
         results["latency_16k"] = bench_latency(tmp, sizes["latency_in_flight"], sizes["latency"], peak)
         print("(d) collector memory on a large input ...", file=sys.stderr)
         results["collector_1m"] = bench_collector(tmp, sizes["input_rows"], sizes["limit"], sizes["checkpoint"])
+        print("(e) many in flight through the HTTP model servers to a slow engine, machine loaded ...", file=sys.stderr)
+        results["http_engine_16k"] = bench_http_engine(
+            tmp, sizes["http_in_flight"], sizes["http_latencies"], args.cpu_hogs
+        )
         print("startup ...", file=sys.stderr)
         results["startup"] = bench_startup(3)
     report = {
@@ -469,9 +552,9 @@ def main() -> None:
     print(table(results))
     print(f"results: {path}", file=sys.stderr)
     rows = [*results["single_turn"], results["single_tool_call"], results["single_tool_call_vllm"]]
-    failures = [row for row in rows if row["failed"]] + (
-        [results["latency_16k"]] if results["latency_16k"]["errors"] else []
-    )
+    failures = [row for row in rows if row["failed"]] + [
+        row for row in [results["latency_16k"], *results["http_engine_16k"]] if row["errors"]
+    ]
     if failures:
         sys.exit(f"rollouts failed: {failures}")
 
