@@ -465,12 +465,8 @@ def table(results: dict) -> str:
     during, after = (v for k, v in d.items() if k.startswith("server_rss_mb_after_"))
     lines.append(f"| (d) server RSS MB after {d['resumed_from']:,} rollouts | {json.dumps(during)} | |")
     lines.append(f"| (d) server RSS MB after {d['limit']:,} rollouts | {json.dumps(after)} | |")
-    for e in results.get("http_engine_16k", []):
-        lines.append(
-            f"| (e) {e['in_flight']:,} weather rollouts in flight through the {e['model_server']} model server, "
-            f"engine latency {e['engine_latency_seconds']:g} s, {e['cpu_hogs']} CPU hogs (load "
-            f"{e['load_average_1m'][1]}) | {e['errors']} errors, {e['seconds']} s (floor {e['floor_seconds']:g} s) | |"
-        )
+    if "http_engine_16k" in results:
+        lines.extend(table_http(results["http_engine_16k"]).splitlines()[2:])
     s = results["startup"]
     lines.append(
         f"| `gym-grpc run` quickstart, start to all healthy | {s['seconds_median']} s "
@@ -479,12 +475,40 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def table_http(rows: list[dict]) -> str:
+    lines = ["| measurement | figure | |", "|---|---|---|"]
+    for e in rows:
+        lines.append(
+            f"| (e) {e['in_flight']:,} weather rollouts in flight through the {e['model_server']} model server, "
+            f"engine latency {e['engine_latency_seconds']:g} s, {e['cpu_hogs']} CPU hogs (load "
+            f"{e['load_average_1m'][1]}) | {e['errors']} errors, {e['seconds']} s (floor {e['floor_seconds']:g} s) | |"
+        )
+    return "\n".join(lines)
+
+
+def _save(args: argparse.Namespace, results: dict, name: str) -> None:
+    """Write the results with the command and the machine (a temp dir for --smoke)."""
+    report = {
+        "name": name,
+        "command": " ".join(["python", "bench/run.py", *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "machine": machine(),
+        "results": results,
+    }
+    target = Path(tempfile.gettempdir()) if args.smoke else REPO / "bench" / "results"
+    path = target / f"{name}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"results: {path}", file=sys.stderr)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="small sizes, for CI")
     parser.add_argument("--name", default=platform.node() or "local", help="results file name")
     parser.add_argument("--cpu-hogs", type=int, default=4, help="busy processes loading the machine during (e)")
-    parser.add_argument("--only", choices=["http_engine_16k"], help="run one scenario and print it (not saved)")
+    parser.add_argument(
+        "--only", choices=["http_engine_16k"], help="run only this scenario; results go to <name>-<scenario>.json"
+    )
     args = parser.parse_args()
     if args.smoke:
         sizes = dict(
@@ -518,7 +542,9 @@ def main() -> None:
     if args.only:
         with tempfile.TemporaryDirectory() as directory:
             rows = bench_http_engine(Path(directory), sizes["http_in_flight"], sizes["http_latencies"], args.cpu_hogs)
-        print(json.dumps(rows, indent=2))
+        results[args.only] = rows
+        _save(args, results, f"{args.name}-{args.only}")
+        print(table_http(rows))
         sys.exit(1 if any(row["errors"] for row in rows) else 0)
     with tempfile.TemporaryDirectory() as directory:
         tmp = Path(directory)
@@ -539,18 +565,8 @@ def main() -> None:
         )
         print("startup ...", file=sys.stderr)
         results["startup"] = bench_startup(3)
-    report = {
-        "name": args.name,
-        "command": " ".join(["python", "bench/run.py", *sys.argv[1:]]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "machine": machine(),
-        "results": results,
-    }
-    target = Path(tempfile.gettempdir()) if args.smoke else REPO / "bench" / "results"
-    path = target / f"{args.name}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    _save(args, results, args.name)
     print(table(results))
-    print(f"results: {path}", file=sys.stderr)
     rows = [*results["single_turn"], results["single_tool_call"], results["single_tool_call_vllm"]]
     failures = [row for row in rows if row["failed"]] + [
         row for row in [results["latency_16k"], *results["http_engine_16k"]] if row["errors"]
