@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from gym_grpc import json_input
+
 
 class DuplicateKey(ValueError):
     """A JSON object with the same key twice (json.loads would keep the last silently)."""
@@ -27,19 +29,21 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return obj
 
 
-def loads(text: str | bytes) -> Any:
-    """json.loads that refuses objects with a duplicate key."""
-    return json.loads(text, object_pairs_hook=_no_duplicates)
+def loads(text: str) -> Any:
+    """json_input.loads that also refuses objects with a duplicate key."""
+    return json_input.loads(text, object_pairs_hook=_no_duplicates)
 
 
 def parse_line(raw: bytes) -> Any:
-    """One input line as JSON; ValueError saying what is wrong (not UTF-8, not JSON, a duplicate key)."""
+    """One input line as JSON; ValueError saying what is wrong (not UTF-8, not JSON, a duplicate key, too deep)."""
     try:
         return loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise ValueError(f"not UTF-8 (byte {e.start}): {raw[:80]!r}") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"not JSON: {e}") from None
+    except json_input.TooDeep as e:
+        raise ValueError(f"{e}, the most every gym.v1 message can carry") from None
 
 
 def failures_path(output: Path) -> Path:
@@ -62,7 +66,7 @@ def iter_rows(path: Path) -> Iterator[dict[str, Any]]:
         for line in f:
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # a line nested too deep for the parser
                 continue
             if isinstance(row, dict):
                 yield row

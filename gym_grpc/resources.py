@@ -35,7 +35,7 @@ from google.protobuf import struct_pb2
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from pydantic.json_schema import GenerateJsonSchema
 
-from gym_grpc import errors, metrics, validation
+from gym_grpc import errors, json_input, metrics, validation
 from gym_grpc.rows import params_to_json, struct_to_dict
 from gym_grpc.serving import GymServer, ServerConfig, rpc_method
 from gym_grpc.v1 import registry_service_pb2 as reg
@@ -286,7 +286,9 @@ class ResourcesServer(GymServer):
             known = ", ".join(sorted(self.tools)) or "none"
             raise errors.NotFound(f"unknown tool {name!r} (tools: {known})", field="name")
         try:
-            parsed = json.loads(arguments) if arguments.strip() else {}
+            parsed = json_input.loads(arguments) if arguments.strip() else {}
+        except json_input.TooDeep as e:
+            raise errors.InvalidArgument(f"tool {name!r}: arguments are {e}", field="arguments") from None
         except json.JSONDecodeError as e:
             raise errors.InvalidArgument(
                 f"tool {name!r}: arguments are not valid JSON ({e}): {arguments[:200]!r}", field="arguments"

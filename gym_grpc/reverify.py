@@ -10,7 +10,6 @@ the input already had rewards, the summary says how many changed.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 import uuid
@@ -94,7 +93,7 @@ def _scan(path: Path) -> _Layout:
             if raw.strip():
                 lines += 1
                 try:
-                    keys.append(json.loads(raw))
+                    keys.append(jsonl.parse_line(raw))  # what _jobs will accept, so the slots agree
                 except ValueError:
                     keys.append(None)
     keyless = 0

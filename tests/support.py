@@ -90,6 +90,11 @@ def task(text: str, **data) -> task_pb2.Task:
     return t
 
 
+def nested_json(levels: int) -> str:
+    """JSON text of `levels` objects, each inside the one before: the most a Struct pays per level."""
+    return '{"a": ' * levels + "1" + "}" * levels
+
+
 def say(text: str) -> list[r.Item]:
     """A turn that is one assistant message."""
     return [assistant_message(text)]

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from gym_grpc import json_input
 from gym_grpc.dataset_stats import approx_tokens, differences, statistics
 from gym_grpc.rows import task_from_row
-from tests.support import REPO
+from tests.support import REPO, nested_json
 from tests.test_cli import _gym, _rows, _start_run, _tool
 
 LOCAL_POLICY = REPO / "configs" / "local_policy.yaml"
@@ -172,19 +173,23 @@ def test_every_malformed_row_is_reported_with_file_line_and_field_and_nothing_is
             "",
             json.dumps({"responses_create_params": {"input": ""}}),
             json.dumps({"responses_create_params": {"input": "hi"}, "agent_ref": {"name": "quiz_agnt"}}),
+            '{"responses_create_params": {"input": "hi"}, "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
+            '{"responses_create_params": {"input": "hi"}, "x": ' + nested_json(300) + "}",
         ],
     )
     done = _prepare(str(config), "--mode", "example-validation", "--output-dir", "out", cwd=tmp_path)
     assert done.returncode == 1
     data = tmp_path / "data" / "example.jsonl"
     for expected in (
-        "6 problem(s) in the data; nothing was written",
+        "8 problem(s) in the data; nothing was written",
         f"{data}:2: duplicate key 'x'",
         f"{data}:3: not JSON",
         f"{data}:4: responses_create_params: is required",
         f"{data}:5: responses_create_params.input[0].role: expected one of",
         f"{data}:7: responses_create_params.input: is empty",
         f"{data}:8: agent_ref.name: no server 'quiz_agnt' in the configuration; did you mean 'quiz_agent'?",
+        f"{data}:9: nested deeper than {json_input.MAX_DEPTH} levels",
+        f"{data}:10: nested deeper than {json_input.MAX_DEPTH} levels",
     ):
         assert expected in done.stderr
     assert not (tmp_path / "out").exists() and not (tmp_path / "data" / "example.stats.json").exists()

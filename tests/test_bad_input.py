@@ -7,7 +7,7 @@ import json
 import grpc
 import pytest
 
-from gym_grpc import errors, transport
+from gym_grpc import errors, json_input, transport
 from gym_grpc.collector import CollectOptions, collect
 from gym_grpc.jsonl import failures_path
 from gym_grpc.registry import Registry
@@ -23,7 +23,7 @@ from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
 from servers.agents.simple_agent.agent import SimpleAgent
-from tests.support import Calculator, EchoModel, call, static_registry, task
+from tests.support import Calculator, EchoModel, call, nested_json, static_registry, task
 from tests.test_cli import _gym
 
 
@@ -177,6 +177,17 @@ async def test_a_malformed_request_gets_a_status_naming_the_field(servers, servi
     assert error.value.details()
 
 
+async def test_a_request_nested_deeper_than_protobuf_parses_is_invalid_argument(servers):
+    """What a client that skips our row loader (another language, hand-built messages) gets."""
+    request = agent_pb.RunRequest()
+    request.task.responses_create_params.input_text = "hi"
+    request.task.data.update({"deep": json.loads(nested_json(300))})  # builds and serialises; no parser takes it
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await servers["agent"].Run(request, timeout=10)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the request is not a valid message" in error.value.details()
+
+
 async def test_a_payload_over_the_message_limit_is_refused_and_the_server_goes_on(start, monkeypatch):
     monkeypatch.setattr(transport, "MAX_MESSAGE_BYTES", 1 << 20)
     server = await start(Calculator())
@@ -233,6 +244,40 @@ async def test_bad_rows_are_reported_by_line_and_the_rest_is_collected(start, tm
     sidecar = [json.loads(line) for line in failures_path(out).read_text().splitlines()]
     assert sorted(f["line"] for f in sidecar) == [*range(2, len(BAD_LINES) + 2), len(lines) + 1]
     assert sorted(row["task_index"] for row in map(json.loads, out.read_text().splitlines())) == [0, len(lines) - 1]
+
+
+async def test_rows_nested_too_deep_go_to_the_sidecar_by_line_and_the_rest_is_collected(start, tmp_path):
+    """100,000 levels overflow Python's JSON parser; 300 parse, but no protobuf parser takes the message.
+    A row at exactly the limit travels to every server and back."""
+    model = await start(EchoModel())
+    calc = await start(Calculator())
+    agent = await start(
+        SimpleAgent(
+            {"model_server": "model", "resources_server": "calc"},
+            name="agent",
+            registry=static_registry(model=model, calc=calc),
+        )
+    )
+    deep = '{"responses_create_params": {"input": "x"}, "deep": %s}'
+    at_the_limit = deep % nested_json(json_input.MAX_DEPTH - 1)
+    lines = [GOOD, deep % ("[" * 100_000 + "]" * 100_000), at_the_limit, deep % nested_json(300), GOOD]
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(line + "\n" for line in lines))
+    out, log = tmp_path / "out.jsonl", io.StringIO()
+    summary = await collect(
+        Registry(static={"agent": agent.address}),
+        CollectOptions(input=tasks, output=out, agent="agent", progress=False),
+        log=log,
+    )
+    assert (summary.done, summary.failed, summary.bad_rows) == (3, 0, 2)
+    for number in (2, 4):
+        assert f"{tasks}:{number}: nested deeper than {json_input.MAX_DEPTH} levels" in log.getvalue()
+    sidecar = [json.loads(line) for line in failures_path(out).read_text().splitlines()]
+    assert [(f["line"], f["task_index"]) for f in sidecar] == [(2, 1), (4, 3)]
+    assert all("nested deeper than" in f["error"]["message"] for f in sidecar)
+    collected = {row["task_index"]: row for row in map(json.loads, out.read_text().splitlines())}
+    assert sorted(collected) == [0, 2, 4]
+    assert collected[2]["deep"] == json.loads(at_the_limit)["deep"]
 
 
 @pytest.mark.parametrize(

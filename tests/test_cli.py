@@ -218,7 +218,9 @@ def test_collect_reports_a_bad_row_by_line_and_collects_the_rest(live, tmp_path)
     tasks = tmp_path / "tasks.jsonl"
     good = json.dumps({"responses_create_params": {"input": "What is 2 + 2?"}, "expected_answer": "4"})
     bad = json.dumps({"responses_create_params": {"input": [{"role": "robot", "content": "hi"}]}})
-    tasks.write_bytes(("\n".join([good, bad, "{not json", good]) + "\n").encode() + b'{"bad": "\xff"}\n')
+    deep = '{"responses_create_params": {"input": "hi"}, "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    text = "\n".join([good, bad, "{not json", good]) + "\n"
+    tasks.write_bytes(text.encode() + b'{"bad": "\xff"}\n' + f"{deep}\n{good}\n".encode())
     out = tmp_path / "rollouts.jsonl"
     done = _gym(
         "collect",
@@ -236,7 +238,8 @@ def test_collect_reports_a_bad_row_by_line_and_collects_the_rest(live, tmp_path)
     assert f"{tasks}:2: responses_create_params.input[0].role" in done.stderr
     assert f"{tasks}:3: not JSON" in done.stderr
     assert f"{tasks}:5: not UTF-8" in done.stderr
-    assert sorted(row["task_index"] for row in _rows(out)) == [0, 3]
+    assert f"{tasks}:6: nested deeper than 32 levels" in done.stderr
+    assert sorted(row["task_index"] for row in _rows(out)) == [0, 3, 6]
 
 
 def test_collect_with_an_unknown_agent_names_the_known_ones(live, tmp_path):

@@ -95,6 +95,19 @@ async def test_resume_after_a_torn_write_collects_every_key_exactly_once(start, 
     await registry.close()
 
 
+async def test_resume_passes_over_an_output_line_too_deep_to_parse(start, tmp_path):
+    _, registry = await _servers(start)
+    _write_tasks(tmp_path / "tasks.jsonl", ["a", "b"])
+    options = _options(tmp_path)
+    await collect(registry, options, log=io.StringIO())
+    with (tmp_path / "out.jsonl").open("a") as out:
+        out.write("[" * 100_000 + "]" * 100_000 + "\n")  # not a row of ours: Python's parser overflows on it
+    summary = await collect(registry, options, log=io.StringIO())
+    assert (summary.skipped, summary.done) == (2, 0)
+    assert summary.metrics["agent"]["rollouts"] == 2
+    await registry.close()
+
+
 async def test_the_in_flight_window_bounds_concurrent_rollouts(start, tmp_path):
     model, registry = await _servers(start)
     _write_tasks(tmp_path / "tasks.jsonl", [f"task {i}" for i in range(20)])

@@ -5,7 +5,7 @@ import asyncio
 import grpc
 import pytest
 
-from gym_grpc import errors, rows
+from gym_grpc import errors, json_input, rows
 from gym_grpc.clients import ResourcesClient
 from gym_grpc.resources import ResourcesServer, Session, Verification, tool
 from gym_grpc.responses import assistant_message
@@ -77,6 +77,15 @@ async def test_a_bad_tool_call_gets_a_status_naming_what_is_wrong(calc, name, ar
     assert error.value.code() == code
     assert message in error.value.details()
     assert errors.field_of(error.value) == field
+
+
+async def test_arguments_nested_too_deep_are_the_callers_mistake_not_an_internal_error(calc):
+    _, server = calc
+    with pytest.raises(grpc.aio.AioRpcError) as error:  # Python's JSON parser would overflow on it
+        await _raw_call(server, "add", '{"a": ' + "[" * 100_000 + "]" * 100_000 + ', "b": 1}')
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"tool 'add': arguments are nested deeper than {json_input.MAX_DEPTH} levels" in error.value.details()
+    assert errors.field_of(error.value) == "arguments"
 
 
 async def test_tool_errors_come_back_to_the_client_as_tool_output(calc):

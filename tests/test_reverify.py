@@ -4,7 +4,9 @@ import asyncio
 import io
 import json
 
+from gym_grpc import json_input
 from gym_grpc.collector import CollectOptions, collect
+from gym_grpc.jsonl import failures_path
 from gym_grpc.registry import Registry
 from gym_grpc.resources import ResourcesServer, Session
 from gym_grpc.responses import final_text
@@ -13,7 +15,7 @@ from gym_grpc.v1 import responses_pb2 as r
 from servers.agents.simple_agent.agent import SimpleAgent
 from servers.models.local_policy.server import LocalPolicyModel
 from servers.resources.math.server import MathEnv
-from tests.support import REPO
+from tests.support import REPO, nested_json
 
 MATH = REPO / "servers/resources/math/data/example.jsonl"
 
@@ -164,4 +166,25 @@ async def test_rows_keep_their_keys_a_row_without_one_gets_a_free_slot_and_a_wil
     new = _rows(tmp_path / "new.jsonl")
     assert len(new) == 17  # no two rows share a key
     assert {(6, 0), (7, 0)} <= new.keys()  # the keyless rows, after the 6 keyed tasks
+    await registry.close()
+
+
+async def test_rows_nested_too_deep_are_reported_by_line_and_the_rest_re_verified(start, tmp_path):
+    registry, _ = await _math_stack(start)
+    await collect(registry, _collect_options(tmp_path, "old.jsonl"), log=io.StringIO())
+    first, *rest = (tmp_path / "old.jsonl").read_text().splitlines()
+    overflow = '{"response": {}, "deep": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    too_deep = json.dumps({**json.loads(first), "deep": json.loads(nested_json(300))})  # keeps its key
+    keyless = json.dumps({k: v for k, v in json.loads(first).items() if k not in ("task_index", "repeat_index")})
+    (tmp_path / "old.jsonl").write_text("".join(line + "\n" for line in [*rest, overflow, too_deep, keyless]))
+    options = ReverifyOptions(
+        input=tmp_path / "old.jsonl", output=tmp_path / "new.jsonl", resources="math", progress=False
+    )
+    summary, _ = await reverify(registry, options, log=(log := io.StringIO()))
+    assert (summary.done, summary.failed, summary.bad_rows) == (18, 0, 2)
+    for number in (18, 19):
+        assert f"old.jsonl:{number}: nested deeper than {json_input.MAX_DEPTH} levels" in log.getvalue()
+    sidecar = [json.loads(line) for line in failures_path(tmp_path / "new.jsonl").read_text().splitlines()]
+    assert sorted(f["line"] for f in sidecar) == [18, 19]
+    assert len(_rows(tmp_path / "new.jsonl")) == 18  # the 17 keyed rows and the keyless one, each in its own slot
     await registry.close()

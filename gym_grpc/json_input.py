@@ -1,0 +1,51 @@
+"""JSON from outside (task and rollout rows, tool arguments, a model's text), with bounded nesting.
+
+Deep nesting breaks two things. Python's json raises RecursionError, which is
+not a ValueError, somewhere near 1,000 levels. And protobuf parsers (upb, C++,
+Java) refuse a message nested more than 100 levels deep. Each level of a JSON
+object inside a `google.protobuf.Struct` costs three of those (Struct, map entry,
+Value). A task row's fields become `Task.data`, two levels below the request
+that carries it, so a row nested 34 levels deep cannot reach a server.
+`loads` refuses text nested deeper than MAX_DEPTH before the parser recurses.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+#: How deep JSON may nest (the outermost object or list is level 1). Every gym.v1
+#: message can carry a row this deep.
+MAX_DEPTH = 32
+
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+
+
+class TooDeep(ValueError):
+    """JSON nested deeper than MAX_DEPTH levels."""
+
+    def __init__(self) -> None:
+        super().__init__(f"nested deeper than {MAX_DEPTH} levels")
+
+
+def _too_deep(text: str) -> bool:
+    if text.count("[") + text.count("{") <= MAX_DEPTH:
+        return False
+    depth = 0
+    for bracket in _NOT_BRACKET.sub("", _STRING.sub("", text)):  # brackets inside strings do not count
+        if bracket in "[{":
+            depth += 1
+            if depth > MAX_DEPTH:
+                return True
+        else:
+            depth -= 1
+    return False
+
+
+def loads(text: str, **kwargs: Any) -> Any:
+    """json.loads that raises TooDeep (a ValueError) for text nested deeper than MAX_DEPTH."""
+    if _too_deep(text):
+        raise TooDeep()
+    return json.loads(text, **kwargs)
