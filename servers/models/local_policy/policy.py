@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+from gym_grpc import json_input
 from gym_grpc.responses import TOOL_ERROR_PREFIX, message_text
 from gym_grpc.rows import struct_to_dict
 from gym_grpc.v1 import responses_pb2 as r
@@ -231,8 +232,8 @@ def _mangle(args: dict[str, Any]) -> tuple[dict[str, Any], str]:
 
 def _summarise(output: str) -> str:
     try:
-        data = json.loads(output)
-    except json.JSONDecodeError:
+        data = json_input.loads(output)
+    except ValueError:
         return output
     if isinstance(data, dict):
         return ", ".join(f"{k}: {v}" for k, v in data.items())

@@ -65,8 +65,8 @@ def _read_results(path: str) -> list[dict[str, Any]]:
     for line in data.splitlines():
         try:
             record = json.loads(line)
-        except ValueError:
-            continue  # the candidate wrote to the file, or the last line was cut off
+        except (ValueError, RecursionError):
+            continue  # the candidate wrote to the file (maybe nested too deep to parse), or the last line was cut off
         if isinstance(record, dict):
             records.append(record)
     return records

@@ -30,14 +30,13 @@ parameters fail verification with a message naming the instruction's index.
 
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from gym_grpc import errors
+from gym_grpc import errors, json_input
 from gym_grpc.resources import ResourcesConfig, ResourcesServer, Session, Verification
 from gym_grpc.responses import final_text
 from gym_grpc.v1 import responses_pb2 as r
@@ -109,8 +108,8 @@ class JsonFormat(Check):
     def passes(self, text: str) -> bool:
         fenced = _FENCE.fullmatch(text.strip())
         try:
-            value = json.loads(fenced.group(1) if fenced else text)
-        except json.JSONDecodeError:
+            value = json_input.loads(fenced.group(1) if fenced else text)
+        except ValueError:
             return False
         return isinstance(value, dict | list)
 

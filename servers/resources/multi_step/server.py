@@ -27,7 +27,7 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
-from gym_grpc import errors
+from gym_grpc import errors, json_input
 from gym_grpc.resources import ResourcesServer, Session, Verification, tool
 from gym_grpc.responses import function_calls, function_outputs
 from gym_grpc.v1 import responses_pb2 as r
@@ -112,8 +112,8 @@ def find_customer(email: str) -> tuple[str, dict[str, str]] | None:
 def _load(text: str) -> dict[str, Any]:
     """A JSON object, or {} for anything else (a tool's error output, broken arguments)."""
     try:
-        value = json.loads(text)
-    except (json.JSONDecodeError, TypeError):
+        value = json_input.loads(text)
+    except (ValueError, TypeError):
         return {}
     return value if isinstance(value, dict) else {}
 

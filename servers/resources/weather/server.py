@@ -15,6 +15,7 @@ from typing import Annotated
 
 from pydantic import Field
 
+from gym_grpc import json_input
 from gym_grpc.resources import ResourcesServer, Session, Verification, tool
 from gym_grpc.responses import final_text, function_calls, function_outputs
 from gym_grpc.v1 import responses_pb2 as r
@@ -31,8 +32,8 @@ def forecast(city: str) -> dict:
 def _json_object(text: str) -> dict:
     """A JSON object, or {} for anything else (a tool's error output, arguments the model garbled)."""
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
+        value = json_input.loads(text)
+    except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
 

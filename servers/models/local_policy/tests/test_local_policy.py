@@ -13,7 +13,7 @@ from gym_grpc.responses import final_text, function_calls, item_body
 from gym_grpc.v1 import responses_pb2 as r
 from servers.models.local_policy import policy, tokenizer
 from servers.models.local_policy.server import LocalPolicyModel
-from tests.support import static_registry
+from tests.support import call, static_registry
 
 HERE = Path(__file__).resolve().parent
 MATH_DATA = HERE.parents[2] / "resources" / "math" / "data" / "example.jsonl"
@@ -53,6 +53,18 @@ async def test_policy_calls_the_declared_tool_with_arguments_from_the_prompt(sta
     response = await model.create_response(_params(WEATHER_DATA, 2, temperature=0.0), "s")
     [call] = function_calls(response)
     assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "New York"}
+    await model.registry.close()
+
+
+async def test_a_tool_output_too_deep_to_parse_is_reported_as_text(start):
+    server = await start(LocalPolicyModel())
+    model = ModelClient(static_registry(m=server), "m")
+    fc = call("get_weather", '{"city": "Paris"}')
+    deep = "[" * 100_000 + "]" * 100_000  # Python's JSON parser overflows on it
+    output = r.Item(function_call_output=r.FunctionCallOutput(call_id=fc.function_call.call_id, output=deep))
+    user = r.Item(message=r.Message(role=r.ROLE_USER, text="Weather in Paris?"))
+    response = await model.create_response(r.CreateParams(input_items=r.ItemList(items=[user, fc, output])), "s")
+    assert final_text(response) == f"According to get_weather: {deep}."
     await model.registry.close()
 
 

@@ -193,6 +193,20 @@ async def test_a_candidate_that_exits_the_process_fails_the_rest(code_exec):
     assert fields["tests_passed"] == 1 and fields["error"] == "test 2: the process exited with code 3"
 
 
+async def test_a_candidate_that_writes_json_too_deep_to_parse_into_its_results_does_not_break_the_verifier(
+    code_exec,
+):
+    code = (
+        "import sys\n"
+        "def add(a, b):\n"
+        "    with open(sys.argv[2], 'a') as f:\n"
+        "        f.write('[' * 100_000 + ']' * 100_000 + '\\n')\n"
+        "    return a + b\n"
+    )
+    reward, fields, _ = await _verdict(code_exec, code)
+    assert reward == 1.0 and fields["tests_passed"] == fields["tests_total"]  # its junk is passed over like any other
+
+
 @pytest.mark.parametrize(
     "data, field",
     [

@@ -72,6 +72,10 @@ def test_each_check_judges_the_text(instruction, text, passes):
     assert _passes(instruction, text) is passes
 
 
+def test_an_answer_too_deep_to_parse_is_not_json_format():
+    assert _passes({"type": "json_format"}, "[" * 100_000 + "]" * 100_000) is False  # Python's parser overflows
+
+
 def test_words_are_runs_with_a_letter_or_digit():
     assert count_words("It's a well-known fact — 3 cats!") == 6
 

@@ -112,6 +112,12 @@ def test_refund_arguments_that_are_not_json_count_as_a_wrong_refund():
     assert verdict.reward == 0.0 and verdict.fields["refund_calls"] == 1
 
 
+def test_refund_arguments_too_deep_to_parse_count_as_a_wrong_refund():
+    fc = call("refund_order", '{"order_id": "ORD-19876", "amount": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    verdict = grade(r.Response(output=[fc]), "ORD-19876", 14.99)
+    assert verdict.reward == 0.0 and verdict.fields["refund_calls"] == 1
+
+
 def test_an_expected_order_the_store_does_not_have_is_the_tasks_fault():
     with pytest.raises(errors.TaskDataError, match="not an order of the store"):
         grade(_transcript(), "ORD-00000", 1.0)

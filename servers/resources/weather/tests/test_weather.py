@@ -90,6 +90,13 @@ async def test_a_tool_call_that_failed_earns_nothing_and_does_not_break_the_veri
     assert rows.struct_to_dict(verdict.fields) == {"tool_calls": 1, "right_city": False, "reported_temperature": False}
 
 
+async def test_arguments_too_deep_to_parse_earn_nothing_and_do_not_break_the_verifier(weather):
+    fc = call("get_weather", '{"city": ' + "[" * 100_000 + "]" * 100_000 + "}")  # Python's JSON parser overflows
+    verdict = await weather.verify("s", _task("Paris"), r.Response(output=[fc, assistant_message("It is 12 C.")]))
+    assert verdict.reward == 0.0
+    assert rows.struct_to_dict(verdict.fields) == {"tool_calls": 1, "right_city": False, "reported_temperature": False}
+
+
 def test_the_example_rows_are_tasks_with_the_servers_tools():
     assert len(example_rows(EXAMPLES, WeatherEnv)) == 5
 
