@@ -190,18 +190,31 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     node[parts[-1]] = value
 
 
-#: Names of settings and env.yaml keys whose values are secrets (api_key, token, hf_token, ...).
-_SECRET_KEY = re.compile(r"(^|_)(key|token|secret|password)$", re.I)
+#: Names of settings and variables (env.yaml keys, `${NAME}` environment variables) whose values
+#: are secrets: api_key, token, hf_token, OPENAI_API_KEY, DB_PASSWORD, ...
+_SECRET_NAME = re.compile(r"(^|_)(key|token|secret|password)$", re.I)
 MASK = "***"
 _VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _SECTIONS = ("registry", "servers", "security", "profiling_enabled", "profiling_results_dirpath")
 
 
-def _interpolate(value: Any, variables: dict[str, Any], where: str) -> Any:
+def _secret_text(name: str, value: Any) -> str | None:
+    """The text to mask wherever it appears when variable `name` holds a secret.
+
+    None for other variables, and for values shorter than 4 characters (masking
+    those everywhere would hide more than the secret)."""
+    if not _SECRET_NAME.search(name) or isinstance(value, bool) or not isinstance(value, str | int | float):
+        return None
+    text = str(value)
+    return text if len(text) >= 4 else None
+
+
+def _interpolate(value: Any, variables: dict[str, Any], where: str, secrets: set[str]) -> Any:
+    """Replace `${name}` in the strings of `value`; add the secrets it takes from the environment to `secrets`."""
     if isinstance(value, dict):
-        return {k: _interpolate(v, variables, f"{where}.{k}") for k, v in value.items()}
+        return {k: _interpolate(v, variables, f"{where}.{k}", secrets) for k, v in value.items()}
     if isinstance(value, list):
-        return [_interpolate(v, variables, f"{where}[{i}]") for i, v in enumerate(value)]
+        return [_interpolate(v, variables, f"{where}[{i}]", secrets) for i, v in enumerate(value)]
     if not isinstance(value, str) or "${" not in value:
         return value
 
@@ -209,6 +222,8 @@ def _interpolate(value: Any, variables: dict[str, Any], where: str) -> Any:
         if name in variables:
             return variables[name]
         if name in os.environ:
+            if text := _secret_text(name, os.environ[name]):
+                secrets.add(text)
             return os.environ[name]
         raise ConfigError(f"{where}: unknown variable ${{{name}}}; set it in env.yaml or in the environment")
 
@@ -226,26 +241,22 @@ def load_env(env_file: str | Path | None = None) -> dict[str, Any]:
     return _load_file(env_path)
 
 
-def secrets_of(env: dict[str, Any]) -> set[str]:
-    """The values of env.yaml keys named like a key, token, secret or password."""
-    return {v for k, v in env.items() if _SECRET_KEY.search(k) and isinstance(v, str) and len(v) >= 4}
-
-
-def _load(paths: Sequence[str | Path], overrides: Sequence[str], env_file: str | Path | None) -> tuple[GymConfig, set]:
-    """The validated configuration, and the values env.yaml supplied (its secrets)."""
+def _load(
+    paths: Sequence[str | Path], overrides: Sequence[str], env_file: str | Path | None
+) -> tuple[GymConfig, set[str]]:
+    """The validated configuration, and the secrets of the variables it was built from."""
     data: dict[str, Any] = {}
     for path in paths:
         merge(data, _load_file(Path(path)))
-    env = load_env(env_file)
-    secrets = secrets_of(env)
-    merge(data, env)
+    merge(data, load_env(env_file))
     for override in overrides:
         apply_override(data, override)
     variables = {k: v for k, v in data.items() if k not in _SECTIONS}
     for name, value in variables.items():
         if isinstance(value, dict | list):
             raise ConfigError(f"{name}: a top-level key that is not a setting is a variable, so a scalar")
-    sections = {k: _interpolate(data[k], variables, k) for k in _SECTIONS if k in data}
+    secrets = {text for name, value in variables.items() if (text := _secret_text(name, value))}
+    sections = {k: _interpolate(data[k], variables, k, secrets) for k in _SECTIONS if k in data}
     try:
         return GymConfig.model_validate(sections), secrets
     except ValidationError as e:
@@ -262,14 +273,14 @@ def load_config(
     return _load(paths, overrides, env_file)[0]
 
 
-def _mask(value: Any, secrets: set, key: str = "") -> Any:
+def _mask(value: Any, secrets: list[str], key: str = "") -> Any:
     if isinstance(value, dict):
         return {k: _mask(v, secrets, k) for k, v in value.items()}
     if isinstance(value, list):
         return [_mask(v, secrets, key) for v in value]
-    if isinstance(value, str) and value:
-        if _SECRET_KEY.search(key):
-            return MASK
+    if _SECRET_NAME.search(key) and value not in (None, "") and not isinstance(value, bool):
+        return MASK
+    if isinstance(value, str):
         for secret in secrets:
             value = value.replace(secret, MASK)
     return value
@@ -278,8 +289,12 @@ def _mask(value: Any, secrets: set, key: str = "") -> Any:
 def dump_config(
     paths: Sequence[str | Path], overrides: Sequence[str] = (), *, env_file: str | Path | None = None
 ) -> str:
-    """The merged configuration as YAML, with secrets masked: the values of env.yaml
-    keys named like a key, token, secret or password, wherever they appear, and
-    every value of a setting so named."""
+    """The merged configuration as YAML, with secrets masked.
+
+    One rule decides what a secret is: a name like a key, token, secret or password.
+    Every value of a setting so named is masked. So is the value of every variable so
+    named (a top-level key of a config, env.yaml or an override, or an environment
+    variable used as `${NAME}`), wherever it appears: inside a URL or a header too."""
     config, secrets = _load(paths, overrides, env_file)
-    return yaml.safe_dump(_mask(config.model_dump(mode="json"), secrets), sort_keys=False)
+    longest_first = sorted(secrets, key=len, reverse=True)  # a secret that holds another is masked whole
+    return yaml.safe_dump(_mask(config.model_dump(mode="json"), longest_first), sort_keys=False)

@@ -1,8 +1,9 @@
 """Configs: files merged in order, includes, overrides, relative entrypoints, clear errors."""
 
 import pytest
+import yaml
 
-from gym_grpc.config import ConfigError, load_config
+from gym_grpc.config import ConfigError, dump_config, load_config
 from gym_grpc.entrypoints import load_entrypoint
 from gym_grpc.serving import GymServer
 from tests.support import REPO
@@ -113,3 +114,30 @@ def test_the_engine_configs_validate_with_the_env_yaml_keys(tmp_path, name):
     server = load_entrypoint(spec.entrypoint)(spec.config, name="policy_model")
     assert server.config.base_url == ["http://gpu:8000/v1"] and server.config.api_key == "sk-x"
     assert config.servers["math_agent"].config["model_server"] == "policy_model"
+
+
+def test_dump_config_masks_every_secret_variable_wherever_it_is_interpolated(tmp_path, monkeypatch):
+    config = _write(
+        tmp_path / "model.yaml",
+        "team_secret: s3cret-from-yaml\n"
+        "servers:\n  m:\n    entrypoint: a:B\n    config:\n"
+        "      api_key: ${OPENAI_API_KEY}\n"
+        "      base_url: https://user:${DB_PASSWORD}@gpu:8000/v1\n"
+        "      headers: {Authorization: 'Bearer ${HF_TOKEN}', X-Team: '${team_secret}', X-Run: '${run_token}'}\n"
+        "      policy_url: ${POLICY_URL}\n"
+        "      pin_password: 123456\n",
+    )
+    secrets = {"OPENAI_API_KEY": "sk-env-1111", "DB_PASSWORD": "pw-env-2222", "HF_TOKEN": "hf-env-3333"}
+    for name, value in {**secrets, "POLICY_URL": "http://gpu:8000"}.items():
+        monkeypatch.setenv(name, value)
+    dumped = dump_config([config], ["run_token=tok-override-4444"], env_file=_write(tmp_path / "env.yaml", "x: 1\n"))
+    for secret in [*secrets.values(), "s3cret-from-yaml", "tok-override-4444", "123456"]:
+        assert secret not in dumped
+    config_block = yaml.safe_load(dumped)["servers"]["m"]["config"]
+    assert config_block == {
+        "api_key": "***",
+        "base_url": "https://user:***@gpu:8000/v1",
+        "headers": {"Authorization": "Bearer ***", "X-Team": "***", "X-Run": "***"},
+        "policy_url": "http://gpu:8000",  # not a secret: shown, so the dump still says where things go
+        "pin_password": "***",
+    }
