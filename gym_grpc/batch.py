@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-import grpc
 from tqdm import tqdm
 
 from gym_grpc import errors, jsonl
@@ -160,21 +159,15 @@ class Batch:
             out.flush()
         except Exception as e:  # a failure costs this job, never the run
             self.summary.failed += 1
-            code = e.code.name if isinstance(e, errors.GymError) else grpc.StatusCode.UNKNOWN.name
-            message = e.message if isinstance(e, errors.GymError) else f"{type(e).__name__}: {e}"
+            failure = errors.Failure.of(e)
             self._fail(
                 {
                     "task_index": job.task_index,
                     "repeat_index": job.repeat_index,
                     "group": job.group,
-                    "error": {
-                        "class": type(e).__name__,
-                        "code": code,
-                        "message": message,
-                        "field": getattr(e, "field", None),
-                    },
+                    "error": failure.to_json(),
                 },
-                f"task {job.task_index} repeat {job.repeat_index} failed: {message}",
+                f"task {job.task_index} repeat {job.repeat_index} failed: {failure.message}",
             )
             return
         finally:
@@ -204,9 +197,9 @@ class Batch:
                     if isinstance(job, BadInput):
                         self.summary.bad_rows += 1
                         self.bar.update(job.jobs)
-                        error = {"class": "RowError", "message": job.message, "field": job.field}
+                        error = errors.Failure("RowError", "INVALID_ARGUMENT", job.message, job.field)
                         self._fail(
-                            {"task_index": job.task_index, "line": job.line, "error": error},
+                            {"task_index": job.task_index, "line": job.line, "error": error.to_json()},
                             f"{options.input_name}:{job.line}: {job.message}",
                         )
                         continue

@@ -3,8 +3,15 @@
     set_max_concurrent_rollouts(512)          # once, for the whole process
     async with GymClient("math_agent") as gym:
         result = await gym.run(row)            # a NeMo Gym-style row or a Task
-        group = await gym.run_group(row, 8)    # GRPO: 8 rollouts of one task
-        result.reward, result.turns[0].generation_token_ids, result.turns[0].generation_log_probs
+        group = await gym.run_group(row, 8)    # GRPO: 8 rollouts of one task, every one returned
+        if result.ok:
+            result.reward, result.turns[0].generation_token_ids, result.turns[0].generation_log_probs
+        else:
+            result.failure.code, result.failure.message   # mask it out: it is no sample
+
+A rollout that fails (a server down, a deadline, a verifier that raised) is
+returned, marked with its failure, never raised and never given a reward: a
+trainer masks it out instead of training on it.
 
 Every rollout of every client in the process draws from one limit, so that
 baseline evaluation, training rollouts and periodic evaluation together never
@@ -22,7 +29,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from gym_grpc import rows
+from gym_grpc import errors, rows
 from gym_grpc.clients import AgentClient
 from gym_grpc.collector import rollout_record
 from gym_grpc.registry import Registry
@@ -128,23 +135,37 @@ class TokenTurn:
 
 @dataclass(frozen=True)
 class RolloutResult:
-    """A finished rollout, with what a trainer needs at hand."""
+    """One rollout's outcome: the rollout when it finished (`ok`), else its `failure`.
 
-    rollout: task_pb2.Rollout
+    A failed rollout is no sample: its reward, response, turns and row raise
+    `errors.RolloutFailed` rather than stand in for one."""
+
+    rollout: task_pb2.Rollout | None
+    failure: errors.Failure | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+    def _finished(self) -> task_pb2.Rollout:
+        if self.failure is not None:
+            raise errors.RolloutFailed(self.failure)
+        assert self.rollout is not None
+        return self.rollout
 
     @property
     def reward(self) -> float:
-        return self.rollout.reward
+        return self._finished().reward
 
     @property
     def response(self) -> r.Response:
-        return self.rollout.response
+        return self._finished().response
 
     @property
     def turns(self) -> list[TokenTurn]:
         """One entry per model call that reported token ids, in order."""
         found = []
-        for item in self.rollout.response.output:
+        for item in self.response.output:
             kind = item.WhichOneof("item")
             inner = getattr(item, kind) if kind != "function_call_output" else None
             if inner is not None and inner.generation_token_ids:
@@ -159,7 +180,7 @@ class RolloutResult:
 
     def to_row(self, task_row: dict[str, Any]) -> dict[str, Any]:
         """The rollout row (task row + response, reward, verifier fields, ...), as `collect` writes it."""
-        return rollout_record(task_row, self.rollout)
+        return rollout_record(task_row, self._finished())
 
 
 class GymClient:
@@ -180,22 +201,31 @@ class GymClient:
         _LIMIT.limit  # noqa: B018 - the limit is set (and logged) when the first client starts
 
     async def run(self, task: task_pb2.Task | dict[str, Any]) -> RolloutResult:
-        """One rollout of a task (a Task, or a row such as a line of a tasks JSONL)."""
+        """One rollout of a task (a Task, or a row such as a line of a tasks JSONL). A failed
+        rollout comes back marked with its failure; a row that cannot be a task raises."""
         if isinstance(task, dict):
             task = rows.task_from_row(task)
         await _LIMIT.acquire()
         try:
             return RolloutResult(await self._agent.run(task, timeout=self.timeout))
+        except errors.GymError as e:
+            return RolloutResult(None, errors.Failure.of(e))
         finally:
             _LIMIT.release()
 
     async def run_group(self, task: task_pb2.Task | dict[str, Any], group_size: int) -> list[RolloutResult]:
-        """`group_size` rollouts of one task (a GRPO group), in the order they were asked for."""
+        """`group_size` rollouts of one task (a GRPO group), in the order they were asked for:
+        every member, failed ones marked. Cancelling the group cancels every member."""
         if group_size < 1:
             raise ValueError(f"group_size must be at least 1, got {group_size}")
         if isinstance(task, dict):
             task = rows.task_from_row(task)
-        return list(await asyncio.gather(*(self.run(task) for _ in range(group_size))))
+        members = [asyncio.ensure_future(self.run(task)) for _ in range(group_size)]
+        try:
+            return list(await asyncio.gather(*members))
+        finally:
+            for member in members:  # a member that raised (a bug) leaves none of the others running
+                member.cancel()
 
     async def close(self) -> None:
         if self._owns_registry:

@@ -8,6 +8,8 @@ sees INTERNAL with the exception's class, never the internal detail.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import grpc
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
@@ -107,6 +109,39 @@ class DeadlineExceeded(GymError):
     """The caller's deadline ran out while a downstream call was running."""
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a rollout (or an input line) failed: the `error` of a failures sidecar record,
+    and the outcome of a failed `GymClient` rollout. One vocabulary for both."""
+
+    #: The error's class, such as "Unavailable", "DeadlineExceeded" or "RowError".
+    error_class: str
+    #: The gRPC status code's name, such as "UNAVAILABLE".
+    code: str
+    message: str
+    #: The request field at fault, when there is one.
+    field: str | None = None
+
+    @classmethod
+    def of(cls, error: Exception) -> Failure:
+        """The failure an exception stands for; one that is not a GymError is UNKNOWN."""
+        if isinstance(error, GymError):
+            return cls(type(error).__name__, error.code.name, error.message, error.field)
+        name = type(error).__name__
+        return cls(name, grpc.StatusCode.UNKNOWN.name, f"{name}: {error}", getattr(error, "field", None))
+
+    def to_json(self) -> dict[str, str | None]:
+        return {"class": self.error_class, "code": self.code, "message": self.message, "field": self.field}
+
+
+class RolloutFailed(Exception):
+    """The reward or tokens of a rollout that failed were asked for: it is no sample."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(f"the rollout failed ({failure.code}: {failure.message}); check `ok` before using it")
+        self.failure = failure
 
 
 # Codes with which a resources server answers a tool call that the model got

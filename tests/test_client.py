@@ -1,6 +1,7 @@
-"""The training-loop client: rollouts with token ids, groups, and one limit per process."""
+"""The training-loop client: rollouts with token ids, groups, failures marked, and one limit per process."""
 
 import asyncio
+import io
 import json
 import logging
 import threading
@@ -8,7 +9,10 @@ import threading
 import pytest
 
 from gym_grpc import client as client_module
+from gym_grpc import errors
 from gym_grpc.client import GymClient, max_concurrent_rollouts, set_max_concurrent_rollouts
+from gym_grpc.collector import CollectOptions, collect
+from gym_grpc.jsonl import failures_path
 from gym_grpc.registry import Registry
 from servers.agents.simple_agent.agent import SimpleAgent
 from servers.models.local_policy.server import LocalPolicyModel
@@ -64,8 +68,8 @@ async def test_run_group_returns_group_size_rollouts_of_the_task(start):
     await registry.close()
 
 
-async def _echo_agent(start):
-    model = EchoModel(delay=0.05)
+async def _echo_agent(start, model=None):
+    model = model or EchoModel(delay=0.05)
     m = await start(model)
     env = await start(Calculator())
     agent = SimpleAgent(
@@ -125,3 +129,96 @@ async def test_a_cancelled_waiter_gives_its_place_back(start):
     again = await asyncio.wait_for(gym.run(row), 5)  # the slot is free again
     assert again.response.output
     await gym.close()
+
+
+async def _poll(condition, seconds=20.0):
+    """Wait for `condition()` to hold, at most `seconds` (a bound on a hang, not a timing assert)."""
+    for _ in range(int(seconds / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+
+
+class FailsTheSecondCall(EchoModel):
+    """Fails its second call at once, while the other calls of a group are still running."""
+
+    async def create_response(self, params, session_id):
+        if len(self.requests) == 1:
+            self.requests.append(params)
+            raise RuntimeError("engine exploded")
+        return await super().create_response(params, session_id)
+
+
+async def test_a_failed_rollout_is_returned_marked_and_has_no_reward(start):
+    _, address = await _echo_agent(start)
+    async with GymClient("agent", Registry(static={"agent": address})) as gym:
+        result = await gym.run({"responses_create_params": {"input": "please fail"}})
+    assert not result.ok and result.rollout is None
+    assert (result.failure.error_class, result.failure.code) == ("GymError", "INTERNAL")
+    assert "RuntimeError" in result.failure.message
+    with pytest.raises(errors.RolloutFailed, match="INTERNAL") as raised:
+        result.reward  # noqa: B018 - a failed rollout must not pass for a reward of 0
+    assert raised.value.failure is result.failure
+    with pytest.raises(errors.RolloutFailed):
+        result.turns  # noqa: B018
+
+
+async def test_run_group_returns_every_member_with_the_failed_one_marked(start):
+    _, address = await _echo_agent(start, FailsTheSecondCall(delay=0.5))
+    async with GymClient("agent", Registry(static={"agent": address})) as gym:
+        group = await gym.run_group({"responses_create_params": {"input": "hi"}, "expected_answer": "hi"}, 4)
+    assert len(group) == 4
+    failed = [result for result in group if not result.ok]
+    assert len(failed) == 1 and failed[0].failure.code == "INTERNAL"
+    assert [result.reward for result in group if result.ok] == [1.0, 1.0, 1.0]
+
+
+async def test_cancelling_a_group_ends_every_members_call_at_the_model(start):
+    model, address = await _echo_agent(start, EchoModel(delay=30))
+    gym = GymClient("agent", Registry(static={"agent": address}))
+    group = asyncio.ensure_future(gym.run_group({"responses_create_params": {"input": "hi"}}, 4))
+    await _poll(lambda: model.active == 4)
+    assert model.active == 4
+    group.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await group
+    await _poll(lambda: model.cancelled == 4)
+    assert (model.cancelled, model.active) == (4, 0)
+    await gym.close()
+
+
+async def test_a_member_that_raises_leaves_no_other_member_running(start):
+    model, address = await _echo_agent(start, EchoModel(delay=30))
+    gym = GymClient("agent", Registry(static={"agent": address}))
+    agent_run = gym._agent.run
+    calls = 0
+
+    async def one_member_hits_a_bug(task, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            await _poll(lambda: model.active == 3)  # the other members are at the model
+            raise RuntimeError("a bug in the caller's code")
+        return await agent_run(task, **kwargs)
+
+    gym._agent.run = one_member_hits_a_bug
+    with pytest.raises(RuntimeError, match="a bug"):
+        await gym.run_group({"responses_create_params": {"input": "hi"}}, 4)
+    await _poll(lambda: model.cancelled == 3)
+    assert (model.cancelled, model.active) == (3, 0)
+    await gym.close()
+
+
+async def test_the_client_and_the_failures_sidecar_describe_a_failure_alike(start, tmp_path):
+    _, address = await _echo_agent(start)
+    row = {"responses_create_params": {"input": "please fail"}}
+    (tmp_path / "tasks.jsonl").write_text(json.dumps(row) + "\n")
+    options = CollectOptions(
+        input=tmp_path / "tasks.jsonl", output=tmp_path / "out.jsonl", agent="agent", progress=False
+    )
+    registry = Registry(static={"agent": address})
+    async with GymClient("agent", registry) as gym:
+        result = await gym.run(row)
+        await collect(registry, options, log=io.StringIO())
+    (record,) = [json.loads(line) for line in failures_path(options.output).read_text().splitlines()]
+    assert record["error"] == result.failure.to_json()
