@@ -4,8 +4,11 @@ Each server runs in its own process (`python -m gym_grpc.worker`), bound to
 its configured port or to port 0 with the bound port read back from it. The
 runner waits until every server reports ready and answers its health check,
 checks that the servers they call exist, then lists them in the registry.
-Stopping sends SIGTERM (servers finish in-flight calls within the grace
-period) and kills what is still alive after it.
+A server with `restart: true` whose process dies is started again, with a
+bounded backoff when its replacement dies too. Each server's stderr passes
+through the runner (see server_log.py), which quotes its last lines when it
+cannot start. Stopping sends SIGTERM (servers finish in-flight calls within
+the grace period) and kills what is still alive after it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from gym_grpc import transport
 from gym_grpc.config import ConfigError, GymConfig, ServerSpec
 from gym_grpc.registry import REGISTRY_SERVICE, SERVER_ROLES, RegistryServicer, closest
 from gym_grpc.security import Security
+from gym_grpc.server_log import ServerLog
 from gym_grpc.serving import DEFAULT_GRACE_SECONDS, GymServer, Running, serve
 from gym_grpc.v1 import registry_service_pb2 as reg
 from gym_grpc.v1 import registry_service_pb2_grpc as reg_grpc
@@ -34,6 +38,13 @@ log = logging.getLogger("gym_grpc.runner")
 
 #: Seconds a server may take from process start to healthy.
 DEFAULT_STARTUP_TIMEOUT = 120.0
+
+#: Attempts to start a dead server again before giving up on it.
+RESTART_ATTEMPTS = 5
+
+#: Seconds before the second attempt (the first is at once); doubles, up to RESTART_MAX_DELAY.
+RESTART_FIRST_DELAY = 0.5
+RESTART_MAX_DELAY = 8.0
 
 _WILDCARD_HOSTS = {"0.0.0.0", "::", "[::]", ""}
 
@@ -62,6 +73,7 @@ class ServerProcesses:
     spec: ServerSpec
     processes: list[asyncio.subprocess.Process] = field(default_factory=list)
     info: reg.ServerInfo = field(default_factory=reg.ServerInfo)
+    log: ServerLog = field(default_factory=ServerLog)
 
 
 class Runner:
@@ -125,6 +137,12 @@ class Runner:
 
     async def _start_server(self, server: ServerProcesses) -> None:
         """Start a server's first worker, then the others on the port it bound."""
+        try:
+            await self._start_workers(server)
+        except StartupError as e:
+            raise StartupError(f"{e}{server.log.quote()}") from None
+
+    async def _start_workers(self, server: ServerProcesses) -> None:
         spec = server.spec
         report = await self._ready(server, await self._spawn(server, spec.port, 0))
         others = [await self._spawn(server, report["port"], i) for i in range(1, spec.num_workers)]
@@ -142,15 +160,22 @@ class Runner:
         )
 
     async def _spawn(self, server: ServerProcesses, port: int, worker: int) -> asyncio.subprocess.Process:
-        process = await asyncio.create_subprocess_exec(
+        process = await server.log.spawn(
             sys.executable,
             "-m",
             "gym_grpc.worker",
+            name=server.name,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             start_new_session=True,  # its own process group, so that what it starts goes with it
         )
-        server.processes.append(process)
+        if worker < len(server.processes):  # a restart: close the dead process's stdin
+            dead = server.processes[worker]
+            if dead.stdin is not None:
+                dead.stdin.close()
+            server.processes[worker] = process
+        else:
+            server.processes.append(process)
         spec = server.spec
         message = {
             "name": server.name,
@@ -177,9 +202,9 @@ class Runner:
         line = await process.stdout.readline()
         if not line:
             code = await process.wait()
-            raise StartupError(
-                f"server {server.name!r} exited with code {code} before it was ready (see its log above)"
-            )
+            _kill_group(process)  # what it started may hold its stderr open
+            await server.log.drained(process)
+            raise StartupError(f"server {server.name!r} exited with code {code} before it was ready")
         report = json.loads(line)
         if "error" in report:
             reason = report["error"].removeprefix(f"server {server.name!r}: ")
@@ -198,45 +223,71 @@ class Runner:
             for s in self.servers.values()
             for worker, p in enumerate(s.processes)
         }
+        restarts: dict[asyncio.Future, tuple[ServerProcesses, int]] = {}
         stopping = asyncio.ensure_future(stop.wait())
         code = 0
         try:
-            while exits:
-                done, _ = await asyncio.wait({*exits, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            while exits or restarts:
+                done, _ = await asyncio.wait({*exits, *restarts, stopping}, return_when=asyncio.FIRST_COMPLETED)
                 if stopping in done:
                     break
                 for future in done:
+                    if future in restarts:
+                        server, worker = restarts.pop(future)
+                        if future.result():
+                            exits[asyncio.ensure_future(server.processes[worker].wait())] = (server, worker)
+                        continue
                     server, worker = exits.pop(future)
                     process = server.processes[worker]
                     _kill_group(process)  # what it started (a verifier's pool, say) is orphaned now
                     code = 1
                     log.error("server %r (pid %d) exited with code %s", server.name, process.pid, process.returncode)
-                    if not server.spec.restart:
+                    if server.spec.restart:
+                        restarts[asyncio.ensure_future(self._restart(server, worker))] = (server, worker)
+                    else:
                         log.error("the other servers keep serving (see gym-grpc status)")
-                        continue
-                    try:
-                        await self._restart(server, worker)
-                    except StartupError as e:
-                        log.error("could not restart it: %s", e)
-                        continue
-                    exits[asyncio.ensure_future(server.processes[worker].wait())] = (server, worker)
-            if not exits:
+            if not exits and not restarts:
                 log.error("every server has exited")
         finally:
             stopping.cancel()
-            for future in exits:
+            for future in [*exits, *restarts]:
                 future.cancel()
+            await asyncio.gather(*restarts, return_exceptions=True)  # their processes are listed for stop()
         return code
 
-    async def _restart(self, server: ServerProcesses, worker: int) -> None:
-        """Start worker `worker` of a server again on the server's port."""
+    async def _restart(self, server: ServerProcesses, worker: int) -> bool:
+        """Start worker `worker` of a server again on the server's port; whether it came back.
+
+        A replacement that dies (or is not healthy) before it serves is followed by
+        another, up to RESTART_ATTEMPTS, with growing delays; then the server is
+        given up, with its last log lines."""
         address = server.info.addresses[0]
         port = int(address.rsplit(":", 1)[1])
-        process = await self._spawn(server, port, worker)
-        server.processes[worker] = server.processes.pop()  # _spawn appended it
-        await asyncio.wait_for(self._ready(server, process), self.startup_timeout)
-        await _wait_healthy(address, self.config.security)
-        log.warning("server %r restarted (pid %d) on %s", server.name, process.pid, address)
+        for attempt in range(1, RESTART_ATTEMPTS + 1):
+            delay = 0.0 if attempt == 1 else min(RESTART_FIRST_DELAY * 2 ** (attempt - 2), RESTART_MAX_DELAY)
+            when = f" in {delay:.1f} s" if delay else ""
+            log.warning("restarting %r (attempt %d of %d)%s", server.name, attempt, RESTART_ATTEMPTS, when)
+            await asyncio.sleep(delay)
+            try:
+                process = await self._spawn(server, port, worker)
+                await asyncio.wait_for(self._ready(server, process), self.startup_timeout)
+                await _wait_healthy(address, self.config.security)
+            except TimeoutError:
+                failure = f"server {server.name!r} not ready after {self.startup_timeout:.0f} s"
+            except (StartupError, OSError) as e:
+                failure = str(e)
+            else:
+                log.warning("server %r restarted (pid %d) on %s", server.name, process.pid, address)
+                return True
+            log.error("attempt %d of %d failed: %s", attempt, RESTART_ATTEMPTS, failure)
+            await _end(server.processes[worker])
+        log.error(
+            "giving up on server %r after %d attempts to restart it%s",
+            server.name,
+            RESTART_ATTEMPTS,
+            server.log.quote(),
+        )
+        return False
 
     async def stop(self) -> None:
         """Stop every server (SIGTERM, then SIGKILL after the grace period) and the registry."""
@@ -256,6 +307,12 @@ class Runner:
                 process.stdin.close()
         if self.registry is not None:
             await self.registry.stop(grace=1.0)
+
+
+async def _end(process: asyncio.subprocess.Process) -> None:
+    """Kill a server process that failed to start, and what it started."""
+    _kill_group(process)
+    await process.wait()
 
 
 def _kill_group(process: asyncio.subprocess.Process) -> None:

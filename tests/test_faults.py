@@ -3,11 +3,13 @@ rollouts, never a hang and never the other servers; a re-run completes the rest.
 
 import asyncio
 import io
+import itertools
 import json
 import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +18,7 @@ from gym_grpc.registry import Registry
 from gym_grpc.resources import ResourcesServer, Session
 from gym_grpc.v1 import responses_pb2 as r
 from servers.agents.simple_agent.agent import SimpleAgent
-from tests.support import EchoModel, static_registry
+from tests.support import REPO, EchoModel, static_registry
 from tests.test_cli import MATH, _gym, _rows, _start_run, _status, _tool
 
 
@@ -73,6 +75,84 @@ def test_a_server_killed_and_restarted_mid_collection_costs_at_most_its_calls_in
     finally:
         run.stop()
     assert f"server '{victim}' restarted" in run.log()
+
+
+def _crashing_config(tmp_path: Path) -> tuple[Path, Path]:
+    """A config of two restartable CrashingEnv servers, `crashing` (whose starts crash
+    while the returned crash file says so) and `steady`; the config and that file."""
+    crashes = tmp_path / "crashes"
+    entrypoint = f"{REPO / 'tests' / 'programs' / 'crashing_env.py'}:CrashingEnv"
+    config = tmp_path / "crashing.yaml"
+    config.write_text(
+        "servers:\n"
+        f"  crashing: {{entrypoint: '{entrypoint}', restart: true, config: {{crash_file: '{crashes}'}}}}\n"
+        f"  steady: {{entrypoint: '{entrypoint}', restart: true, config: {{crash_file: '{tmp_path / 'never'}'}}}}\n"
+    )
+    return config, crashes
+
+
+def _wait_for(condition, what: str, seconds: float = 120.0) -> None:
+    """Poll `condition` until it holds; fail naming `what` after `seconds` (a bound on a hang)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"still waiting for {what} after {seconds:.0f} s"
+        time.sleep(0.1)
+
+
+def test_a_replacement_that_crashes_before_it_is_healthy_is_retried_until_one_serves(tmp_path):
+    config, crashes = _crashing_config(tmp_path)
+    run = _start_run(configs=(config,))
+    try:
+        _, before = _status(run.registry)
+        crashes.write_text("1")  # the first replacement crashes, the second serves
+        os.kill(before["crashing"]["pid"], signal.SIGKILL)
+
+        def back() -> bool:
+            _, now = _status(run.registry)
+            return now["crashing"]["health"] == "serving" and now["crashing"]["pid"] != before["crashing"]["pid"]
+
+        _wait_for(back, "the second replacement to serve")
+        assert crashes.read_text() == "0"
+    finally:
+        run.stop()
+    log = run.log()
+    assert "restarting 'crashing' (attempt 1 of 5)\n" in log
+    assert "attempt 1 of 5 failed: server 'crashing' exited with code 3 before it was ready" in log
+    assert "restarting 'crashing' (attempt 2 of 5) in 0.5 s" in log
+    assert "server 'crashing' restarted" in log and "giving up" not in log
+
+
+def test_a_server_whose_replacements_keep_crashing_is_given_up_with_its_last_log_lines(tmp_path):
+    config, crashes = _crashing_config(tmp_path)
+    run = _start_run(configs=(config,))
+    try:
+        _, before = _status(run.registry)
+        crashes.write_text("100")
+        os.kill(before["crashing"]["pid"], signal.SIGKILL)
+        _wait_for(lambda: "giving up on server 'crashing'" in run.log(), "the runner to give up")
+        assert crashes.read_text() == "95"  # five attempts, no more
+        code, after = _status(run.registry)
+        assert after["crashing"]["health"] == "down" and after["steady"]["health"] == "serving"
+        assert run.process.poll() is None  # the run goes on with the other server
+    finally:
+        run.stop()
+    log = run.log()
+    for attempt, delay in [(2, "0.5"), (3, "1.0"), (4, "2.0"), (5, "4.0")]:
+        assert f"restarting 'crashing' (attempt {attempt} of 5) in {delay} s" in log
+    assert "attempt 5 of 5 failed: server 'crashing' exited with code 3 before it was ready" in log
+    given_up = log[log.index("giving up on server 'crashing' after 5 attempts to restart it; its last log lines:\n") :]
+    quoted = list(itertools.takewhile(lambda line: line.startswith("    "), given_up.splitlines()[1:]))
+    assert quoted and quoted[-1].endswith("crashing on purpose, 95 more crashes to come")
+
+
+def test_a_server_that_crashes_before_it_is_ready_fails_startup_quoting_its_last_log_lines(tmp_path):
+    config, crashes = _crashing_config(tmp_path)
+    crashes.write_text("1")
+    done = _gym("run", str(config), "registry.port=0")
+    assert done.returncode == 1
+    error = done.stderr[done.stderr.index("Error: ") :]
+    assert error.startswith("Error: server 'crashing' exited with code 3 before it was ready; its last log lines:\n")
+    assert "crashing on purpose, 0 more crashes to come" in error
 
 
 class Moody(ResourcesServer):
