@@ -131,7 +131,7 @@ def test_a_server_whose_replacements_keep_crashing_is_given_up_with_its_last_log
         os.kill(before["crashing"]["pid"], signal.SIGKILL)
         _wait_for(lambda: "giving up on server 'crashing'" in run.log(), "the runner to give up")
         assert crashes.read_text() == "95"  # five attempts, no more
-        code, after = _status(run.registry)
+        _, after = _status(run.registry)
         assert after["crashing"]["health"] == "down" and after["steady"]["health"] == "serving"
         assert run.process.poll() is None  # the run goes on with the other server
     finally:
