@@ -7,7 +7,7 @@ import os
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
-from gym_grpc import profiling
+from gym_grpc import open_files, profiling
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 
@@ -45,6 +45,8 @@ class AdminServicer(admin_grpc.AdminServiceServicer):
             pid=os.getpid(),
             entrypoint=app.entrypoint,
             profiling=app.profiler.running,
+            open_files_limit=open_files.limit(),
+            open_files=open_files.in_use(),
         )
 
     async def GetCounters(self, request: admin_pb.GetCountersRequest, context: Any) -> admin_pb.GetCountersResponse:

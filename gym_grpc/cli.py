@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import click
 
-from gym_grpc import errors, hub, status
+from gym_grpc import errors, hub, open_files, status
 from gym_grpc.batch import BatchSummary
 from gym_grpc.collector import CollectOptions, collect, parse_overrides
 from gym_grpc.config import ConfigError, GymConfig, dump_config, load_config, load_env
@@ -41,8 +41,10 @@ QUICKSTART_DATA = {
 
 @click.group()
 @click.version_option(package_name="gym-grpc")
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """gRPC environments for LLM reinforcement learning."""
+    open_files.raise_limit(f"gym-grpc {ctx.invoked_subcommand}")
 
 
 def _split_args(args: tuple[str, ...]) -> tuple[list[str], list[str]]:
@@ -408,7 +410,8 @@ def reverify_command(
 )
 @_security_options
 def status_command(registry: str, as_json: bool, interval: float, security: Security) -> None:
-    """Every server of a running config: address, health, pid, uptime, in flight, calls/s, engine retries."""
+    """Every server of a running config: address, health, pid, uptime, in flight, calls/s, engine retries,
+    open files."""
 
     async def ask() -> list[dict]:
         async with _registry(registry, security) as reg:

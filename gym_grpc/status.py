@@ -50,29 +50,32 @@ async def _one(info: reg.ServerInfo, address: str, interval: float, security: Se
         version=server.version,
         config_hash=server.config_hash,
         profiling=server.profiling,
+        open_files=server.open_files,
+        open_files_limit=server.open_files_limit,
     )
     return row
 
 
 async def status(registry: Registry, interval: float = 1.0) -> list[dict[str, Any]]:
     """One row per address of every registered server: health, pid, uptime, in flight, calls/s,
-    and the retries of requests to engines by failure class."""
+    the retries of requests to engines by failure class, and open files."""
     servers = await registry.list()
     return list(await asyncio.gather(*(_one(s, a, interval, registry.security) for s in servers for a in s.addresses)))
 
 
 def format_status(rows: list[dict[str, Any]]) -> str:
     header = f"{'server':<22} {'role':<10} {'address':<22} {'health':<12} {'pid':>7} {'uptime':>9} "
-    header += f"{'in flight':>9} {'calls/s':>9} {'retries':>8}"
+    header += f"{'in flight':>9} {'calls/s':>9} {'retries':>8} {'open files':>16}"
     lines = [header]
     for row in rows:
         if "pid" in row:
+            files = f"{row['open_files']} of {row['open_files_limit'] or 'any'}"
             tail = (
                 f"{row['pid']:>7} {row['uptime_seconds']:>8.0f}s {row['in_flight']:>9} {row['calls_per_second']:>9.1f}"
-                f" {sum(row['retries'].values()):>8}"
+                f" {sum(row['retries'].values()):>8} {files:>16}"
             )
         else:
-            tail = f"{'-':>7} {'-':>9} {'-':>9} {'-':>9} {'-':>8}"
+            tail = f"{'-':>7} {'-':>9} {'-':>9} {'-':>9} {'-':>8} {'-':>16}"
         lines.append(f"{row['name']:<22} {row['role']:<10} {row['address']:<22} {row['health']:<12} {tail}")
     return "\n".join(lines)
 

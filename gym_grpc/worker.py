@@ -16,6 +16,7 @@ import os
 import sys
 from typing import Any
 
+from gym_grpc import open_files
 from gym_grpc.config import ConfigError
 from gym_grpc.entrypoints import load_entrypoint
 from gym_grpc.profiling import Profiler
@@ -66,6 +67,7 @@ async def _serve(app: GymServer, spec: dict[str, Any], security: Security) -> No
 def main() -> None:
     spec = json.loads(sys.stdin.readline())
     name = spec["name"]
+    open_files.raise_limit(f"server {name!r}")  # and name this process in what it says about it
     logging.basicConfig(
         stream=sys.stderr,
         level=spec.get("log_level", "INFO"),

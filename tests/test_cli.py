@@ -3,12 +3,14 @@
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -64,8 +66,14 @@ class Run:
             return f.read()
 
 
-def _start_run(*overrides: str, configs: tuple[Path, ...] = ()) -> Run:
-    """Start `gym-grpc run configs/quickstart.yaml` (or `configs`; port 0 registry) and wait until it is healthy.
+def _limit_open_files(soft: int, hard: int) -> Callable[[], None]:
+    """For `preexec_fn`: start a process with these limits on its open files."""
+    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _start_run(*overrides: str, configs: tuple[Path, ...] = (), open_files: tuple[int, int] | None = None) -> Run:
+    """Start `gym-grpc run configs/quickstart.yaml` (or `configs`; port 0 registry) and wait until it is healthy,
+    with `open_files` as its (soft, hard) limits on open files if given.
 
     Its stderr goes to a file: a pipe nobody reads would fill and block the servers' logging."""
     configs = configs or (REPO / "configs" / "quickstart.yaml",)
@@ -75,6 +83,7 @@ def _start_run(*overrides: str, configs: tuple[Path, ...] = ()) -> Run:
         stdout=subprocess.PIPE,
         stderr=stderr,
         text=True,
+        preexec_fn=_limit_open_files(*open_files) if open_files else None,
     )
     lines = []
     for line in process.stdout:

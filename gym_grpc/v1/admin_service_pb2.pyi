@@ -52,6 +52,8 @@ class GetServerInfoResponse(_message.Message):
     PID_FIELD_NUMBER: _builtins.int
     ENTRYPOINT_FIELD_NUMBER: _builtins.int
     PROFILING_FIELD_NUMBER: _builtins.int
+    OPEN_FILES_LIMIT_FIELD_NUMBER: _builtins.int
+    OPEN_FILES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name of the server in its configuration."""
     role: _registry_service_pb2.ServerRole.ValueType
@@ -70,6 +72,12 @@ class GetServerInfoResponse(_message.Message):
     """Implementation it runs, such as "servers/resources/math/server.py:MathEnv"."""
     profiling: _builtins.bool
     """Whether the profiler is running."""
+    open_files_limit: _builtins.int
+    """Soft limit on the descriptors (sockets, pipes, files) the process may hold
+    open, after gym-grpc raised it to the hard limit at start; 0: no limit.
+    """
+    open_files: _builtins.int
+    """Descriptors the process holds open now; 0 where its system does not say."""
     def __init__(
         self,
         *,
@@ -81,10 +89,12 @@ class GetServerInfoResponse(_message.Message):
         pid: _builtins.int = ...,
         entrypoint: _builtins.str = ...,
         profiling: _builtins.bool = ...,
+        open_files_limit: _builtins.int = ...,
+        open_files: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_hash", b"config_hash", "entrypoint", b"entrypoint", "name", b"name", "pid", b"pid", "profiling", b"profiling", "role", b"role", "uptime_seconds", b"uptime_seconds", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_hash", b"config_hash", "entrypoint", b"entrypoint", "name", b"name", "open_files", b"open_files", "open_files_limit", b"open_files_limit", "pid", b"pid", "profiling", b"profiling", "role", b"role", "uptime_seconds", b"uptime_seconds", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
