@@ -21,7 +21,7 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-from gym_grpc import errors, jsonl
+from gym_grpc import errors, jsonl, open_files
 from gym_grpc.summary import GroupIndex, RunStats, summarise_file
 
 
@@ -124,6 +124,7 @@ class Batch:
         self.window = asyncio.Semaphore(options.max_in_flight)
         self.bar: tqdm | None = None
         self.failures: TextIO | None = None
+        self._failures_path = jsonl.failures_path(options.output)
         self._started = time.monotonic()
 
     def report(self, message: str) -> None:
@@ -132,13 +133,13 @@ class Batch:
         else:
             print(message, file=self.log)
 
-    def _fail(self, record: dict[str, Any], message: str) -> None:
-        if self.failures is None:
-            self.failures = jsonl.failures_path(self.options.output).open("a", encoding="utf-8")
+    def _fail(self, record: dict[str, Any], message: str | None) -> None:
+        assert self.failures is not None
         record["time"] = time.time()
         self.failures.write(json.dumps(record, ensure_ascii=False) + "\n")
         self.failures.flush()
-        self.report(message)
+        if message is not None:
+            self.report(message)
 
     def _progress(self) -> None:
         assert self.bar is not None
@@ -160,6 +161,7 @@ class Batch:
         except Exception as e:  # a failure costs this job, never the run
             self.summary.failed += 1
             failure = errors.Failure.of(e)
+            quiet = isinstance(e, errors.OutOfFiles) and not open_files.time_to_say()
             self._fail(
                 {
                     "task_index": job.task_index,
@@ -167,7 +169,7 @@ class Batch:
                     "group": job.group,
                     "error": failure.to_json(),
                 },
-                f"task {job.task_index} repeat {job.repeat_index} failed: {failure.message}",
+                None if quiet else f"task {job.task_index} repeat {job.repeat_index} failed: {failure.message}",
             )
             return
         finally:
@@ -191,6 +193,9 @@ class Batch:
             file=self.log,
             dynamic_ncols=True,
         )
+        # The sidecar is opened now, not at the first failure: that failure may be
+        # running out of descriptors, and must still be recorded.
+        self.failures = self._failures_path.open("a", encoding="utf-8")
         try:
             with options.output.open("a", encoding="utf-8") as out:
                 for job in jobs:
@@ -219,8 +224,9 @@ class Batch:
             for task in running:
                 task.cancel()
             self.bar.close()
-            if self.failures is not None:
-                self.failures.close()
+            self.failures.close()
+            if not self._failures_path.stat().st_size:
+                self._failures_path.unlink()
         file_summary = summarise_file(
             options.output,
             self.groups,

@@ -158,6 +158,10 @@ def _interruptible(coroutine: Awaitable[T], output: Path) -> T:
         raise click.ClickException(
             f"interrupted; every finished rollout is in {output}: run the same command again to resume"
         ) from None
+    except OSError as e:
+        if not open_files.ran_out(e):
+            raise
+        raise click.ClickException(open_files.explain(f"opening {e.filename}" if e.filename else "")) from None
 
 
 _registry_option = click.option(
@@ -448,6 +452,8 @@ async def _registry(address: str, security: Security | None, name: str | None = 
             await registry.list()
             if name:
                 await registry.info(name)
+        except errors.OutOfFiles as e:
+            raise click.ClickException(e.message) from None
         except errors.GymError as e:
             raise click.ClickException(f"{e.message}\n(is `gym-grpc run` up with its registry at {address}?)") from None
         yield registry

@@ -4,7 +4,8 @@ aiohttp, never httpx on the hot path (httpx's pool is quadratic in queued
 requests). Each engine gets connect and read timeouts, a cap on concurrent
 requests (its connection pool), and bounded retries per failure class
 (`gym_grpc.retries`), each retry logged with its cause and counted in the
-server's counters. A request never outlives the deadline of the call that
+server's counters (not when this process is out of open files: see
+open_files.py). A request never outlives the deadline of the call that
 made it, so an engine that is down costs UNAVAILABLE (or DEADLINE_EXCEEDED),
 never a hang. An engine that has not answered yet (vLLM loading its model) is
 waited for, up to `startup_wait_seconds`, so a collect started early loses no
@@ -27,7 +28,7 @@ import aiohttp
 import grpc
 from pydantic import Field, field_validator
 
-from gym_grpc import errors
+from gym_grpc import errors, open_files
 from gym_grpc.counters import Counters
 from gym_grpc.model import ModelServer
 from gym_grpc.retries import Failure, Retries, RetrySettings, retry_after_seconds
@@ -140,6 +141,8 @@ class Engine:
             except aiohttp.SocketTimeoutError:
                 failure = Failure("timeout", f"no answer within read_timeout ({self.settings.read_timeout:g} s)")
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+                if open_files.ran_out(e):  # not the engine's fault, and retrying only adds noise
+                    raise errors.OutOfFiles(open_files.explain(f"connecting to engine {url}")) from None
                 failure = Failure("connect", f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
             except TimeoutError:
                 raise retries.out_of_time() from None

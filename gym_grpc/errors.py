@@ -15,6 +15,8 @@ from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from gym_grpc import open_files
+
 
 class ConfigError(ValueError):
     """A configuration (file, override, server config block, certificate) cannot be used;
@@ -105,6 +107,13 @@ class Cancelled(GymError):
     code = grpc.StatusCode.CANCELLED
 
 
+class OutOfFiles(GymError):
+    """This process has no descriptor left for a connection or a file (EMFILE); the
+    message is `open_files.explain(...)`. Said at most once a minute, not once per call."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class DeadlineExceeded(GymError):
     """The caller's deadline ran out while a downstream call was running."""
 
@@ -151,7 +160,10 @@ TOOL_ERROR_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.
 
 
 def from_rpc_error(error: grpc.aio.AioRpcError, what: str) -> GymError:
-    """Wrap a downstream call's failure, keeping its code and the field it names, naming the callee."""
+    """Wrap a downstream call's failure, keeping its code and the field it names, naming the callee.
+    A call that failed because this process is out of descriptors is OutOfFiles."""
+    if open_files.ran_out(error):
+        return OutOfFiles(open_files.explain(f"calling {what}"))
     code = error.code()
     message = f"{what}: {code.name}: {error.details()}"
     field = field_of(error)

@@ -24,7 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from gym_grpc import errors, transport
+from gym_grpc import errors, open_files, transport
 from gym_grpc.admin import ADMIN_SERVICE, AdminServicer
 from gym_grpc.config import ConfigError
 from gym_grpc.counters import Counters
@@ -107,7 +107,7 @@ class _Call:
     touching a grpc.aio context after its call has ended (client cancel,
     deadline, client death) can crash the process."""
 
-    __slots__ = ("app", "method", "peer", "deadline", "began", "status", "detail")
+    __slots__ = ("app", "method", "peer", "deadline", "began", "status", "detail", "out_of_files")
 
     def __init__(self, app: GymServer, method: str, context: grpc.aio.ServicerContext) -> None:
         self.app, self.method = app, method
@@ -116,11 +116,13 @@ class _Call:
         self.deadline = None if remaining is None else time.monotonic() + remaining
         self.began = app.counters.begin(method)
         self.status, self.detail = "OK", ""
+        self.out_of_files = False
 
     async def fail(self, error: BaseException, context: grpc.aio.ServicerContext) -> NoReturn:
         """Turn what the handler raised into the call's status; always raises."""
         if isinstance(error, errors.GymError):
             self.status, self.detail = error.code.name, error.message
+            self.out_of_files = isinstance(error, errors.OutOfFiles)
             await context.abort_with_status(error.to_status())
         if isinstance(error, grpc.aio.AbortError):
             raise error
@@ -138,7 +140,7 @@ class _Call:
 
     def end(self) -> None:
         seconds = self.app.counters.end(self.method, self.began, self.status)
-        if self.status != "OK":
+        if self.status != "OK" and (not self.out_of_files or open_files.time_to_say()):
             level = logging.INFO if self.status in _CALLER_FAULTS else logging.WARNING
             log.log(
                 level,
