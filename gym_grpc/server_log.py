@@ -41,6 +41,7 @@ class ServerLog:
             os.close(write)
         reader = threading.Thread(target=self._forward, args=(read,), name=f"log of {name}", daemon=True)
         reader.start()
+        self._readers = {pid: r for pid, r in self._readers.items() if r.is_alive()}  # forget finished ones
         self._readers[process.pid] = reader
         return process
 
@@ -52,7 +53,7 @@ class ServerLog:
             await asyncio.to_thread(reader.join, timeout)
 
     def quote(self) -> str:
-        """The last lines, indented, after a line that says what they are; "" when there are none."""
+        """To append to a message: "; its last log lines:" and the lines, indented ("" when none)."""
         if not self._last:
             return ""
         return "; its last log lines:\n" + "\n".join(f"    {line}" for line in self._last)
