@@ -3,16 +3,17 @@
 Shared by `collect` and `reverify`. Each job has a key (task_index,
 repeat_index); keys already in the output are skipped, so running the same
 command again resumes. At most `max_in_flight` jobs run at once. A finished
-row is appended and flushed at once; a failed job (or an input line that
-cannot be used) goes to the failures sidecar with its error's class, code and
-message, and the rest goes on. A progress bar shows rows/s, tokens/s and the
-running mean reward. The summary at the end covers the whole output file.
+row is written whole at once; a failed job (or an input line that cannot be
+used) goes to the failures sidecar with its error's class, code and message,
+and the rest goes on. An output that cannot be written (a full disk) stops
+the run with every row written before kept. A progress bar shows rows/s,
+tokens/s and the running mean reward. The summary at the end covers the
+whole output file.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-from gym_grpc import errors, jsonl, open_files
+from gym_grpc import errors, jsonl
 from gym_grpc.summary import GroupIndex, RunStats, summarise_file
 
 
@@ -123,8 +124,10 @@ class Batch:
         self.groups = GroupIndex(options.n_tasks)
         self.window = asyncio.Semaphore(options.max_in_flight)
         self.bar: tqdm | None = None
-        self.failures: TextIO | None = None
-        self._failures_path = jsonl.failures_path(options.output)
+        self.failures: jsonl.Appender | None = None
+        #: Why the run stopped early (an output that cannot be written).
+        self._stop: errors.OutputError | None = None
+        self._running: set[asyncio.Task] = set()
         self._started = time.monotonic()
 
     def report(self, message: str) -> None:
@@ -133,13 +136,12 @@ class Batch:
         else:
             print(message, file=self.log)
 
-    def _fail(self, record: dict[str, Any], message: str | None) -> None:
+    def _fail(self, record: dict[str, Any], message: str) -> None:
+        """Record a failure in the sidecar and count it; OutputError when the sidecar cannot be written."""
         assert self.failures is not None
         record["time"] = time.time()
-        self.failures.write(json.dumps(record, ensure_ascii=False) + "\n")
-        self.failures.flush()
-        if message is not None:
-            self.report(message)
+        self.failures.append(record)
+        self.report(message)
 
     def _progress(self) -> None:
         assert self.bar is not None
@@ -150,42 +152,68 @@ class Batch:
             postfix["reward"] = f"{run.reward.mean('reward'):.3f}"
         self.bar.set_postfix(postfix, refresh=False)
 
-    async def _one(self, job: Job, produce: Produce, out: TextIO) -> None:
+    def _halt(self, error: errors.OutputError) -> None:
+        """Stop the run: nothing more can be written, so every job in flight is cancelled."""
+        if self._stop is None:
+            self._stop = error
+            for task in self._running:
+                task.cancel()
+
+    async def _one(self, job: Job, produce: Produce, out: jsonl.Appender) -> None:
         assert self.bar is not None
         try:
-            row = await produce(job)
-            row["task_index"] = job.task_index
-            row["repeat_index"] = job.repeat_index
-            out.write(json.dumps(row, ensure_ascii=False) + "\n")
-            out.flush()
-        except Exception as e:  # a failure costs this job, never the run
-            self.summary.failed += 1
-            failure = errors.Failure.of(e)
-            quiet = isinstance(e, errors.OutOfFiles) and not open_files.time_to_say()
-            self._fail(
-                {
-                    "task_index": job.task_index,
-                    "repeat_index": job.repeat_index,
-                    "group": job.group,
-                    "error": failure.to_json(),
-                },
-                None if quiet else f"task {job.task_index} repeat {job.repeat_index} failed: {failure.message}",
-            )
-            return
+            try:
+                row = await produce(job)
+                row["task_index"] = job.task_index
+                row["repeat_index"] = job.repeat_index
+                out.append(row)
+            except errors.OutputError:
+                raise
+            except Exception as e:  # a failure costs this job, never the run
+                self._failed(job, errors.Failure.of(e))
+                return
+            self.summary.run.add(row)
+            self._progress()
+        except errors.OutputError as e:
+            self._halt(e)
         finally:
             self.bar.update(1)
             self.window.release()
-        self.summary.run.add(row)
-        self._progress()
+
+    def _failed(self, job: Job, failure: errors.Failure) -> None:
+        self.summary.failed += 1
+        self._fail(
+            {
+                "task_index": job.task_index,
+                "repeat_index": job.repeat_index,
+                "group": job.group,
+                "error": failure.to_json(),
+            },
+            f"task {job.task_index} repeat {job.repeat_index} failed: {failure.message}",
+        )
+
+    def _bad_input(self, bad: BadInput) -> None:
+        assert self.bar is not None
+        self.summary.bad_rows += 1
+        self.bar.update(bad.jobs)
+        failure = errors.Failure("RowError", "INVALID_ARGUMENT", bad.message, bad.field)
+        name = self.options.input_name
+        self._fail(
+            {"task_index": bad.task_index, "line": bad.line, "error": failure.to_json()},
+            f"{name}:{bad.line}: {bad.message}",
+        )
 
     async def run(self, jobs: Iterator[Job | BadInput], produce: Produce) -> BatchSummary:
-        """Run every job not already in the output; then summarise the output."""
+        """Run every job not already in the output; then summarise the output.
+
+        Raises OutputError, after cancelling every job in flight, when the output
+        or the sidecar cannot be written: every row written before is kept whole."""
         options = self.options
         self._started = time.monotonic()
         jsonl.repair_tail(options.output)
         done = jsonl.done_keys(options.output, options.n_tasks, options.repeats)
         options.output.parent.mkdir(parents=True, exist_ok=True)
-        running: set[asyncio.Task] = set()
+        running = self._running
         self.bar = tqdm(
             total=options.total if options.total is not None else options.n_tasks * options.repeats,
             unit="rollout",
@@ -193,40 +221,41 @@ class Batch:
             file=self.log,
             dynamic_ncols=True,
         )
+        out = jsonl.Appender(options.output)
         # The sidecar is opened now, not at the first failure: that failure may be
         # running out of descriptors, and must still be recorded.
-        self.failures = self._failures_path.open("a", encoding="utf-8")
+        self.failures = jsonl.Appender(jsonl.failures_path(options.output))
         try:
-            with options.output.open("a", encoding="utf-8") as out:
-                for job in jobs:
-                    if isinstance(job, BadInput):
-                        self.summary.bad_rows += 1
-                        self.bar.update(job.jobs)
-                        error = errors.Failure("RowError", "INVALID_ARGUMENT", job.message, job.field)
-                        self._fail(
-                            {"task_index": job.task_index, "line": job.line, "error": error.to_json()},
-                            f"{options.input_name}:{job.line}: {job.message}",
-                        )
-                        continue
-                    self.groups.set(job.task_index, job.group)
-                    if done[job.task_index * options.repeats + job.repeat_index]:
-                        self.summary.skipped += 1
-                        self.bar.update(1)
-                        continue
-                    await self.window.acquire()
-                    task = asyncio.create_task(self._one(job, produce, out))
-                    running.add(task)
-                    task.add_done_callback(running.discard)
-                if running:
-                    await asyncio.gather(*running)
-            self.summary.seconds = time.monotonic() - self._started
+            for job in jobs:
+                if isinstance(job, BadInput):
+                    self._bad_input(job)
+                    continue
+                self.groups.set(job.task_index, job.group)
+                if done[job.task_index * options.repeats + job.repeat_index]:
+                    self.summary.skipped += 1
+                    self.bar.update(1)
+                    continue
+                await self.window.acquire()
+                if self._stop is not None:
+                    break
+                task = asyncio.create_task(self._one(job, produce, out))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            if running:
+                await asyncio.wait(running)
         finally:
             for task in running:
                 task.cancel()
+            if running:  # interrupted, or stopped: the cancelled jobs end their calls first
+                await asyncio.wait(running)
             self.bar.close()
+            out.close()
             self.failures.close()
-            if not self._failures_path.stat().st_size:
-                self._failures_path.unlink()
+            if not self.failures.path.stat().st_size:
+                self.failures.path.unlink()
+        if self._stop is not None:
+            raise self._stop
+        self.summary.seconds = time.monotonic() - self._started
         file_summary = summarise_file(
             options.output,
             self.groups,

@@ -152,6 +152,7 @@ def _reward_range(ctx: click.Context, param: click.Parameter, value: str) -> tup
 
 
 def _interruptible(coroutine: Awaitable[T], output: Path) -> T:
+    """Run a batch; Ctrl-C or an output that cannot be written (a full disk) is one line and exit 1."""
     try:
         return asyncio.run(coroutine)  # type: ignore[arg-type]
     except KeyboardInterrupt:
@@ -162,6 +163,11 @@ def _interruptible(coroutine: Awaitable[T], output: Path) -> T:
         if not open_files.ran_out(e):
             raise
         raise click.ClickException(open_files.explain(f"opening {e.filename}" if e.filename else "")) from None
+    except errors.OutputError as e:
+        raise click.ClickException(
+            f"{e}. Stopped; every rollout written before is kept in {output}: "
+            "make room, then run the same command again to resume"
+        ) from None
 
 
 _registry_option = click.option(
@@ -500,7 +506,7 @@ def quickstart(output_dir: Path, num_repeats: int) -> None:
         )
     try:
         metrics = asyncio.run(_quickstart(output_dir, num_repeats))
-    except (ConfigError, StartupError) as e:
+    except (ConfigError, StartupError, errors.OutputError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(json.dumps(metrics, indent=2))
 

@@ -154,7 +154,7 @@ async def collect(registry: Registry, options: CollectOptions, *, log: TextIO = 
     if options.num_repeats < 1:
         raise ValueError("num_repeats must be at least 1")
     clients: dict[str, AgentClient] = {}
-    events = options.events.open("a", encoding="utf-8") if options.events is not None else None
+    events = jsonl.Appender(options.events) if options.events is not None else None
 
     async def rollout(job: Job) -> task_pb2.Rollout:
         client = clients.get(job.group)
@@ -167,10 +167,9 @@ async def collect(registry: Registry, options: CollectOptions, *, log: TextIO = 
         stream = client.run_stream(task, timeout=options.timeout, skip_verification=options.skip_verify)
         async for event in stream:
             row = {"task_index": job.task_index, "repeat_index": job.repeat_index, **_event_row(event)}
-            events.write(json.dumps(row, ensure_ascii=False) + "\n")
+            events.append(row)
             if event.WhichOneof("event") == "rollout":
                 last = event.rollout
-        events.flush()
         if last is None:
             raise errors.GymError(f"agent {job.group!r} ended the event stream without a rollout")
         return last

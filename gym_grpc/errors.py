@@ -23,6 +23,11 @@ class ConfigError(ValueError):
     the message names the file or key. Reported by the command line, not over gRPC."""
 
 
+class OutputError(Exception):
+    """An output file cannot be written (a full disk, a quota, an I/O error). The run stops;
+    every row written before stays, whole. Reported by the command line, not over gRPC."""
+
+
 class GymError(Exception):
     """An error with a gRPC status code and a message meant for the caller."""
 

@@ -1,19 +1,21 @@
 """Rollout files on disk: JSONL rows keyed by (task_index, repeat_index).
 
-Output is only ever appended, one flushed line per rollout; a collector
-killed mid-write can leave a torn last line, which `repair_tail` cuts off
-before anything is appended again. Which keys a file holds is kept as one
-byte per key slot, so resuming a large output stays small.
+Output is only ever appended, one whole line per rollout (`Appender`); a
+collector killed mid-write can leave a torn last line, which `repair_tail`
+cuts off before anything is appended again. Which keys a file holds is kept
+as one byte per key slot, so resuming a large output stays small.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from gym_grpc import json_input
+from gym_grpc import errors, json_input
 
 
 class DuplicateKey(ValueError):
@@ -44,6 +46,35 @@ def parse_line(raw: bytes) -> Any:
         raise ValueError(f"not JSON: {e}") from None
     except json_input.TooDeep as e:
         raise ValueError(f"{e}, the most every gym.v1 message can carry") from None
+
+
+class Appender:
+    """Appends rows to a JSONL file, each line written whole or not at all.
+
+    A line that cannot be written in full (a full disk, a quota, an I/O error)
+    is cut off again and `errors.OutputError` is raised: the file keeps every
+    earlier row and no torn one. Each line goes to the kernel at once, unbuffered.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._size = os.fstat(self._fd).st_size
+
+    def append(self, row: dict[str, Any]) -> None:
+        line = memoryview((json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8"))
+        try:
+            written = 0
+            while written < len(line):
+                written += os.write(self._fd, line[written:])
+        except OSError as e:
+            with contextlib.suppress(OSError):  # if even this fails, repair_tail cuts it on resume
+                os.ftruncate(self._fd, self._size)
+            raise errors.OutputError(f"cannot write {self.path}: {e.strerror}") from None
+        self._size += written
+
+    def close(self) -> None:
+        os.close(self._fd)
 
 
 def failures_path(output: Path) -> Path:

@@ -331,6 +331,57 @@ def test_a_collector_killed_mid_run_resumes_with_every_key_exactly_once(tmp_path
         run.stop()
 
 
+FULL_DISK_SCRIPT = """
+disk="$1"; shift
+mount -t tmpfs -o size=2m tmpfs "$disk" || exit 90
+dd if=/dev/zero of="$disk/filler" bs=1k count=1792 2>/dev/null  # 256 KiB left: room for some rows only
+"$@" 2> first.log; echo $? > first.rc
+cp "$disk/out.jsonl" first.jsonl
+rm "$disk/filler"
+"$@" 2> second.log; echo $? > second.rc
+cp "$disk/out.jsonl" second.jsonl
+"""
+
+
+def test_a_full_disk_stops_collect_with_one_error_and_the_same_command_resumes_after_space_is_freed(tmp_path):
+    """A real full disk: a 2 MiB tmpfs, mounted in a private mount namespace (`unshare --mount
+    --map-root-user`: root, or unprivileged user namespaces, is needed). The tmpfs ends with
+    the namespace, so both collects run in one script inside it, space being freed between
+    them by deleting a filler file; what the test checks is copied out."""
+    run = _start_run()
+    try:
+        tasks, disk = tmp_path / "tasks.jsonl", tmp_path / "disk"
+        tasks.write_text(WEATHER.read_text() * 20)  # 100 rows of about 7 KB: more than 256 KiB
+        disk.mkdir()
+        (tmp_path / "full.sh").write_text(FULL_DISK_SCRIPT)
+        args = ["--registry", run.registry, "--agent", "weather_agent", "--input", str(tasks), "--no-progress"]
+        done = subprocess.run(
+            ["unshare", "--mount", "--map-root-user", "sh", "full.sh", str(disk)]
+            + [_tool("gym-grpc"), "collect", *args, "--output", str(disk / "out.jsonl")],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if done.returncode == 90 or "unshare failed" in done.stderr:
+            pytest.skip(f"cannot mount a tmpfs in a private mount namespace here: {done.stderr.strip()}")
+        first_log = (tmp_path / "first.log").read_text()
+        assert (tmp_path / "first.rc").read_text().strip() == "1", first_log
+        (error,) = first_log.splitlines()  # one clear line, no traceback
+        assert "out.jsonl: No space left on device" in error and "run the same command again" in error
+        first = (tmp_path / "first.jsonl").read_text()
+        assert first.endswith("\n") and 0 < len(_rows(tmp_path / "first.jsonl")) < 100  # no torn row
+        second_log = (tmp_path / "second.log").read_text()
+        assert (tmp_path / "second.rc").read_text().strip() == "0", second_log
+        second = (tmp_path / "second.jsonl").read_text()
+        assert second.startswith(first)  # nothing written before is lost
+        keys = sorted((row["task_index"], row["repeat_index"]) for row in _rows(tmp_path / "second.jsonl"))
+        assert keys == [(t, 0) for t in range(100)]
+        assert f"{len(first.splitlines())} already done" in second_log
+    finally:
+        run.stop()
+
+
 def _listening_pids(port: int) -> list[int]:
     """Processes with a socket listening on a TCP port (Linux /proc)."""
     inodes = set()

@@ -1,5 +1,5 @@
 """The collector against real servers in this process: failures, resume, overrides,
-deadlines, group metrics, warnings, events and interruption."""
+deadlines, group metrics, warnings, events, interruption and outputs that cannot be written."""
 
 import asyncio
 import io
@@ -8,15 +8,17 @@ import time
 
 import pytest
 
+from gym_grpc import errors
 from gym_grpc.clients import ResourcesClient
 from gym_grpc.collector import CollectOptions, collect
 from gym_grpc.jsonl import failures_path
+from gym_grpc.responses import input_items, message_text
 from servers.agents.simple_agent.agent import SimpleAgent
 from tests.support import Calculator, EchoModel, static_registry, task
 
 
-async def _servers(start, delay=0.01, env=None):
-    model = EchoModel(delay)
+async def _servers(start, delay=0.01, env=None, model=None):
+    model = model or EchoModel(delay)
     m = await start(model)
     env = env or await start(Calculator())
     registry = static_registry(model=m, calc=env)
@@ -219,4 +221,42 @@ async def test_interrupting_the_collector_cancels_the_work_downstream(start, tmp
             break
         await asyncio.sleep(0.01)
     assert model.cancelled == 10 and model.active == 0
+    await registry.close()
+
+
+async def test_a_failures_sidecar_that_cannot_be_written_stops_the_run_keeping_every_row(start, tmp_path):
+    """/dev/full answers every write with ENOSPC, as a full disk does (a real kernel error; no root needed)."""
+    _, registry = await _servers(start)
+    _write_tasks(tmp_path / "tasks.jsonl", ["one", "two", "please fail", "four", "five"])
+    failures_path(tmp_path / "out.jsonl").symlink_to("/dev/full")
+    with pytest.raises(errors.OutputError, match="out.failures.jsonl: No space left on device"):
+        await collect(registry, _options(tmp_path, max_in_flight=1), log=io.StringIO())
+    assert _keys(tmp_path / "out.jsonl") == [(0, 0), (1, 0)]
+    await registry.close()
+
+
+class FailsWhenOthersWait(EchoModel):
+    """Fails a prompt with "fail" in it once three other calls are waiting (for `delay` s)."""
+
+    async def create_response(self, params, session_id):
+        if "fail" in message_text(input_items(params)[-1].message):
+            for _ in range(2000):
+                if self.active == 3:
+                    break
+                await asyncio.sleep(0.01)
+            raise RuntimeError("engine exploded")
+        return await super().create_response(params, session_id)
+
+
+async def test_an_output_that_cannot_be_written_cancels_the_rollouts_in_flight(start, tmp_path):
+    model, registry = await _servers(start, model=FailsWhenOthersWait(delay=30))
+    _write_tasks(tmp_path / "tasks.jsonl", ["slow", "slow", "slow", "please fail"])
+    failures_path(tmp_path / "out.jsonl").symlink_to("/dev/full")
+    with pytest.raises(errors.OutputError):
+        await asyncio.wait_for(collect(registry, _options(tmp_path), log=io.StringIO()), 20)
+    for _ in range(2000):
+        if model.cancelled == 3:
+            break
+        await asyncio.sleep(0.01)
+    assert (model.cancelled, model.active) == (3, 0)
     await registry.close()
