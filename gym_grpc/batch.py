@@ -5,10 +5,11 @@ repeat_index); keys already in the output are skipped, so running the same
 command again resumes. At most `max_in_flight` jobs run at once. A finished
 row is written whole at once; a failed job (or an input line that cannot be
 used) goes to the failures sidecar with its error's class, code and message,
-and the rest goes on. An output that cannot be written (a full disk) stops
-the run with every row written before kept. A progress bar shows rows/s,
-tokens/s and the running mean reward. The summary at the end covers the
-whole output file.
+and the rest goes on. The terminal gets the first failure of each kind and a
+running count, not a line per failure. An output that cannot be written (a
+full disk) stops the run with every row written before kept. A progress bar
+shows rows/s, tokens/s, the running mean reward and the failures. The summary
+at the end covers the whole output file.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ class BatchOptions:
     progress: bool = True
     #: What the input was, for messages about bad lines.
     input_name: str = "input"
+    #: Seconds between two lines that tell how many failures of a kind there were so far.
+    report_every: float = 10.0
 
 
 @dataclass
@@ -77,6 +80,8 @@ class RunOptions:
     #: A rollout passes (for pass@k) when its reward is at least this.
     pass_threshold: float = 1.0
     progress: bool = True
+    #: Seconds between two lines that tell how many failures of a kind there were so far.
+    report_every: float = 10.0
 
     def batch(self, n_tasks: int, repeats: int, total: int | None = None) -> BatchOptions:
         return BatchOptions(
@@ -89,6 +94,7 @@ class RunOptions:
             pass_threshold=self.pass_threshold,
             progress=self.progress,
             input_name=str(self.input),
+            report_every=self.report_every,
         )
 
 
@@ -104,6 +110,8 @@ class BatchSummary:
     run: RunStats = field(default_factory=RunStats)
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    #: Failures and bad rows of this run, by kind ("failed with UNAVAILABLE in weather_agent").
+    failure_counts: dict[str, int] = field(default_factory=dict)
 
     @property
     def done(self) -> int:
@@ -112,6 +120,36 @@ class BatchSummary:
 
 
 Produce = Callable[[Job], Awaitable[dict[str, Any]]]
+
+
+class FailureTally:
+    """Failures counted by kind, told without flooding the terminal.
+
+    The first failure of a kind is told at once, with its message; after that
+    a kind's count is told at most every `interval` seconds, and only when it
+    grew. The failures sidecar keeps every record, and the summary the totals.
+    """
+
+    def __init__(self, tell: Callable[[str], None], interval: float) -> None:
+        self.counts: dict[str, int] = {}
+        self._tell = tell
+        self._interval = interval
+        self._told: dict[str, int] = {}
+        self._last = time.monotonic()
+
+    def add(self, kind: str, first: str) -> None:
+        """Count one failure of `kind`; `first` is what to say when it is the first of its kind."""
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        if kind not in self._told:
+            self._told[kind] = 1
+            self._tell(first)
+        if time.monotonic() - self._last < self._interval:
+            return
+        self._last = time.monotonic()
+        for name, count in self.counts.items():
+            if count != self._told[name]:
+                self._told[name] = count
+                self._tell(f"{name}: {count:,} so far")
 
 
 class Batch:
@@ -124,6 +162,7 @@ class Batch:
         self.groups = GroupIndex(options.n_tasks)
         self.window = asyncio.Semaphore(options.max_in_flight)
         self.bar: tqdm | None = None
+        self.tally = FailureTally(self.report, options.report_every)
         self.failures: jsonl.Appender | None = None
         #: Why the run stopped early (an output that cannot be written).
         self._stop: errors.OutputError | None = None
@@ -136,12 +175,13 @@ class Batch:
         else:
             print(message, file=self.log)
 
-    def _fail(self, record: dict[str, Any], message: str) -> None:
+    def _fail(self, record: dict[str, Any], kind: str, first: str) -> None:
         """Record a failure in the sidecar and count it; OutputError when the sidecar cannot be written."""
         assert self.failures is not None
         record["time"] = time.time()
         self.failures.append(record)
-        self.report(message)
+        self.tally.add(kind, first)
+        self._progress()
 
     def _progress(self) -> None:
         assert self.bar is not None
@@ -150,6 +190,8 @@ class Batch:
         postfix = {"tok/s": f"{(run.input_tokens + run.output_tokens) / elapsed:,.0f}"}
         if run.reward.count:
             postfix["reward"] = f"{run.reward.mean('reward'):.3f}"
+        if self.tally.counts:
+            postfix["failed"] = f"{sum(self.tally.counts.values()):,}"
         self.bar.set_postfix(postfix, refresh=False)
 
     def _halt(self, error: errors.OutputError) -> None:
@@ -182,6 +224,7 @@ class Batch:
 
     def _failed(self, job: Job, failure: errors.Failure) -> None:
         self.summary.failed += 1
+        kind = f"failed with {failure.code} in {job.group}"
         self._fail(
             {
                 "task_index": job.task_index,
@@ -189,7 +232,8 @@ class Batch:
                 "group": job.group,
                 "error": failure.to_json(),
             },
-            f"task {job.task_index} repeat {job.repeat_index} failed: {failure.message}",
+            kind,
+            f"task {job.task_index} repeat {job.repeat_index} {kind}: {failure.message}",
         )
 
     def _bad_input(self, bad: BadInput) -> None:
@@ -200,6 +244,7 @@ class Batch:
         name = self.options.input_name
         self._fail(
             {"task_index": bad.task_index, "line": bad.line, "error": failure.to_json()},
+            f"bad rows in {name}",
             f"{name}:{bad.line}: {bad.message}",
         )
 
@@ -256,6 +301,7 @@ class Batch:
         if self._stop is not None:
             raise self._stop
         self.summary.seconds = time.monotonic() - self._started
+        self.summary.failure_counts = dict(self.tally.counts)
         file_summary = summarise_file(
             options.output,
             self.groups,

@@ -114,6 +114,8 @@ def _print_summary(summary: BatchSummary, output: Path, what: str, estimate_for:
         f"{summary.bad_rows} bad rows, in {summary.seconds:.2f} s -> {output}",
         err=True,
     )
+    for kind, count in summary.failure_counts.items():
+        click.echo(f"{kind}: {count:,}", err=True)
     for line in summary.run.lines(summary.seconds, estimate_for):
         click.echo(line, err=True)
     if summary.failed or summary.bad_rows:

@@ -244,10 +244,11 @@ def test_collect_reports_a_bad_row_by_line_and_collects_the_rest(live, tmp_path)
         "--no-progress",
     )
     assert done.returncode == 1
-    assert f"{tasks}:2: responses_create_params.input[0].role" in done.stderr
-    assert f"{tasks}:3: not JSON" in done.stderr
-    assert f"{tasks}:5: not UTF-8" in done.stderr
-    assert f"{tasks}:6: nested deeper than 32 levels" in done.stderr
+    assert f"{tasks}:2: responses_create_params.input[0].role" in done.stderr  # the first is told at once
+    assert f"bad rows in {tasks}: 4\n" in done.stderr  # and how many in all
+    failures = {row["line"]: row["error"]["message"] for row in _rows(tmp_path / "rollouts.failures.jsonl")}
+    assert sorted(failures) == [2, 3, 5, 6] and failures[3].startswith("not JSON") and "not UTF-8" in failures[5]
+    assert failures[6].startswith("nested deeper than 32 levels")
     assert sorted(row["task_index"] for row in _rows(out)) == [0, 3, 6]
 
 

@@ -224,6 +224,35 @@ async def test_interrupting_the_collector_cancels_the_work_downstream(start, tmp
     await registry.close()
 
 
+KIND = "failed with INTERNAL in agent"
+
+
+@pytest.mark.parametrize("progress", [False, True])
+async def test_failures_are_told_once_per_kind_not_once_each(start, tmp_path, progress):
+    _, registry = await _servers(start)
+    _write_tasks(tmp_path / "tasks.jsonl", ["fine"] + ["please fail"] * 40)
+    options = _options(tmp_path, report_every=3600)
+    options.progress = progress
+    log = io.StringIO()
+    summary = await collect(registry, options, log=log)
+    assert summary.failed == 40 and summary.failure_counts == {KIND: 40}
+    (told,) = [line for line in log.getvalue().splitlines() if KIND in line]
+    assert "RuntimeError" in told  # the first one, with its message
+    assert len(_read(failures_path(tmp_path / "out.jsonl"))) == 40  # the sidecar has every one
+    await registry.close()
+
+
+async def test_a_running_count_of_each_kind_is_told_as_failures_go_on(start, tmp_path):
+    _, registry = await _servers(start)
+    _write_tasks(tmp_path / "tasks.jsonl", ["please fail", "fine", "fail again", "fail once more"])
+    log = io.StringIO()
+    await collect(registry, _options(tmp_path, report_every=0, max_in_flight=1), log=log)
+    first, *counts = log.getvalue().splitlines()
+    assert first.startswith(f"task 0 repeat 0 {KIND}: agent 'agent' Run: INTERNAL: ")
+    assert counts == [f"{KIND}: 2 so far", f"{KIND}: 3 so far"]
+    await registry.close()
+
+
 async def test_a_failures_sidecar_that_cannot_be_written_stops_the_run_keeping_every_row(start, tmp_path):
     """/dev/full answers every write with ENOSPC, as a full disk does (a real kernel error; no root needed)."""
     _, registry = await _servers(start)
