@@ -25,6 +25,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +84,29 @@ def _how_it_ended(returncode: int) -> str:
     return f"the process exited with code {returncode}"
 
 
+@contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """Hold back a KeyboardInterrupt until the block has ended, then raise it.
+
+    A Ray task is cancelled with a KeyboardInterrupt in its main thread. One that
+    lands inside `subprocess.Popen` (the child already forked, `Popen` not yet
+    returned) would leave no handle to the child, and its process group would run
+    on with nobody to kill it. Outside the main thread nothing can interrupt, so
+    nothing is held back.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    interrupted = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: interrupted.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if interrupted:
+        raise KeyboardInterrupt
+
+
 def run_tests(
     code: str,
     function_name: str,
@@ -114,27 +140,30 @@ def run_tests(
                 },
                 f,
             )
-        child = subprocess.Popen(
-            [sys.executable, "-I", "-c", HARNESS, job_path, results_path],
-            cwd=workdir,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env={"PATH": os.defpath, "LANG": "C.UTF-8"},  # none of the server's secrets
-            start_new_session=True,
-        )
         killed = False
+        child = None
         try:
+            with _interrupts_deferred():  # an interrupt raised here still reaches the `finally` below
+                child = subprocess.Popen(
+                    [sys.executable, "-I", "-c", HARNESS, job_path, results_path],
+                    cwd=workdir,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    env={"PATH": os.defpath, "LANG": "C.UTF-8"},  # none of the server's secrets
+                    start_new_session=True,
+                )
             child.wait(timeout=startup_seconds + test_timeout * (total + 1))
         except subprocess.TimeoutExpired:
             killed = True
         finally:
             # The whole group: whatever the candidate started goes too (unless it left the group).
-            try:
-                os.killpg(child.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            child.wait()
+            if child is not None:
+                try:
+                    os.killpg(child.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                child.wait()
         records = _read_results(results_path)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

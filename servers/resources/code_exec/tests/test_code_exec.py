@@ -1,8 +1,10 @@
 """The code execution environment: extraction, verdicts over gRPC, candidates that hang
 or blow up, the event loop staying free, and the same verdicts on Ray."""
 
+import _thread
 import asyncio
 import os
+import subprocess
 from pathlib import Path
 
 import grpc
@@ -16,6 +18,7 @@ from gym_grpc.testing import ResourcesConformance, example_rows
 from gym_grpc.v1 import resources_service_pb2 as res_pb
 from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
 from gym_grpc.v1 import responses_pb2 as r
+from servers.resources.code_exec import checker
 from servers.resources.code_exec.checker import run_tests
 from servers.resources.code_exec.server import CodeExecEnv, extract_code
 from tests.support import static_registry
@@ -331,6 +334,35 @@ def test_a_reference_solution_passes_every_example_row():
             startup_seconds=5.0,
         )
         assert verdict["passed"] == verdict["total"], (data["function_name"], verdict)
+
+
+def test_an_interrupt_that_lands_while_the_child_starts_still_kills_it(monkeypatch):
+    """Ray cancels a running task with a KeyboardInterrupt, which can land inside `Popen`.
+
+    The interrupt is delivered the way Ray's task cancellation delivers it
+    (`_thread.interrupt_main`), at the last moment: the child has started and
+    `Popen` has not returned. Before the fix the child was left running.
+    """
+    started: list[int] = []
+
+    class InterruptedPopen(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self.pid)
+            _thread.interrupt_main()
+            for _ in range(1000):  # bytecode, where a pending interrupt is raised
+                pass
+
+    monkeypatch.setattr(checker.subprocess, "Popen", InterruptedPopen)
+    with pytest.raises(KeyboardInterrupt):
+        run_tests(ADD, "add", ADD_TESTS, test_timeout=60, memory_mb=512, startup_seconds=5)
+    [pid] = started
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return  # killed and reaped
+    os.killpg(pid, 9)
+    pytest.fail(f"the child {pid} was left running")
 
 
 class TestCodeExecConformance(ResourcesConformance):
