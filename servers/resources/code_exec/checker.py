@@ -88,10 +88,11 @@ def _how_it_ended(returncode: int) -> str:
 def _interrupts_deferred() -> Iterator[None]:
     """Hold back a KeyboardInterrupt until the block has ended, then raise it.
 
-    A Ray task is cancelled with a KeyboardInterrupt in its main thread. One that
-    lands inside `subprocess.Popen` (the child already forked, `Popen` not yet
-    returned) would leave no handle to the child, and its process group would run
-    on with nobody to kill it. Outside the main thread nothing can interrupt, so
+    A Ray task is cancelled with a KeyboardInterrupt in its main thread, and Ray
+    may send the cancel again while the first is handled. One that lands inside
+    `subprocess.Popen` (the child forked, `Popen` not yet returned) would leave no
+    handle to the child; one that lands in the clean-up would leave the child
+    unkilled or unreaped. Outside the main thread nothing can interrupt, so
     nothing is held back.
     """
     if threading.current_thread() is not threading.main_thread():
@@ -158,12 +159,14 @@ def run_tests(
             killed = True
         finally:
             # The whole group: whatever the candidate started goes too (unless it left the group).
-            if child is not None:
-                try:
-                    os.killpg(child.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-                child.wait()
+            # Ray may repeat its cancel: a second interrupt must not stop the kill or the reaping.
+            with _interrupts_deferred():
+                if child is not None:
+                    try:
+                        os.killpg(child.pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+                    child.wait()
         records = _read_results(results_path)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -5,6 +5,7 @@ import _thread
 import asyncio
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import grpc
@@ -356,13 +357,49 @@ def test_an_interrupt_that_lands_while_the_child_starts_still_kills_it(monkeypat
     monkeypatch.setattr(checker.subprocess, "Popen", InterruptedPopen)
     with pytest.raises(KeyboardInterrupt):
         run_tests(ADD, "add", ADD_TESTS, test_timeout=60, memory_mb=512, startup_seconds=5)
+    _assert_gone(started)
+
+
+def test_a_second_interrupt_during_the_clean_up_still_kills_and_reaps_the_child(monkeypatch):
+    """Ray may repeat a cancel while the first is handled: the second lands in the clean-up.
+
+    Both interrupts are delivered as Ray delivers them (`_thread.interrupt_main`):
+    the first while the child runs, the second as the clean-up waits for it.
+    Before the fix the second left the killed child unreaped (a zombie).
+    """
+    started: list[int] = []
+
+    class TwiceInterruptedPopen(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self.pid)
+
+        def wait(self, timeout=None):
+            _thread.interrupt_main()
+            for _ in range(1000):  # bytecode, where a pending interrupt is raised
+                pass
+            return super().wait(timeout)
+
+    monkeypatch.setattr(checker.subprocess, "Popen", TwiceInterruptedPopen)
+    with pytest.raises(KeyboardInterrupt):
+        run_tests(ADD, "add", ADD_TESTS, test_timeout=60, memory_mb=512, startup_seconds=5)
+    _assert_gone(started)
+
+
+def _assert_gone(started: list[int]) -> None:
+    """The one child started is killed and reaped: its pid disappears (a zombie's never does)."""
     [pid] = started
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return  # killed and reaped
-    os.killpg(pid, 9)
-    pytest.fail(f"the child {pid} was left running")
+    for _ in range(100):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    state = Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0]
+    if state != "Z":
+        os.killpg(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail(f"the child {pid} was left {'unreaped' if state == 'Z' else 'running'}")
 
 
 class TestCodeExecConformance(ResourcesConformance):
@@ -411,6 +448,7 @@ async def test_a_verify_that_runs_out_of_time_on_ray_kills_its_candidate(start, 
             break
         await asyncio.sleep(0.1)
     else:
-        pytest.fail(f"the candidate {pid} outlived its cancelled Ray task")
+        state = Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0]  # Z: killed but not reaped
+        pytest.fail(f"the candidate {pid} outlived its cancelled Ray task (state {state})")
     assert (await _verdict(client, ADD))[0] == 1.0
     await client.registry.close()
