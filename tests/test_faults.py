@@ -25,7 +25,11 @@ from tests.test_cli import MATH, _gym, _rows, _start_run, _status, _tool
 @pytest.mark.parametrize("victim", ["math", "policy_model", "math_agent"])
 def test_a_server_killed_and_restarted_mid_collection_costs_at_most_its_calls_in_flight(victim, tmp_path):
     """Calls that were running in the killed process fail; later ones wait for the
-    restart (within their deadline) and succeed; a re-run completes the rest."""
+    restart (within their deadline) and succeed; a re-run completes the rest.
+
+    The deadline is generous on purpose: on a loaded 2-core machine the restarted
+    process takes more than 10 s to start, and a call whose deadline passes while
+    it waits is lost for that reason, not because the server died under it."""
     run = _start_run(f"servers.{victim}.restart=true", "servers.policy_model.config.latency_seconds=0.1")
     try:
         tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
@@ -44,7 +48,7 @@ def test_a_server_killed_and_restarted_mid_collection_costs_at_most_its_calls_in
             "--max-in-flight",
             "8",
             "--timeout",
-            "10",
+            "120",
             "--no-progress",
         ]
         _, before = _status(run.registry)
@@ -54,12 +58,11 @@ def test_a_server_killed_and_restarted_mid_collection_costs_at_most_its_calls_in
         while not out.exists() or len(out.read_bytes().splitlines()) < 16:
             time.sleep(0.01)
         os.kill(before[victim]["pid"], signal.SIGKILL)
-        killed = time.monotonic()
-        collector.wait(timeout=60)
-        assert time.monotonic() - killed < 30  # no hang
+        collector.wait(timeout=300)  # no hang
         failures = tmp_path / "out.failures.jsonl"
         failed = len(_rows(failures)) if failures.exists() else 0
-        assert failed <= 8  # at most what was in flight (--max-in-flight 8)
+        kinds = [row["error"]["class"] for row in _rows(failures)] if failed else []
+        assert failed <= 8, kinds  # at most what was in flight (--max-in-flight 8)
         assert collector.returncode == (1 if failed else 0), report.read_text()
         assert len(_rows(out)) + failed == 120
         for _ in range(100):  # the runner starts it again on its port
