@@ -3,9 +3,10 @@
 `run_tests` is what a pool worker or a Ray task executes. It never runs the
 candidate itself: it starts `python -I` on harness.py in a new session (so the
 candidate and anything it starts form one process group), waits at most
-`startup_seconds + test_timeout * (tests + 1)` of wall time, then kills the whole
-group. It therefore returns within a bounded time whatever the candidate does,
-and the worker that called it stays healthy for the next check.
+`startup_seconds + test_timeout * (tests + 1)` of wall time (and never more than
+`wall_seconds`, the caller's own deadline), then kills the whole group. It
+therefore returns within a bounded time whatever the candidate does, and the
+worker that called it stays healthy for the next check.
 
 The child receives the tests' arguments only; the expected values stay here and
 are compared with the JSON the child wrote, so a candidate cannot pass a test by
@@ -116,6 +117,7 @@ def run_tests(
     test_timeout: float,
     memory_mb: int,
     startup_seconds: float,
+    wall_seconds: float | None = None,
 ) -> dict[str, Any]:
     """Run `function_name` from `code` on each test's args in a child process; compare with `expected`.
 
@@ -154,7 +156,10 @@ def run_tests(
                     env={"PATH": os.defpath, "LANG": "C.UTF-8"},  # none of the server's secrets
                     start_new_session=True,
                 )
-            child.wait(timeout=startup_seconds + test_timeout * (total + 1))
+            # The caller's deadline bounds the check even when its cancel never arrives
+            # (Ray's cancel of a running task is best effort).
+            budget = startup_seconds + test_timeout * (total + 1)
+            child.wait(timeout=budget if wall_seconds is None else min(budget, wall_seconds))
         except subprocess.TimeoutExpired:
             killed = True
         finally:

@@ -66,9 +66,9 @@ def extract_code(text: str, function_name: str | None = None) -> str | None:
 
 
 class CodeExecConfig(CpuPoolConfig):
-    # A check's wall-clock deadline is startup_seconds + test_timeout_seconds * (tests + 1).
-    # Keep verify_timeout_seconds above it: a verify cut short on the process pool leaves its
-    # worker busy until that deadline (on Ray the task is cancelled and the candidate killed).
+    # A check's wall-clock deadline is startup_seconds + test_timeout_seconds * (tests + 1), and
+    # never more than verify_timeout_seconds: a check whose verify was cut short ends on its own
+    # (on Ray it is also cancelled; the process pool cannot cancel a running call).
     test_timeout_seconds: float = Field(2.0, gt=0, description="wall time each test (and defining the code) may take")
     memory_limit_mb: int = Field(512, ge=64, description="address-space limit of the candidate's process (RLIMIT_AS)")
     startup_seconds: float = Field(
@@ -102,6 +102,7 @@ class CodeExecEnv(ResourcesServer):
             "test_timeout": self.config.test_timeout_seconds,
             "memory_mb": self.config.memory_limit_mb,
             "startup_seconds": self.config.startup_seconds,
+            "wall_seconds": self.config.verify_timeout_seconds,
         }
         # The checker is stdlib only, so on Ray it needs nothing installed on the cluster.
         return await self.pool.run(checker.run_tests, code, function_name, tests, **limits)

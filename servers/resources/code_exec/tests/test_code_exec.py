@@ -433,15 +433,22 @@ async def test_a_check_on_ray_gives_the_same_verdict_as_the_process_pool(start, 
 
 
 async def test_a_verify_that_runs_out_of_time_on_ray_kills_its_candidate(start, local_ray, tmp_path):
-    _, client = await _serve(
-        start, ray_address="local", verify_workers=1, verify_timeout_seconds=2, test_timeout_seconds=60
-    )
+    await _a_verify_out_of_time_kills_its_candidate(start, tmp_path, ray_address="local")
+
+
+async def test_a_verify_that_runs_out_of_time_in_the_process_pool_kills_its_candidate(start, tmp_path):
+    """The pool cannot cancel a running call: the check ends itself at the verify's deadline."""
+    await _a_verify_out_of_time_kills_its_candidate(start, tmp_path)
+
+
+async def _a_verify_out_of_time_kills_its_candidate(start, tmp_path, **config):
+    _, client = await _serve(start, verify_workers=1, verify_timeout_seconds=2, test_timeout_seconds=60, **config)
     pid_file = tmp_path / "pid"
     sleeper = "import os, time\ndef add(path):\n    open(path, 'w').write(str(os.getpid()))\n    time.sleep(3600)\n"
     with pytest.raises(errors.GymError, match="did not finish within 2 s"):
         await _verdict(client, sleeper, [{"args": [str(pid_file)], "expected": 1}])
     pid = int(pid_file.read_text())
-    for _ in range(100):  # ray.cancel interrupts the task, whose cleanup kills the candidate's group
+    for _ in range(100):  # the cancel or the check's own deadline kills the candidate's group
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
@@ -449,6 +456,6 @@ async def test_a_verify_that_runs_out_of_time_on_ray_kills_its_candidate(start, 
         await asyncio.sleep(0.1)
     else:
         state = Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0]  # Z: killed but not reaped
-        pytest.fail(f"the candidate {pid} outlived its cancelled Ray task (state {state})")
+        pytest.fail(f"the candidate {pid} outlived its verify's deadline (state {state})")
     assert (await _verdict(client, ADD))[0] == 1.0
     await client.registry.close()
