@@ -8,9 +8,8 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import grpc
-from google.protobuf import struct_pb2
 
-from gym_grpc import validation
+from gym_grpc import rows, validation
 from gym_grpc.serving import GymServer, rpc_method
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
 from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
@@ -48,12 +47,11 @@ class RolloutEvents:
             self._put(agent_pb.RunStreamResponse(tool_call=event))
 
     def verification(
-        self, reward: float, fields: struct_pb2.Struct, seconds: float, components: Mapping[str, float] | None = None
+        self, reward: float, fields: Mapping[str, Any], seconds: float, components: Mapping[str, float] | None = None
     ) -> None:
         if self._queue is not None:
-            event = agent_pb.VerificationEvent(
-                reward=reward, fields=fields, seconds=seconds, reward_components=components or {}
-            )
+            event = agent_pb.VerificationEvent(reward=reward, seconds=seconds, reward_components=components or {})
+            rows.set_json_field(event, "fields", fields)
             self._put(agent_pb.RunStreamResponse(verification=event))
 
 

@@ -141,7 +141,7 @@ def _event_row(event: Any) -> dict[str, Any]:
         row["output"] = rows.item_to_json(r.Item(function_call_output=e.output))
     elif kind == "verification":
         e = event.verification
-        row.update(reward=e.reward, fields=rows.struct_to_dict(e.fields), seconds=e.seconds)
+        row.update(reward=e.reward, fields=rows.json_field(e, "fields"), seconds=e.seconds)
         if e.reward_components:
             row["reward_components"] = dict(e.reward_components)
     elif kind == "rollout":

@@ -110,8 +110,10 @@ def read_tasks(path: Path, agents: list[str] | None = None) -> TaskFile:
                             "agent_ref.name", f"no server {name!r} in the configuration; {closest(name, agents)}"
                         )
             except ValueError as e:
-                field_name = e.field if isinstance(e, rows.RowError) else ""
-                result.problems.append(Problem(path, number, field_name, getattr(e, "message", str(e))))
+                if isinstance(e, rows.RowError):
+                    result.problems.append(Problem(path, number, e.field, e.detail))
+                else:
+                    result.problems.append(Problem(path, number, "", str(e)))
                 continue
             result.rows.append(row)
             result.tasks.append(task)

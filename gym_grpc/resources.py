@@ -31,12 +31,11 @@ from functools import cached_property
 from typing import Any, ClassVar
 
 import grpc
-from google.protobuf import struct_pb2
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from pydantic.json_schema import GenerateJsonSchema
 
 from gym_grpc import errors, json_input, metrics, validation
-from gym_grpc.rows import params_to_json, struct_to_dict
+from gym_grpc.rows import dumps, json_field, params_to_json, task_data
 from gym_grpc.serving import GymServer, ServerConfig, rpc_method
 from gym_grpc.v1 import registry_service_pb2 as reg
 from gym_grpc.v1 import resources_service_pb2 as res_pb
@@ -66,7 +65,7 @@ class Session:
     @cached_property
     def data(self) -> dict[str, Any]:
         """The task's free-form fields (expected_answer, ...) as a dict."""
-        return struct_to_dict(self.task.data)
+        return task_data(self.task)
 
 
 @dataclass
@@ -131,9 +130,8 @@ def _build_tool(name: str, method: Callable) -> _Tool:
         default = ... if param.default is param.empty else param.default
         fields[pname] = (annotation, default)
     arguments = create_model(f"{name}_arguments", __config__=ConfigDict(extra="forbid"), **fields)
-    parameters = struct_pb2.Struct()
-    parameters.update(arguments.model_json_schema(schema_generator=_ToolSchema))
-    schema = r.FunctionTool(name=name, description=_describe(method), parameters=parameters)
+    parameters = dumps(arguments.model_json_schema(schema_generator=_ToolSchema))
+    schema = r.FunctionTool(name=name, description=_describe(method), parameters_json=parameters)
     return _Tool(name, method, arguments, session_param, schema)
 
 
@@ -227,7 +225,7 @@ class ResourcesServer(GymServer):
         rows = [
             {
                 "reward": x.reward,
-                **struct_to_dict(x.fields),
+                **json_field(x, "fields"),
                 **{f"reward_components.{k}": v for k, v in x.reward_components.items()},
             }
             for x in results
@@ -338,7 +336,7 @@ def _verification(result: Any) -> res_pb.VerifyResponse:
         raise errors.VerifierFailed(f"verify returned reward {reward!r}; expected a finite number")
     reply = res_pb.VerifyResponse(reward=float(reward))
     try:
-        reply.fields.update(fields)
+        reply.fields_json = dumps(dict(fields)) if fields else ""
     except (TypeError, ValueError) as e:
         raise errors.VerifierFailed(f"verify returned fields that are not JSON data: {e}") from None
     for name, value in components.items():

@@ -2,16 +2,61 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from gym_grpc.rows import dumps
 from gym_grpc.v1 import responses_pb2 as r
 
 
 def new_id(prefix: str) -> str:
     """A fresh id in the Responses style, such as "msg_3f2a..."."""
     return f"{prefix}_{uuid.uuid4().hex}"
+
+
+#: The request parameters a Responses object echoes, as CreateParams and Response both name them.
+ECHOED_PARAMS = (
+    "instructions",
+    "tools",
+    "tool_choice",
+    "temperature",
+    "top_p",
+    "max_output_tokens",
+    "parallel_tool_calls",
+    "metadata",
+    "reasoning",
+    "text",
+)
+
+
+def new_response(params: r.CreateParams, model: str) -> r.Response:
+    """A Response to `params` as the Responses API starts one: a new id, the time,
+    the request parameters echoed, and the keys the API always has (`object`,
+    and `tools`, `tool_choice`, `parallel_tool_calls` at their defaults when the
+    request left them out). A model server adds the output, usage and status."""
+    response = r.Response(id=new_id("resp"), created_at=time.time(), model=model)
+    response.usage.input_tokens_details.SetInParent()  # the API always has both details
+    response.usage.output_tokens_details.SetInParent()
+    for name in ECHOED_PARAMS:
+        field = getattr(params, name)
+        if name in ("tools", "metadata"):
+            getattr(response, name).MergeFrom(field)
+        elif params.HasField(name):
+            if name in ("tool_choice", "reasoning", "text"):
+                getattr(response, name).CopyFrom(field)
+            else:
+                setattr(response, name, field)
+    if not response.HasField("tool_choice"):
+        response.tool_choice.mode = r.TOOL_CHOICE_MODE_AUTO
+    if not response.HasField("parallel_tool_calls"):
+        response.parallel_tool_calls = True
+    envelope: dict[str, Any] = {"object": "response"}
+    if not response.tools:
+        envelope["tools"] = []
+    response.extra_json = dumps(envelope)
+    return response
 
 
 def input_items(params: r.CreateParams) -> list[r.Item]:
@@ -98,7 +143,7 @@ def assistant_message(text: str, status: r.ItemStatus.ValueType = r.ITEM_STATUS_
         message=r.Message(
             id=new_id("msg"),
             role=r.ROLE_ASSISTANT,
-            parts=r.ContentList(items=[r.ContentPart(output_text=r.OutputText(text=text))]),
+            parts=r.ContentList(items=[r.ContentPart(output_text=r.OutputText(text=text, annotations_json="[]"))]),
             status=status,
         )
     )

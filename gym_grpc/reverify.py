@@ -161,7 +161,7 @@ async def reverify(
         old = rollout.row
         replaced = {*(old.get("verifier_fields") or ()), "reward_components", "verification_skipped"}
         kept = {k: v for k, v in old.items() if k not in replaced}
-        row = rows.with_verdict(kept, verdict.reward, rows.struct_to_dict(verdict.fields), verdict.reward_components)
+        row = rows.with_verdict(kept, verdict.reward, rows.json_field(verdict, "fields"), verdict.reward_components)
         row["timings"] = {**(old.get("timings") or {}), "verify": seconds}
         before = old.get("reward")
         if isinstance(before, int | float) and not old.get("verification_skipped"):

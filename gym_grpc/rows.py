@@ -1,42 +1,111 @@
-"""JSONL rows in NeMo Gym's format <-> gym.v1 messages.
+"""JSONL rows in NeMo Gym's format <-> gym.v1 messages, losing nothing.
 
 A task row is `{"responses_create_params": {...}, <task fields>...}`; a
 rollout row is the task row plus `response`, `reward` and the verifier's
-extra fields. The JSON side is the OpenAI Responses JSON. Loading checks
-every value and raises `RowError` naming the field (a dotted path such as
-`responses_create_params.input[2].role`); dumping writes the canonical form
-(items always carry their `"type"`), so `load(dump(m)) == m` for every message
-and a row already in canonical form dumps back unchanged.
+extra fields. The JSON side is the OpenAI Responses JSON.
 
-Free-form values (task fields, tool schemas, verifier fields) travel as
-`google.protobuf.Struct`, whose numbers are doubles; on the way back to JSON
-an integral number becomes an int again (`42.0` -> `42`).
+What is read goes back out unchanged (responses.proto says how the messages
+hold it): keys the typed fields do not hold are kept in each object's
+`extra_json`, in their order, and written back after the typed ones; items,
+content parts and tools of types the schema does not model travel whole;
+free-form JSON (tool schemas, task fields, verifier fields) travels as JSON
+text, so key order, `1.0` and large integers survive. The dumper writes what
+the message holds and invents nothing.
+
+Loading is liberal about what it does not know and strict about what it
+does: a known key with a value of the wrong type raises `RowError` naming the
+field by its dotted path (`responses_create_params.input[2].role`).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any
 
 from google.protobuf import struct_pb2
+from google.protobuf.message import Message as ProtoMessage
 
+from gym_grpc import errors
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
 
 JSON = dict[str, Any]
-E = TypeVar("E", bound=int)
 
 PARAMS_KEY = "responses_create_params"
 
 
-class RowError(ValueError):
-    """A JSON value that does not fit the schema; `field` is its dotted path."""
+class RowError(errors.InvalidArgument, ValueError):
+    """A JSON value that does not fit the schema; `field` is its dotted path.
+
+    In a server it is an INVALID_ARGUMENT (JSON text in a request's `*_json`
+    field that does not parse, for example)."""
 
     def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
+        super().__init__(f"{field}: {message}", field=field)
+        self.detail = message
+
+
+# --- JSON text ----------------------------------------------------------------
+
+
+def dumps(value: Any) -> str:
+    """Compact JSON text, as the `*_json` fields hold it."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def _loads(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise RowError(where, f"not JSON text: {e}") from None
+
+
+def value_to_python(value: struct_pb2.Value) -> Any:
+    """A Struct value as plain Python; integral numbers become ints (the deprecated Struct fields)."""
+    kind = value.WhichOneof("kind")
+    if kind == "number_value":
+        n = value.number_value
+        return int(n) if n.is_integer() and abs(n) < 2**53 else n
+    if kind == "string_value":
+        return value.string_value
+    if kind == "bool_value":
+        return value.bool_value
+    if kind == "struct_value":
+        return struct_to_dict(value.struct_value)
+    if kind == "list_value":
+        return [value_to_python(v) for v in value.list_value.values]
+    return None
+
+
+def struct_to_dict(struct: struct_pb2.Struct) -> JSON:
+    """A Struct as a plain dict (see value_to_python)."""
+    return {k: value_to_python(v) for k, v in struct.fields.items()}
+
+
+def json_field(message: ProtoMessage, name: str) -> JSON:
+    """The JSON object in `message.<name>_json`, or in the deprecated Struct `message.<name>` when
+    the text is empty (a peer built before the `_json` fields); {} when neither is set.
+
+    For Task.data, Rollout.verifier_fields and the verifiers' `fields`."""
+    text = getattr(message, f"{name}_json")
+    if text:
+        value = _loads(text, f"{name}_json")
+        if not isinstance(value, dict):
+            raise RowError(f"{name}_json", f"expected a JSON object, got {_type_name(value)}")
+        return value
+    return struct_to_dict(getattr(message, name))
+
+
+def set_json_field(message: ProtoMessage, name: str, value: Mapping[str, Any]) -> None:
+    """Set `message.<name>_json` to the JSON object `value` (see json_field); TypeError/ValueError if it is not JSON."""
+    setattr(message, f"{name}_json", dumps(dict(value)) if value else "")
+
+
+def task_data(task: task_pb2.Task) -> JSON:
+    """A task's own fields (everything in its row but `responses_create_params`)."""
+    return json_field(task, "data")
 
 
 # --- enums: JSON string <-> proto value -------------------------------------
@@ -95,13 +164,9 @@ def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def _obj(value: Any, path: str, known: frozenset[str] | None = None) -> JSON:
+def _obj(value: Any, path: str) -> JSON:
     if not isinstance(value, dict):
         raise RowError(path, f"expected an object, got {_type_name(value)}")
-    if known is not None:
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise RowError(f"{path}.{unknown[0]}", f"unknown key (known: {', '.join(sorted(known))})")
     return value
 
 
@@ -135,195 +200,456 @@ def _count(value: Any, path: str) -> int:
     return value
 
 
-def _enum(table: Mapping[str, E], value: Any, path: str) -> E:
-    if value not in table:
-        raise RowError(path, f"expected one of {', '.join(table)}, got {value!r}")
-    return table[value]
+# --- the generic reader and writer --------------------------------------------
+#
+# A field spec names a JSON key, the proto field that holds it and its kind:
+#   "str" "bool" "count"      scalars
+#   "number"                  a double; a JSON integer stays in extra_json when `exact` (its form would change)
+#   "json"                    any JSON value, as text in the field (`<attr>` ends in _json)
+#   ("enum", table)           an enum; a value the table does not know stays in extra_json, or
+#                             with a 3rd member "strict" is an error (a message's role)
+#   ("msg", read, write)      a nested object; with a 4th member "lenient", one that does not
+#                             fit (a usage in another API's form, a null count) stays in extra_json
+#   ("list", read, write)     a list of nested values; an empty list stays in extra_json
+#   ("ids",) ("floats",)      lists of token ids / log-probs
+# A key whose value is null stays in extra_json. So does a scalar at its proto
+# default when the field cannot tell "absent" from "default" (no presence) and
+# the key is not `required`: writing it back from the typed field would drop it.
+
+Spec = tuple[str, str, Any, bool]  # (JSON key, proto field, kind, required)
 
 
-def _struct(value: Any, path: str) -> struct_pb2.Struct:
-    struct = struct_pb2.Struct()
-    try:
-        struct.update(_obj(value, path))
-    except (ValueError, TypeError) as e:
-        raise RowError(path, f"not JSON data: {e}") from None
-    return struct
+def _f(key: str, kind: Any = "str", attr: str | None = None, required: bool = False) -> Spec:
+    return (key, attr or key, kind, required)
 
 
-def _tokens(item: Any, obj: JSON, path: str) -> None:
-    """Copy the training fields of an assistant item, checking their types."""
-    for key in ("prompt_token_ids", "generation_token_ids"):
-        if obj.get(key) is not None:
-            values = _list(obj[key], f"{path}.{key}")
-            getattr(item, key).extend(_count(v, f"{path}.{key}[{i}]") for i, v in enumerate(values))
-    if obj.get("generation_log_probs") is not None:
-        key = f"{path}.generation_log_probs"
-        values = _list(obj["generation_log_probs"], key)
-        item.generation_log_probs.extend(_number(v, f"{key}[{i}]") for i, v in enumerate(values))
-    if len(item.generation_log_probs) and len(item.generation_log_probs) != len(item.generation_token_ids):
-        raise RowError(
-            f"{path}.generation_log_probs",
-            f"has {len(item.generation_log_probs)} values for {len(item.generation_token_ids)} generation_token_ids",
-        )
+def _read_into(message: ProtoMessage, obj: JSON, path: str, specs: list[Spec], exact: bool, skip: tuple = ()) -> None:
+    """Fill `message` from `obj` by `specs`; what they do not take goes to message.extra_json."""
+    fields = message.DESCRIPTOR.fields_by_name
+    taken = set(skip)
+    for key, attr, kind, required in specs:
+        value = obj.get(key)
+        where = f"{path}.{key}"
+        if value is None:
+            if required:
+                raise RowError(where, "is required" if key not in obj else "expected a value, got null")
+            continue
+        presence = fields[attr].has_presence if attr in fields else False
+        tag = kind if isinstance(kind, str) else kind[0]
+        if tag == "str":
+            value = _str(value, where)
+            if value == "" and not (presence or required):
+                continue
+            setattr(message, attr, value)
+        elif tag == "bool":
+            if not _bool(value, where) and not (presence or required):
+                continue
+            setattr(message, attr, value)
+        elif tag == "count":
+            if _count(value, where) == 0 and not (presence or required):
+                continue
+            setattr(message, attr, value)
+        elif tag == "number":
+            number = _number(value, where)
+            if (exact and isinstance(value, int)) or (number == 0 and not (presence or required)):
+                continue
+            setattr(message, attr, number)
+        elif tag == "json":
+            try:
+                setattr(message, attr, dumps(value))
+            except ValueError as e:  # NaN or Infinity
+                raise RowError(where, f"not JSON data: {e}") from None
+        elif tag == "enum":
+            if not isinstance(value, str) or value not in kind[1]:
+                if len(kind) > 2:  # ("enum", table, "strict")
+                    raise RowError(where, f"expected one of {', '.join(kind[1])}, got {value!r}")
+                continue
+            setattr(message, attr, kind[1][value])
+        elif tag == "msg":
+            try:
+                getattr(message, attr).CopyFrom(kind[1](value, where, exact))
+            except RowError:
+                if len(kind) < 4:  # not ("msg", read, write, "lenient")
+                    raise
+                continue
+        elif tag == "list":
+            values = _list(value, where)
+            if not values:
+                continue
+            getattr(message, attr).extend(kind[1](v, f"{where}[{i}]", exact) for i, v in enumerate(values))
+        elif tag == "ids":
+            values = _list(value, where)
+            if not values:
+                continue
+            getattr(message, attr).extend(_count(v, f"{where}[{i}]") for i, v in enumerate(values))
+        elif tag == "floats":
+            values = _list(value, where)
+            if not values:
+                continue
+            getattr(message, attr).extend(_number(v, f"{where}[{i}]") for i, v in enumerate(values))
+        taken.add(key)
+    extra = {k: v for k, v in obj.items() if k not in taken}
+    if extra:
+        message.extra_json = dumps(extra)  # type: ignore[attr-defined]
 
 
-# --- JSON -> proto -----------------------------------------------------------
+def _write_from(message: ProtoMessage, specs: list[Spec], out: JSON) -> JSON:
+    """`out` plus the typed fields of `message` by `specs`, then its extra_json."""
+    fields = message.DESCRIPTOR.fields_by_name
+    for key, attr, kind, required in specs:
+        tag = kind if isinstance(kind, str) else kind[0]
+        value = getattr(message, attr)
+        if tag in ("list", "ids", "floats"):
+            if value:
+                out[key] = [kind[2](v) for v in value] if tag == "list" else list(value)
+            continue
+        if fields[attr].has_presence:
+            if not message.HasField(attr):
+                continue
+        elif not (value or required):
+            continue
+        if tag == "json":
+            out[key] = _loads(value, attr)
+        elif tag == "enum":
+            names = _names(kind[1])
+            if value in names:
+                out[key] = names[value]
+        elif tag == "msg":
+            out[key] = kind[2](value)
+        else:
+            out[key] = value
+    return _with_extra(out, message.extra_json)  # type: ignore[attr-defined]
 
-_TOKEN_KEYS = frozenset({"prompt_token_ids", "generation_token_ids", "generation_log_probs"})
-_MESSAGE_KEYS = frozenset({"type", "id", "role", "content", "status"}) | _TOKEN_KEYS
-_REASONING_KEYS = frozenset({"type", "id", "summary", "content", "encrypted_content", "status"}) | _TOKEN_KEYS
-_CALL_KEYS = frozenset({"type", "id", "call_id", "name", "arguments", "status"}) | _TOKEN_KEYS
-_CALL_OUTPUT_KEYS = frozenset({"type", "id", "call_id", "output", "status"})
+
+def _with_extra(out: JSON, extra_json: str) -> JSON:
+    if extra_json:
+        for key, value in _loads(extra_json, "extra_json").items():
+            out.setdefault(key, value)
+    return out
 
 
-def _content_part(obj: Any, path: str, strict: bool = True) -> r.ContentPart:
-    kind = _obj(obj, path).get("type")
+def _reader(cls: type, specs: list[Spec]) -> Callable[[Any, str, bool], Any]:
+    def read(value: Any, path: str, exact: bool = True) -> Any:
+        message = cls()
+        _read_into(message, _obj(value, path), path, specs, exact)
+        return message
+
+    return read
+
+
+def _writer(specs: list[Spec]) -> Callable[[Any], JSON]:
+    return lambda message: _write_from(message, specs, {})
+
+
+# --- content parts -----------------------------------------------------------
+
+
+_TOP_LOGPROB = [_f("token", required=True), _f("logprob", "number"), _f("bytes", ("ids",))]
+_TOKEN_LOGPROB = [
+    *_TOP_LOGPROB,
+    _f("top_logprobs", ("list", _reader(r.TopLogprob, _TOP_LOGPROB), _writer(_TOP_LOGPROB))),
+]
+_PART_SPECS: dict[str, tuple[str, list[Spec]]] = {
+    "input_text": ("input_text", [_f("text", required=True)]),
+    "output_text": (
+        "output_text",
+        [
+            _f("text", required=True),
+            _f("annotations", "json", "annotations_json"),
+            _f("logprobs", ("list", _reader(r.TokenLogprob, _TOKEN_LOGPROB), _writer(_TOKEN_LOGPROB))),
+        ],
+    ),
+    "refusal": ("refusal", [_f("refusal", required=True)]),
+    "input_image": ("input_image", [_f("image_url"), _f("file_id"), _f("detail")]),
+    "input_file": ("input_file", [_f("file_id"), _f("file_url"), _f("file_data"), _f("filename")]),
+}
+
+
+def _content_part(value: Any, path: str, exact: bool = True) -> r.ContentPart:
+    obj = _obj(value, path)
+    kind = obj.get("type")
     part = r.ContentPart()
-    known = (lambda keys: frozenset(keys)) if strict else (lambda keys: None)
-    if kind == "input_text":
-        _obj(obj, path, known({"type", "text"}))
-        part.input_text.text = _str(obj.get("text"), f"{path}.text")
-    elif kind == "output_text":
-        _obj(obj, path, known({"type", "text", "annotations"}))
-        part.output_text.text = _str(obj.get("text"), f"{path}.text")
-        for i, a in enumerate(_list(obj.get("annotations") or [], f"{path}.annotations")):
-            part.output_text.annotations.append(_struct(a, f"{path}.annotations[{i}]"))
-    elif kind == "refusal":
-        _obj(obj, path, known({"type", "refusal"}))
-        part.refusal.refusal = _str(obj.get("refusal"), f"{path}.refusal")
-    elif kind == "input_image":
-        _obj(obj, path, known({"type", "image_url", "file_id", "detail"}))
-        for key in ("image_url", "file_id", "detail"):
-            if obj.get(key) is not None:
-                setattr(part.input_image, key, _str(obj[key], f"{path}.{key}"))
-    else:
-        raise RowError(f"{path}.type", f"expected input_text, output_text, refusal or input_image, got {kind!r}")
+    if kind not in _PART_SPECS:
+        part.opaque.type = kind if isinstance(kind, str) else ""
+        part.opaque.json = dumps(obj)
+        return part
+    attr, specs = _PART_SPECS[kind]
+    inner = getattr(part, attr)
+    _read_into(inner, obj, path, specs, exact, skip=("type",))
+    inner.SetInParent()
     return part
 
 
-def _id_and_status(target: Any, obj: JSON, path: str) -> None:
-    """The `id` and `status` every item may carry (the load side of `_common`)."""
-    if obj.get("id") is not None:
-        target.id = _str(obj["id"], f"{path}.id")
-    if obj.get("status") is not None:
-        target.status = _enum(ITEM_STATUSES, obj["status"], f"{path}.status")
+def _content_part_to_json(part: r.ContentPart) -> JSON:
+    kind = part.WhichOneof("part")
+    if kind == "opaque":
+        return _loads(part.opaque.json, "opaque.json")
+    if kind is None:
+        raise ValueError("content part with nothing set")
+    inner = getattr(part, kind)
+    specs = _PART_SPECS[kind][1]
+    if kind == "output_text":
+        out = _write_from(inner, specs, {"type": kind})
+        if not inner.annotations_json and inner.annotations:  # the deprecated Struct list
+            out["annotations"] = [struct_to_dict(a) for a in inner.annotations]
+        return out
+    return _write_from(inner, specs, {"type": kind})
 
 
-def item_from_json(obj: Any, path: str = "item", strict: bool = True) -> r.Item:
-    """One input or output item. A dict without "type" but with "role" is a message.
+def _content_list(value: Any, path: str) -> r.ContentList:
+    values = _list(value, path)
+    return r.ContentList(items=[_content_part(p, f"{path}[{i}]") for i, p in enumerate(values)])
 
-    `strict` rejects keys outside the schema (for rows); an engine's answer is
-    read with strict=False, which ignores them."""
-    obj = _obj(obj, path)
+
+# --- items --------------------------------------------------------------------
+
+_TOKENS = [
+    _f("prompt_token_ids", ("ids",)),
+    _f("generation_token_ids", ("ids",)),
+    _f("generation_log_probs", ("floats",)),
+]
+_STATUS = _f("status", ("enum", ITEM_STATUSES))
+
+
+def _typed_parts(cls: type, part_type: str) -> tuple[Callable, Callable]:
+    """Readers for reasoning summary/content parts, which must have `part_type` as their type."""
+    specs = [_f("text", required=True)]
+
+    def read(value: Any, path: str, exact: bool = True) -> Any:
+        obj = _obj(value, path)
+        if obj.get("type", part_type) != part_type:
+            raise RowError(f"{path}.type", f"expected {part_type!r}, got {obj['type']!r}")
+        message = cls()
+        _read_into(message, obj, path, specs, exact, skip=("type",) if "type" in obj else ())
+        return message
+
+    return read, lambda message: _write_from(message, specs, {"type": part_type})
+
+
+_MESSAGE = [_f("id"), _f("role", ("enum", ROLES, "strict"), required=True), _STATUS, *_TOKENS]
+_REASONING = [
+    _f("id"),
+    _f("summary", ("list", *_typed_parts(r.SummaryText, "summary_text"))),
+    _f("content", ("list", *_typed_parts(r.ReasoningText, "reasoning_text"))),
+    _f("encrypted_content"),
+    _STATUS,
+    *_TOKENS,
+]
+_FUNCTION_CALL = [
+    _f("id"),
+    _f("call_id", required=True),
+    _f("name", required=True),
+    _f("arguments", required=True),
+    _STATUS,
+    *_TOKENS,
+]
+_FUNCTION_CALL_OUTPUT = [_f("id"), _f("call_id", required=True), _STATUS]
+_CUSTOM_TOOL_CALL = [
+    _f("id"),
+    _f("call_id", required=True),
+    _f("name", required=True),
+    _f("input", required=True),
+    _STATUS,
+    *_TOKENS,
+]
+_CUSTOM_TOOL_CALL_OUTPUT = [_f("id"), _f("call_id", required=True)]
+_MCP_CALL = [
+    _f("id"),
+    _f("server_label", required=True),
+    _f("name", required=True),
+    _f("arguments", required=True),
+    _f("output"),
+    _f("error"),
+    _STATUS,
+]
+_ITEM_SPECS: dict[str, list[Spec]] = {
+    "message": _MESSAGE,
+    "reasoning": _REASONING,
+    "function_call": _FUNCTION_CALL,
+    "function_call_output": _FUNCTION_CALL_OUTPUT,
+    "custom_tool_call": _CUSTOM_TOOL_CALL,
+    "custom_tool_call_output": _CUSTOM_TOOL_CALL_OUTPUT,
+    "mcp_call": _MCP_CALL,
+}
+_TOKEN_KEYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+
+
+def item_from_json(value: Any, path: str = "item") -> r.Item:
+    """One input or output item. A dict without "type" but with "role" is a message
+    (and is written back with its "type"); an item of a type the schema does not
+    model is kept whole as an opaque item."""
+    obj = _obj(value, path)
     kind = obj.get("type", "message" if "role" in obj else None)
     item = r.Item()
+    if kind not in _ITEM_SPECS:
+        if not isinstance(kind, str):
+            raise RowError(f"{path}.type", f"expected the item's type, got {kind!r}")
+        item.opaque.type, item.opaque.json = kind, dumps(obj)
+        return item
+    inner = getattr(item, kind)
+    inner.SetInParent()
+    skip: tuple[str, ...] = ("type",)
     if kind == "message":
-        _obj(obj, path, _MESSAGE_KEYS if strict else None)
-        m = item.message
-        m.SetInParent()
-        m.role = _enum(ROLES, obj.get("role"), f"{path}.role")
         content = obj.get("content")
         if isinstance(content, str):
-            m.text = content
+            inner.text = content
         elif isinstance(content, list):
-            m.parts.SetInParent()
-            m.parts.items.extend(_content_part(p, f"{path}.content[{i}]", strict) for i, p in enumerate(content))
+            inner.parts.CopyFrom(_content_list(content, f"{path}.content"))
         else:
             raise RowError(f"{path}.content", f"expected a string or a list, got {_type_name(content)}")
-        _id_and_status(m, obj, path)
-        _tokens(m, obj, path)
-    elif kind == "reasoning":
-        _obj(obj, path, _REASONING_KEYS if strict else None)
-        rs = item.reasoning
-        rs.SetInParent()
-        for key, target, part_type in (
-            ("summary", rs.summary, "summary_text"),
-            ("content", rs.content, "reasoning_text"),
-        ):
-            for i, p in enumerate(_list(obj.get(key) or [], f"{path}.{key}")):
-                p = _obj(p, f"{path}.{key}[{i}]", frozenset({"type", "text"}) if strict else None)
-                if p.get("type", part_type) != part_type:
-                    raise RowError(f"{path}.{key}[{i}].type", f"expected {part_type!r}, got {p['type']!r}")
-                target.add(text=_str(p.get("text"), f"{path}.{key}[{i}].text"))
-        if obj.get("encrypted_content") is not None:
-            rs.encrypted_content = _str(obj["encrypted_content"], f"{path}.encrypted_content")
-        _id_and_status(rs, obj, path)
-        _tokens(rs, obj, path)
-    elif kind == "function_call":
-        _obj(obj, path, _CALL_KEYS if strict else None)
-        fc = item.function_call
-        fc.SetInParent()
-        for key in ("call_id", "name", "arguments"):
-            setattr(fc, key, _str(obj.get(key), f"{path}.{key}"))
-        _id_and_status(fc, obj, path)
-        _tokens(fc, obj, path)
-    elif kind == "function_call_output":
-        _obj(obj, path, _CALL_OUTPUT_KEYS if strict else None)
-        out = item.function_call_output
-        out.SetInParent()
-        out.call_id = _str(obj.get("call_id"), f"{path}.call_id")
-        out.output = _str(obj.get("output"), f"{path}.output")
-        _id_and_status(out, obj, path)
-    else:
+        skip += ("content",)
+    elif kind in ("function_call_output", "custom_tool_call_output"):
+        output = obj.get("output")
+        if isinstance(output, str):
+            inner.output = output
+        elif isinstance(output, list):
+            inner.output_parts.CopyFrom(_content_list(output, f"{path}.output"))
+        else:
+            raise RowError(f"{path}.output", f"expected a string or a list, got {_type_name(output)}")
+        skip += ("output",)
+    _read_into(inner, obj, path, _ITEM_SPECS[kind], True, skip)
+    if len(getattr(inner, "generation_log_probs", ())) not in (0, len(getattr(inner, "generation_token_ids", ()))):
         raise RowError(
-            f"{path}.type",
-            f"expected message, reasoning, function_call or function_call_output, got {kind!r}",
+            f"{path}.generation_log_probs",
+            f"has {len(inner.generation_log_probs)} values for {len(inner.generation_token_ids)} generation_token_ids",
         )
     return item
 
 
-def _tool(obj: Any, path: str) -> r.Tool:
-    obj = _obj(obj, path)
-    if obj.get("type") != "function":
-        raise RowError(f"{path}.type", f"only function tools are supported, got {obj.get('type')!r}")
-    _obj(obj, path, frozenset({"type", "name", "description", "parameters", "strict"}))
+def item_to_json(item: r.Item, training: bool = True) -> JSON:
+    """One item as Responses JSON (always with its "type").
+
+    `training=False` leaves out the token fields, which engines do not accept."""
+    kind = item.WhichOneof("item")
+    if kind == "opaque":
+        return _loads(item.opaque.json, "opaque.json")
+    if kind is None:
+        raise ValueError("item with nothing set")
+    inner = getattr(item, kind)
+    out: JSON = {"type": kind}
+    if kind == "message":
+        if inner.WhichOneof("content") == "text":
+            out["content"] = inner.text
+        else:
+            out["content"] = [_content_part_to_json(p) for p in inner.parts.items]
+    elif kind in ("function_call_output", "custom_tool_call_output"):
+        if inner.HasField("output_parts"):
+            out["output"] = [_content_part_to_json(p) for p in inner.output_parts.items]
+        else:
+            out["output"] = inner.output
+    specs = _ITEM_SPECS[kind]
+    if not training:
+        specs = [s for s in specs if s[0] not in _TOKEN_KEYS]
+    out = _write_from(inner, specs, out)
+    if kind == "message":
+        out.setdefault("role", "user")  # a message built in code without a role
+    return out
+
+
+def _output_item(value: Any, path: str, exact: bool = True) -> r.Item:
+    """An output item; one that is not even an object (engines have written lists) is kept as opaque."""
+    if not isinstance(value, dict):
+        return r.Item(opaque=r.OpaqueItem(json=dumps(value)))
+    return item_from_json(value, path)
+
+
+# --- tools and the request parameters -----------------------------------------
+
+_FUNCTION_TOOL = [
+    _f("name", required=True),
+    _f("description"),
+    _f("parameters", "json", "parameters_json"),
+    _f("strict", "bool"),
+]
+_CUSTOM_TOOL = [_f("name", required=True), _f("description"), _f("format", "json", "format_json")]
+_MCP_TOOL = [_f("server_label", required=True), _f("server_url"), _f("server_description")]
+_TOOL_SPECS = {"function": ("function", _FUNCTION_TOOL), "custom": ("custom", _CUSTOM_TOOL), "mcp": ("mcp", _MCP_TOOL)}
+
+
+def _tool(value: Any, path: str, exact: bool = True) -> r.Tool:
+    obj = _obj(value, path)
+    kind = obj.get("type")
     tool = r.Tool()
-    fn = tool.function
-    fn.name = _str(obj.get("name"), f"{path}.name")
-    if obj.get("description") is not None:
-        fn.description = _str(obj["description"], f"{path}.description")
-    if obj.get("parameters") is not None:
-        fn.parameters.CopyFrom(_struct(obj["parameters"], f"{path}.parameters"))
-    if obj.get("strict") is not None:
-        fn.strict = _bool(obj["strict"], f"{path}.strict")
+    if kind not in _TOOL_SPECS:
+        tool.opaque.type = kind if isinstance(kind, str) else ""
+        tool.opaque.json = dumps(obj)
+        return tool
+    attr, specs = _TOOL_SPECS[kind]
+    inner = getattr(tool, attr)
+    inner.SetInParent()
+    _read_into(inner, obj, path, specs, exact, skip=("type",))
     return tool
 
 
-def _tool_choice(value: Any, path: str) -> r.ToolChoice:
+def _tool_to_json(tool: r.Tool) -> JSON:
+    kind = tool.WhichOneof("tool")
+    if kind == "opaque":
+        return _loads(tool.opaque.json, "opaque.json")
+    if kind is None:
+        raise ValueError("tool with nothing set")
+    inner = getattr(tool, kind)
+    json_type = {"function": "function", "custom": "custom", "mcp": "mcp"}[kind]
+    out = _write_from(inner, _TOOL_SPECS[json_type][1], {"type": json_type})
+    if kind == "function" and not inner.parameters_json and inner.HasField("parameters"):  # deprecated Struct
+        out["parameters"] = struct_to_dict(inner.parameters)
+    return out
+
+
+def tool_parameters(tool: r.FunctionTool) -> JSON | None:
+    """A function tool's parameter schema as a dict (key order kept), None when it has none."""
+    if tool.parameters_json:
+        return _loads(tool.parameters_json, "parameters_json")
+    if tool.HasField("parameters"):
+        return struct_to_dict(tool.parameters)
+    return None
+
+
+def _tool_choice(value: Any, path: str, exact: bool = True) -> r.ToolChoice:
     if isinstance(value, str):
-        return r.ToolChoice(mode=_enum(TOOL_CHOICE_MODES, value, path))
-    obj = _obj(value, path, frozenset({"type", "name"}))
-    if obj.get("type") != "function":
-        raise RowError(f"{path}.type", f"expected 'function', got {obj.get('type')!r}")
-    return r.ToolChoice(function_name=_str(obj.get("name"), f"{path}.name"))
+        if value in TOOL_CHOICE_MODES:
+            return r.ToolChoice(mode=TOOL_CHOICE_MODES[value])
+        return r.ToolChoice(json=dumps(value))
+    obj = _obj(value, path)
+    kind = obj.get("type")
+    if kind == "function" and set(obj) == {"type", "name"} and isinstance(obj["name"], str):
+        return r.ToolChoice(function_name=obj["name"])
+    if kind == "custom" and set(obj) == {"type", "name"} and isinstance(obj["name"], str):
+        return r.ToolChoice(custom_name=obj["name"])
+    return r.ToolChoice(json=dumps(obj))
 
 
-def _reasoning(value: Any, path: str) -> r.ReasoningConfig:
-    obj = _obj(value, path, frozenset({"effort", "summary"}))
-    cfg = r.ReasoningConfig()
-    for key in ("effort", "summary"):
-        if obj.get(key) is not None:
-            setattr(cfg, key, _str(obj[key], f"{path}.{key}"))
-    return cfg
+def _tool_choice_to_json(choice: r.ToolChoice) -> Any:
+    kind = choice.WhichOneof("choice")
+    if kind == "function_name":
+        return {"type": "function", "name": choice.function_name}
+    if kind == "custom_name":
+        return {"type": "custom", "name": choice.custom_name}
+    if kind == "json":
+        return _loads(choice.json, "tool_choice.json")
+    return TOOL_CHOICE_MODE_NAMES.get(choice.mode, "auto")
 
 
-def _text_config(value: Any, path: str) -> r.TextConfig:
-    obj = _obj(value, path, frozenset({"format", "verbosity"}))
-    cfg = r.TextConfig()
-    if obj.get("verbosity") is not None:
-        cfg.verbosity = _str(obj["verbosity"], f"{path}.verbosity")
-    if obj.get("format") is not None:
-        fpath = f"{path}.format"
-        fmt = _obj(obj["format"], fpath, frozenset({"type", "name", "description", "schema", "strict"}))
-        cfg.format.type = _enum(TEXT_FORMAT_TYPES, fmt.get("type"), f"{fpath}.type")
-        for key in ("name", "description"):
-            if fmt.get(key) is not None:
-                setattr(cfg.format, key, _str(fmt[key], f"{fpath}.{key}"))
-        if fmt.get("schema") is not None:
-            cfg.format.schema.CopyFrom(_struct(fmt["schema"], f"{fpath}.schema"))
-        if fmt.get("strict") is not None:
-            cfg.format.strict = _bool(fmt["strict"], f"{fpath}.strict")
-    return cfg
+_REASONING_CONFIG = [_f("effort"), _f("summary"), _f("generate_summary")]
+_TEXT_FORMAT = [
+    _f("type", ("enum", TEXT_FORMAT_TYPES)),
+    _f("name"),
+    _f("description"),
+    _f("schema", "json", "schema_json"),
+    _f("strict", "bool"),
+]
+
+
+def _text_format_to_json(fmt: r.TextFormat) -> JSON:
+    out = _write_from(fmt, _TEXT_FORMAT, {})
+    if not fmt.schema_json and fmt.HasField("schema"):  # deprecated Struct
+        out["schema"] = struct_to_dict(fmt.schema)
+    return out
+
+
+_TEXT_CONFIG = [
+    _f("format", ("msg", _reader(r.TextFormat, _TEXT_FORMAT), _text_format_to_json)),
+    _f("verbosity"),
+]
 
 
 def _metadata(value: Any, path: str) -> dict[str, str]:
@@ -331,47 +657,62 @@ def _metadata(value: Any, path: str) -> dict[str, str]:
     return {k: _str(v, f"{path}.{k}") for k, v in obj.items()}
 
 
-# The typed keys of a create-params object, each with its parser and setter.
-# Keys outside this table go to CreateParams.extra verbatim.
-_PARAM_FIELDS: dict[str, Callable[[r.CreateParams, Any, str], None]] = {
-    "instructions": lambda p, v, f: setattr(p, "instructions", _str(v, f)),
-    "tools": lambda p, v, f: p.tools.extend(_tool(t, f"{f}[{i}]") for i, t in enumerate(_list(v, f))),
-    "tool_choice": lambda p, v, f: p.tool_choice.CopyFrom(_tool_choice(v, f)),
-    "temperature": lambda p, v, f: setattr(p, "temperature", _number(v, f)),
-    "top_p": lambda p, v, f: setattr(p, "top_p", _number(v, f)),
-    "max_output_tokens": lambda p, v, f: setattr(p, "max_output_tokens", _count(v, f)),
-    "parallel_tool_calls": lambda p, v, f: setattr(p, "parallel_tool_calls", _bool(v, f)),
-    "metadata": lambda p, v, f: p.metadata.update(_metadata(v, f)),
-    "reasoning": lambda p, v, f: p.reasoning.CopyFrom(_reasoning(v, f)),
-    "text": lambda p, v, f: p.text.CopyFrom(_text_config(v, f)),
-    "model": lambda p, v, f: setattr(p, "model", _str(v, f)),
-}
+# The request parameters that a CreateParams holds and a Response echoes.
+_ECHOED = [
+    _f("instructions"),
+    _f("tools", ("list", _tool, _tool_to_json)),
+    _f("tool_choice", ("msg", _tool_choice, _tool_choice_to_json)),
+    _f("temperature", "number"),
+    _f("top_p", "number"),
+    _f("max_output_tokens", "count"),
+    _f("parallel_tool_calls", "bool"),
+    _f("reasoning", ("msg", _reader(r.ReasoningConfig, _REASONING_CONFIG), _writer(_REASONING_CONFIG))),
+    _f("text", ("msg", _reader(r.TextConfig, _TEXT_CONFIG), _writer(_TEXT_CONFIG))),
+]
 
 
-def params_from_json(obj: Any, path: str = PARAMS_KEY) -> r.CreateParams:
-    """A `responses_create_params` object. `null` values count as not set."""
-    obj = _obj(obj, path)
+_PARAMS = [*_ECHOED, _f("model")]
+
+
+def _read_metadata(message: r.CreateParams | r.Response, obj: JSON, path: str) -> tuple[str, ...]:
+    """`metadata` when every value is a string (the API's rule); otherwise it stays in extra_json."""
+    value = obj.get("metadata")
+    if isinstance(value, dict) and value and all(isinstance(v, str) for v in value.values()):
+        message.metadata.update(value)
+        return ("metadata",)
+    return ()
+
+
+def params_from_json(value: Any, path: str = PARAMS_KEY) -> r.CreateParams:
+    """A `responses_create_params` object."""
+    obj = _obj(value, path)
     params = r.CreateParams()
-    value = obj.get("input")
-    if isinstance(value, str):
-        params.input_text = value
-    elif isinstance(value, list):
+    content = obj.get("input")
+    if isinstance(content, str):
+        params.input_text = content
+    elif isinstance(content, list):
         params.input_items.SetInParent()
-        params.input_items.items.extend(item_from_json(item, f"{path}.input[{i}]") for i, item in enumerate(value))
+        params.input_items.items.extend(item_from_json(item, f"{path}.input[{i}]") for i, item in enumerate(content))
     else:
-        raise RowError(f"{path}.input", f"expected a string or a list of items, got {_type_name(value)}")
-    extra = {}
-    for key, value in obj.items():
-        if key == "input" or value is None:
-            continue
-        setter = _PARAM_FIELDS.get(key)
-        if setter is None:
-            extra[key] = value
-        else:
-            setter(params, value, f"{path}.{key}")
-    if extra:
-        params.extra.CopyFrom(_struct(extra, path))
+        raise RowError(f"{path}.input", f"expected a string or a list of items, got {_type_name(content)}")
+    skip = ("input", *_read_metadata(params, obj, path))
+    _read_into(params, obj, path, _PARAMS, False, skip)  # 1 and 1.0 are the same temperature to an engine
     return params
+
+
+def params_to_json(params: r.CreateParams, training: bool = True) -> JSON:
+    """A CreateParams as a `responses_create_params` object (see item_to_json for `training`)."""
+    out: JSON = {}
+    if params.WhichOneof("input") == "input_text":
+        out["input"] = params.input_text
+    else:
+        out["input"] = [item_to_json(i, training) for i in params.input_items.items]
+    out = _write_from(params, _PARAMS, out)
+    if params.metadata:
+        out["metadata"] = dict(params.metadata)
+    if not params.extra_json and params.extra.fields:  # deprecated Struct
+        out.update(struct_to_dict(params.extra))
+    return out
 
 
 def agent_name(row: JSON, default: str | None, hint: str = "") -> str:
@@ -389,280 +730,76 @@ def agent_name(row: JSON, default: str | None, hint: str = "") -> str:
 
 
 def task_from_row(row: Any) -> task_pb2.Task:
-    """A task row: `responses_create_params` plus any other fields (kept in `data`)."""
+    """A task row: `responses_create_params` plus any other fields (kept, as JSON text, in `data_json`)."""
     row = _obj(row, "row")
     if PARAMS_KEY not in row:
         raise RowError(PARAMS_KEY, "is required")
     task = task_pb2.Task(responses_create_params=params_from_json(row[PARAMS_KEY]))
     data = {k: v for k, v in row.items() if k != PARAMS_KEY}
     if data:
-        task.data.CopyFrom(_struct(data, "row"))
+        try:
+            task.data_json = dumps(data)
+        except ValueError as e:  # NaN or Infinity
+            raise RowError("row", f"not JSON data: {e}") from None
     return task
-
-
-def _usage(obj: Any, path: str) -> r.Usage:
-    obj = _obj(obj, path)
-    usage = r.Usage()
-    for key in ("input_tokens", "output_tokens", "total_tokens"):
-        if obj.get(key) is not None:
-            setattr(usage, key, _count(obj[key], f"{path}.{key}"))
-    for key, subs in (
-        ("input_tokens_details", ("cached_tokens", "cache_write_tokens")),
-        ("output_tokens_details", ("reasoning_tokens",)),
-    ):
-        if obj.get(key) is not None:
-            details = _obj(obj[key], f"{path}.{key}")
-            for sub in subs:
-                if details.get(sub):  # a zero count is the default: leave the detail unset
-                    setattr(getattr(usage, key), sub, _count(details[sub], f"{path}.{key}.{sub}"))
-    return usage
-
-
-def response_from_json(obj: Any, path: str = "response") -> r.Response:
-    """A Responses API response object. Keys outside the schema are ignored."""
-    obj = _obj(obj, path)
-    resp = r.Response()
-    for key in ("id", "model"):
-        if obj.get(key) is not None:
-            setattr(resp, key, _str(obj[key], f"{path}.{key}"))
-    if obj.get("created_at") is not None:
-        resp.created_at = _number(obj["created_at"], f"{path}.created_at")
-    if obj.get("status") is not None:
-        resp.status = _enum(RESPONSE_STATUSES, obj["status"], f"{path}.status")
-    resp.output.extend(
-        item_from_json(item, f"{path}.output[{i}]", strict=False)
-        for i, item in enumerate(_list(obj.get("output", []), f"{path}.output"))
-    )
-    if obj.get("usage") is not None:
-        resp.usage.CopyFrom(_usage(obj["usage"], f"{path}.usage"))
-    if obj.get("incomplete_details") is not None:
-        details = _obj(obj["incomplete_details"], f"{path}.incomplete_details")
-        resp.incomplete_details.reason = _enum(
-            INCOMPLETE_REASONS, details.get("reason"), f"{path}.incomplete_details.reason"
-        )
-    if obj.get("error") is not None:
-        err = _obj(obj["error"], f"{path}.error")
-        resp.error.code = str(err.get("code") or "")
-        resp.error.message = str(err.get("message") or "")
-    # The echoed request parameters share the create-params parsers.
-    for key in _PARAM_FIELDS.keys() - {"model"}:
-        if obj.get(key) is not None:
-            _PARAM_FIELDS[key](resp, obj[key], f"{path}.{key}")  # type: ignore[arg-type]
-    return resp
-
-
-# --- proto -> JSON -----------------------------------------------------------
-
-
-def value_to_python(value: struct_pb2.Value) -> Any:
-    """A Struct value as plain Python; integral numbers become ints."""
-    kind = value.WhichOneof("kind")
-    if kind == "number_value":
-        n = value.number_value
-        return int(n) if n.is_integer() and abs(n) < 2**53 else n
-    if kind == "string_value":
-        return value.string_value
-    if kind == "bool_value":
-        return value.bool_value
-    if kind == "struct_value":
-        return struct_to_dict(value.struct_value)
-    if kind == "list_value":
-        return [value_to_python(v) for v in value.list_value.values]
-    return None
-
-
-def struct_to_dict(struct: struct_pb2.Struct) -> JSON:
-    """A Struct as a plain dict (see value_to_python)."""
-    return {k: value_to_python(v) for k, v in struct.fields.items()}
-
-
-def _dump_tokens(item: Any, out: JSON) -> JSON:
-    if item.prompt_token_ids:
-        out["prompt_token_ids"] = list(item.prompt_token_ids)
-    if item.generation_token_ids:
-        out["generation_token_ids"] = list(item.generation_token_ids)
-    if item.generation_log_probs:
-        out["generation_log_probs"] = list(item.generation_log_probs)
-    return out
-
-
-def _content_part_to_json(part: r.ContentPart) -> JSON:
-    kind = part.WhichOneof("part")
-    if kind == "input_text":
-        return {"type": "input_text", "text": part.input_text.text}
-    if kind == "output_text":
-        return {
-            "type": "output_text",
-            "text": part.output_text.text,
-            "annotations": [struct_to_dict(a) for a in part.output_text.annotations],
-        }
-    if kind == "refusal":
-        return {"type": "refusal", "refusal": part.refusal.refusal}
-    if kind == "input_image":
-        img = part.input_image
-        out: JSON = {"type": "input_image"}
-        for key in ("image_url", "file_id", "detail"):
-            if getattr(img, key):
-                out[key] = getattr(img, key)
-        return out
-    raise ValueError("content part with nothing set")
-
-
-def _common(out: JSON, item: Any) -> JSON:
-    if item.id:
-        out["id"] = item.id
-    if item.status:
-        out["status"] = ITEM_STATUS_NAMES[item.status]
-    return out
-
-
-def item_to_json(item: r.Item, training: bool = True) -> JSON:
-    """One item in the canonical Responses JSON (always with its "type").
-
-    `training=False` leaves out the token fields, which engines do not accept."""
-    kind = item.WhichOneof("item")
-    tokens = _dump_tokens if training else (lambda inner, out: out)
-    if kind == "message":
-        m = item.message
-        out: JSON = {"type": "message", "role": ROLE_NAMES.get(m.role, "user")}
-        if m.WhichOneof("content") == "text":
-            out["content"] = m.text
-        else:
-            out["content"] = [_content_part_to_json(p) for p in m.parts.items]
-        return tokens(m, _common(out, m))
-    if kind == "reasoning":
-        rs = item.reasoning
-        out = {"type": "reasoning", "summary": [{"type": "summary_text", "text": s.text} for s in rs.summary]}
-        if rs.content:
-            out["content"] = [{"type": "reasoning_text", "text": c.text} for c in rs.content]
-        if rs.HasField("encrypted_content"):
-            out["encrypted_content"] = rs.encrypted_content
-        return tokens(rs, _common(out, rs))
-    if kind == "function_call":
-        fc = item.function_call
-        out = {"type": "function_call", "call_id": fc.call_id, "name": fc.name, "arguments": fc.arguments}
-        return tokens(fc, _common(out, fc))
-    if kind == "function_call_output":
-        fo = item.function_call_output
-        return _common({"type": "function_call_output", "call_id": fo.call_id, "output": fo.output}, fo)
-    raise ValueError("item with nothing set")
-
-
-def _tool_to_json(tool: r.Tool) -> JSON:
-    fn = tool.function
-    out: JSON = {"type": "function", "name": fn.name}
-    if fn.description:
-        out["description"] = fn.description
-    if fn.HasField("parameters"):
-        out["parameters"] = struct_to_dict(fn.parameters)
-    if fn.HasField("strict"):
-        out["strict"] = fn.strict
-    return out
-
-
-def _tool_choice_to_json(choice: r.ToolChoice) -> Any:
-    if choice.WhichOneof("choice") == "function_name":
-        return {"type": "function", "name": choice.function_name}
-    return TOOL_CHOICE_MODE_NAMES.get(choice.mode, "auto")
-
-
-def _text_config_to_json(cfg: r.TextConfig) -> JSON:
-    out: JSON = {}
-    if cfg.HasField("format"):
-        f = cfg.format
-        fmt: JSON = {"type": TEXT_FORMAT_TYPE_NAMES.get(f.type, "text")}
-        for key in ("name", "description"):
-            if getattr(f, key):
-                fmt[key] = getattr(f, key)
-        if f.HasField("schema"):
-            fmt["schema"] = struct_to_dict(f.schema)
-        if f.HasField("strict"):
-            fmt["strict"] = f.strict
-        out["format"] = fmt
-    if cfg.verbosity:
-        out["verbosity"] = cfg.verbosity
-    return out
-
-
-def _reasoning_to_json(cfg: r.ReasoningConfig) -> JSON:
-    return {k: getattr(cfg, k) for k in ("effort", "summary") if getattr(cfg, k)}
-
-
-def _echoed_params(msg: r.CreateParams | r.Response, out: JSON) -> JSON:
-    """The request parameters a CreateParams holds or a Response echoes."""
-    if msg.HasField("instructions"):
-        out["instructions"] = msg.instructions
-    if msg.tools:
-        out["tools"] = [_tool_to_json(t) for t in msg.tools]
-    if msg.HasField("tool_choice"):
-        out["tool_choice"] = _tool_choice_to_json(msg.tool_choice)
-    for key in ("temperature", "top_p", "max_output_tokens", "parallel_tool_calls"):
-        if msg.HasField(key):
-            out[key] = getattr(msg, key)
-    if msg.metadata:
-        out["metadata"] = dict(msg.metadata)
-    if msg.HasField("reasoning"):
-        out["reasoning"] = _reasoning_to_json(msg.reasoning)
-    if msg.HasField("text"):
-        out["text"] = _text_config_to_json(msg.text)
-    return out
-
-
-def params_to_json(params: r.CreateParams, training: bool = True) -> JSON:
-    """A CreateParams as a `responses_create_params` object (see item_to_json for `training`)."""
-    out: JSON = {}
-    if params.WhichOneof("input") == "input_text":
-        out["input"] = params.input_text
-    else:
-        out["input"] = [item_to_json(i, training) for i in params.input_items.items]
-    _echoed_params(params, out)
-    if params.model:
-        out["model"] = params.model
-    out.update(struct_to_dict(params.extra))
-    return out
 
 
 def task_to_row(task: task_pb2.Task) -> JSON:
     """A Task as a task row."""
-    return {PARAMS_KEY: params_to_json(task.responses_create_params), **struct_to_dict(task.data)}
+    return {PARAMS_KEY: params_to_json(task.responses_create_params), **task_data(task)}
 
 
-def _usage_to_json(usage: r.Usage) -> JSON:
-    return {
-        "input_tokens": usage.input_tokens,
-        "input_tokens_details": {
-            "cached_tokens": usage.input_tokens_details.cached_tokens,
-            "cache_write_tokens": usage.input_tokens_details.cache_write_tokens,
-        },
-        "output_tokens": usage.output_tokens,
-        "output_tokens_details": {"reasoning_tokens": usage.output_tokens_details.reasoning_tokens},
-        "total_tokens": usage.total_tokens,
-    }
+# --- the response -------------------------------------------------------------
+
+_INPUT_DETAILS = [_f("cached_tokens", "count", required=True), _f("cache_write_tokens", "count", required=True)]
+_OUTPUT_DETAILS = [_f("reasoning_tokens", "count", required=True)]
+_USAGE = [
+    _f("input_tokens", "count", required=True),
+    _f(
+        "input_tokens_details",
+        ("msg", _reader(r.InputTokensDetails, _INPUT_DETAILS), _writer(_INPUT_DETAILS), "lenient"),
+    ),
+    _f("output_tokens", "count", required=True),
+    _f(
+        "output_tokens_details",
+        ("msg", _reader(r.OutputTokensDetails, _OUTPUT_DETAILS), _writer(_OUTPUT_DETAILS), "lenient"),
+    ),
+    _f("total_tokens", "count", required=True),
+]
+_INCOMPLETE = [_f("reason", ("enum", INCOMPLETE_REASONS))]
+_ERROR = [_f("code"), _f("message")]
+_RESPONSE = [
+    _f("id"),
+    _f("created_at", "number"),
+    _f("model"),
+    _f("status", ("enum", RESPONSE_STATUSES)),
+    _f("output", ("list", _output_item, item_to_json)),
+    _f("usage", ("msg", _reader(r.Usage, _USAGE), _writer(_USAGE), "lenient")),
+    _f("incomplete_details", ("msg", _reader(r.IncompleteDetails, _INCOMPLETE), _writer(_INCOMPLETE))),
+    _f("error", ("msg", _reader(r.ResponseError, _ERROR), _writer(_ERROR))),
+    *_ECHOED,
+]
 
 
-def response_to_json(resp: r.Response) -> JSON:
-    """A Response as a Responses API response object (valid for the openai SDK)."""
-    out: JSON = {
-        "id": resp.id,
-        "object": "response",
-        "created_at": resp.created_at,
-        "model": resp.model,
-        "status": RESPONSE_STATUS_NAMES.get(resp.status, "completed"),
-        "output": [item_to_json(i) for i in resp.output],
-        "incomplete_details": (
-            {"reason": INCOMPLETE_REASON_NAMES[resp.incomplete_details.reason]}
-            if resp.incomplete_details.reason
-            else None
-        ),
-        "error": ({"code": resp.error.code, "message": resp.error.message} if resp.HasField("error") else None),
-        # Defaults for the echo fields the Responses object requires.
-        "tools": [],
-        "tool_choice": "auto",
-        "parallel_tool_calls": True,
-    }
-    if resp.HasField("usage"):
-        out["usage"] = _usage_to_json(resp.usage)
-    return _echoed_params(resp, out)
+def response_from_json(value: Any, path: str = "response") -> r.Response:
+    """A Responses API response object, every key kept (see the module docstring)."""
+    obj = _obj(value, path)
+    response = r.Response()
+    _read_into(response, obj, path, _RESPONSE, True, _read_metadata(response, obj, path))
+    return response
+
+
+def response_to_json(response: r.Response) -> JSON:
+    """A Response as a Responses API response object: what it holds, in the API's key order."""
+    out = _write_from(response, _RESPONSE, {})
+    if "output" not in out:
+        out["output"] = []
+    if response.metadata:
+        out["metadata"] = dict(response.metadata)
+    return out
+
+
+# --- the rollout row ------------------------------------------------------------
 
 
 def with_verdict(row: JSON, reward: float, fields: JSON, components: Mapping[str, float]) -> JSON:
@@ -677,4 +814,4 @@ def with_verdict(row: JSON, reward: float, fields: JSON, components: Mapping[str
 def rollout_row(row: JSON, rollout: task_pb2.Rollout) -> JSON:
     """The rollout row: the task row, then `response` and the verification."""
     scored = {**row, "response": response_to_json(rollout.response)}
-    return with_verdict(scored, rollout.reward, struct_to_dict(rollout.verifier_fields), rollout.reward_components)
+    return with_verdict(scored, rollout.reward, json_field(rollout, "verifier_fields"), rollout.reward_components)

@@ -110,7 +110,7 @@ class ResourcesConformance:
         assert len(names) == len(set(names)), f"tool names repeat: {names}"
         for tool in reply.tools:
             assert tool.name and tool.description, f"tool {tool.name!r} needs a name and a description"
-            schema = rows.struct_to_dict(tool.parameters)
+            schema = rows.tool_parameters(tool) or {}
             assert schema.get("type") == "object", f"tool {tool.name!r}: parameters must be an object schema"
 
     async def test_a_session_seeds_verifies_and_closes(self, served: Any) -> None:
@@ -200,7 +200,7 @@ class ResourcesConformance:
             res_pb.VerifyRequest(session_id="m", task=self._task(), response=response), timeout=60
         )
         result = task_pb2.VerificationResult(
-            reward=verdict.reward, fields=verdict.fields, reward_components=verdict.reward_components
+            reward=verdict.reward, fields_json=verdict.fields_json, reward_components=verdict.reward_components
         )
         await stub.AggregateMetrics(res_pb.AggregateMetricsRequest(results=[result, result]), timeout=10)
 

@@ -19,7 +19,7 @@ def _fail(field: str, message: str) -> errors.InvalidArgument:
     return errors.InvalidArgument(f"{field}: {message}", field=field)
 
 
-_NO_ITEM = "the item has none of message, reasoning, function_call, function_call_output"
+_NO_ITEM = "the item has nothing set"
 
 
 def _problem(item: r.Item) -> tuple[str, str] | None:
@@ -36,11 +36,11 @@ def _problem(item: r.Item) -> tuple[str, str] | None:
         for i, part in enumerate(inner.parts.items):
             if part.WhichOneof("part") is None:
                 return f".message.parts.items[{i}]", "the part has nothing set"
-    elif kind == "function_call_output":
-        return (".function_call_output.call_id", "is required") if not inner.call_id else None
-    elif kind == "function_call" and not inner.name:
-        return ".function_call.name", "is required"
-    logprobs = inner.generation_log_probs
+    elif kind in ("function_call_output", "custom_tool_call_output"):
+        return (f".{kind}.call_id", "is required") if not inner.call_id else None
+    elif kind in ("function_call", "custom_tool_call", "mcp_call") and not inner.name:
+        return f".{kind}.name", "is required"
+    logprobs = getattr(inner, "generation_log_probs", ())  # on the items a model generates
     if logprobs:
         if len(logprobs) != len(inner.generation_token_ids):
             return (
@@ -68,8 +68,11 @@ def check_params(params: r.CreateParams, path: str) -> None:
     if which == "input_items":
         check_items(params.input_items.items, f"{path}.input_items.items")
     for i, tool in enumerate(params.tools):
-        if tool.WhichOneof("tool") is None or not tool.function.name:
-            raise _fail(f"{path}.tools[{i}].function.name", "is required")
+        kind = tool.WhichOneof("tool")
+        if kind is None:
+            raise _fail(f"{path}.tools[{i}]", "the tool has nothing set")
+        if kind in ("function", "custom") and not getattr(tool, kind).name:
+            raise _fail(f"{path}.tools[{i}].{kind}.name", "is required")
     for key, high in (("temperature", math.inf), ("top_p", 1.0)):
         if params.HasField(key):
             value = getattr(params, key)

@@ -58,6 +58,7 @@ class FakeEngine:
         self.hang = False
         self.disagree = False  # token_ids and log-prob tokens that differ
         self.without_token_ids = False  # an older vLLM: no return_token_ids
+        self.recorded: list[dict] = []  # /v1/responses answers, served verbatim in turn before the script
         self.runner: web.AppRunner | None = None
         self.base_url = ""
 
@@ -202,6 +203,8 @@ class FakeEngine:
         body, failed = await self._gate(request)
         if failed is not None:
             return failed
+        if self.recorded:
+            return web.json_response(self.recorded.pop(0))
         turn = self._next_turn(body)
         output: list[dict] = []
         if turn.content:

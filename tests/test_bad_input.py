@@ -85,6 +85,15 @@ CASES = [
         "CreateResponse",
         model_pb.CreateResponseRequest(params=r.CreateParams(input_text="x", tools=[r.Tool()])),
         grpc.StatusCode.INVALID_ARGUMENT,
+        "params.tools[0]",
+    ),
+    (
+        "model",
+        "CreateResponse",
+        model_pb.CreateResponseRequest(
+            params=r.CreateParams(input_text="x", tools=[r.Tool(function=r.FunctionTool(parameters_json="{}"))])
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,
         "params.tools[0].function.name",
     ),
     (
@@ -129,6 +138,13 @@ CASES = [
         res_pb.VerifyRequest(response=r.Response(output=[r.Item()])),
         grpc.StatusCode.INVALID_ARGUMENT,
         "response.output[0]",
+    ),
+    (
+        "resources",
+        "AggregateMetrics",
+        res_pb.AggregateMetricsRequest(results=[task_pb2.VerificationResult(fields_json="[1")]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "fields_json",
     ),
     ("registry", "GetServer", reg_pb.GetServerRequest(), grpc.StatusCode.INVALID_ARGUMENT, "name"),
     ("registry", "GetServer", reg_pb.GetServerRequest(name="nobody"), grpc.StatusCode.NOT_FOUND, "name"),

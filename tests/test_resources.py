@@ -40,7 +40,7 @@ async def test_tool_schemas_come_from_the_signatures(calc):
     tools = {t.name: t for t in described.tools}
     assert set(tools) == {"add", "explode"}
     assert tools["add"].description == "Add two integers."
-    schema = rows.struct_to_dict(tools["add"].parameters)
+    schema = rows.tool_parameters(tools["add"])
     assert schema == {
         "type": "object",
         "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
@@ -55,7 +55,7 @@ async def test_a_tool_call_runs_with_the_session_state(calc):
     assert result == type(result)(output="5", error=False)
     verdict = await client.verify("s1", task("", expected_answer=5), r.Response(output=[assistant_message("5")]))
     assert verdict.reward == 1.0
-    assert rows.struct_to_dict(verdict.fields) == {"tool_calls_seen": 1}
+    assert rows.json_field(verdict, "fields") == {"tool_calls_seen": 1}
 
 
 @pytest.mark.parametrize(
@@ -323,7 +323,7 @@ async def test_aggregate_metrics_default_to_means(calc):
     results = []
     for i, (reward, correct) in enumerate([(1.0, True), (0.0, False), (1.0, True), (1.0, False)]):
         result = task_pb2.VerificationResult(task_index=i // 2, reward=reward)
-        result.fields.update({"correct": correct, "label": "x"})
+        rows.set_json_field(result, "fields", {"correct": correct, "label": "x"})
         result.reward_components["format"] = 1.0 if i < 2 else 0.0
         results.append(result)
     metrics = rows.struct_to_dict(await client.aggregate_metrics(results))

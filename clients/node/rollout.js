@@ -44,11 +44,10 @@ async function main() {
   const agentInfo = await server(registry, agentName);
   const resourcesInfo = await server(registry, agentInfo.references.resources);
 
-  // Field names are the .proto's (keepCase); google.protobuf.Struct comes from
-  // protobufjs's own definition, whose Value fields are camelCase.
+  // Field names are the .proto's (keepCase); the task's own fields are JSON text.
   const task = {
     responses_create_params: { input_text: prompt, temperature: 0 },
-    data: { fields: { expected_answer: { stringValue: expectedAnswer } } },
+    data_json: JSON.stringify({ expected_answer: expectedAnswer }),
   };
   const agent = new gym.AgentService(agentInfo.addresses[0], insecure);
   const { rollout } = await call(agent, 'Run', { task });

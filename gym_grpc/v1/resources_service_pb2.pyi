@@ -19,6 +19,11 @@ if sys.version_info >= (3, 11):
 else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
+if sys.version_info >= (3, 13):
+    from warnings import deprecated as _deprecated
+else:
+    from typing_extensions import deprecated as _deprecated
+
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
@@ -185,11 +190,17 @@ class VerifyResponse(_message.Message):
     REWARD_FIELD_NUMBER: _builtins.int
     FIELDS_FIELD_NUMBER: _builtins.int
     REWARD_COMPONENTS_FIELD_NUMBER: _builtins.int
+    FIELDS_JSON_FIELD_NUMBER: _builtins.int
     reward: _builtins.float
     """The reward."""
+    fields_json: _builtins.str
+    """Extra fields for the rollout row (for example the extracted answer), as a
+    JSON object, verbatim.
+    """
     @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
     def fields(self) -> _struct_pb2.Struct:
-        """Extra fields for the rollout row (for example the extracted answer)."""
+        """Deprecated: read when fields_json is empty, no longer written."""
 
     @_builtins.property
     def reward_components(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
@@ -203,10 +214,11 @@ class VerifyResponse(_message.Message):
         reward: _builtins.float = ...,
         fields: _struct_pb2.Struct | None = ...,
         reward_components: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        fields_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["fields", b"fields"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fields", b"fields", "reward", b"reward", "reward_components", b"reward_components"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fields", b"fields", "fields_json", b"fields_json", "reward", b"reward", "reward_components", b"reward_components"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

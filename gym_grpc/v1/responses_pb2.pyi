@@ -9,6 +9,36 @@ the name of its JSON key, and a `oneof` whose member names are the JSON
 Training fields (`prompt_token_ids`, `generation_token_ids`,
 `generation_log_probs`) ride on the assistant items and round-trip when a
 later turn sends the items back as input.
+
+Nothing a client or an engine sends is lost or changed on the way through:
+
+* Free-form JSON (a tool's parameter schema, a text format's schema,
+  annotations, a task's own fields) travels as JSON text in `*_json` string
+  fields, never as google.protobuf.Struct: a Struct keeps no key order
+  (a tool schema would reach the engine, and the prompt, in a different
+  order in each process) and holds every number as a double (`1.0` and `1`
+  become one value, integers above 2^53 lose precision). The Struct fields
+  that came first are deprecated: still read when their `*_json` field is
+  empty, no longer written.
+* Every object has an `extra_json` field: a JSON object with the keys the
+  typed fields do not hold, in the order they came, written back after the
+  typed ones. Empty when there are none. It holds:
+  - keys this schema does not know (the API grows; engines add their own);
+  - known keys whose value was `null`;
+  - known keys whose value a typed field would give back changed: an enum
+    value this schema does not know yet (a new status), an empty list, a
+    scalar at its proto default in a field that cannot tell "absent" from
+    "default" (`""`, `0`, `false`), a JSON integer in a Response's double
+    field (`"created_at": 1741476542` stays an integer), and a nested object
+    that does not fit its message (a usage in the Chat Completions form).
+  A known key with a value of the wrong type (a string for a number) is an
+  error naming the field, as is a message without a role or a function call
+  without its call_id, name or arguments.
+* Items, content parts and tools of a type this schema does not model are
+  carried whole as an Opaque* member (its JSON text and type): agents carry
+  them along in the conversation and do not act on them.
+* A message given without "type" (the short form `{"role", "content"}`) is
+  written back with `"type": "message"`; nothing else is added.
 """
 
 from collections import abc as _abc
@@ -25,6 +55,11 @@ if sys.version_info >= (3, 11):
     from typing import TypeAlias as _TypeAlias, Never as _Never
 else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
+
+if sys.version_info >= (3, 13):
+    from warnings import deprecated as _deprecated
+else:
+    from typing_extensions import deprecated as _deprecated
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -215,20 +250,107 @@ class InputText(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TEXT_FIELD_NUMBER: _builtins.int
+    EXTRA_JSON_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """The text."""
+    extra_json: _builtins.str
+    """Keys not held above, as a JSON object (see the file comment)."""
     def __init__(
         self,
         *,
         text: _builtins.str = ...,
+        extra_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["extra_json", b"extra_json", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___InputText: _TypeAlias = InputText  # noqa: Y015
+
+@_typing.final
+class TopLogprob(_message.Message):
+    """One alternative token an engine considered at a position. JSON object in
+    "top_logprobs".
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    EXTRA_JSON_FIELD_NUMBER: _builtins.int
+    token: _builtins.str
+    """The token as text."""
+    logprob: _builtins.float
+    """Its log-probability (natural log), as the engine gave it."""
+    extra_json: _builtins.str
+    """Keys not held above, as a JSON object (see the file comment)."""
+    @_builtins.property
+    def bytes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The token's UTF-8 bytes, when the engine gives them."""
+
+    def __init__(
+        self,
+        *,
+        token: _builtins.str = ...,
+        logprob: _builtins.float = ...,
+        bytes: _abc.Iterable[_builtins.int] | None = ...,
+        extra_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "extra_json", b"extra_json", "logprob", b"logprob", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TopLogprob: _TypeAlias = TopLogprob  # noqa: Y015
+
+@_typing.final
+class TokenLogprob(_message.Message):
+    """The log-probability of one generated token of an output_text. JSON object
+    in "logprobs". Kept as doubles: an engine's float32 values, printed as
+    JSON, come back exactly.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    EXTRA_JSON_FIELD_NUMBER: _builtins.int
+    token: _builtins.str
+    """The token as text."""
+    logprob: _builtins.float
+    """Its log-probability (natural log)."""
+    extra_json: _builtins.str
+    """Keys not held above, as a JSON object (see the file comment)."""
+    @_builtins.property
+    def bytes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The token's UTF-8 bytes, when the engine gives them."""
+
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprob]:
+        """The most likely tokens at this position, when asked for (top_logprobs)."""
+
+    def __init__(
+        self,
+        *,
+        token: _builtins.str = ...,
+        logprob: _builtins.float = ...,
+        bytes: _abc.Iterable[_builtins.int] | None = ...,
+        top_logprobs: _abc.Iterable[Global___TopLogprob] | None = ...,
+        extra_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "extra_json", b"extra_json", "logprob", b"logprob", "token", b"token", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenLogprob: _TypeAlias = TokenLogprob  # noqa: Y015
 
 @_typing.final
 class OutputText(_message.Message):
@@ -238,21 +360,38 @@ class OutputText(_message.Message):
 
     TEXT_FIELD_NUMBER: _builtins.int
     ANNOTATIONS_FIELD_NUMBER: _builtins.int
+    ANNOTATIONS_JSON_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    EXTRA_JSON_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """The text."""
+    annotations_json: _builtins.str
+    """Citations and other annotations: the JSON array, verbatim. Empty when the
+    key was absent.
+    """
+    extra_json: _builtins.str
+    """Keys not held above, as a JSON object (see the file comment)."""
     @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
     def annotations(self) -> _containers.RepeatedCompositeFieldContainer[_struct_pb2.Struct]:
-        """Citations and other annotations, each kept as the JSON object it was."""
+        """Deprecated: read when annotations_json is empty, no longer written."""
+
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
+        """Log-probabilities of the text's tokens, when the engine returned them."""
 
     def __init__(
         self,
         *,
         text: _builtins.str = ...,
         annotations: _abc.Iterable[_struct_pb2.Struct] | None = ...,
+        annotations_json: _builtins.str = ...,
+        logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
+        extra_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["annotations", b"annotations", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["annotations", b"annotations", "annotations_json", b"annotations_json", "extra_json", b"extra_json", "logprobs", b"logprobs", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -265,16 +404,20 @@ class Refusal(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REFUSAL_FIELD_NUMBER: _builtins.int
+    EXTRA_JSON_FIELD_NUMBER: _builtins.int
     refusal: _builtins.str
     """Why the model refused, in its own words."""
+    extra_json: _builtins.str
+    """Keys not held above, as a JSON object (see the file comment)."""
     def __init__(
         self,
         *,
         refusal: _builtins.str = ...,
+        extra_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["refusal", b"refusal"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["extra_json", b"extra_json", "refusal", b"refusal"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -289,26 +432,96 @@ class InputImage(_message.Message):
     IMAGE_URL_FIELD_NUMBER: _builtins.int
     FILE_ID_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
+    EXTRA_JSON_FIELD_NUMBER: _builtins.int
     image_url: _builtins.str
     """URL or data URL of the image; empty when file_id is used."""
     file_id: _builtins.str
     """Id of an uploaded file; empty when image_url is used."""
     detail: _builtins.str
     """Detail level: "low", "high" or "auto"; empty means the engine's default."""
+    extra_json: _builtins.str
+    """Keys not held above, as a JSON object (see the file comment)."""
     def __init__(
         self,
         *,
         image_url: _builtins.str = ...,
         file_id: _builtins.str = ...,
         detail: _builtins.str = ...,
+        extra_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "file_id", b"file_id", "image_url", b"image_url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "extra_json", b"extra_json", "file_id", b"file_id", "image_url", b"image_url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___InputImage: _TypeAlias = InputImage  # noqa: Y015
+
+@_typing.final
+class InputFile(_message.Message):
+    """A file given as input (a PDF, say). JSON type "input_file"."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FILE_ID_FIELD_NUMBER: _builtins.int
+    FILE_URL_FIELD_NUMBER: _builtins.int
+    FILE_DATA_FIELD_NUMBER: _builtins.int
+    FILENAME_FIELD_NUMBER: _builtins.int
+    EXTRA_JSON_FIELD_NUMBER: _builtins.int
+    file_id: _builtins.str
+    """Id of an uploaded file; empty when not given."""
+    file_url: _builtins.str
+    """URL of the file; empty when not given."""
+    file_data: _builtins.str
+    """The file's content, base64-encoded; empty when not given."""
+    filename: _builtins.str
+    """The file's name; empty when not given."""
+    extra_json: _builtins.str
+    """Keys not held above, as a JSON object (see the file comment)."""
+    def __init__(
+        self,
+        *,
+        file_id: _builtins.str = ...,
+        file_url: _builtins.str = ...,
+        file_data: _builtins.str = ...,
+        filename: _builtins.str = ...,
+        extra_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["extra_json", b"extra_json", "file_data", b"file_data", "file_id", b"file_id", "file_url", b"file_url", "filename", b"filename"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InputFile: _TypeAlias = InputFile  # noqa: Y015
+
+@_typing.final
+class OpaqueContentPart(_message.Message):
+    """A content part of a type this schema does not model (input_audio,
+    input_video, ...), carried whole.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TYPE_FIELD_NUMBER: _builtins.int
+    JSON_FIELD_NUMBER: _builtins.int
+    type: _builtins.str
+    """Its JSON "type"."""
+    json: _builtins.str
+    """The whole part as a JSON object, verbatim ("type" included)."""
+    def __init__(
+        self,
+        *,
+        type: _builtins.str = ...,
+        json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["json", b"json", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpaqueContentPart: _TypeAlias = OpaqueContentPart  # noqa: Y015
 
 @_typing.final
 class ContentPart(_message.Message):
@@ -320,6 +533,8 @@ class ContentPart(_message.Message):
     OUTPUT_TEXT_FIELD_NUMBER: _builtins.int
     REFUSAL_FIELD_NUMBER: _builtins.int
     INPUT_IMAGE_FIELD_NUMBER: _builtins.int
+    INPUT_FILE_FIELD_NUMBER: _builtins.int
+    OPAQUE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def input_text(self) -> Global___InputText:
         """Text from a user, system or developer."""
@@ -336,6 +551,14 @@ class ContentPart(_message.Message):
     def input_image(self) -> Global___InputImage:
         """An image."""
 
+    @_builtins.property
+    def input_file(self) -> Global___InputFile:
+        """A file."""
+
+    @_builtins.property
+    def opaque(self) -> Global___OpaqueContentPart:
+        """Any other type, carried whole."""
+
     def __init__(
         self,
         *,
@@ -343,12 +566,14 @@ class ContentPart(_message.Message):
         output_text: Global___OutputText | None = ...,
         refusal: Global___Refusal | None = ...,
         input_image: Global___InputImage | None = ...,
+        input_file: Global___InputFile | None = ...,
+        opaque: Global___OpaqueContentPart | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["input_image", b"input_image", "input_text", b"input_text", "output_text", b"output_text", "part", b"part", "refusal", b"refusal"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["input_file", b"input_file", "input_image", b"input_image", "input_text", b"input_text", "opaque", b"opaque", "output_text", b"output_text", "part", b"part", "refusal", b"refusal"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_image", b"input_image", "input_text", b"input_text", "output_text", b"output_text", "part", b"part", "refusal", b"refusal"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_file", b"input_file", "input_image", b"input_image", "input_text", b"input_text", "opaque", b"opaque", "output_text", b"output_text", "part", b"part", "refusal", b"refusal"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["input_text", "output_text", "refusal", "input_image"]  # noqa: Y015
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["input_text", "output_text", "refusal", "input_image", "input_file", "opaque"]  # noqa: Y015
     _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
 
@@ -389,6 +614,7 @@ class Message(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     PARTS_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
+    EXTRA_JSON_FIELD_NUMBER: _builtins.int
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     GENERATION_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     GENERATION_LOG_PROBS_FIELD_NUMBER: _builtins.int
@@ -400,6 +626,8 @@ class Message(_message.Message):
     """Content given as one string."""
     status: Global___ItemStatus.ValueType
     """Lifecycle state; usually set on output, unset on input."""
+    extra_json: _builtins.str
+    """Keys not held above, as a JSON object (see the file comment)."""
     @_builtins.property
     def parts(self) -> Global___ContentList:
         """Content given as a list of typed parts."""
@@ -430,13 +658,14 @@ class Message(_message.Message):
         text: _builtins.str = ...,
         parts: Global___ContentList | None = ...,
         status: Global___ItemStatus.ValueType = ...,
+        extra_json: _builtins.str = ...,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         generation_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         generation_log_probs: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "parts", b"parts", "text", b"text"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "generation_log_probs", b"generation_log_probs", "generation_token_ids", b"generation_token_ids", "id", b"id", "parts", b"parts", "prompt_token_ids", b"prompt_token_ids", "role", b"role", "status", b"status", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "extra_json", b"extra_json", "generation_log_probs", b"generation_log_probs", "generation_token_ids", b"generation_token_ids", "id", b"id", "parts", b"parts", "prompt_token_ids", b"prompt_token_ids", "role", b"role", "status", b"status", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_content: _TypeAlias = _typing.Literal["text", "parts"]  # noqa: Y015
     _WhichOneofArgType_content: _TypeAlias = _typing.Literal["content", b"content"]  # noqa: Y015
@@ -451,16 +680,20 @@ class SummaryText(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TEXT_FIELD_NUMBER: _builtins.int
+    EXTRA_JSON_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """The summary text."""
+    extra_json: _builtins.str
+    """Keys not held above, as a JSON object (see the file comment)."""
     def __init__(
         self,
         *,
         text: _builtins.str = ...,
+        extra_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["extra_json", b"extra_json", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -473,16 +706,20 @@ class ReasoningText(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TEXT_FIELD_NUMBER: _builtins.int
+    EXTRA_JSON_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """The reasoning text."""
+    extra_json: _builtins.str
+    """Keys not held above, as a JSON object (see the file comment)."""
     def __init__(
         self,
         *,
         text: _builtins.str = ...,
+        extra_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["extra_json", b"extra_json", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -499,6 +736,7 @@ class ReasoningItem(_message.Message):
     CONTENT_FIELD_NUMBER: _builtins.int
     ENCRYPTED_CONTENT_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
+    EXTRA_JSON_FIELD_NUMBER: _builtins.int
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     GENERATION_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     GENERATION_LOG_PROBS_FIELD_NUMBER: _builtins.int
@@ -508,6 +746,8 @@ class ReasoningItem(_message.Message):
     """Opaque encrypted reasoning from hosted engines, sent back verbatim."""
     status: Global___ItemStatus.ValueType
     """Lifecycle state."""
+    extra_json: _builtins.str
+    """Keys not held above, as a JSON object (see the file comment)."""
     @_builtins.property
     def summary(self) -> _containers.RepeatedCompositeFieldContainer[Global___SummaryText]:
         """Summary of the reasoning, in parts (may be empty)."""
@@ -536,13 +776,14 @@ class ReasoningItem(_message.Message):
         content: _abc.Iterable[Global___ReasoningText] | None = ...,
         encrypted_content: _builtins.str | None = ...,
         status: Global___ItemStatus.ValueType = ...,
+        extra_json: _builtins.str = ...,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         generation_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         generation_log_probs: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_encrypted_content", b"_encrypted_content", "encrypted_content", b"encrypted_content"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_encrypted_content", b"_encrypted_content", "content", b"content", "encrypted_content", b"encrypted_content", "generation_log_probs", b"generation_log_probs", "generation_token_ids", b"generation_token_ids", "id", b"id", "prompt_token_ids", b"prompt_token_ids", "status", b"status", "summary", b"summary"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_encrypted_content", b"_encrypted_content", "content", b"content", "encrypted_content", b"encrypted_content", "extra_json", b"extra_json", "generation_log_probs", b"generation_log_probs", "generation_token_ids", b"generation_token_ids", "id", b"id", "prompt_token_ids", b"prompt_token_ids", "status", b"status", "summary", b"summary"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__encrypted_content: _TypeAlias = _typing.Literal["encrypted_content"]  # noqa: Y015
     _WhichOneofArgType__encrypted_content: _TypeAlias = _typing.Literal["_encrypted_content", b"_encrypted_content"]  # noqa: Y015
@@ -561,6 +802,7 @@ class FunctionCall(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     ARGUMENTS_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
+    EXTRA_JSON_FIELD_NUMBER: _builtins.int
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     GENERATION_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     GENERATION_LOG_PROBS_FIELD_NUMBER: _builtins.int
@@ -577,6 +819,8 @@ class FunctionCall(_message.Message):
     """
     status: Global___ItemStatus.ValueType
     """Lifecycle state."""
+    extra_json: _builtins.str
+    """Keys not held above, as a JSON object (see the file comment)."""
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Training field, see Message.prompt_token_ids."""
@@ -597,13 +841,14 @@ class FunctionCall(_message.Message):
         name: _builtins.str = ...,
         arguments: _builtins.str = ...,
         status: Global___ItemStatus.ValueType = ...,
+        extra_json: _builtins.str = ...,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         generation_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         generation_log_probs: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "call_id", b"call_id", "generation_log_probs", b"generation_log_probs", "generation_token_ids", b"generation_token_ids", "id", b"id", "name", b"name", "prompt_token_ids", b"prompt_token_ids", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "call_id", b"call_id", "extra_json", b"extra_json", "generation_log_probs", b"generation_log_probs", "generation_token_ids", b"generation_token_ids", "id", b"id", "name", b"name", "prompt_token_ids", b"prompt_token_ids", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -621,14 +866,26 @@ class FunctionCallOutput(_message.Message):
     CALL_ID_FIELD_NUMBER: _builtins.int
     OUTPUT_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
+    OUTPUT_PARTS_FIELD_NUMBER: _builtins.int
+    EXTRA_JSON_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Item id; empty when not set."""
     call_id: _builtins.str
     """The call_id of the FunctionCall this answers."""
     output: _builtins.str
-    """What the tool returned (or the error it raised), as text."""
+    """What the tool returned (or the error it raised), as text. Empty when the
+    output is a list of content parts (output_parts).
+    """
     status: Global___ItemStatus.ValueType
     """Lifecycle state."""
+    extra_json: _builtins.str
+    """Keys not held above, as a JSON object (see the file comment)."""
+    @_builtins.property
+    def output_parts(self) -> Global___ContentList:
+        """The output when it was given as a list of content parts (text, images,
+        files) rather than text; unset otherwise.
+        """
+
     def __init__(
         self,
         *,
@@ -636,14 +893,207 @@ class FunctionCallOutput(_message.Message):
         call_id: _builtins.str = ...,
         output: _builtins.str = ...,
         status: Global___ItemStatus.ValueType = ...,
+        output_parts: Global___ContentList | None = ...,
+        extra_json: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["output_parts", b"output_parts"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "id", b"id", "output", b"output", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "extra_json", b"extra_json", "id", b"id", "output", b"output", "output_parts", b"output_parts", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___FunctionCallOutput: _TypeAlias = FunctionCallOutput  # noqa: Y015
+
+@_typing.final
+class CustomToolCall(_message.Message):
+    """A call of a custom tool (free-form text input, no JSON schema) by the
+    model. JSON type "custom_tool_call".
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    INPUT_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    EXTRA_JSON_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    GENERATION_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    GENERATION_LOG_PROBS_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """Item id; empty when not set."""
+    call_id: _builtins.str
+    """Id that pairs this call with its CustomToolCallOutput."""
+    name: _builtins.str
+    """Name of the tool being called."""
+    input: _builtins.str
+    """The input the model wrote for the tool, as text."""
+    status: Global___ItemStatus.ValueType
+    """Lifecycle state."""
+    extra_json: _builtins.str
+    """Keys not held above, as a JSON object (see the file comment)."""
+    @_builtins.property
+    def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Training field, see Message.prompt_token_ids."""
+
+    @_builtins.property
+    def generation_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Training field, see Message.generation_token_ids."""
+
+    @_builtins.property
+    def generation_log_probs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Training field, see Message.generation_log_probs."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        call_id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        input: _builtins.str = ...,
+        status: Global___ItemStatus.ValueType = ...,
+        extra_json: _builtins.str = ...,
+        prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        generation_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        generation_log_probs: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "extra_json", b"extra_json", "generation_log_probs", b"generation_log_probs", "generation_token_ids", b"generation_token_ids", "id", b"id", "input", b"input", "name", b"name", "prompt_token_ids", b"prompt_token_ids", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CustomToolCall: _TypeAlias = CustomToolCall  # noqa: Y015
+
+@_typing.final
+class CustomToolCallOutput(_message.Message):
+    """The result of a custom tool call, fed back to the model.
+    JSON type "custom_tool_call_output".
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    OUTPUT_FIELD_NUMBER: _builtins.int
+    OUTPUT_PARTS_FIELD_NUMBER: _builtins.int
+    EXTRA_JSON_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """Item id; empty when not set."""
+    call_id: _builtins.str
+    """The call_id of the CustomToolCall this answers."""
+    output: _builtins.str
+    """What the tool returned, as text; empty when output_parts is set."""
+    extra_json: _builtins.str
+    """Keys not held above, as a JSON object (see the file comment)."""
+    @_builtins.property
+    def output_parts(self) -> Global___ContentList:
+        """The output when it was given as a list of content parts."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        call_id: _builtins.str = ...,
+        output: _builtins.str = ...,
+        output_parts: Global___ContentList | None = ...,
+        extra_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["output_parts", b"output_parts"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "extra_json", b"extra_json", "id", b"id", "output", b"output", "output_parts", b"output_parts"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CustomToolCallOutput: _TypeAlias = CustomToolCallOutput  # noqa: Y015
+
+@_typing.final
+class McpCall(_message.Message):
+    """A call of a tool on a remote MCP server, made by a hosted engine.
+    JSON type "mcp_call".
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    SERVER_LABEL_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_FIELD_NUMBER: _builtins.int
+    OUTPUT_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    EXTRA_JSON_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """Item id; empty when not set."""
+    server_label: _builtins.str
+    """Label of the MCP server the tool is on."""
+    name: _builtins.str
+    """Name of the tool."""
+    arguments: _builtins.str
+    """Arguments as the JSON text the model wrote."""
+    output: _builtins.str
+    """What the tool returned; unset when it has not run or failed."""
+    error: _builtins.str
+    """The error, when the call failed; unset otherwise."""
+    status: Global___ItemStatus.ValueType
+    """Lifecycle state."""
+    extra_json: _builtins.str
+    """Keys not held above, as a JSON object (see the file comment)."""
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        server_label: _builtins.str = ...,
+        name: _builtins.str = ...,
+        arguments: _builtins.str = ...,
+        output: _builtins.str | None = ...,
+        error: _builtins.str | None = ...,
+        status: Global___ItemStatus.ValueType = ...,
+        extra_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "_output", b"_output", "error", b"error", "output", b"output"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "_output", b"_output", "arguments", b"arguments", "error", b"error", "extra_json", b"extra_json", "id", b"id", "name", b"name", "output", b"output", "server_label", b"server_label", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__error: _TypeAlias = _typing.Literal["error"]  # noqa: Y015
+    _WhichOneofArgType__error: _TypeAlias = _typing.Literal["_error", b"_error"]  # noqa: Y015
+    _WhichOneofReturnType__output: _TypeAlias = _typing.Literal["output"]  # noqa: Y015
+    _WhichOneofArgType__output: _TypeAlias = _typing.Literal["_output", b"_output"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__error) -> _WhichOneofReturnType__error | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__output) -> _WhichOneofReturnType__output | None: ...
+
+Global___McpCall: _TypeAlias = McpCall  # noqa: Y015
+
+@_typing.final
+class OpaqueItem(_message.Message):
+    """An item of a type this schema does not model (web_search_call,
+    file_search_call, computer_call, mcp_list_tools, ...), carried whole.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TYPE_FIELD_NUMBER: _builtins.int
+    JSON_FIELD_NUMBER: _builtins.int
+    type: _builtins.str
+    """Its JSON "type"."""
+    json: _builtins.str
+    """The whole item as a JSON object, verbatim ("type" included)."""
+    def __init__(
+        self,
+        *,
+        type: _builtins.str = ...,
+        json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["json", b"json", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpaqueItem: _TypeAlias = OpaqueItem  # noqa: Y015
 
 @_typing.final
 class Item(_message.Message):
@@ -655,6 +1105,10 @@ class Item(_message.Message):
     REASONING_FIELD_NUMBER: _builtins.int
     FUNCTION_CALL_FIELD_NUMBER: _builtins.int
     FUNCTION_CALL_OUTPUT_FIELD_NUMBER: _builtins.int
+    CUSTOM_TOOL_CALL_FIELD_NUMBER: _builtins.int
+    CUSTOM_TOOL_CALL_OUTPUT_FIELD_NUMBER: _builtins.int
+    MCP_CALL_FIELD_NUMBER: _builtins.int
+    OPAQUE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def message(self) -> Global___Message:
         """A chat message."""
@@ -671,6 +1125,22 @@ class Item(_message.Message):
     def function_call_output(self) -> Global___FunctionCallOutput:
         """A tool's result."""
 
+    @_builtins.property
+    def custom_tool_call(self) -> Global___CustomToolCall:
+        """A custom tool call by the model."""
+
+    @_builtins.property
+    def custom_tool_call_output(self) -> Global___CustomToolCallOutput:
+        """A custom tool's result."""
+
+    @_builtins.property
+    def mcp_call(self) -> Global___McpCall:
+        """A call of an MCP tool by a hosted engine."""
+
+    @_builtins.property
+    def opaque(self) -> Global___OpaqueItem:
+        """Any other type, carried whole."""
+
     def __init__(
         self,
         *,
@@ -678,12 +1148,16 @@ class Item(_message.Message):
         reasoning: Global___ReasoningItem | None = ...,
         function_call: Global___FunctionCall | None = ...,
         function_call_output: Global___FunctionCallOutput | None = ...,
+        custom_tool_call: Global___CustomToolCall | None = ...,
+        custom_tool_call_output: Global___CustomToolCallOutput | None = ...,
+        mcp_call: Global___McpCall | None = ...,
+        opaque: Global___OpaqueItem | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["function_call", b"function_call", "function_call_output", b"function_call_output", "item", b"item", "message", b"message", "reasoning", b"reasoning"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["custom_tool_call", b"custom_tool_call", "custom_tool_call_output", b"custom_tool_call_output", "function_call", b"function_call", "function_call_output", b"function_call_output", "item", b"item", "mcp_call", b"mcp_call", "message", b"message", "opaque", b"opaque", "reasoning", b"reasoning"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["function_call", b"function_call", "function_call_output", b"function_call_output", "item", b"item", "message", b"message", "reasoning", b"reasoning"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["custom_tool_call", b"custom_tool_call", "custom_tool_call_output", b"custom_tool_call_output", "function_call", b"function_call", "function_call_output", b"function_call_output", "item", b"item", "mcp_call", b"mcp_call", "message", b"message", "opaque", b"opaque", "reasoning", b"reasoning"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_item: _TypeAlias = _typing.Literal["message", "reasoning", "function_call", "function_call_output"]  # noqa: Y015
+    _WhichOneofReturnType_item: _TypeAlias = _typing.Literal["message", "reasoning", "function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output", "mcp_call", "opaque"]  # noqa: Y015
     _WhichOneofArgType_item: _TypeAlias = _typing.Literal["item", b"item"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_item) -> _WhichOneofReturnType_item | None: ...
 
@@ -723,6 +1197,8 @@ class FunctionTool(_message.Message):
     DESCRIPTION_FIELD_NUMBER: _builtins.int
     PARAMETERS_FIELD_NUMBER: _builtins.int
     STRICT_FIELD_NUMBER: _builtins.int
+    PARAMETERS_JSON_FIELD_NUMBER: _builtins.int
+    EXTRA_JSON_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name the model uses to call it."""
     description: _builtins.str
@@ -731,9 +1207,16 @@ class FunctionTool(_message.Message):
     """Whether the engine must enforce the schema strictly; unset means the
     engine's default.
     """
+    parameters_json: _builtins.str
+    """JSON schema of the arguments object, as JSON text, verbatim (key order
+    matters: chat templates render it into the prompt). Empty when absent.
+    """
+    extra_json: _builtins.str
+    """Keys not held above, as a JSON object (see the file comment)."""
     @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
     def parameters(self) -> _struct_pb2.Struct:
-        """JSON schema of the arguments object."""
+        """Deprecated: read when parameters_json is empty, no longer written."""
 
     def __init__(
         self,
@@ -742,10 +1225,12 @@ class FunctionTool(_message.Message):
         description: _builtins.str = ...,
         parameters: _struct_pb2.Struct | None = ...,
         strict: _builtins.bool | None = ...,
+        parameters_json: _builtins.str = ...,
+        extra_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_strict", b"_strict", "parameters", b"parameters", "strict", b"strict"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_strict", b"_strict", "description", b"description", "name", b"name", "parameters", b"parameters", "strict", b"strict"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_strict", b"_strict", "description", b"description", "extra_json", b"extra_json", "name", b"name", "parameters", b"parameters", "parameters_json", b"parameters_json", "strict", b"strict"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__strict: _TypeAlias = _typing.Literal["strict"]  # noqa: Y015
     _WhichOneofArgType__strict: _TypeAlias = _typing.Literal["_strict", b"_strict"]  # noqa: Y015
@@ -754,26 +1239,149 @@ class FunctionTool(_message.Message):
 Global___FunctionTool: _TypeAlias = FunctionTool  # noqa: Y015
 
 @_typing.final
+class CustomTool(_message.Message):
+    """A tool whose input is free-form text (optionally following a grammar).
+    JSON type "custom".
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    FORMAT_JSON_FIELD_NUMBER: _builtins.int
+    EXTRA_JSON_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Name the model uses to call it."""
+    description: _builtins.str
+    """What the tool does, for the model."""
+    format_json: _builtins.str
+    """The input format ({"type": "text"} or a grammar), as JSON text; empty
+    when absent.
+    """
+    extra_json: _builtins.str
+    """Keys not held above, as a JSON object (see the file comment)."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        description: _builtins.str = ...,
+        format_json: _builtins.str = ...,
+        extra_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "extra_json", b"extra_json", "format_json", b"format_json", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CustomTool: _TypeAlias = CustomTool  # noqa: Y015
+
+@_typing.final
+class McpTool(_message.Message):
+    """The tools of a remote MCP server, offered to a hosted engine.
+    JSON type "mcp".
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SERVER_LABEL_FIELD_NUMBER: _builtins.int
+    SERVER_URL_FIELD_NUMBER: _builtins.int
+    SERVER_DESCRIPTION_FIELD_NUMBER: _builtins.int
+    EXTRA_JSON_FIELD_NUMBER: _builtins.int
+    server_label: _builtins.str
+    """Label the engine uses for the server."""
+    server_url: _builtins.str
+    """URL of the server; empty when a connector is used."""
+    server_description: _builtins.str
+    """What the server offers, for the model."""
+    extra_json: _builtins.str
+    """Keys not held above (allowed_tools, headers, require_approval, ...), as a
+    JSON object (see the file comment).
+    """
+    def __init__(
+        self,
+        *,
+        server_label: _builtins.str = ...,
+        server_url: _builtins.str = ...,
+        server_description: _builtins.str = ...,
+        extra_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["extra_json", b"extra_json", "server_description", b"server_description", "server_label", b"server_label", "server_url", b"server_url"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___McpTool: _TypeAlias = McpTool  # noqa: Y015
+
+@_typing.final
+class OpaqueTool(_message.Message):
+    """A tool of a type this schema does not model: the hosted tools an engine
+    runs itself (file_search, web_search, web_search_preview, code_interpreter,
+    computer_use_preview, image_generation, local_shell, ...). Carried whole.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TYPE_FIELD_NUMBER: _builtins.int
+    JSON_FIELD_NUMBER: _builtins.int
+    type: _builtins.str
+    """Its JSON "type"."""
+    json: _builtins.str
+    """The whole tool as a JSON object, verbatim ("type" included)."""
+    def __init__(
+        self,
+        *,
+        type: _builtins.str = ...,
+        json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["json", b"json", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpaqueTool: _TypeAlias = OpaqueTool  # noqa: Y015
+
+@_typing.final
 class Tool(_message.Message):
     """A tool offered to the model."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     FUNCTION_FIELD_NUMBER: _builtins.int
+    CUSTOM_FIELD_NUMBER: _builtins.int
+    MCP_FIELD_NUMBER: _builtins.int
+    OPAQUE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def function(self) -> Global___FunctionTool:
         """A function tool."""
+
+    @_builtins.property
+    def custom(self) -> Global___CustomTool:
+        """A custom (free-form input) tool."""
+
+    @_builtins.property
+    def mcp(self) -> Global___McpTool:
+        """An MCP server's tools."""
+
+    @_builtins.property
+    def opaque(self) -> Global___OpaqueTool:
+        """Any other type (hosted tools), carried whole."""
 
     def __init__(
         self,
         *,
         function: Global___FunctionTool | None = ...,
+        custom: Global___CustomTool | None = ...,
+        mcp: Global___McpTool | None = ...,
+        opaque: Global___OpaqueTool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["function", b"function", "tool", b"tool"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["custom", b"custom", "function", b"function", "mcp", b"mcp", "opaque", b"opaque", "tool", b"tool"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["function", b"function", "tool", b"tool"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["custom", b"custom", "function", b"function", "mcp", b"mcp", "opaque", b"opaque", "tool", b"tool"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_tool: _TypeAlias = _typing.Literal["function"]  # noqa: Y015
+    _WhichOneofReturnType_tool: _TypeAlias = _typing.Literal["function", "custom", "mcp", "opaque"]  # noqa: Y015
     _WhichOneofArgType_tool: _TypeAlias = _typing.Literal["tool", b"tool"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_tool) -> _WhichOneofReturnType_tool | None: ...
 
@@ -781,27 +1389,39 @@ Global___Tool: _TypeAlias = Tool  # noqa: Y015
 
 @_typing.final
 class ToolChoice(_message.Message):
-    """How the model may use tools: a mode, or one named function it must call."""
+    """How the model may use tools: a mode, one named tool it must call, or
+    another object form carried whole.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     MODE_FIELD_NUMBER: _builtins.int
     FUNCTION_NAME_FIELD_NUMBER: _builtins.int
+    CUSTOM_NAME_FIELD_NUMBER: _builtins.int
+    JSON_FIELD_NUMBER: _builtins.int
     mode: Global___ToolChoiceMode.ValueType
     """A mode: JSON "none", "auto" or "required"."""
     function_name: _builtins.str
     """Call this function: JSON {"type": "function", "name": ...}."""
+    custom_name: _builtins.str
+    """Call this custom tool: JSON {"type": "custom", "name": ...}."""
+    json: _builtins.str
+    """Any other form (allowed_tools, mcp, a hosted tool type, ...): the JSON
+    object, verbatim.
+    """
     def __init__(
         self,
         *,
         mode: Global___ToolChoiceMode.ValueType = ...,
         function_name: _builtins.str = ...,
+        custom_name: _builtins.str = ...,
+        json: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "function_name", b"function_name", "mode", b"mode"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "custom_name", b"custom_name", "function_name", b"function_name", "json", b"json", "mode", b"mode"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "function_name", b"function_name", "mode", b"mode"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "custom_name", b"custom_name", "function_name", b"function_name", "json", b"json", "mode", b"mode"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_choice: _TypeAlias = _typing.Literal["mode", "function_name"]  # noqa: Y015
+    _WhichOneofReturnType_choice: _TypeAlias = _typing.Literal["mode", "function_name", "custom_name", "json"]  # noqa: Y015
     _WhichOneofArgType_choice: _TypeAlias = _typing.Literal["choice", b"choice"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_choice) -> _WhichOneofReturnType_choice | None: ...
 
@@ -815,21 +1435,31 @@ class ReasoningConfig(_message.Message):
 
     EFFORT_FIELD_NUMBER: _builtins.int
     SUMMARY_FIELD_NUMBER: _builtins.int
+    GENERATE_SUMMARY_FIELD_NUMBER: _builtins.int
+    EXTRA_JSON_FIELD_NUMBER: _builtins.int
     effort: _builtins.str
     """Effort such as "minimal", "low", "medium" or "high"; empty means the
     engine's default. Kept as text so that new levels pass through.
     """
     summary: _builtins.str
     """Summary style such as "auto", "concise" or "detailed"; empty means none."""
+    generate_summary: _builtins.str
+    """The older name of summary, as some rows still give it; empty when absent."""
+    extra_json: _builtins.str
+    """Keys not held above (engine extensions such as "context" or "mode"), as a
+    JSON object (see the file comment).
+    """
     def __init__(
         self,
         *,
         effort: _builtins.str = ...,
         summary: _builtins.str = ...,
+        generate_summary: _builtins.str = ...,
+        extra_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["effort", b"effort", "summary", b"summary"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["effort", b"effort", "extra_json", b"extra_json", "generate_summary", b"generate_summary", "summary", b"summary"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -846,6 +1476,8 @@ class TextFormat(_message.Message):
     DESCRIPTION_FIELD_NUMBER: _builtins.int
     SCHEMA_FIELD_NUMBER: _builtins.int
     STRICT_FIELD_NUMBER: _builtins.int
+    SCHEMA_JSON_FIELD_NUMBER: _builtins.int
+    EXTRA_JSON_FIELD_NUMBER: _builtins.int
     type: Global___TextFormatType.ValueType
     """Kind of format."""
     name: _builtins.str
@@ -854,9 +1486,14 @@ class TextFormat(_message.Message):
     """What the schema is for (json_schema only)."""
     strict: _builtins.bool
     """Whether the schema is enforced strictly (json_schema only)."""
+    schema_json: _builtins.str
+    """The JSON schema (json_schema only), as JSON text, verbatim."""
+    extra_json: _builtins.str
+    """Keys not held above, as a JSON object (see the file comment)."""
     @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
     def schema(self) -> _struct_pb2.Struct:
-        """The JSON schema (json_schema only)."""
+        """Deprecated: read when schema_json is empty, no longer written."""
 
     def __init__(
         self,
@@ -866,10 +1503,12 @@ class TextFormat(_message.Message):
         description: _builtins.str = ...,
         schema: _struct_pb2.Struct | None = ...,
         strict: _builtins.bool | None = ...,
+        schema_json: _builtins.str = ...,
+        extra_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_strict", b"_strict", "schema", b"schema", "strict", b"strict"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_strict", b"_strict", "description", b"description", "name", b"name", "schema", b"schema", "strict", b"strict", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_strict", b"_strict", "description", b"description", "extra_json", b"extra_json", "name", b"name", "schema", b"schema", "schema_json", b"schema_json", "strict", b"strict", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__strict: _TypeAlias = _typing.Literal["strict"]  # noqa: Y015
     _WhichOneofArgType__strict: _TypeAlias = _typing.Literal["_strict", b"_strict"]  # noqa: Y015
@@ -885,8 +1524,11 @@ class TextConfig(_message.Message):
 
     FORMAT_FIELD_NUMBER: _builtins.int
     VERBOSITY_FIELD_NUMBER: _builtins.int
+    EXTRA_JSON_FIELD_NUMBER: _builtins.int
     verbosity: _builtins.str
     """Verbosity such as "low", "medium" or "high"; empty means the default."""
+    extra_json: _builtins.str
+    """Keys not held above, as a JSON object (see the file comment)."""
     @_builtins.property
     def format(self) -> Global___TextFormat:
         """Output format."""
@@ -896,10 +1538,11 @@ class TextConfig(_message.Message):
         *,
         format: Global___TextFormat | None = ...,
         verbosity: _builtins.str = ...,
+        extra_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["format", b"format"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["format", b"format", "verbosity", b"verbosity"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["extra_json", b"extra_json", "format", b"format", "verbosity", b"verbosity"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -947,6 +1590,7 @@ class CreateParams(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
     EXTRA_FIELD_NUMBER: _builtins.int
+    EXTRA_JSON_FIELD_NUMBER: _builtins.int
     input_text: _builtins.str
     """Plain text: shorthand for one user message."""
     instructions: _builtins.str
@@ -961,6 +1605,12 @@ class CreateParams(_message.Message):
     """Whether the model may call several tools in one turn."""
     model: _builtins.str
     """Model name; empty means the model server's configured model."""
+    extra_json: _builtins.str
+    """Every other key of the JSON object (for example "top_logprobs", "store",
+    "include" or an engine's own sampling parameter), and known keys given as
+    null, as a JSON object, verbatim. Model servers for real engines forward
+    them; the embedded policy ignores them.
+    """
     @_builtins.property
     def input_items(self) -> Global___ItemList:
         """A list of items."""
@@ -986,11 +1636,9 @@ class CreateParams(_message.Message):
         """Text output settings."""
 
     @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
     def extra(self) -> _struct_pb2.Struct:
-        """Every other key of the JSON object (for example "top_logprobs" or an
-        engine's own sampling parameter), kept verbatim. Model servers for real
-        engines forward them; the embedded policy ignores them.
-        """
+        """Deprecated: read when extra_json is empty, no longer written."""
 
     def __init__(
         self,
@@ -1009,10 +1657,11 @@ class CreateParams(_message.Message):
         text: Global___TextConfig | None = ...,
         model: _builtins.str = ...,
         extra: _struct_pb2.Struct | None = ...,
+        extra_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "_parallel_tool_calls", b"_parallel_tool_calls", "_temperature", b"_temperature", "_top_p", b"_top_p", "extra", b"extra", "input", b"input", "input_items", b"input_items", "input_text", b"input_text", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens", "parallel_tool_calls", b"parallel_tool_calls", "reasoning", b"reasoning", "temperature", b"temperature", "text", b"text", "tool_choice", b"tool_choice", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "_parallel_tool_calls", b"_parallel_tool_calls", "_temperature", b"_temperature", "_top_p", b"_top_p", "extra", b"extra", "input", b"input", "input_items", b"input_items", "input_text", b"input_text", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens", "metadata", b"metadata", "model", b"model", "parallel_tool_calls", b"parallel_tool_calls", "reasoning", b"reasoning", "temperature", b"temperature", "text", b"text", "tool_choice", b"tool_choice", "tools", b"tools", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "_parallel_tool_calls", b"_parallel_tool_calls", "_temperature", b"_temperature", "_top_p", b"_top_p", "extra", b"extra", "extra_json", b"extra_json", "input", b"input", "input_items", b"input_items", "input_text", b"input_text", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens", "metadata", b"metadata", "model", b"model", "parallel_tool_calls", b"parallel_tool_calls", "reasoning", b"reasoning", "temperature", b"temperature", "text", b"text", "tool_choice", b"tool_choice", "tools", b"tools", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__instructions: _TypeAlias = _typing.Literal["instructions"]  # noqa: Y015
     _WhichOneofArgType__instructions: _TypeAlias = _typing.Literal["_instructions", b"_instructions"]  # noqa: Y015
@@ -1049,19 +1698,23 @@ class InputTokensDetails(_message.Message):
 
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     CACHE_WRITE_TOKENS_FIELD_NUMBER: _builtins.int
+    EXTRA_JSON_FIELD_NUMBER: _builtins.int
     cached_tokens: _builtins.int
     """Tokens of the input served from a prompt cache."""
     cache_write_tokens: _builtins.int
     """Tokens of the input written to a prompt cache."""
+    extra_json: _builtins.str
+    """Keys not held above, as a JSON object (see the file comment)."""
     def __init__(
         self,
         *,
         cached_tokens: _builtins.int = ...,
         cache_write_tokens: _builtins.int = ...,
+        extra_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_write_tokens", b"cache_write_tokens", "cached_tokens", b"cached_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_write_tokens", b"cache_write_tokens", "cached_tokens", b"cached_tokens", "extra_json", b"extra_json"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1074,16 +1727,20 @@ class OutputTokensDetails(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REASONING_TOKENS_FIELD_NUMBER: _builtins.int
+    EXTRA_JSON_FIELD_NUMBER: _builtins.int
     reasoning_tokens: _builtins.int
     """Tokens the model spent on reasoning."""
+    extra_json: _builtins.str
+    """Keys not held above, as a JSON object (see the file comment)."""
     def __init__(
         self,
         *,
         reasoning_tokens: _builtins.int = ...,
+        extra_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reasoning_tokens", b"reasoning_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["extra_json", b"extra_json", "reasoning_tokens", b"reasoning_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1100,12 +1757,15 @@ class Usage(_message.Message):
     TOTAL_TOKENS_FIELD_NUMBER: _builtins.int
     INPUT_TOKENS_DETAILS_FIELD_NUMBER: _builtins.int
     OUTPUT_TOKENS_DETAILS_FIELD_NUMBER: _builtins.int
+    EXTRA_JSON_FIELD_NUMBER: _builtins.int
     input_tokens: _builtins.int
     """Tokens in the prompt."""
     output_tokens: _builtins.int
     """Tokens generated."""
     total_tokens: _builtins.int
     """input_tokens + output_tokens."""
+    extra_json: _builtins.str
+    """Keys not held above, as a JSON object (see the file comment)."""
     @_builtins.property
     def input_tokens_details(self) -> Global___InputTokensDetails:
         """Detail of input_tokens."""
@@ -1122,10 +1782,11 @@ class Usage(_message.Message):
         total_tokens: _builtins.int = ...,
         input_tokens_details: Global___InputTokensDetails | None = ...,
         output_tokens_details: Global___OutputTokensDetails | None = ...,
+        extra_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["input_tokens_details", b"input_tokens_details", "output_tokens_details", b"output_tokens_details"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_tokens", b"input_tokens", "input_tokens_details", b"input_tokens_details", "output_tokens", b"output_tokens", "output_tokens_details", b"output_tokens_details", "total_tokens", b"total_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["extra_json", b"extra_json", "input_tokens", b"input_tokens", "input_tokens_details", b"input_tokens_details", "output_tokens", b"output_tokens", "output_tokens_details", b"output_tokens_details", "total_tokens", b"total_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1138,16 +1799,22 @@ class IncompleteDetails(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REASON_FIELD_NUMBER: _builtins.int
+    EXTRA_JSON_FIELD_NUMBER: _builtins.int
     reason: Global___IncompleteReason.ValueType
     """The reason."""
+    extra_json: _builtins.str
+    """Keys not held above (a reason this schema does not know yet), as a JSON
+    object (see the file comment).
+    """
     def __init__(
         self,
         *,
         reason: Global___IncompleteReason.ValueType = ...,
+        extra_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["extra_json", b"extra_json", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1161,19 +1828,23 @@ class ResponseError(_message.Message):
 
     CODE_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
+    EXTRA_JSON_FIELD_NUMBER: _builtins.int
     code: _builtins.str
     """Machine-readable code, as the engine gave it."""
     message: _builtins.str
     """Human-readable message."""
+    extra_json: _builtins.str
+    """Keys not held above, as a JSON object (see the file comment)."""
     def __init__(
         self,
         *,
         code: _builtins.str = ...,
         message: _builtins.str = ...,
+        extra_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "extra_json", b"extra_json", "message", b"message"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1223,6 +1894,7 @@ class Response(_message.Message):
     METADATA_FIELD_NUMBER: _builtins.int
     REASONING_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
+    EXTRA_JSON_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Response id such as "resp_123"."""
     created_at: _builtins.float
@@ -1241,6 +1913,12 @@ class Response(_message.Message):
     """Echo of the request's max_output_tokens."""
     parallel_tool_calls: _builtins.bool
     """Echo of the request's parallel_tool_calls."""
+    extra_json: _builtins.str
+    """Keys not held above (service_tier, truncation, store, top_logprobs, an
+    engine's own fields...) and known keys given as null, as a JSON object,
+    verbatim (see the file comment). Nothing is invented when a response is
+    written back: a key absent here and in the typed fields stays absent.
+    """
     @_builtins.property
     def output(self) -> _containers.RepeatedCompositeFieldContainer[Global___Item]:
         """Output items, in order. For a rollout: every item the agent added to
@@ -1300,10 +1978,11 @@ class Response(_message.Message):
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         reasoning: Global___ReasoningConfig | None = ...,
         text: Global___TextConfig | None = ...,
+        extra_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "_parallel_tool_calls", b"_parallel_tool_calls", "_temperature", b"_temperature", "_top_p", b"_top_p", "error", b"error", "incomplete_details", b"incomplete_details", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens", "parallel_tool_calls", b"parallel_tool_calls", "reasoning", b"reasoning", "temperature", b"temperature", "text", b"text", "tool_choice", b"tool_choice", "top_p", b"top_p", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "_parallel_tool_calls", b"_parallel_tool_calls", "_temperature", b"_temperature", "_top_p", b"_top_p", "created_at", b"created_at", "error", b"error", "id", b"id", "incomplete_details", b"incomplete_details", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens", "metadata", b"metadata", "model", b"model", "output", b"output", "parallel_tool_calls", b"parallel_tool_calls", "reasoning", b"reasoning", "status", b"status", "temperature", b"temperature", "text", b"text", "tool_choice", b"tool_choice", "tools", b"tools", "top_p", b"top_p", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_instructions", b"_instructions", "_max_output_tokens", b"_max_output_tokens", "_parallel_tool_calls", b"_parallel_tool_calls", "_temperature", b"_temperature", "_top_p", b"_top_p", "created_at", b"created_at", "error", b"error", "extra_json", b"extra_json", "id", b"id", "incomplete_details", b"incomplete_details", "instructions", b"instructions", "max_output_tokens", b"max_output_tokens", "metadata", b"metadata", "model", b"model", "output", b"output", "parallel_tool_calls", b"parallel_tool_calls", "reasoning", b"reasoning", "status", b"status", "temperature", b"temperature", "text", b"text", "tool_choice", b"tool_choice", "tools", b"tools", "top_p", b"top_p", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__instructions: _TypeAlias = _typing.Literal["instructions"]  # noqa: Y015
     _WhichOneofArgType__instructions: _TypeAlias = _typing.Literal["_instructions", b"_instructions"]  # noqa: Y015

@@ -19,6 +19,11 @@ if sys.version_info >= (3, 11):
 else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
+if sys.version_info >= (3, 13):
+    from warnings import deprecated as _deprecated
+else:
+    from typing_extensions import deprecated as _deprecated
+
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class _StopReason:
@@ -59,26 +64,32 @@ class Task(_message.Message):
 
     RESPONSES_CREATE_PARAMS_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
+    DATA_JSON_FIELD_NUMBER: _builtins.int
+    data_json: _builtins.str
+    """Every other top-level field of the row (expected_answer, options,
+    verifier_metadata, agent_ref, ...) as a JSON object, verbatim: in the
+    row's order, numbers as written (a Struct would turn 1.0 into 1 and lose
+    integers above 2^53). Resources servers read what they need from here.
+    """
     @_builtins.property
     def responses_create_params(self) -> _responses_pb2.CreateParams:
         """Parameters of the first model call: the row's "responses_create_params"."""
 
     @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
     def data(self) -> _struct_pb2.Struct:
-        """Every other top-level field of the row, verbatim (expected_answer,
-        options, verifier_metadata, agent_ref, ...). Resources servers read
-        what they need from here.
-        """
+        """Deprecated: read when data_json is empty, no longer written."""
 
     def __init__(
         self,
         *,
         responses_create_params: _responses_pb2.CreateParams | None = ...,
         data: _struct_pb2.Struct | None = ...,
+        data_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "responses_create_params", b"responses_create_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "responses_create_params", b"responses_create_params"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "data_json", b"data_json", "responses_create_params", b"responses_create_params"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -118,6 +129,7 @@ class Rollout(_message.Message):
     TIMINGS_FIELD_NUMBER: _builtins.int
     VERIFICATION_SKIPPED_FIELD_NUMBER: _builtins.int
     REWARD_COMPONENTS_FIELD_NUMBER: _builtins.int
+    VERIFIER_FIELDS_JSON_FIELD_NUMBER: _builtins.int
     reward: _builtins.float
     """Reward the resources server gave."""
     stop_reason: Global___StopReason.ValueType
@@ -128,6 +140,11 @@ class Rollout(_message.Message):
     """The rollout was not verified (it was asked not to be): reward is 0 and
     verifier_fields is empty.
     """
+    verifier_fields_json: _builtins.str
+    """Extra fields the verifier returned, as a JSON object, verbatim. They
+    become top-level fields of the rollout row, next to "response" and
+    "reward".
+    """
     @_builtins.property
     def response(self) -> _responses_pb2.Response:
         """The whole rollout as one response: `output` holds every item the agent
@@ -136,10 +153,9 @@ class Rollout(_message.Message):
         """
 
     @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
     def verifier_fields(self) -> _struct_pb2.Struct:
-        """Extra fields the verifier returned. They become top-level fields of the
-        rollout row, next to "response" and "reward".
-        """
+        """Deprecated: read when verifier_fields_json is empty, no longer written."""
 
     @_builtins.property
     def timings(self) -> Global___RolloutTimings:
@@ -160,10 +176,11 @@ class Rollout(_message.Message):
         timings: Global___RolloutTimings | None = ...,
         verification_skipped: _builtins.bool = ...,
         reward_components: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        verifier_fields_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["response", b"response", "timings", b"timings", "verifier_fields", b"verifier_fields"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_calls", b"model_calls", "response", b"response", "reward", b"reward", "reward_components", b"reward_components", "stop_reason", b"stop_reason", "timings", b"timings", "verification_skipped", b"verification_skipped", "verifier_fields", b"verifier_fields"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_calls", b"model_calls", "response", b"response", "reward", b"reward", "reward_components", b"reward_components", "stop_reason", b"stop_reason", "timings", b"timings", "verification_skipped", b"verification_skipped", "verifier_fields", b"verifier_fields", "verifier_fields_json", b"verifier_fields_json"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -233,15 +250,19 @@ class VerificationResult(_message.Message):
     REWARD_FIELD_NUMBER: _builtins.int
     FIELDS_FIELD_NUMBER: _builtins.int
     REWARD_COMPONENTS_FIELD_NUMBER: _builtins.int
+    FIELDS_JSON_FIELD_NUMBER: _builtins.int
     task_index: _builtins.int
     """Index of the task (row) the rollout came from; rollouts of the same task
     share it, so repeats can be grouped.
     """
     reward: _builtins.float
     """Reward the verifier gave."""
+    fields_json: _builtins.str
+    """Extra fields the verifier returned, as a JSON object, verbatim."""
     @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
     def fields(self) -> _struct_pb2.Struct:
-        """Extra fields the verifier returned."""
+        """Deprecated: read when fields_json is empty, no longer written."""
 
     @_builtins.property
     def reward_components(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
@@ -254,10 +275,11 @@ class VerificationResult(_message.Message):
         reward: _builtins.float = ...,
         fields: _struct_pb2.Struct | None = ...,
         reward_components: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        fields_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["fields", b"fields"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fields", b"fields", "reward", b"reward", "reward_components", b"reward_components", "task_index", b"task_index"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fields", b"fields", "fields_json", b"fields_json", "reward", b"reward", "reward_components", b"reward_components", "task_index", b"task_index"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -18,7 +18,7 @@ import uuid
 
 from pydantic import Field
 
-from gym_grpc import errors
+from gym_grpc import errors, rows
 from gym_grpc.agent import AgentServer, RolloutEvents
 from gym_grpc.clients import ModelClient, ResourcesClient
 from gym_grpc.responses import function_calls, input_items, new_id, tool_error_output
@@ -109,10 +109,11 @@ class SimpleAgent(AgentServer):
             timings.model_seconds += seconds
             events.model_call(step, response, seconds)
             if step == 0:
-                final.id, final.created_at = response.id, response.created_at
-            final.model, final.status = response.model, response.status
-            _add_usage(final.usage, response.usage)
-            final.output.extend(response.output)
+                final.CopyFrom(response)  # the model's envelope: id, echoed parameters, keys we do not model
+            else:
+                final.model, final.status = response.model, response.status
+                _add_usage(final.usage, response.usage)
+                final.output.extend(response.output)
             conversation.extend(response.output)
             if response.status == r.RESPONSE_STATUS_INCOMPLETE:
                 final.incomplete_details.CopyFrom(response.incomplete_details)
@@ -144,8 +145,9 @@ class SimpleAgent(AgentServer):
         began = time.monotonic()
         verdict = await self.resources.verify(session_id, task, final)
         timings.verify_seconds = time.monotonic() - began
-        events.verification(verdict.reward, verdict.fields, timings.verify_seconds, verdict.reward_components)
+        fields = rows.json_field(verdict, "fields")
+        events.verification(verdict.reward, fields, timings.verify_seconds, verdict.reward_components)
         rollout.reward = verdict.reward
-        rollout.verifier_fields.CopyFrom(verdict.fields)
+        rows.set_json_field(rollout, "verifier_fields", fields)
         rollout.reward_components.update(verdict.reward_components)
         return rollout

@@ -25,7 +25,7 @@ from typing import Any
 
 from gym_grpc import json_input
 from gym_grpc.responses import TOOL_ERROR_PREFIX, message_text
-from gym_grpc.rows import struct_to_dict
+from gym_grpc.rows import tool_parameters
 from gym_grpc.v1 import responses_pb2 as r
 
 
@@ -193,7 +193,7 @@ def _phrase(prompt: str) -> str:
 
 def arguments_for(tool: r.FunctionTool, prompt: str) -> dict[str, Any]:
     """Arguments for a tool's required parameters, read from the prompt."""
-    schema = struct_to_dict(tool.parameters)
+    schema = tool_parameters(tool) or {}
     props = schema.get("properties", {})
     args: dict[str, Any] = {}
     for name in schema.get("required", list(props)):

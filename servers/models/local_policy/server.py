@@ -17,14 +17,13 @@ from __future__ import annotations
 import asyncio
 import random
 import sys
-import time
 import zlib
 from array import array
 
 from pydantic import Field
 
 from gym_grpc.model import ModelServer
-from gym_grpc.responses import assistant_message, input_items, item_body, new_id
+from gym_grpc.responses import assistant_message, input_items, item_body, new_id, new_response
 from gym_grpc.serving import ServerConfig
 from gym_grpc.v1 import responses_pb2 as r
 
@@ -65,12 +64,8 @@ class LocalPolicyModel(ModelServer):
         at = text.find(turn.decided) if turn.decided else -1
         log_probs[len(text[: max(at, 0)].encode("utf-8"))] = turn.logprob
 
-        response = r.Response(
-            id=new_id("resp"),
-            created_at=time.time(),
-            model=params.model or self.config.model_name,
-            status=r.RESPONSE_STATUS_COMPLETED,
-        )
+        response = new_response(params, params.model or self.config.model_name)
+        response.status = r.RESPONSE_STATUS_COMPLETED
         limit = params.max_output_tokens if params.HasField("max_output_tokens") else None
         if limit is not None and len(gen_ids) > limit:
             gen_ids, log_probs = gen_ids[:limit], log_probs[:limit]

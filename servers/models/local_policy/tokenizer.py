@@ -15,7 +15,7 @@ import json
 from collections.abc import Sequence
 
 from gym_grpc.responses import item_body, message_text, turns
-from gym_grpc.rows import struct_to_dict
+from gym_grpc.rows import tool_parameters
 from gym_grpc.v1 import responses_pb2 as r
 
 IM_START = 256
@@ -73,7 +73,7 @@ def render_prompt(instructions: str, tools: Sequence[r.Tool], items: Sequence[r.
                 {
                     "name": t.function.name,
                     "description": t.function.description,
-                    "parameters": struct_to_dict(t.function.parameters),
+                    "parameters": tool_parameters(t.function) or {},
                 },
                 sort_keys=True,
             )

@@ -14,11 +14,11 @@ then the message, then one function_call per tool call. finish_reason
 
 from __future__ import annotations
 
-import time
+import json
 from typing import Any
 
-from gym_grpc.responses import assistant_message, input_items, item_body, message_text, new_id, turns
-from gym_grpc.rows import TOOL_CHOICE_MODE_NAMES, struct_to_dict
+from gym_grpc.responses import assistant_message, input_items, item_body, message_text, new_id, new_response, turns
+from gym_grpc.rows import TOOL_CHOICE_MODE_NAMES, struct_to_dict, tool_parameters
 from gym_grpc.v1 import responses_pb2 as r
 
 JSON = dict[str, Any]
@@ -93,7 +93,7 @@ def to_request(params: r.CreateParams, model: str, tags: tuple[str, str]) -> JSO
                 "function": {
                     "name": t.name,
                     "description": t.description,
-                    "parameters": struct_to_dict(t.parameters) if t.HasField("parameters") else {"type": "object"},
+                    "parameters": tool_parameters(t) or {"type": "object"},
                 },
             }
             for t in tools
@@ -114,14 +114,32 @@ def to_request(params: r.CreateParams, model: str, tags: tuple[str, str]) -> JSO
         body["reasoning_effort"] = params.reasoning.effort
     fmt = params.text.format
     if fmt.type == r.TEXT_FORMAT_TYPE_JSON_SCHEMA:
-        schema: JSON = {"name": fmt.name or "response", "schema": struct_to_dict(fmt.schema)}
+        schema: JSON = {"name": fmt.name or "response", "schema": _schema(fmt)}
         if fmt.HasField("strict"):
             schema["strict"] = fmt.strict
         body["response_format"] = {"type": "json_schema", "json_schema": schema}
     elif fmt.type == r.TEXT_FORMAT_TYPE_JSON_OBJECT:
         body["response_format"] = {"type": "json_object"}
-    body.update(struct_to_dict(params.extra))
+    body.update(_other_options(params))
     return body
+
+
+def _schema(fmt: r.TextFormat) -> JSON:
+    if fmt.schema_json:
+        return json.loads(fmt.schema_json)
+    return struct_to_dict(fmt.schema)  # a peer that still sends the deprecated Struct
+
+
+#: Responses parameters that mean nothing to a Chat Completions engine (or would break the exchange).
+_RESPONSES_ONLY = frozenset(
+    {"stream", "stream_options", "background", "include", "previous_response_id", "conversation"}
+)
+
+
+def _other_options(params: r.CreateParams) -> JSON:
+    """The request's parameters that CreateParams does not model, for the engine: null means unset."""
+    extra = json.loads(params.extra_json) if params.extra_json else struct_to_dict(params.extra)
+    return {k: v for k, v in extra.items() if v is not None and k not in _RESPONSES_ONLY}
 
 
 def split_reasoning(content: str, tags: tuple[str, str]) -> tuple[str, str]:
@@ -140,8 +158,8 @@ def split_reasoning(content: str, tags: tuple[str, str]) -> tuple[str, str]:
     return "", content.strip()
 
 
-def to_response(answer: JSON, tags: tuple[str, str]) -> r.Response:
-    """A Chat Completions answer as a Response (token fields not included)."""
+def to_response(answer: JSON, tags: tuple[str, str], params: r.CreateParams) -> r.Response:
+    """A Chat Completions answer to `params` as a Response (token fields not included)."""
     choice = answer["choices"][0]
     message = choice.get("message") or {}
     content = message.get("content") or ""
@@ -150,12 +168,10 @@ def to_response(answer: JSON, tags: tuple[str, str]) -> r.Response:
         reasoning, text = field.strip(), content.strip()
     else:
         reasoning, text = split_reasoning(content, tags)
-    response = r.Response(
-        id=new_id("resp"),
-        created_at=float(answer.get("created") or time.time()),
-        model=str(answer.get("model", "")),
-        status=r.RESPONSE_STATUS_COMPLETED,
-    )
+    response = new_response(params, str(answer.get("model", "")))
+    response.status = r.RESPONSE_STATUS_COMPLETED
+    if isinstance(answer.get("created"), int | float) and answer["created"]:
+        response.created_at = float(answer["created"])
     if reasoning:
         response.output.add().reasoning.CopyFrom(
             r.ReasoningItem(id=new_id("rs"), summary=[r.SummaryText(text=reasoning)], status=r.ITEM_STATUS_COMPLETED)

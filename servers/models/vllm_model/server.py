@@ -28,7 +28,7 @@ from pydantic import Field
 
 from gym_grpc import errors
 from gym_grpc.engines import Engine, EngineError, EngineModelServer, EngineSettings
-from gym_grpc.responses import assistant_message, input_items, item_body, turns
+from gym_grpc.responses import assistant_message, input_items, item_body, new_response, turns
 from gym_grpc.v1 import responses_pb2 as r
 
 from . import chat
@@ -118,10 +118,10 @@ class VLLMModel(EngineModelServer):
             answer = await engine.post("/chat/completions", body)
         except EngineError as e:
             if e.status == 400 and any(marker in e.detail.lower() for marker in _CONTEXT_ERRORS):
-                return _context_full(self.config.model, e.detail)
+                return _context_full(params, self.config.model, e.detail)
             raise
         try:
-            response = chat.to_response(answer, tags)
+            response = chat.to_response(answer, tags, params)
             choice = answer["choices"][0]
         except (KeyError, IndexError, TypeError, AttributeError) as e:
             raise errors.GymError(f"engine {engine.base_url} answered a malformed completion: {e!r}") from None
@@ -167,10 +167,11 @@ class VLLMModel(EngineModelServer):
         return tokens
 
 
-def _context_full(model: str, message: str) -> r.Response:
+def _context_full(params: r.CreateParams, model: str, message: str) -> r.Response:
     """The answer to a conversation longer than the engine's context: incomplete, nothing generated."""
     log.info("context full, the rollout ends here: %s", message[:200])
-    response = r.Response(model=model, status=r.RESPONSE_STATUS_INCOMPLETE)
+    response = new_response(params, model)
+    response.status = r.RESPONSE_STATUS_INCOMPLETE
     response.incomplete_details.reason = r.INCOMPLETE_REASON_MAX_OUTPUT_TOKENS
     response.output.append(assistant_message("", r.ITEM_STATUS_INCOMPLETE))
     return response

@@ -6,7 +6,7 @@ import time
 import grpc
 import pytest
 
-from gym_grpc import errors, transport
+from gym_grpc import errors, rows, transport
 from gym_grpc.clients import AgentClient, ResourcesClient
 from gym_grpc.registry import Registry
 from gym_grpc.resources import ResourcesServer, tool
@@ -56,7 +56,7 @@ async def test_multi_turn_tool_rollout(start):
     outputs = [i.function_call_output.output for i in rollout.response.output if i.HasField("function_call_output")]
     assert outputs == ["5", "9"]
     assert rollout.reward == 1.0
-    assert rollout.verifier_fields["tool_calls_seen"] == 2  # session state lived across the calls
+    assert rows.json_field(rollout, "verifier_fields")["tool_calls_seen"] == 2  # session state lived across the calls
     assert rollout.stop_reason == task_pb2.STOP_REASON_FINAL_MESSAGE
     assert rollout.model_calls == 3
     assert rollout.response.usage.total_tokens == 45  # summed over the three calls

@@ -302,7 +302,7 @@ def test_an_answer_becomes_a_valid_response_and_rollout_row():
         "choices": [{"message": {"content": "hi", "tool_calls": []}, "finish_reason": "stop"}],
         "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
     }
-    response = chat.to_response(answer, ("<think>", "</think>"))
+    response = chat.to_response(answer, ("<think>", "</think>"), _params())
     assert function_calls(response) == [] and response.usage.total_tokens == 4
     validation.check_response(response, "response")  # what Verify would accept
     row = rows.rollout_row({"responses_create_params": {"input": "hi"}}, task_pb2.Rollout(response=response))

@@ -51,7 +51,7 @@ def _task(tests=None, function_name="add"):
 
 async def _verdict(client, code, tests=None, function_name="add"):
     reply = await client.verify("s", _task(tests, function_name), _answer(code))
-    return reply.reward, rows.struct_to_dict(reply.fields), dict(reply.reward_components)
+    return reply.reward, rows.json_field(reply, "fields"), dict(reply.reward_components)
 
 
 async def _serve(start, **config):
@@ -130,7 +130,7 @@ async def test_an_exception_fails_the_test_with_its_message(code_exec):
 
 async def test_an_answer_without_a_code_block_earns_nothing(code_exec):
     reply = await code_exec.verify("s", _task(), r.Response(output=[assistant_message("a + b")]))
-    assert reply.reward == 0.0 and "no ```python code block" in reply.fields["error"]
+    assert reply.reward == 0.0 and "no ```python code block" in rows.json_field(reply, "fields")["error"]
     assert reply.reward_components["compiles"] == 0.0
 
 
@@ -319,13 +319,13 @@ def test_every_example_row_loads_as_a_task():
     assert len(examples) == 5
     for row in examples:
         task = rows.task_from_row(row)
-        data = rows.struct_to_dict(task.data)
+        data = rows.task_data(task)
         assert data["function_name"] in REFERENCE and data["tests"] == row["tests"]
 
 
 def test_a_reference_solution_passes_every_example_row():
     for row in example_rows(EXAMPLES, CodeExecEnv):
-        data = rows.struct_to_dict(rows.task_from_row(row).data)  # the tests as verify sees them
+        data = rows.task_data(rows.task_from_row(row))  # the tests as verify sees them
         verdict = run_tests(
             REFERENCE[data["function_name"]],
             data["function_name"],

@@ -152,7 +152,7 @@ async def _verify(client, row, answer):
 async def test_the_reward_mode_decides_how_checks_add_up(env, row, answer, reward, failed):
     verdict = await _verify(env, row, answer)
     assert verdict.reward == pytest.approx(reward)
-    fields = rows.struct_to_dict(verdict.fields)
+    fields = rows.json_field(verdict, "fields")
     assert fields == {"instructions_passed": 3 - len(failed), "instructions_total": 3, "instructions_failed": failed}
     assert dict(verdict.reward_components) == {
         name: 0.0 if name in failed else 1.0 for name in ("max_words", "no_commas", "lowercase")

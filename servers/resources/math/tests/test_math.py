@@ -28,7 +28,7 @@ def _task(expected):
 
 async def _reward(client, expected, answer):
     verdict = await client.verify("s", _task(expected), r.Response(output=[assistant_message(answer)]))
-    return verdict.reward, rows.struct_to_dict(verdict.fields)
+    return verdict.reward, rows.json_field(verdict, "fields")
 
 
 @pytest.mark.parametrize(

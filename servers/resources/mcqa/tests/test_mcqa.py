@@ -145,7 +145,7 @@ async def mcqa(start):
 
 async def _verify(client, row, answer):
     verdict = await client.verify("s", rows.task_from_row(row), r.Response(output=[assistant_message(answer)]))
-    return verdict.reward, rows.struct_to_dict(verdict.fields)
+    return verdict.reward, rows.json_field(verdict, "fields")
 
 
 @pytest.mark.parametrize(

@@ -165,7 +165,7 @@ async def test_each_tools_output_feeds_the_next_call(support):
         "right_order": 1.0,
         "right_amount": 1.0,
     }
-    assert rows.struct_to_dict(verdict.fields)["steps"] == 3
+    assert rows.json_field(verdict, "fields")["steps"] == 3
 
 
 @pytest.mark.parametrize(
@@ -227,7 +227,7 @@ async def test_a_scripted_agent_that_follows_the_chain_earns_the_reward(start):
     rollout = await _rollout(start, turns, _task())
     assert rollout.reward == 1.0
     assert rollout.stop_reason == task_pb2.STOP_REASON_FINAL_MESSAGE and rollout.model_calls == 4
-    fields = rows.struct_to_dict(rollout.verifier_fields)
+    fields = rows.json_field(rollout, "verifier_fields")
     assert fields["found_user"] and fields["listed_orders"] and fields["refund_issued"] and fields["steps"] == 3
     assert dict(rollout.reward_components)["right_amount"] == 1.0
 

@@ -158,7 +158,7 @@ async def test_verify_checks_the_cart_the_server_holds(shop):
     await _use(client, "s", "checkout")
     verdict = await client.verify("s", _task(), answer)
     assert verdict.reward == 1.0
-    fields = rows.struct_to_dict(verdict.fields)
+    fields = rows.json_field(verdict, "fields")
     assert fields["cart_matches"] and fields["checked_out"] and not fields["replayed"] and fields["items"] == 5
 
 
@@ -225,7 +225,7 @@ async def test_verify_after_the_session_closed_replays_the_tool_calls(shop):
     replayed = await client.verify("s", _task(), response)
     assert live.reward == replayed.reward == 1.0
     assert dict(live.reward_components) == dict(replayed.reward_components)
-    assert rows.struct_to_dict(replayed.fields)["replayed"] and not rows.struct_to_dict(live.fields)["replayed"]
+    assert rows.json_field(replayed, "fields")["replayed"] and not rows.json_field(live, "fields")["replayed"]
     assert env.carts.live == {}  # the scratch cart was released too
 
 
@@ -278,7 +278,7 @@ async def test_a_scripted_agent_that_edits_and_checks_out_earns_the_reward(start
     rollout, env = await _rollout(start, turns, _task())
     assert rollout.reward == 1.0
     assert rollout.stop_reason == task_pb2.STOP_REASON_FINAL_MESSAGE and rollout.model_calls == 4
-    fields = rows.struct_to_dict(rollout.verifier_fields)
+    fields = rows.json_field(rollout, "verifier_fields")
     assert fields["checked_out"] and not fields["replayed"] and fields["tool_calls"] == 4
     assert env.carts.live == {}  # the agent closed its session
 
@@ -292,7 +292,7 @@ async def test_a_scripted_agent_that_forgets_to_check_out_gets_partial_credit(st
     rollout, env = await _rollout(start, turns, _task())
     assert rollout.reward == 0.0
     assert dict(rollout.reward_components) == {"cart": 0.5, "checkout": 0.0}
-    assert rows.struct_to_dict(rollout.verifier_fields)["wrong_products"] == ["TOM-400"]
+    assert rows.json_field(rollout, "verifier_fields")["wrong_products"] == ["TOM-400"]
     assert env.carts.live == {}
 
 

@@ -49,7 +49,7 @@ async def test_reporting_the_right_citys_temperature_earns_the_reward(weather):
     await weather.seed_session("s", _task("Paris"))
     verdict = await weather.verify("s", _task("Paris"), await _rollout(weather, "s", "Paris"))
     assert verdict.reward == 1.0
-    assert rows.struct_to_dict(verdict.fields) == {"tool_calls": 1, "right_city": True, "reported_temperature": True}
+    assert rows.json_field(verdict, "fields") == {"tool_calls": 1, "right_city": True, "reported_temperature": True}
 
 
 @pytest.mark.parametrize(
@@ -63,12 +63,12 @@ async def test_the_wrong_city_or_an_unreported_temperature_earns_nothing(weather
     await weather.seed_session("s", _task("Paris"))
     verdict = await weather.verify("s", _task("Paris"), await _rollout(weather, "s", asked, answer))
     assert verdict.reward == 0.0
-    assert {k: v for k, v in rows.struct_to_dict(verdict.fields).items() if k in fields} == fields
+    assert {k: v for k, v in rows.json_field(verdict, "fields").items() if k in fields} == fields
 
 
 async def test_no_tool_call_earns_nothing(weather):
     verdict = await weather.verify("s", _task("Paris"), r.Response(output=[assistant_message("Sunny, 20 C.")]))
-    assert verdict.reward == 0.0 and verdict.fields["tool_calls"] == 0
+    assert verdict.reward == 0.0 and rows.json_field(verdict, "fields")["tool_calls"] == 0
 
 
 async def test_an_empty_city_is_a_tool_error_for_the_model(weather):
@@ -87,14 +87,14 @@ async def test_a_tool_call_that_failed_earns_nothing_and_does_not_break_the_veri
         "s", _task("Paris"), r.Response(output=[fc, output, assistant_message("It is 12 C.")])
     )
     assert verdict.reward == 0.0
-    assert rows.struct_to_dict(verdict.fields) == {"tool_calls": 1, "right_city": False, "reported_temperature": False}
+    assert rows.json_field(verdict, "fields") == {"tool_calls": 1, "right_city": False, "reported_temperature": False}
 
 
 async def test_arguments_too_deep_to_parse_earn_nothing_and_do_not_break_the_verifier(weather):
     fc = call("get_weather", '{"city": ' + "[" * 100_000 + "]" * 100_000 + "}")  # Python's JSON parser overflows
     verdict = await weather.verify("s", _task("Paris"), r.Response(output=[fc, assistant_message("It is 12 C.")]))
     assert verdict.reward == 0.0
-    assert rows.struct_to_dict(verdict.fields) == {"tool_calls": 1, "right_city": False, "reported_temperature": False}
+    assert rows.json_field(verdict, "fields") == {"tool_calls": 1, "right_city": False, "reported_temperature": False}
 
 
 def test_the_example_rows_are_tasks_with_the_servers_tools():
