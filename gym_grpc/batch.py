@@ -206,8 +206,7 @@ class Batch:
         try:
             try:
                 row = await produce(job)
-                row["task_index"] = job.task_index
-                row["repeat_index"] = job.repeat_index
+                jsonl.set_key(row, job.task_index, job.repeat_index)
                 out.append(row)
             except errors.OutputError:
                 raise

@@ -1,5 +1,10 @@
 """Rollout files on disk: JSONL rows keyed by (task_index, repeat_index).
 
+NeMo Gym names the same key `_ng_task_index` / `_ng_rollout_index`. A row is
+keyed by ours when it has either of them, else by NeMo Gym's; rows written
+here carry both pairs, equal, so that either tool can resume, re-verify and
+aggregate the other's files.
+
 Output is only ever appended, one whole line per rollout (`Appender`); a
 collector killed mid-write can leave a torn last line, which `repair_tail`
 cuts off before anything is appended again. Which keys a file holds is kept
@@ -103,9 +108,31 @@ def iter_rows(path: Path) -> Iterator[dict[str, Any]]:
                 yield row
 
 
+#: The key's names: gym-grpc's, then NeMo Gym's.
+KEY = ("task_index", "repeat_index")
+NEMO_KEY = ("_ng_task_index", "_ng_rollout_index")
+
+
+def key_names(row: dict[str, Any]) -> tuple[str, str] | None:
+    """The names a row's key is written under: ours when it has either, else NeMo Gym's; None without."""
+    return next((names for names in (KEY, NEMO_KEY) if names[0] in row or names[1] in row), None)
+
+
+def row_key(row: dict[str, Any]) -> tuple[Any, Any]:
+    """A row's (task index, repeat index) as written, unchecked; (None, None) without."""
+    t, k = key_names(row) or KEY
+    return row.get(t), row.get(k)
+
+
+def set_key(row: dict[str, Any], task_index: int, repeat_index: int) -> None:
+    """Write a row's key under both names."""
+    for t, k in (KEY, NEMO_KEY):
+        row[t], row[k] = task_index, repeat_index
+
+
 def key_slot(row: dict[str, Any], n_tasks: int, repeats: int) -> int | None:
     """The slot of a row's key in [0, n_tasks * repeats), or None when it has none there."""
-    t, k = row.get("task_index"), row.get("repeat_index")
+    t, k = row_key(row)
     if not (isinstance(t, int) and isinstance(k, int) and 0 <= t < n_tasks and 0 <= k < repeats):
         return None
     return t * repeats + k

@@ -62,10 +62,16 @@ class _Rollout:
     response: r.Response
 
 
+#: How far keys may reach past a file's row count: a slice of a larger run (NeMo Gym
+#: keeps the whole run's task indices) holds high indices, a hand-edited key must
+#: not size the slot tables.
+TASK_SLACK, REPEAT_SLACK = 1 << 16, 1 << 6
+
+
 def _key(row: Any, lines: int) -> tuple[int, int] | None:
-    """A row's (task_index, repeat_index) when it has one a file of `lines` rows can hold."""
-    t, k = (row.get("task_index"), row.get("repeat_index")) if isinstance(row, dict) else (None, None)
-    if isinstance(t, int) and isinstance(k, int) and 0 <= t < lines and 0 <= k < lines:
+    """A row's key (ours or NeMo Gym's, see jsonl) when it has one a file of `lines` rows can hold."""
+    t, k = jsonl.row_key(row) if isinstance(row, dict) else (None, None)
+    if isinstance(t, int) and isinstance(k, int) and 0 <= t < lines + TASK_SLACK and 0 <= k < lines + REPEAT_SLACK:
         return t, k
     return None
 
@@ -121,8 +127,9 @@ def _jobs(options: ReverifyOptions, layout: _Layout) -> Iterator[Job | BadInput]
                 if not isinstance(row, dict) or not isinstance(row.get("response"), dict):
                     raise rows.RowError("response", "is required: this is not a rollout row")
                 key = _key(row, layout.lines)
-                if key is None and ("task_index" in row or "repeat_index" in row):
-                    raise rows.RowError("task_index", "the key is not two non-negative integers within the file's rows")
+                names = jsonl.key_names(row)
+                if key is None and names:
+                    raise rows.RowError(names[0], "the key is not two non-negative integers within the file's rows")
                 response = rows.response_from_json(row["response"])
                 task_row = task_fields(row)
                 task = rows.task_from_row(task_row)

@@ -33,8 +33,8 @@ ROLLOUT_FIELDS = frozenset(
         "stop_reason",
         "model_calls",
         "timings",
-        "task_index",
-        "repeat_index",
+        *jsonl.KEY,
+        *jsonl.NEMO_KEY,
     }
 )
 STAGES = ("model", "tools", "verify")

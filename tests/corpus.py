@@ -55,3 +55,9 @@ def nemo_gym_lines(suffix: str) -> Iterator[tuple[str, int, bytes]]:
             for number, line in enumerate(wheel.read(name).splitlines(), 1):
                 if line.strip():
                     yield name, number, line
+
+
+def nemo_gym_file(name: str) -> bytes:
+    """One file of the wheel, by its path inside it ("environments/pi_math/data/example.jsonl")."""
+    with zipfile.ZipFile(nemo_gym_wheel()) as wheel:
+        return wheel.read(name)

@@ -6,7 +6,7 @@ import json
 
 from gym_grpc import json_input
 from gym_grpc.collector import CollectOptions, collect
-from gym_grpc.jsonl import failures_path
+from gym_grpc.jsonl import KEY, NEMO_KEY, failures_path
 from gym_grpc.registry import Registry
 from gym_grpc.resources import ResourcesServer, Session
 from gym_grpc.responses import final_text
@@ -155,7 +155,8 @@ async def test_rows_keep_their_keys_a_row_without_one_gets_a_free_slot_and_a_wil
     old = [json.loads(line) for line in (tmp_path / "old.jsonl").read_text().splitlines()]
     assert _scan(tmp_path / "old.jsonl").n_tasks == 6  # 6 tasks x 3 repeats: slots for 18, not 18 x 3
     for row in old[:2]:
-        del row["task_index"], row["repeat_index"]
+        for name in (*KEY, *NEMO_KEY):
+            del row[name]
     old[2]["task_index"] = 10**12  # hand-edited: must not size anything
     (tmp_path / "old.jsonl").write_text("".join(json.dumps(row) + "\n" for row in old))
     options = ReverifyOptions(
@@ -175,7 +176,7 @@ async def test_rows_nested_too_deep_are_reported_by_line_and_the_rest_re_verifie
     first, *rest = (tmp_path / "old.jsonl").read_text().splitlines()
     overflow = '{"response": {}, "deep": ' + "[" * 100_000 + "]" * 100_000 + "}"
     too_deep = json.dumps({**json.loads(first), "deep": json.loads(nested_json(300))})  # keeps its key
-    keyless = json.dumps({k: v for k, v in json.loads(first).items() if k not in ("task_index", "repeat_index")})
+    keyless = json.dumps({k: v for k, v in json.loads(first).items() if k not in (*KEY, *NEMO_KEY)})
     (tmp_path / "old.jsonl").write_text("".join(line + "\n" for line in [*rest, overflow, too_deep, keyless]))
     options = ReverifyOptions(
         input=tmp_path / "old.jsonl", output=tmp_path / "new.jsonl", resources="math", progress=False

@@ -1,0 +1,131 @@
+"""NeMo Gym's own files through gym-grpc, keyed by NeMo Gym's `_ng_task_index` / `_ng_rollout_index`.
+
+The files are NeMo Gym's recorded rollouts (real models) and example tasks,
+read from its wheel at test time (tests/corpus.py), never committed.
+"""
+
+import io
+import json
+from pathlib import Path
+
+from gym_grpc import jsonl
+from gym_grpc.collector import CollectOptions, collect
+from gym_grpc.jsonl import KEY, NEMO_KEY
+from gym_grpc.registry import Registry
+from gym_grpc.reverify import ReverifyOptions, reverify
+from gym_grpc.summary import GroupIndex, summarise_file
+from servers.agents.simple_agent.agent import SimpleAgent
+from servers.models.local_policy.server import LocalPolicyModel
+from servers.resources.math.server import MathEnv
+from servers.resources.mcqa.server import MCQAEnv
+from tests.corpus import nemo_gym_file
+
+#: A math environment whose verifier, like ours, is math-verify; its rows are out of key order.
+PI_MATH = "environments/pi_math/data/"
+#: The pi_math task whose answer holds (2+sqrt(3))^2016: math-verify may time out comparing it on a loaded machine.
+HUGE_ANSWER = 1
+#: Multiple-choice questions in the shape of our mcqa environment's rows.
+BUNSEN = "resources_servers/bunsenbench_chemistry_mcq/data/"
+
+
+def _nemo_lines(name: str) -> list[str]:
+    return [line for line in nemo_gym_file(name).decode().splitlines() if line.strip()]
+
+
+def _write(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def _by_key(path: Path, names: tuple[str, str]) -> dict[tuple[int, int], dict]:
+    found = {}
+    for row in map(json.loads, path.read_text().splitlines()):
+        key = (row[names[0]], row[names[1]])
+        assert key not in found, f"{key} twice in {path}"
+        found[key] = row
+    return found
+
+
+async def test_a_nemo_gym_rollouts_file_reverifies_under_its_own_keys(start, tmp_path):
+    env = await start(MathEnv(name="math"))
+    registry = Registry(static={"math": env.address})
+    nemo = _write(tmp_path / "nemo.jsonl", _nemo_lines(PI_MATH + "example_rollouts.jsonl"))
+    options = ReverifyOptions(input=nemo, output=tmp_path / "scored.jsonl", resources="math", progress=False)
+    summary, changes = await reverify(registry, options, log=io.StringIO())
+    assert (summary.done, summary.failed, summary.bad_rows) == (5, 0, 0)
+    recorded, scored = _by_key(nemo, NEMO_KEY), _by_key(options.output, KEY)
+    assert scored.keys() == recorded.keys() == {(t, 0) for t in range(5)}
+    for key, row in scored.items():
+        assert (row["_ng_task_index"], row["_ng_rollout_index"]) == key  # NeMo Gym's own key, kept
+        assert row["expected_answer"] == recorded[key]["expected_answer"]  # each key still holds its own task
+        if key[0] != HUGE_ANSWER:
+            assert row["reward"] == recorded[key]["reward"]  # NeMo Gym's math-verify score, reproduced
+    assert changes.compared == 5
+    await registry.close()
+
+
+async def test_reverify_of_a_nemo_gym_file_resumes_where_it_stopped(start, tmp_path):
+    env = await start(MathEnv(name="math"))
+    registry = Registry(static={"math": env.address})
+    nemo = _write(tmp_path / "nemo.jsonl", _nemo_lines(PI_MATH + "example_rollouts.jsonl"))
+    options = ReverifyOptions(input=nemo, output=tmp_path / "scored.jsonl", resources="math", progress=False)
+    await reverify(registry, options, log=io.StringIO())
+    _write(options.output, options.output.read_text().splitlines()[:2])  # a run stopped after two rows
+    summary, _ = await reverify(registry, options, log=io.StringIO())
+    assert (summary.skipped, summary.done) == (2, 3)
+    scored = _by_key(options.output, NEMO_KEY)
+    assert scored.keys() == _by_key(nemo, NEMO_KEY).keys()
+    assert all((row["task_index"], row["repeat_index"]) == key for key, row in scored.items())
+    await registry.close()
+
+
+async def test_a_slice_of_a_nemo_gym_run_keeps_its_high_task_indices(start, tmp_path):
+    env = await start(MCQAEnv(name="mcqa"))
+    registry = Registry(static={"mcqa": env.address})
+    lines = _nemo_lines(BUNSEN + "example_rollouts.jsonl")
+    wild = {**json.loads(lines[0]), "_ng_task_index": -1}
+    nemo = _write(tmp_path / "slice.jsonl", [*lines[3:], json.dumps(wild)])  # tasks 3 and 4 of NeMo's run
+    options = ReverifyOptions(input=nemo, output=tmp_path / "scored.jsonl", resources="mcqa", progress=False)
+    summary, changes = await reverify(registry, options, log=(log := io.StringIO()))
+    assert (summary.done, summary.bad_rows) == (2, 1)
+    assert "_ng_task_index: the key is not" in log.getvalue()
+    assert _by_key(options.output, KEY).keys() == {(3, 0), (4, 0)}
+    assert changes.compared == 2
+    await registry.close()
+
+
+async def test_collect_resumes_an_output_that_nemo_gym_began(start, tmp_path):
+    model = await start(LocalPolicyModel(name="policy"))
+    env = await start(MathEnv(name="math"))
+    static = {"policy": model.address, "math": env.address}
+    agent = await start(
+        SimpleAgent(
+            {"model_server": "policy", "resources_server": "math"}, name="agent", registry=Registry(static=static)
+        )
+    )
+    registry = Registry(static={**static, "agent": agent.address})
+    tasks = _write(tmp_path / "tasks.jsonl", _nemo_lines(PI_MATH + "example.jsonl"))
+    began = _nemo_lines(PI_MATH + "example_rollouts.jsonl")[:2]  # NeMo Gym's rollouts of tasks 2 and 4
+    output = _write(tmp_path / "rollouts.jsonl", began)
+    options = CollectOptions(input=tasks, output=output, agent="agent", progress=False, overrides={"temperature": 0})
+    summary = await collect(registry, options, log=io.StringIO())
+    assert (summary.skipped, summary.done, summary.failed) == (2, 3, 0)
+    rows = [json.loads(line) for line in output.read_text().splitlines()]
+    assert sorted(jsonl.row_key(row) for row in rows) == [(t, 0) for t in range(5)]
+    for row in rows[2:]:  # ours carry both names of the key
+        assert (row["task_index"], row["repeat_index"]) == (row["_ng_task_index"], row["_ng_rollout_index"])
+    assert summary.metrics["agent"]["rollouts"] == 5  # the summary covers NeMo Gym's rows too
+    await registry.close()
+
+
+def test_the_summary_counts_a_repeated_nemo_gym_key_once(tmp_path):
+    lines = _nemo_lines(PI_MATH + "example_rollouts.jsonl")
+    path = _write(tmp_path / "nemo.jsonl", [*lines, lines[0]])
+    groups = GroupIndex(5)
+    for t in range(5):
+        groups.set(t, "pi_math_agent")
+    summary = summarise_file(path, groups, 1)
+    recorded = [json.loads(line)["reward"] for line in lines]
+    assert summary.metrics["pi_math_agent"]["rollouts"] == 5
+    assert summary.metrics["pi_math_agent"]["reward"] == sum(recorded) / 5
+    assert any("1 rows repeat a key" in warning for warning in summary.warnings)
