@@ -17,16 +17,24 @@ the call with the position where they part.
 
 An engine's context-length error (HTTP 400) makes an incomplete response, so
 the rollout ends and is scored instead of failing.
+
+Per-row engine options ride in `responses_create_params.metadata` as NeMo Gym
+writes them, each a JSON object in a string: `extra_body` (such as
+`{"seed": 3}`) is merged into the request under the row's own fields and over
+the config's `extra_body`; `chat_template_kwargs` is merged over the config's
+and the row's own. A row's other unknown keys (`top_k`, `seed`) are request
+fields as they are.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Literal
 
 from pydantic import Field
 
-from gym_grpc import errors
+from gym_grpc import errors, json_input
 from gym_grpc.engines import Engine, EngineError, EngineModelServer, EngineSettings
 from gym_grpc.responses import assistant_message, input_items, item_body, new_response, turns
 from gym_grpc.v1 import responses_pb2 as r
@@ -46,6 +54,22 @@ class VLLMModelConfig(EngineSettings):
     reasoning_tags: tuple[str, str] = Field(("<think>", "</think>"), description="tags around reasoning in text")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="sent with every request")
     extra_body: dict[str, Any] = Field(default_factory=dict, description="more request fields; a task's win")
+
+
+def _metadata_object(params: r.CreateParams, key: str) -> dict[str, Any]:
+    """The JSON object in the string `metadata[key]` (NeMo Gym's way to pass engine options); {} without."""
+    text = params.metadata.get(key)
+    if not text:
+        return {}
+    try:
+        value = json_input.loads(text)
+    except (json.JSONDecodeError, json_input.TooDeep) as e:
+        raise errors.InvalidArgument(f"params.metadata.{key}: not JSON ({e})", field=f"params.metadata.{key}") from None
+    if not isinstance(value, dict):
+        raise errors.InvalidArgument(
+            f"params.metadata.{key}: expected a JSON object, got {text[:80]!r}", field=f"params.metadata.{key}"
+        )
+    return value
 
 
 def _prefix(items: list[r.Item]) -> list[int] | None:
@@ -104,9 +128,15 @@ class VLLMModel(EngineModelServer):
 
     async def create_response(self, params: r.CreateParams, session_id: str) -> r.Response:
         tags = self.config.reasoning_tags
-        body = {**self.config.extra_body, **chat.to_request(params, self.config.model, tags)}
-        if self.config.chat_template_kwargs:
-            body["chat_template_kwargs"] = {**self.config.chat_template_kwargs, **body.get("chat_template_kwargs", {})}
+        row_extra = _metadata_object(params, "extra_body")
+        body = {**self.config.extra_body, **row_extra, **chat.to_request(params, self.config.model, tags)}
+        template_kwargs = {
+            **self.config.chat_template_kwargs,
+            **body.get("chat_template_kwargs", {}),
+            **_metadata_object(params, "chat_template_kwargs"),
+        }
+        if template_kwargs:
+            body["chat_template_kwargs"] = template_kwargs
         prefix = None
         if self.config.return_token_ids:
             prefix = _prefix(input_items(params))

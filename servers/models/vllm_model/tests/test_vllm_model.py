@@ -1,6 +1,7 @@
 """The Chat Completions model server against a fake vLLM speaking the real wire format."""
 
 import asyncio
+import json
 import logging
 import time
 
@@ -15,6 +16,7 @@ from gym_grpc.v1 import task_pb2
 from servers.agents.simple_agent.agent import SimpleAgent
 from servers.models.vllm_model import chat
 from servers.models.vllm_model.server import VLLMModel
+from tests.corpus import nemo_gym_file
 from tests.fake_engine import FakeEngine, Turn
 from tests.support import Calculator, static_registry, task
 
@@ -308,3 +310,38 @@ def test_an_answer_becomes_a_valid_response_and_rollout_row():
     row = rows.rollout_row({"responses_create_params": {"input": "hi"}}, task_pb2.Rollout(response=response))
     assert row["response"]["output"][0]["role"] == "assistant"
     assert row["response"]["output"][0]["content"][0]["text"] == "hi"
+
+
+async def test_a_nemo_gym_rows_metadata_extra_body_seed_reaches_the_engine(start, engine):
+    """NeMo Gym's `num_repeats_add_seed` writes each rollout's seed into metadata.extra_body (its evalplus rows)."""
+    line = nemo_gym_file("resources_servers/evalplus/data/example_rollouts.jsonl").splitlines()[0]
+    params = rows.task_from_row(json.loads(line)).responses_create_params
+    assert params.metadata["extra_body"] == '{"seed": 0}'
+    fake = await engine([Turn(content="ok")])
+    model = await _model(start, fake)
+    await model.create_response(params, "s")
+    sent = fake.requests[0]
+    assert "seed" in sent and sent["seed"] == 0
+    assert (sent["temperature"], sent["max_tokens"]) == (1.0, 16384)
+    assert "metadata" not in sent and "extra_body" not in sent
+    await model.registry.close()
+
+
+async def test_row_engine_options_merge_over_the_config_and_under_the_rows_own_fields(start, engine):
+    fake = await engine([Turn(content="ok")])
+    config = {"extra_body": {"seed": 1, "min_p": 0.1}, "chat_template_kwargs": {"enable_thinking": True, "x": 1}}
+    model = await _model(start, fake, **config)
+    params = _params(temperature=0.5)
+    params.metadata["extra_body"] = json.dumps({"seed": 7, "top_k": 5, "temperature": 2.0})
+    params.metadata["chat_template_kwargs"] = json.dumps({"enable_thinking": False})
+    await model.create_response(params, "s")
+    sent = fake.requests[0]
+    assert (sent["seed"], sent["top_k"], sent["min_p"]) == (7, 5, 0.1)  # the row's over the config's
+    assert sent["temperature"] == 0.5  # the row's own field wins over its extra_body, as in NeMo Gym
+    assert sent["chat_template_kwargs"] == {"enable_thinking": False, "x": 1}
+    params.metadata["extra_body"] = "seed=7"
+    with pytest.raises(errors.InvalidArgument) as error:
+        await model.create_response(params, "s")
+    assert error.value.field == "params.metadata.extra_body" and "not JSON" in error.value.message
+    assert len(fake.requests) == 1  # refused before the engine is asked
+    await model.registry.close()
