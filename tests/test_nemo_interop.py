@@ -6,7 +6,10 @@ read from its wheel at test time (tests/corpus.py), never committed.
 
 import io
 import json
+import subprocess
 from pathlib import Path
+
+import pytest
 
 from gym_grpc import jsonl
 from gym_grpc.collector import CollectOptions, collect
@@ -19,7 +22,11 @@ from servers.models.local_policy.server import LocalPolicyModel
 from servers.resources.math.server import MathEnv
 from servers.resources.mcqa.server import MCQAEnv
 from tests.corpus import nemo_gym_file
+from tests.nemo_gym import nemo_gym_python, python313
+from tests.support import REPO
 
+#: Our own math tasks.
+MATH = REPO / "servers/resources/math/data/example.jsonl"
 #: A math environment whose verifier, like ours, is math-verify; its rows are out of key order.
 PI_MATH = "environments/pi_math/data/"
 #: The pi_math task whose answer holds (2+sqrt(3))^2016: math-verify may time out comparing it on a loaded machine.
@@ -94,7 +101,8 @@ async def test_a_slice_of_a_nemo_gym_run_keeps_its_high_task_indices(start, tmp_
     await registry.close()
 
 
-async def test_collect_resumes_an_output_that_nemo_gym_began(start, tmp_path):
+async def _math_stack(start) -> Registry:
+    """The embedded policy, our math environment and an agent named "agent" over them."""
     model = await start(LocalPolicyModel(name="policy"))
     env = await start(MathEnv(name="math"))
     static = {"policy": model.address, "math": env.address}
@@ -103,7 +111,11 @@ async def test_collect_resumes_an_output_that_nemo_gym_began(start, tmp_path):
             {"model_server": "policy", "resources_server": "math"}, name="agent", registry=Registry(static=static)
         )
     )
-    registry = Registry(static={**static, "agent": agent.address})
+    return Registry(static={**static, "agent": agent.address})
+
+
+async def test_collect_resumes_an_output_that_nemo_gym_began(start, tmp_path):
+    registry = await _math_stack(start)
     tasks = _write(tmp_path / "tasks.jsonl", _nemo_lines(PI_MATH + "example.jsonl"))
     began = _nemo_lines(PI_MATH + "example_rollouts.jsonl")[:2]  # NeMo Gym's rollouts of tasks 2 and 4
     output = _write(tmp_path / "rollouts.jsonl", began)
@@ -129,3 +141,37 @@ def test_the_summary_counts_a_repeated_nemo_gym_key_once(tmp_path):
     assert summary.metrics["pi_math_agent"]["rollouts"] == 5
     assert summary.metrics["pi_math_agent"]["reward"] == sum(recorded) / 5
     assert any("1 rows repeat a key" in warning for warning in summary.warnings)
+
+
+#: Run in NeMo Gym's virtualenv: validate every row of a rollouts file with NeMo Gym's own
+#: model of a verified rollout, then aggregate them as NeMo Gym's /aggregate_metrics does.
+NEMO_GYM_CHECK = """
+import json, sys
+from nemo_gym.base_resources_server import BaseVerifyResponse
+from nemo_gym.reward_profile import compute_aggregate_metrics
+
+rows = [json.loads(line) for line in open(sys.argv[1])]
+for row in rows:
+    BaseVerifyResponse.model_validate(row)
+print(json.dumps(compute_aggregate_metrics(rows).model_dump(mode="json")))
+"""
+
+
+async def test_nemo_gyms_own_models_and_aggregation_read_our_rollouts(start, tmp_path):
+    interpreter = python313()
+    if interpreter is None:
+        pytest.skip("no Python 3.13 to install NeMo Gym in (set GYM_GRPC_PYTHON313)")
+    nemo_python = nemo_gym_python(interpreter)
+    registry = await _math_stack(start)
+    output = tmp_path / "rollouts.jsonl"
+    options = CollectOptions(input=MATH, output=output, agent="agent", num_repeats=2, progress=False)
+    summary = await collect(registry, options, log=io.StringIO())
+    await registry.close()
+    assert summary.done == 12
+    checked = subprocess.run([nemo_python, "-c", NEMO_GYM_CHECK, output], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr[-3000:]
+    metrics = json.loads(checked.stdout)
+    assert metrics["agent_metrics"]["num_repeats"] == 2
+    assert metrics["agent_metrics"]["mean/reward"] == pytest.approx(summary.metrics["agent"]["reward"])
+    assert [group["_ng_task_index"] for group in metrics["group_level_metrics"]] == list(range(6))
+    assert all(group["num_rollouts"] == 2 for group in metrics["group_level_metrics"])
