@@ -128,7 +128,7 @@ class VLLMModel(EngineModelServer):
 
     async def create_response(self, params: r.CreateParams, session_id: str) -> r.Response:
         tags = self.config.reasoning_tags
-        row_extra = _metadata_object(params, "extra_body")
+        row_extra = _metadata_object(params, "extra_body")  # under the row's own fields, as in NeMo Gym
         body = {**self.config.extra_body, **row_extra, **chat.to_request(params, self.config.model, tags)}
         template_kwargs = {
             **self.config.chat_template_kwargs,
