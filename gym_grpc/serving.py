@@ -20,14 +20,15 @@ from collections.abc import Callable
 from typing import Any, ClassVar, NoReturn, TypeVar
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from gym_grpc import errors, open_files, transport
+from gym_grpc import errors, health, open_files, transport
 from gym_grpc.admin import ADMIN_SERVICE, AdminServicer
 from gym_grpc.config import ConfigError
 from gym_grpc.counters import Counters
+from gym_grpc.health import HealthServicer
 from gym_grpc.profiling import Profiler
 from gym_grpc.registry import Registry
 from gym_grpc.security import Security
@@ -283,7 +284,7 @@ class Running:
     """A server that is up: its bound port, and how to stop it."""
 
     def __init__(
-        self, server: grpc.aio.Server, app: GymServer, health_servicer: health.aio.HealthServicer, host: str, port: int
+        self, server: grpc.aio.Server, app: GymServer, health_servicer: HealthServicer, host: str, port: int
     ) -> None:
         self.server = server
         self.app = app
@@ -328,7 +329,7 @@ async def serve(
     names = app.add_services(server)
     admin_grpc.add_AdminServiceServicer_to_server(AdminServicer(app), server)
     names.append(ADMIN_SERVICE)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     credentials = security.server_credentials()
