@@ -7,7 +7,7 @@ import os
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
-from gym_grpc import open_files, profiling
+from gym_grpc import open_files, profiling, protocol
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 
@@ -29,8 +29,9 @@ def config_hash(app: GymServer) -> str:
 
 
 class AdminServicer(admin_grpc.AdminServiceServicer):
-    def __init__(self, app: GymServer) -> None:
+    def __init__(self, app: GymServer, services: list[str]) -> None:
         self.app = app
+        self.services = protocol.served(services)
 
     async def GetServerInfo(
         self, request: admin_pb.GetServerInfoRequest, context: Any
@@ -47,6 +48,9 @@ class AdminServicer(admin_grpc.AdminServiceServicer):
             profiling=app.profiler.running,
             open_files_limit=open_files.limit(),
             open_files=open_files.in_use(),
+            protocol=protocol.version(),
+            services=self.services,
+            capabilities=app.capabilities(),
         )
 
     async def GetCounters(self, request: admin_pb.GetCountersRequest, context: Any) -> admin_pb.GetCountersResponse:

@@ -202,12 +202,15 @@ class GymClient:
 
     async def run(self, task: task_pb2.Task | dict[str, Any]) -> RolloutResult:
         """One rollout of a task (a Task, or a row such as a line of a tasks JSONL). A failed
-        rollout comes back marked with its failure; a row that cannot be a task raises."""
+        rollout comes back marked with its failure; a row that cannot be a task raises, and so
+        does an agent that speaks another major version of the protocol (IncompatibleServer)."""
         if isinstance(task, dict):
             task = rows.task_from_row(task)
         await _LIMIT.acquire()
         try:
             return RolloutResult(await self._agent.run(task, timeout=self.timeout))
+        except errors.IncompatibleServer:
+            raise  # the setup is wrong, not this rollout
         except errors.GymError as e:
             return RolloutResult(None, errors.Failure.of(e))
         finally:

@@ -18,8 +18,10 @@ from typing import Any
 import grpc
 from google.protobuf import struct_pb2
 
-from gym_grpc import errors, transport
+from gym_grpc import errors, protocol, transport
 from gym_grpc.registry import Registry
+from gym_grpc.v1 import admin_service_pb2 as admin_pb
+from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
 from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
 from gym_grpc.v1 import model_service_pb2 as model_pb
@@ -43,6 +45,7 @@ class _Client:
         self.timeout = timeout
         self._peers: list[tuple[Any, transport.Connection]] = []
         self._next = 0
+        self._handshake: asyncio.Future[None] | None = None
 
     async def _peer(self) -> tuple[Any, transport.Connection]:
         """A stub and its connection for the next call: calls go round the server's connections."""
@@ -51,6 +54,32 @@ class _Client:
             self._peers = [(self._stub_class(c.channel), c) for c in connections]
         self._next = (self._next + 1) % len(self._peers)
         return self._peers[self._next]
+
+    async def server_info(self) -> admin_pb.GetServerInfoResponse:
+        """The server's AdminService.GetServerInfo: what it is, its protocol version, its capabilities."""
+        return await self._call("GetServerInfo", admin_pb.GetServerInfoRequest(), admin=True)
+
+    async def check_protocol(self) -> None:
+        """Raise IncompatibleServer when the server speaks another major version of the
+        protocol. Asked once; a server without AdminService is taken as it comes."""
+        if self._handshake is None:
+            self._handshake = asyncio.ensure_future(self._shake_hands())
+        handshake = self._handshake
+        try:
+            await asyncio.shield(handshake)
+        except errors.GymError as e:
+            if not isinstance(e, errors.IncompatibleServer) and self._handshake is handshake:
+                self._handshake = None  # ask again next time: the server may be up by then
+            raise
+
+    async def _shake_hands(self) -> None:
+        try:
+            info = await self.server_info()
+        except errors.GymError as e:
+            if e.code == grpc.StatusCode.UNIMPLEMENTED:
+                return
+            raise
+        protocol.check(info, f"{self._kind} {self.name!r}")
 
     def _error(
         self, error: grpc.aio.AioRpcError | None, method: str, connection: transport.Connection
@@ -70,10 +99,13 @@ class _Client:
         *,
         detached: bool = False,
         passing: frozenset[grpc.StatusCode] = frozenset(),
+        admin: bool = False,
     ) -> Any:
-        """Call `method`. `detached` calls ignore the caller's deadline (for cleanup);
-        a failure with a code in `passing` is returned, not raised."""
+        """Call `method` (of the server's AdminService when `admin`). `detached` calls ignore
+        the caller's deadline (for cleanup); a failure with a code in `passing` is returned, not raised."""
         stub, connection = await self._peer()
+        if admin:
+            stub = admin_grpc.AdminServiceStub(connection.channel)
         timeout = timeout if timeout is not None else self.timeout
         wait = connection.wait
         call = getattr(stub, method)(
@@ -170,6 +202,7 @@ class AgentClient(_Client):
     async def run(
         self, task: task_pb2.Task, timeout: float | None = None, *, skip_verification: bool = False
     ) -> task_pb2.Rollout:
+        await self.check_protocol()
         request = agent_pb.RunRequest(task=task, skip_verification=skip_verification)
         reply = await self._call("Run", request, timeout)
         return reply.rollout
@@ -178,6 +211,7 @@ class AgentClient(_Client):
         self, task: task_pb2.Task, timeout: float | None = None, *, skip_verification: bool = False
     ) -> AsyncIterator[agent_pb.RunStreamResponse]:
         """The events of one rollout as they happen; the last one holds the rollout."""
+        await self.check_protocol()
         stub, connection = await self._peer()
         wait = connection.wait
         call = stub.RunStream(

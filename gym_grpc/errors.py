@@ -82,6 +82,11 @@ class FailedPrecondition(GymError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class IncompatibleServer(FailedPrecondition):
+    """A server speaks another major version of the gym protocol (the handshake of
+    AdminService.GetServerInfo said so); no call to it can be trusted."""
+
+
 class ToolFailed(GymError):
     """A tool raised. The message is the tool's error, meant for the model."""
 

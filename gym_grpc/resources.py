@@ -37,6 +37,7 @@ from pydantic.json_schema import GenerateJsonSchema
 from gym_grpc import errors, json_input, metrics, validation
 from gym_grpc.rows import dumps, json_field, params_to_json, task_data
 from gym_grpc.serving import GymServer, ServerConfig, rpc_method
+from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import registry_service_pb2 as reg
 from gym_grpc.v1 import resources_service_pb2 as res_pb
 from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
@@ -193,6 +194,11 @@ class ResourcesServer(GymServer):
         super().__init__(*args, **kwargs)
         self.sessions: dict[str, Session] = {}
         self._sweeper: asyncio.Task | None = None
+
+    def capabilities(self) -> admin_pb.Capabilities:
+        capabilities = super().capabilities()
+        capabilities.max_sessions = getattr(self.config, "max_sessions", None) or 0
+        return capabilities
 
     @classmethod
     def tool_definitions(cls) -> list[dict[str, Any]]:

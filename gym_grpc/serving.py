@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from gym_grpc import errors, health, open_files, transport
+from gym_grpc import errors, health, open_files, protocol, transport
 from gym_grpc.admin import ADMIN_SERVICE, AdminServicer
 from gym_grpc.config import ConfigError
 from gym_grpc.counters import Counters
@@ -32,6 +32,7 @@ from gym_grpc.health import HealthServicer
 from gym_grpc.profiling import Profiler
 from gym_grpc.registry import Registry
 from gym_grpc.security import Security
+from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from gym_grpc.v1 import registry_service_pb2 as reg
 
@@ -81,6 +82,11 @@ class GymServer:
     def add_services(self, server: grpc.aio.Server) -> list[str]:
         """Add this server's gRPC services; return their full names."""
         raise NotImplementedError
+
+    def capabilities(self) -> admin_pb.Capabilities:
+        """What this server's methods can do, for the handshake (AdminService.GetServerInfo).
+        A role or a server adds what it declares, such as a model server's token ids."""
+        return protocol.base_capabilities()
 
     async def start(self) -> None:
         """Hook: acquire resources (pools, channels) before serving."""
@@ -326,12 +332,12 @@ async def serve(
         options=transport.server_options(reuse_port=reuse_port),
         interceptors=[*security.server_interceptors(), _DecodeGuard()],
     )
-    names = app.add_services(server)
-    admin_grpc.add_AdminServiceServicer_to_server(AdminServicer(app), server)
-    names.append(ADMIN_SERVICE)
+    names = [*app.add_services(server), ADMIN_SERVICE]
+    served = [*names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+    admin_grpc.add_AdminServiceServicer_to_server(AdminServicer(app, served), server)
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    reflection.enable_server_reflection(served, server)
     credentials = security.server_credentials()
     try:
         if credentials is None:

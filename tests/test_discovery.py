@@ -6,10 +6,18 @@ import asyncio
 import json
 import subprocess
 
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gym_grpc import transport
-from tests.support import Calculator
+from gym_grpc import errors, protocol, transport
+from gym_grpc.client import GymClient
+from gym_grpc.clients import AgentClient, ResourcesClient
+from gym_grpc.v1 import admin_service_pb2 as admin_pb
+from servers.agents.simple_agent.agent import SimpleAgent
+from servers.models.local_policy.server import LocalPolicyModel
+from servers.models.openai_model.server import OpenAIModel
+from servers.models.vllm_model.server import VLLMModel
+from tests.support import Calculator, static_registry, task
 from tests.test_cli import _tool
 
 
@@ -38,3 +46,71 @@ async def test_health_list_answers_every_service_and_follows_updates(start):
         assert listed.statuses["gym.v1.ResourcesService"].status == health_pb2.HealthCheckResponse.NOT_SERVING
     by_grpcurl = json.loads(await _grpcurl(server.address, "grpc.health.v1.Health/List"))
     assert by_grpcurl["statuses"][""] == {"status": "SERVING"}
+
+
+async def _agent(start):
+    model = await start(LocalPolicyModel(name="model"))
+    env = await start(Calculator(name="calc"))
+    agent = SimpleAgent(
+        {"model_server": "model", "resources_server": "calc"},
+        name="agent",
+        registry=static_registry(model=model, calc=env),
+    )
+    running = await start(agent)
+    return static_registry(agent=running, model=model, calc=env), running
+
+
+async def test_server_info_states_the_protocol_version_services_and_capabilities(start):
+    registry, _ = await _agent(start)
+    agent = await AgentClient(registry, "agent").server_info()
+    assert (agent.protocol.major, agent.protocol.minor) == protocol.VERSION
+    services = {s.name: {m.name: m.server_streaming for m in s.methods} for s in agent.services}
+    assert services["gym.v1.AgentService"] == {"Run": False, "RunStream": True}
+    assert {"gym.v1.AdminService", "grpc.health.v1.Health"} <= set(services)
+    assert agent.capabilities.max_receive_message_bytes == transport.MAX_MESSAGE_BYTES
+    assert agent.capabilities.max_send_message_bytes == transport.MAX_MESSAGE_BYTES
+    assert not agent.capabilities.token_ids and agent.capabilities.max_sessions == 0
+    model = await AgentClient(registry, "model").server_info()
+    assert model.capabilities.token_ids and model.capabilities.token_in_token_out
+    calc = await ResourcesClient(registry, "calc").server_info()
+    assert calc.capabilities.max_sessions == Calculator().config.max_sessions > 0
+    assert "gym.v1.ResourcesService" in {s.name for s in calc.services}
+    await registry.close()
+
+
+async def test_a_resources_server_states_its_configured_session_cap(start):
+    env = await start(Calculator({"max_sessions": 7}, name="calc"))
+    registry = static_registry(calc=env)
+    assert (await ResourcesClient(registry, "calc").server_info()).capabilities.max_sessions == 7
+    await registry.close()
+
+
+def test_engine_model_servers_declare_token_ids_only_when_they_return_them():
+    engine = {"base_url": "http://127.0.0.1:1/v1", "model": "m"}
+    assert not OpenAIModel(engine).capabilities().token_ids
+    assert not VLLMModel(engine).capabilities().token_in_token_out
+    with_ids = VLLMModel({**engine, "return_token_ids": True}).capabilities()
+    assert with_ids.token_ids and with_ids.token_in_token_out
+
+
+async def test_a_client_refuses_an_agent_of_another_major_version_before_any_rollout(start, monkeypatch):
+    """The servers run in this process, so the agent is made to answer the handshake as a
+    gym-grpc of protocol 2.3 would; the client's own version stays 1.0."""
+    registry, agent = await _agent(start)
+    monkeypatch.setattr(protocol, "version", lambda: admin_pb.ProtocolVersion(major=2, minor=3))
+    async with GymClient("agent", registry) as gym:
+        with pytest.raises(errors.IncompatibleServer, match=r"agent 'agent' speaks gym protocol 2\.3.*speaks 1\.0"):
+            await gym.run(task("1 + 1", expected="2"))
+        with pytest.raises(errors.IncompatibleServer):  # asked once, refused every time
+            await gym.run(task("1 + 1", expected="2"))
+    assert agent.app.counters.to_proto().calls_total == 0  # no Run reached the agent
+    await registry.close()
+
+
+async def test_a_client_runs_rollouts_on_an_agent_of_its_own_major_version(start):
+    registry, agent = await _agent(start)
+    async with GymClient("agent", registry) as gym:
+        result = await gym.run(task("What is 6 times 7?", expected="42"))
+    assert result.ok, result.failure
+    assert agent.app.counters.to_proto().calls_total == 1
+    await registry.close()

@@ -57,7 +57,9 @@ class AdminServiceServicer:
     """
 
     def GetServerInfo(self, request, context):
-        """What this server is: name, role, version, uptime, config hash.
+        """What this server is: name, role, version, uptime, config hash; and the
+        handshake: the protocol version it speaks, the services it serves and
+        what its methods can do.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -25,6 +25,7 @@ from pydantic import Field
 from gym_grpc.model import ModelServer
 from gym_grpc.responses import assistant_message, input_items, item_body, new_id, new_response
 from gym_grpc.serving import ServerConfig
+from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import responses_pb2 as r
 
 from . import policy, tokenizer
@@ -47,6 +48,12 @@ class LocalPolicyConfig(ServerConfig):
 class LocalPolicyModel(ModelServer):
     Config = LocalPolicyConfig
     config: LocalPolicyConfig
+
+    def capabilities(self) -> admin_pb.Capabilities:
+        # Its tokenizer renders history exactly as generated: later prompts begin with earlier ids.
+        capabilities = super().capabilities()
+        capabilities.token_ids = capabilities.token_in_token_out = True
+        return capabilities
 
     async def create_response(self, params: r.CreateParams, session_id: str) -> r.Response:
         if self.config.latency_seconds:

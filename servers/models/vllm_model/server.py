@@ -37,6 +37,7 @@ from pydantic import Field
 from gym_grpc import errors, json_input
 from gym_grpc.engines import Engine, EngineError, EngineModelServer, EngineSettings
 from gym_grpc.responses import assistant_message, input_items, item_body, new_response, turns
+from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import responses_pb2 as r
 
 from . import chat
@@ -125,6 +126,13 @@ def _generated_ids(engine: Engine, choice: dict[str, Any]) -> tuple[list[int], l
 class VLLMModel(EngineModelServer):
     Config = VLLMModelConfig
     config: VLLMModelConfig
+
+    def capabilities(self) -> admin_pb.Capabilities:
+        # With token ids on, a later prompt that does not begin with the earlier ids fails the call
+        # (prefix_token_ids: check) or cannot happen (require): token in, token out.
+        capabilities = super().capabilities()
+        capabilities.token_ids = capabilities.token_in_token_out = self.config.return_token_ids
+        return capabilities
 
     async def create_response(self, params: r.CreateParams, session_id: str) -> r.Response:
         tags = self.config.reasoning_tags
