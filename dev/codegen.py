@@ -1,4 +1,4 @@
-"""Regenerate the checked-in Python stubs of the gym.v1 protocol.
+"""Regenerate the checked-in Python stubs of the gym.v1 protocol, and what ships beside them.
 
     python dev/codegen.py           # rewrite gym_grpc/v1 from proto/
     python dev/codegen.py --check   # exit 1 when gym_grpc/v1 is stale
@@ -7,6 +7,13 @@ Configured by [tool.gym-grpc.codegen] in pyproject.toml. protoc writes imports
 as `from gym.v1 import x_pb2` (the proto package); they are rewritten to the
 Python package that holds the stubs, because a top-level `gym` package would
 collide with OpenAI Gym. Nothing else in the generated text is touched.
+
+Beside the stubs it writes `descriptor_set.binpb`: every .proto of the package
+and every third-party one shipped in `shipped_protos` (health, reflection,
+google.rpc), with the files they import, compiled with their source info, so that server reflection can
+show the .proto comments (the descriptors inside _pb2 modules have none). And
+it copies the package's .proto files into `shipped_protos`, for client authors
+in other languages.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 INIT_TEXT = '"""Generated stubs of the gym.v1 protocol. Do not edit: run dev/codegen.py."""\n'
+DESCRIPTOR_SET = "descriptor_set.binpb"
 
 
 def _config() -> dict:
@@ -49,8 +57,13 @@ def _plugin(name: str) -> str:
     return found
 
 
-def generate(out_dir: Path) -> None:
-    """Generate the stubs for every .proto of the package into out_dir."""
+def _shipped_root() -> Path:
+    return ROOT / _config()["shipped_protos"]
+
+
+def generate(out_dir: Path, protos_dir: Path) -> None:
+    """Generate the stubs and the descriptor set for every .proto of the package into
+    out_dir, and copy the package's .proto files into protos_dir."""
     import grpc_tools
     from grpc_tools import protoc
 
@@ -60,6 +73,12 @@ def generate(out_dir: Path) -> None:
     protos = sorted((proto_root / cfg["proto_package"]).glob("*.proto"))
     messages = [str(p.relative_to(proto_root)) for p in protos]
     services = [m for m in messages if m.endswith("_service.proto")]
+    shipped = _shipped_root()
+    third_party = sorted(
+        str(p.relative_to(shipped))
+        for p in shipped.rglob("*.proto")
+        if not p.relative_to(shipped).is_relative_to(cfg["proto_package"])
+    )
     include = Path(grpc_tools.__file__).parent / "_proto"
     with tempfile.TemporaryDirectory() as tmp:
         base = [
@@ -72,6 +91,11 @@ def generate(out_dir: Path) -> None:
         runs = [
             base + [f"--python_out={tmp}", f"--mypy_out=quiet:{tmp}", *messages],
             base + [f"--grpc_python_out={tmp}", f"--mypy_grpc_out=quiet:{tmp}", *services],
+            # The package's files come from proto/ (first on the path), the others from shipped_protos.
+            base[:3]
+            + [f"-I{shipped}", "--include_imports", "--include_source_info"]
+            + [f"--descriptor_set_out={tmp}/{DESCRIPTOR_SET}"]
+            + [*messages, *third_party],
         ]
         for args in runs:
             # protoc runs in-process; mypy-protobuf's plugin prints each file.
@@ -88,28 +112,40 @@ def generate(out_dir: Path) -> None:
             text = module_ref.sub(rf"{py_pkg}.\1", text)
             (out_dir / src.name).write_text(text)
         (out_dir / "__init__.py").write_text(INIT_TEXT)
+        shutil.copyfile(Path(tmp) / DESCRIPTOR_SET, out_dir / DESCRIPTOR_SET)
+    copies = protos_dir / cfg["proto_package"]
+    copies.mkdir(parents=True, exist_ok=True)
+    for proto in protos:
+        shutil.copyfile(proto, copies / proto.name)
 
 
 def _target() -> Path:
     return ROOT.joinpath(*_config()["python_package"].split("."))
 
 
-def _snapshot(directory: Path) -> dict[str, str]:
-    return {p.name: p.read_text() for p in sorted(directory.glob("*")) if p.is_file()}
+def _snapshot(stubs: Path, protos: Path) -> dict[str, bytes]:
+    """Every generated file by its path: the stubs, and the package's .proto copies."""
+    package = _config()["proto_package"]
+    files = {p.name: p for p in stubs.glob("*") if p.is_file()}
+    files |= {f"{package}/{p.name}": p for p in (protos / package).glob("*.proto")}
+    return {name: files[name].read_bytes() for name in sorted(files)}
 
 
 def check() -> list[str]:
     """Return a diff per stale file (empty when the checked-in stubs are fresh)."""
     with tempfile.TemporaryDirectory() as tmp:
-        generate(Path(tmp))
-        fresh = _snapshot(Path(tmp))
-    current = _snapshot(_target())
+        generate(Path(tmp) / "stubs", Path(tmp) / "protos")
+        fresh = _snapshot(Path(tmp) / "stubs", Path(tmp) / "protos")
+    current = _snapshot(_target(), _shipped_root())
     problems = []
     for name in sorted(fresh.keys() | current.keys()):
         if fresh.get(name) != current.get(name):
+            if name.endswith(DESCRIPTOR_SET):
+                problems.append(f"{name} differs")
+                continue
             diff = difflib.unified_diff(
-                current.get(name, "").splitlines(),
-                fresh.get(name, "").splitlines(),
+                current.get(name, b"").decode().splitlines(),
+                fresh.get(name, b"").decode().splitlines(),
                 f"checked-in/{name}",
                 f"fresh/{name}",
                 lineterm="",
@@ -133,8 +169,11 @@ def main() -> None:
     target = _target()
     if target.exists():
         shutil.rmtree(target)
-    generate(target)
-    print(f"wrote {target.relative_to(ROOT)}")
+    copies = _shipped_root() / _config()["proto_package"]
+    if copies.exists():
+        shutil.rmtree(copies)
+    generate(target, _shipped_root())
+    print(f"wrote {target.relative_to(ROOT)} and {copies.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

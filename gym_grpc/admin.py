@@ -29,9 +29,9 @@ def config_hash(app: GymServer) -> str:
 
 
 class AdminServicer(admin_grpc.AdminServiceServicer):
-    def __init__(self, app: GymServer, services: list[str]) -> None:
+    def __init__(self, app: GymServer, services: list[admin_pb.ServedService]) -> None:
         self.app = app
-        self.services = protocol.served(services)
+        self.services = services
 
     async def GetServerInfo(
         self, request: admin_pb.GetServerInfoRequest, context: Any

@@ -25,9 +25,8 @@ def version() -> admin_pb.ProtocolVersion:
     return admin_pb.ProtocolVersion(major=VERSION[0], minor=VERSION[1])
 
 
-def served(service_names: Iterable[str]) -> list[admin_pb.ServedService]:
+def served(service_names: Iterable[str], pool: descriptor_pool.DescriptorPool) -> list[admin_pb.ServedService]:
     """The services (with their methods) a server serves, sorted by name, from their descriptors."""
-    pool = descriptor_pool.Default()
     services = []
     for name in sorted(set(service_names)):
         descriptor = pool.FindServiceByName(name)

@@ -21,10 +21,9 @@ from typing import Any, ClassVar, NoReturn, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from gym_grpc import errors, health, open_files, protocol, transport
+from gym_grpc import errors, health, open_files, protocol, reflection, transport
 from gym_grpc.admin import ADMIN_SERVICE, AdminServicer
 from gym_grpc.config import ConfigError
 from gym_grpc.counters import Counters
@@ -333,11 +332,11 @@ async def serve(
         interceptors=[*security.server_interceptors(), _DecodeGuard()],
     )
     names = [*app.add_services(server), ADMIN_SERVICE]
-    served = [*names, health.SERVICE_NAME, reflection.SERVICE_NAME]
-    admin_grpc.add_AdminServiceServicer_to_server(AdminServicer(app, served), server)
+    served = [*names, health.SERVICE_NAME, *reflection.SERVICE_NAMES]
+    described = reflection.add_to_server(served, server)
+    admin_grpc.add_AdminServiceServicer_to_server(AdminServicer(app, protocol.served(served, described)), server)
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(served, server)
     credentials = security.server_credentials()
     try:
         if credentials is None:

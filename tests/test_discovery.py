@@ -6,10 +6,13 @@ import asyncio
 import json
 import subprocess
 
+import grpc
 import pytest
+from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 
-from gym_grpc import errors, protocol, transport
+from gym_grpc import errors, protocol, reflection, transport
 from gym_grpc.client import GymClient
 from gym_grpc.clients import AgentClient, ResourcesClient
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
@@ -114,3 +117,44 @@ async def test_a_client_runs_rollouts_on_an_agent_of_its_own_major_version(start
     assert result.ok, result.failure
     assert agent.app.counters.to_proto().calls_total == 1
     await registry.close()
+
+
+async def test_reflection_answers_under_v1_and_v1alpha_with_the_proto_comments(start):
+    server = await start(Calculator())
+    asks = [
+        reflection_pb2.ServerReflectionRequest(list_services=""),
+        reflection_pb2.ServerReflectionRequest(file_containing_symbol="gym.v1.ResourcesService"),
+        reflection_pb2.ServerReflectionRequest(file_containing_symbol="gym.v1.NoSuchThing"),
+    ]
+    async with transport.open_channel(server.address) as channel:
+        for name in ("grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"):
+            call = channel.stream_stream(
+                f"/{name}/ServerReflectionInfo",
+                request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+            )
+            listed, described, missing = [reply async for reply in call(iter(asks), timeout=30)]
+            names = {s.name for s in listed.list_services_response.service}
+            assert {"gym.v1.ResourcesService", *reflection.SERVICE_NAMES} <= names
+            files = [
+                descriptor_pb2.FileDescriptorProto.FromString(data)
+                for data in described.file_descriptor_response.file_descriptor_proto
+            ]
+            assert files[0].name == "gym/v1/resources_service.proto"
+            assert {"google/protobuf/struct.proto", "gym/v1/task.proto"} <= {f.name for f in files}
+            comments = " ".join(loc.leading_comments for loc in files[0].source_code_info.location)
+            assert "An agent drives one rollout through" in comments
+            assert missing.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
+
+
+async def test_grpcurl_describe_shows_the_proto_comments(start):
+    server = await start(Calculator())
+    service = await _grpcurl(server.address, "describe", "gym.v1.ResourcesService")
+    assert "A resources server (an environment)." in service
+    assert "rpc Verify ( .gym.v1.VerifyRequest ) returns ( .gym.v1.VerifyResponse )" in service
+    message = await _grpcurl(server.address, "describe", "gym.v1.Capabilities")
+    assert "token in, token out" in message
+    health = await _grpcurl(server.address, "describe", "grpc.health.v1.Health")
+    assert "rpc List ( .grpc.health.v1.HealthListRequest )" in health
+    everything = await _grpcurl(server.address, "describe")  # every listed service, v1 reflection among them
+    assert "grpc.reflection.v1.ServerReflection is a service" in everything
