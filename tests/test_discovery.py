@@ -4,7 +4,11 @@ the protocol handshake, and the .proto files shipped with the package."""
 
 import asyncio
 import json
+import os
+import shutil
 import subprocess
+import sys
+import zipfile
 
 import grpc
 import pytest
@@ -20,7 +24,7 @@ from servers.agents.simple_agent.agent import SimpleAgent
 from servers.models.local_policy.server import LocalPolicyModel
 from servers.models.openai_model.server import OpenAIModel
 from servers.models.vllm_model.server import VLLMModel
-from tests.support import Calculator, static_registry, task
+from tests.support import REPO, Calculator, static_registry, task
 from tests.test_cli import _tool
 
 
@@ -158,3 +162,46 @@ async def test_grpcurl_describe_shows_the_proto_comments(start):
     assert "rpc List ( .grpc.health.v1.HealthListRequest )" in health
     everything = await _grpcurl(server.address, "describe")  # every listed service, v1 reflection among them
     assert "grpc.reflection.v1.ServerReflection is a service" in everything
+
+
+def test_the_wheel_ships_protos_that_compile_on_their_own(tmp_path):
+    """The wheel is built from a copy of the source (the checkout stays clean) and unpacked,
+    not installed; `python -m gym_grpc.protos` runs from it, and protoc gets only that copy
+    and its own well-known types (google/protobuf/*.proto) as include paths."""
+    source = tmp_path / "source"
+    shutil.copytree(REPO / "gym_grpc", source / "gym_grpc", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+    built = subprocess.run([*build, "-w", str(tmp_path / "dist"), str(source)], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    with zipfile.ZipFile(next((tmp_path / "dist").glob("*.whl"))) as wheel:
+        wheel.extractall(tmp_path / "site")
+    assert (tmp_path / "site" / "gym_grpc" / "v1" / "descriptor_set.binpb").is_file()  # reflection reads it
+    out = tmp_path / "protos"
+    copied = subprocess.run(
+        [sys.executable, "-m", "gym_grpc.protos", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path / "site")},
+    )
+    assert copied.returncode == 0, copied.stderr
+    names = sorted(p.relative_to(out).as_posix() for p in out.rglob("*.proto"))
+    assert {"gym/v1/agent_service.proto", "grpc/health/v1/health.proto", "google/rpc/error_details.proto"} <= set(names)
+    assert {p.name for p in (REPO / "proto" / "gym" / "v1").glob("*.proto")} == {
+        n.removeprefix("gym/v1/") for n in names if n.startswith("gym/v1/")
+    }
+    (tmp_path / "stubs").mkdir()
+    compiled = subprocess.run(
+        [sys.executable, "-m", "grpc_tools.protoc", f"-I{out}", f"--python_out={tmp_path / 'stubs'}"]
+        + [f"--descriptor_set_out={tmp_path / 'all.binpb'}", *names],
+        capture_output=True,
+        text=True,
+    )
+    assert compiled.returncode == 0, compiled.stderr
+    described = descriptor_pb2.FileDescriptorSet.FromString((tmp_path / "all.binpb").read_bytes())
+    services = {f"{f.package}.{s.name}": [m.name for m in s.method] for f in described.file for s in f.service}
+    assert services["gym.v1.AdminService"][0] == "GetServerInfo"
+    assert "List" in services["grpc.health.v1.Health"]
+    assert "BadRequest" in {m.name for f in described.file if f.package == "google.rpc" for m in f.message_type}
