@@ -7,6 +7,7 @@ import subprocess
 
 import pytest
 
+from gym_grpc import protocol
 from tests.support import REPO
 from tests.test_cli import BIN, _start_run
 
@@ -33,6 +34,7 @@ def test_the_node_client_runs_a_rollout_and_verifies_it(live):
     )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
+    assert result["protocol"] == "{}.{}".format(*protocol.VERSION)
     assert result["reward"] == 1 and result["reverified_reward"] == 1
     assert result["stop_reason"] == "STOP_REASON_FINAL_MESSAGE" and result["turns_with_token_ids"] == 1
     missing = subprocess.run(
