@@ -1,7 +1,7 @@
 """Regenerate the checked-in Python stubs of the gym.v1 protocol, and what ships beside them.
 
-    python dev/codegen.py           # rewrite gym_grpc/v1 from proto/
-    python dev/codegen.py --check   # exit 1 when gym_grpc/v1 is stale
+    python dev/codegen.py           # rewrite gym_grpc/v1 and gym_grpc/protos/gym/v1 from proto/
+    python dev/codegen.py --check   # exit 1 when either is stale
 
 Configured by [tool.gym-grpc.codegen] in pyproject.toml. protoc writes imports
 as `from gym.v1 import x_pb2` (the proto package); they are rewritten to the
@@ -10,10 +10,10 @@ collide with OpenAI Gym. Nothing else in the generated text is touched.
 
 Beside the stubs it writes `descriptor_set.binpb`: every .proto of the package
 and every third-party one shipped in `shipped_protos` (health, reflection,
-google.rpc), with the files they import, compiled with their source info, so that server reflection can
-show the .proto comments (the descriptors inside _pb2 modules have none). And
-it copies the package's .proto files into `shipped_protos`, for client authors
-in other languages.
+google.rpc), with the files they import, compiled with their source info, so
+that server reflection can show the .proto comments (the descriptors inside
+_pb2 modules have none). And it copies the package's .proto files into
+`shipped_protos`, for client authors in other languages.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ class HealthServicer(health.aio.HealthServicer):
     """Check, Watch and List over one table of statuses ("" is the whole server)."""
 
     async def List(self, request: health_pb2.HealthListRequest, context: Any) -> health_pb2.HealthListResponse:
-        # The base class keeps its statuses here; tests/test_serving.py proves List sees every update.
+        # The base class keeps its statuses here; tests/test_discovery.py proves List sees every update.
         statuses = dict(self._server_status)
         return health_pb2.HealthListResponse(
             statuses={name: health_pb2.HealthCheckResponse(status=status) for name, status in statuses.items()}

@@ -3,7 +3,7 @@
 `AdminService.GetServerInfo` answers it on every server (see
 admin_service.proto, field by field). A client in any language calls it once
 before its first rollout and refuses a server whose major version differs
-from its own; the Python clients do (`clients.AgentClient.check_protocol`).
+from its own; `clients.AgentClient` does before its first rollout.
 """
 
 from __future__ import annotations

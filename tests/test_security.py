@@ -97,7 +97,8 @@ async def test_a_refused_call_is_logged_with_its_peer_and_method(caplog):
         await server.stop(0.5)
     refused = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.WARNING]
     assert len(refused) == 1
-    assert "/gym.v1.AgentService/RunStream" in refused[0] and "127.0.0.1" in refused[0]
+    # The client's first call is the protocol handshake, refused like any other.
+    assert "/gym.v1.AdminService/GetServerInfo" in refused[0] and "127.0.0.1" in refused[0]
     assert "wrong bearer token" in refused[0] and "s3cret" not in refused[0]
 
 
