@@ -18,8 +18,12 @@ from grpc_reflection.v1alpha import reflection_pb2
 
 from gym_grpc import errors, protocol, reflection, transport
 from gym_grpc.client import GymClient
-from gym_grpc.clients import AgentClient, ResourcesClient
+from gym_grpc.clients import AgentClient, ModelClient, ResourcesClient
+from gym_grpc.registry import Registry
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
+from gym_grpc.v1 import agent_service_pb2 as agent_pb
+from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
+from gym_grpc.v1 import task_pb2
 from servers.agents.simple_agent.agent import SimpleAgent
 from servers.models.local_policy.server import LocalPolicyModel
 from servers.models.openai_model.server import OpenAIModel
@@ -77,7 +81,7 @@ async def test_server_info_states_the_protocol_version_services_and_capabilities
     assert agent.capabilities.max_receive_message_bytes == transport.MAX_MESSAGE_BYTES
     assert agent.capabilities.max_send_message_bytes == transport.MAX_MESSAGE_BYTES
     assert not agent.capabilities.token_ids and agent.capabilities.max_sessions == 0
-    model = await AgentClient(registry, "model").server_info()
+    model = await ModelClient(registry, "model").server_info()
     assert model.capabilities.token_ids and model.capabilities.token_in_token_out
     calc = await ResourcesClient(registry, "calc").server_info()
     assert calc.capabilities.max_sessions == Calculator().config.max_sessions > 0
@@ -106,12 +110,20 @@ async def test_a_client_refuses_an_agent_of_another_major_version_before_any_rol
     registry, agent = await _agent(start)
     monkeypatch.setattr(protocol, "version", lambda: admin_pb.ProtocolVersion(major=2, minor=3))
     async with GymClient("agent", registry) as gym:
-        with pytest.raises(errors.IncompatibleServer, match=r"agent 'agent' speaks gym protocol 2\.3.*speaks 1\.0"):
+        ours = r"\.".join(map(str, protocol.VERSION))
+        with pytest.raises(errors.IncompatibleServer, match=rf"agent 'agent' speaks gym protocol 2\.3.*speaks {ours}"):
             await gym.run(task("1 + 1", expected="2"))
         with pytest.raises(errors.IncompatibleServer):  # asked once, refused every time
             await gym.run(task("1 + 1", expected="2"))
     assert agent.app.counters.to_proto().calls_total == 0  # no Run reached the agent
     await registry.close()
+
+
+def test_a_server_that_sends_no_version_is_taken_for_1_0_and_another_major_is_refused():
+    protocol.check(admin_pb.GetServerInfoResponse(), "server 'old'")  # from before the handshake
+    protocol.check(admin_pb.GetServerInfoResponse(protocol=admin_pb.ProtocolVersion(major=1, minor=9)), "x")
+    with pytest.raises(errors.IncompatibleServer, match="server 'new' speaks gym protocol 2.0"):
+        protocol.check(admin_pb.GetServerInfoResponse(protocol=admin_pb.ProtocolVersion(major=2)), "server 'new'")
 
 
 async def test_a_client_runs_rollouts_on_an_agent_of_its_own_major_version(start):
@@ -205,3 +217,23 @@ def test_the_wheel_ships_protos_that_compile_on_their_own(tmp_path):
     assert services["gym.v1.AdminService"][0] == "GetServerInfo"
     assert "List" in services["grpc.health.v1.Health"]
     assert "BadRequest" in {m.name for f in described.file if f.package == "google.rpc" for m in f.message_type}
+
+
+class _BareAgent(agent_grpc.AgentServiceServicer):
+    """An agent written without gym-grpc: AgentService only, no AdminService to shake hands with."""
+
+    async def Run(self, request, context):
+        return agent_pb.RunResponse(rollout=task_pb2.Rollout(reward=1.0))
+
+
+async def test_an_agent_without_the_handshake_is_taken_as_it_comes():
+    server = grpc.aio.server()
+    agent_grpc.add_AgentServiceServicer_to_server(_BareAgent(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with GymClient("agent", Registry(static={"agent": f"127.0.0.1:{port}"})) as gym:
+            result = await gym.run(task("1 + 1", expected="2"))
+        assert result.ok and result.reward == 1.0
+    finally:
+        await server.stop(0)
