@@ -19,6 +19,7 @@ import click
 
 from gym_grpc import errors, hub, open_files, status
 from gym_grpc.batch import BatchSummary
+from gym_grpc.clients import AdminClient
 from gym_grpc.collector import CollectOptions, collect, parse_overrides
 from gym_grpc.config import ConfigError, GymConfig, dump_config, load_config, load_env
 from gym_grpc.datasets import MODES, DataError, Dataset, prepare, read_tasks
@@ -453,14 +454,16 @@ def profile_command(names: tuple[str, ...], registry: str, limit: int, security:
 
 @contextlib.asynccontextmanager
 async def _registry(address: str, security: Security | None, name: str | None = None) -> AsyncIterator[Registry]:
-    """A Registry client whose failure to reach `gym-grpc run` (or to know `name`) is a clear error."""
+    """A Registry client whose failure to reach `gym-grpc run` (or to know `name`, or to speak
+    our protocol's major version with it) is a clear error."""
     registry = Registry(address, security=security)
     try:
         try:
             await registry.list()
             if name:
                 await registry.info(name)
-        except errors.OutOfFiles as e:
+                await AdminClient(registry, name).check_protocol()
+        except (errors.OutOfFiles, errors.IncompatibleServer) as e:
             raise click.ClickException(e.message) from None
         except errors.GymError as e:
             raise click.ClickException(f"{e.message}\n(is `gym-grpc run` up with its registry at {address}?)") from None

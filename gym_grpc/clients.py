@@ -132,6 +132,13 @@ def _cancelled_by(connection: transport.Connection) -> bool:
     return connection.given_up and task is not None and not task.cancelling()
 
 
+class AdminClient(_Client):
+    """Calls the AdminService every gym-grpc server has, whatever its role."""
+
+    _stub_class = admin_grpc.AdminServiceStub
+    _kind = "server"
+
+
 class ModelClient(_Client):
     """Calls a ModelService."""
 

@@ -20,9 +20,11 @@ from gym_grpc import errors, protocol, reflection, transport
 from gym_grpc.client import GymClient
 from gym_grpc.clients import AgentClient, ModelClient, ResourcesClient
 from gym_grpc.registry import Registry
+from gym_grpc.runner import RegistryServer
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
 from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
+from gym_grpc.v1 import registry_service_pb2 as reg
 from gym_grpc.v1 import task_pb2
 from servers.agents.simple_agent.agent import SimpleAgent
 from servers.models.local_policy.server import LocalPolicyModel
@@ -117,6 +119,29 @@ async def test_a_client_refuses_an_agent_of_another_major_version_before_any_rol
             await gym.run(task("1 + 1", expected="2"))
     assert agent.app.counters.to_proto().calls_total == 0  # no Run reached the agent
     await registry.close()
+
+
+async def test_collect_refuses_an_agent_of_another_major_version_before_any_rollout(start, monkeypatch, tmp_path):
+    """`gym-grpc collect` is a real process (protocol 1.0); the registry and agent run in this
+    one and answer the handshake as a gym-grpc of protocol 2.3 would."""
+    registry_app = RegistryServer()
+    registry_server = await start(registry_app)
+    _, agent = await _agent(start)
+    registry_app.servicer.add(reg.ServerInfo(name="agent", role=reg.SERVER_ROLE_AGENT, addresses=[agent.address]))
+    monkeypatch.setattr(protocol, "version", lambda: admin_pb.ProtocolVersion(major=2, minor=3))
+    tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
+    tasks.write_text(json.dumps({"responses_create_params": {"input": "1 + 1"}}) + "\n")
+    args = ["collect", "--registry", registry_server.address, "--agent", "agent", "--input", str(tasks)]
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [_tool("gym-grpc"), *args, "--output", str(out), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert "server 'agent' speaks gym protocol 2.3" in done.stderr and "is `gym-grpc run` up" not in done.stderr
+    assert agent.app.counters.to_proto().calls_total == 0 and not out.exists()
 
 
 def test_a_server_that_sends_no_version_is_taken_for_1_0_and_another_major_is_refused():
