@@ -61,8 +61,8 @@ def test_a_server_killed_and_restarted_mid_collection_costs_at_most_its_calls_in
         collector.wait(timeout=300)  # no hang
         failures = tmp_path / "out.failures.jsonl"
         failed = len(_rows(failures)) if failures.exists() else 0
-        kinds = [row["error"]["class"] for row in _rows(failures)] if failed else []
-        assert failed <= 8, kinds  # at most what was in flight (--max-in-flight 8)
+        why = [f"{row['error']['class']}: {row['error']['message']}" for row in _rows(failures)] if failed else []
+        assert failed <= 8, why  # at most what was in flight (--max-in-flight 8)
         assert collector.returncode == (1 if failed else 0), report.read_text()
         assert len(_rows(out)) + failed == 120
         for _ in range(100):  # the runner starts it again on its port
