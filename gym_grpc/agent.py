@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 
-from gym_grpc import rows, validation
+from gym_grpc import errors, jsonl, rows, validation
 from gym_grpc.serving import GymServer, rpc_method
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
 from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
@@ -85,6 +85,17 @@ class _AgentServicer(agent_grpc.AgentServiceServicer):
     @rpc_method
     async def Run(self, request: agent_pb.RunRequest, context: Any) -> agent_pb.RunResponse:
         return agent_pb.RunResponse(rollout=await self._roll_out(request, RolloutEvents()))
+
+    @rpc_method
+    async def RunJson(self, request: agent_pb.RunJsonRequest, context: Any) -> agent_pb.RunJsonResponse:
+        try:
+            row = jsonl.parse_line(request.row_json.encode())
+        except ValueError as e:
+            raise errors.InvalidArgument(f"row_json: {e}", field="row_json") from None
+        task = rows.task_from_row(row)  # a RowError is an INVALID_ARGUMENT naming the row's field
+        run = agent_pb.RunRequest(task=task, skip_verification=request.skip_verification)
+        rollout = await self._roll_out(run, RolloutEvents())
+        return agent_pb.RunJsonResponse(rollout_json=rows.dumps(rows.rollout_record(row, rollout)))
 
     @rpc_method
     async def RunStream(

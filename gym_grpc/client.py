@@ -31,7 +31,6 @@ from typing import Any
 
 from gym_grpc import errors, rows
 from gym_grpc.clients import AgentClient
-from gym_grpc.collector import rollout_record
 from gym_grpc.registry import Registry
 from gym_grpc.security import Security
 from gym_grpc.v1 import responses_pb2 as r
@@ -180,7 +179,7 @@ class RolloutResult:
 
     def to_row(self, task_row: dict[str, Any]) -> dict[str, Any]:
         """The rollout row (task row + response, reward, verifier fields, ...), as `collect` writes it."""
-        return rollout_record(task_row, self._finished())
+        return rows.rollout_record(task_row, self._finished())
 
 
 class GymClient:

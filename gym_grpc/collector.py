@@ -27,12 +27,6 @@ from gym_grpc.registry import Registry
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
 
-STOP_REASONS = {
-    task_pb2.STOP_REASON_FINAL_MESSAGE: "final_message",
-    task_pb2.STOP_REASON_MAX_STEPS: "max_steps",
-    task_pb2.STOP_REASON_INCOMPLETE: "incomplete",
-}
-
 
 @dataclass
 class CollectOptions(RunOptions):
@@ -77,24 +71,6 @@ def apply_overrides(params: dict[str, Any], overrides: dict[str, Any]) -> None:
                 child = node[part] = {}
             node = child
         node[last] = value
-
-
-def rollout_record(task_row: dict[str, Any], rollout: task_pb2.Rollout, placeholder_reward: float = 0.0) -> dict:
-    """The rollout row (without its key): the task row and what the rollout produced."""
-    row = rows.rollout_row(task_row, rollout)
-    if rollout.verification_skipped:
-        row["reward"] = placeholder_reward
-        row["verification_skipped"] = True
-    t = rollout.timings
-    row["stop_reason"] = STOP_REASONS.get(rollout.stop_reason, "unspecified")
-    row["model_calls"] = rollout.model_calls
-    row["timings"] = {
-        "model": t.model_seconds,
-        "tools": t.tools_seconds,
-        "verify": t.verify_seconds,
-        "total": t.total_seconds,
-    }
-    return row
 
 
 @dataclass(frozen=True)
@@ -145,7 +121,9 @@ def _event_row(event: Any) -> dict[str, Any]:
         if e.reward_components:
             row["reward_components"] = dict(e.reward_components)
     elif kind == "rollout":
-        row.update(reward=event.rollout.reward, stop_reason=STOP_REASONS.get(event.rollout.stop_reason, "unspecified"))
+        row.update(
+            reward=event.rollout.reward, stop_reason=rows.STOP_REASONS.get(event.rollout.stop_reason, "unspecified")
+        )
     return row
 
 
@@ -175,7 +153,7 @@ async def collect(registry: Registry, options: CollectOptions, *, log: TextIO = 
         return last
 
     async def produce(job: Job) -> dict[str, Any]:
-        return rollout_record(job.payload.row, await rollout(job), options.placeholder_reward)
+        return rows.rollout_record(job.payload.row, await rollout(job), options.placeholder_reward)
 
     batch = Batch(options.batch(count_rows(options.input, options.limit), options.num_repeats), log)
     try:

@@ -815,3 +815,28 @@ def rollout_row(row: JSON, rollout: task_pb2.Rollout) -> JSON:
     """The rollout row: the task row, then `response` and the verification."""
     scored = {**row, "response": response_to_json(rollout.response)}
     return with_verdict(scored, rollout.reward, json_field(rollout, "verifier_fields"), rollout.reward_components)
+
+
+STOP_REASONS = {
+    task_pb2.STOP_REASON_FINAL_MESSAGE: "final_message",
+    task_pb2.STOP_REASON_MAX_STEPS: "max_steps",
+    task_pb2.STOP_REASON_INCOMPLETE: "incomplete",
+}
+
+
+def rollout_record(task_row: dict[str, Any], rollout: task_pb2.Rollout, placeholder_reward: float = 0.0) -> dict:
+    """The rollout row (without its key): the task row and what the rollout produced."""
+    row = rollout_row(task_row, rollout)
+    if rollout.verification_skipped:
+        row["reward"] = placeholder_reward
+        row["verification_skipped"] = True
+    t = rollout.timings
+    row["stop_reason"] = STOP_REASONS.get(rollout.stop_reason, "unspecified")
+    row["model_calls"] = rollout.model_calls
+    row["timings"] = {
+        "model": t.model_seconds,
+        "tools": t.tools_seconds,
+        "verify": t.verify_seconds,
+        "total": t.total_seconds,
+    }
+    return row

@@ -109,6 +109,60 @@ class RunStreamRequest(_message.Message):
 Global___RunStreamRequest: _TypeAlias = RunStreamRequest  # noqa: Y015
 
 @_typing.final
+class RunJsonRequest(_message.Message):
+    """Request of AgentService.RunJson."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROW_JSON_FIELD_NUMBER: _builtins.int
+    SKIP_VERIFICATION_FIELD_NUMBER: _builtins.int
+    row_json: _builtins.str
+    """One task row as a JSON object in text:
+    {"responses_create_params": {"input": ...}, "expected_answer": ..., ...}.
+    """
+    skip_verification: _builtins.bool
+    """Do not verify; see RunRequest.skip_verification."""
+    def __init__(
+        self,
+        *,
+        row_json: _builtins.str = ...,
+        skip_verification: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["row_json", b"row_json", "skip_verification", b"skip_verification"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunJsonRequest: _TypeAlias = RunJsonRequest  # noqa: Y015
+
+@_typing.final
+class RunJsonResponse(_message.Message):
+    """Response of AgentService.RunJson."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLLOUT_JSON_FIELD_NUMBER: _builtins.int
+    rollout_json: _builtins.str
+    """The rollout row as a JSON object in text: the task row as given, then
+    "response", "reward", the verifier's fields, "stop_reason",
+    "model_calls" and "timings" (without the task_index/repeat_index keys
+    that collect adds).
+    """
+    def __init__(
+        self,
+        *,
+        rollout_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rollout_json", b"rollout_json"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunJsonResponse: _TypeAlias = RunJsonResponse  # noqa: Y015
+
+@_typing.final
 class RunStreamResponse(_message.Message):
     """One event of AgentService.RunStream."""
 

@@ -51,6 +51,11 @@ class AgentServiceStub:
                 request_serializer=gym_dot_v1_dot_agent__service__pb2.RunStreamRequest.SerializeToString,
                 response_deserializer=gym_dot_v1_dot_agent__service__pb2.RunStreamResponse.FromString,
                 _registered_method=True)
+        self.RunJson = channel.unary_unary(
+                '/gym.v1.AgentService/RunJson',
+                request_serializer=gym_dot_v1_dot_agent__service__pb2.RunJsonRequest.SerializeToString,
+                response_deserializer=gym_dot_v1_dot_agent__service__pb2.RunJsonResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer:
@@ -79,6 +84,18 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RunJson(self, request, context):
+        """Run one rollout of a task given as JSON and return the rollout row as
+        JSON: for a client with no conversion code (grpcurl, a shell script, a
+        language without these stubs). The row is a line of a tasks file (NeMo
+        Gym's format, the OpenAI Responses JSON); the answer is the line `gym-grpc
+        collect` would write for it, converted by the same code. INVALID_ARGUMENT
+        names the field of a row that is not a task row.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +108,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.RunStream,
                     request_deserializer=gym_dot_v1_dot_agent__service__pb2.RunStreamRequest.FromString,
                     response_serializer=gym_dot_v1_dot_agent__service__pb2.RunStreamResponse.SerializeToString,
+            ),
+            'RunJson': grpc.unary_unary_rpc_method_handler(
+                    servicer.RunJson,
+                    request_deserializer=gym_dot_v1_dot_agent__service__pb2.RunJsonRequest.FromString,
+                    response_serializer=gym_dot_v1_dot_agent__service__pb2.RunJsonResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -154,6 +176,33 @@ class AgentService:
             '/gym.v1.AgentService/RunStream',
             gym_dot_v1_dot_agent__service__pb2.RunStreamRequest.SerializeToString,
             gym_dot_v1_dot_agent__service__pb2.RunStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunJson(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gym.v1.AgentService/RunJson',
+            gym_dot_v1_dot_agent__service__pb2.RunJsonRequest.SerializeToString,
+            gym_dot_v1_dot_agent__service__pb2.RunJsonResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -47,6 +47,14 @@ class AgentServiceStub:
     (with its token ids), every tool call with its output, the verification,
     and last the rollout itself, exactly as Run would return it.
     """
+    RunJson: _grpc.UnaryUnaryMultiCallable[_agent_service_pb2.RunJsonRequest, _agent_service_pb2.RunJsonResponse]
+    """Run one rollout of a task given as JSON and return the rollout row as
+    JSON: for a client with no conversion code (grpcurl, a shell script, a
+    language without these stubs). The row is a line of a tasks file (NeMo
+    Gym's format, the OpenAI Responses JSON); the answer is the line `gym-grpc
+    collect` would write for it, converted by the same code. INVALID_ARGUMENT
+    names the field of a row that is not a task row.
+    """
 
 @_typing.type_check_only
 class AgentServiceAsyncStub(AgentServiceStub):
@@ -66,6 +74,14 @@ class AgentServiceAsyncStub(AgentServiceStub):
     """Run one rollout and report each step as it happens: every model output
     (with its token ids), every tool call with its output, the verification,
     and last the rollout itself, exactly as Run would return it.
+    """
+    RunJson: _aio.UnaryUnaryMultiCallable[_agent_service_pb2.RunJsonRequest, _agent_service_pb2.RunJsonResponse]  # type: ignore[assignment]
+    """Run one rollout of a task given as JSON and return the rollout row as
+    JSON: for a client with no conversion code (grpcurl, a shell script, a
+    language without these stubs). The row is a line of a tasks file (NeMo
+    Gym's format, the OpenAI Responses JSON); the answer is the line `gym-grpc
+    collect` would write for it, converted by the same code. INVALID_ARGUMENT
+    names the field of a row that is not a task row.
     """
 
 class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -95,6 +111,20 @@ class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
         """Run one rollout and report each step as it happens: every model output
         (with its token ids), every tool call with its output, the verification,
         and last the rollout itself, exactly as Run would return it.
+        """
+
+    @_abc_1.abstractmethod
+    def RunJson(
+        self,
+        request: _agent_service_pb2.RunJsonRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_agent_service_pb2.RunJsonResponse, _abc.Awaitable[_agent_service_pb2.RunJsonResponse]]:
+        """Run one rollout of a task given as JSON and return the rollout row as
+        JSON: for a client with no conversion code (grpcurl, a shell script, a
+        language without these stubs). The row is a line of a tasks file (NeMo
+        Gym's format, the OpenAI Responses JSON); the answer is the line `gym-grpc
+        collect` would write for it, converted by the same code. INVALID_ARGUMENT
+        names the field of a row that is not a task row.
         """
 
 def add_AgentServiceServicer_to_server(servicer: AgentServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
