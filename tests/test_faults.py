@@ -27,6 +27,11 @@ def test_a_server_killed_and_restarted_mid_collection_costs_at_most_its_calls_in
     """Calls that were running in the killed process fail; later ones wait for the
     restart (within their deadline) and succeed; a re-run completes the rest.
 
+    "Later" means after the client saw the connection close: a call started as
+    the first failures came back (a window slot freed) can still be written to
+    the closing socket and fail with it ("Delayed close due to in-progress
+    write"), so up to one more call per slot may fail, all UNAVAILABLE.
+
     The deadline is generous on purpose: on a loaded 2-core machine the restarted
     process takes more than 10 s to start, and a call whose deadline passes while
     it waits is lost for that reason, not because the server died under it."""
@@ -62,7 +67,8 @@ def test_a_server_killed_and_restarted_mid_collection_costs_at_most_its_calls_in
         failures = tmp_path / "out.failures.jsonl"
         failed = len(_rows(failures)) if failures.exists() else 0
         why = [f"{row['error']['class']}: {row['error']['message']}" for row in _rows(failures)] if failed else []
-        assert failed <= 8, why  # at most what was in flight (--max-in-flight 8)
+        assert failed <= 2 * 8, why  # what was in flight (--max-in-flight 8), and what was started as it closed
+        assert all(reason.startswith("Unavailable: ") for reason in why), why
         assert collector.returncode == (1 if failed else 0), report.read_text()
         assert len(_rows(out)) + failed == 120
         for _ in range(100):  # the runner starts it again on its port
