@@ -217,6 +217,7 @@ def _count(value: Any, path: str) -> int:
 # the key is not `required`: writing it back from the typed field would drop it.
 
 Spec = tuple[str, str, Any, bool]  # (JSON key, proto field, kind, required)
+_SCALARS: dict[str, Callable[[Any, str], Any]] = {"str": _str, "bool": _bool, "count": _count}
 
 
 def _f(key: str, kind: Any = "str", attr: str | None = None, required: bool = False) -> Spec:
@@ -236,18 +237,9 @@ def _read_into(message: ProtoMessage, obj: JSON, path: str, specs: list[Spec], e
             continue
         presence = fields[attr].has_presence if attr in fields else False
         tag = kind if isinstance(kind, str) else kind[0]
-        if tag == "str":
-            value = _str(value, where)
-            if value == "" and not (presence or required):
-                continue
-            setattr(message, attr, value)
-        elif tag == "bool":
-            if not _bool(value, where) and not (presence or required):
-                continue
-            setattr(message, attr, value)
-        elif tag == "count":
-            if _count(value, where) == 0 and not (presence or required):
-                continue
+        if tag in _SCALARS:
+            if not _SCALARS[tag](value, where) and not (presence or required):
+                continue  # "", false or 0, which the field would give back as absent
             setattr(message, attr, value)
         elif tag == "number":
             number = _number(value, where)
@@ -277,16 +269,12 @@ def _read_into(message: ProtoMessage, obj: JSON, path: str, specs: list[Spec], e
             if not values:
                 continue
             getattr(message, attr).extend(kind[1](v, f"{where}[{i}]", exact) for i, v in enumerate(values))
-        elif tag == "ids":
+        elif tag in ("ids", "floats"):
             values = _list(value, where)
             if not values:
                 continue
-            getattr(message, attr).extend(_count(v, f"{where}[{i}]") for i, v in enumerate(values))
-        elif tag == "floats":
-            values = _list(value, where)
-            if not values:
-                continue
-            getattr(message, attr).extend(_number(v, f"{where}[{i}]") for i, v in enumerate(values))
+            check = _count if tag == "ids" else _number
+            getattr(message, attr).extend(check(v, f"{where}[{i}]") for i, v in enumerate(values))
         taken.add(key)
     extra = {k: v for k, v in obj.items() if k not in taken}
     if extra:
@@ -349,51 +337,53 @@ _TOKEN_LOGPROB = [
     *_TOP_LOGPROB,
     _f("top_logprobs", ("list", _reader(r.TopLogprob, _TOP_LOGPROB), _writer(_TOP_LOGPROB))),
 ]
-_PART_SPECS: dict[str, tuple[str, list[Spec]]] = {
-    "input_text": ("input_text", [_f("text", required=True)]),
-    "output_text": (
-        "output_text",
-        [
-            _f("text", required=True),
-            _f("annotations", "json", "annotations_json"),
-            _f("logprobs", ("list", _reader(r.TokenLogprob, _TOKEN_LOGPROB), _writer(_TOKEN_LOGPROB))),
-        ],
-    ),
-    "refusal": ("refusal", [_f("refusal", required=True)]),
-    "input_image": ("input_image", [_f("image_url"), _f("file_id"), _f("detail")]),
-    "input_file": ("input_file", [_f("file_id"), _f("file_url"), _f("file_data"), _f("filename")]),
+_PART_SPECS: dict[str, list[Spec]] = {
+    "input_text": [_f("text", required=True)],
+    "output_text": [
+        _f("text", required=True),
+        _f("annotations", "json", "annotations_json"),
+        _f("logprobs", ("list", _reader(r.TokenLogprob, _TOKEN_LOGPROB), _writer(_TOKEN_LOGPROB))),
+    ],
+    "refusal": [_f("refusal", required=True)],
+    "input_image": [_f("image_url"), _f("file_id"), _f("detail")],
+    "input_file": [_f("file_id"), _f("file_url"), _f("file_data"), _f("filename")],
 }
 
 
-def _content_part(value: Any, path: str, exact: bool = True) -> r.ContentPart:
+def _read_union(container: Any, specs: dict[str, list[Spec]], value: Any, path: str, exact: bool) -> Any:
+    """A tagged union (a content part, a tool): the oneof member its "type" names (members are
+    named as the JSON types), or, for a type the schema does not model, the whole object as opaque."""
     obj = _obj(value, path)
     kind = obj.get("type")
-    part = r.ContentPart()
-    if kind not in _PART_SPECS:
-        part.opaque.type = kind if isinstance(kind, str) else ""
-        part.opaque.json = dumps(obj)
-        return part
-    attr, specs = _PART_SPECS[kind]
-    inner = getattr(part, attr)
-    _read_into(inner, obj, path, specs, exact, skip=("type",))
+    if kind not in specs:
+        container.opaque.type = kind if isinstance(kind, str) else ""
+        container.opaque.json = dumps(obj)
+        return container
+    inner = getattr(container, kind)
     inner.SetInParent()
-    return part
+    _read_into(inner, obj, path, specs[kind], exact, skip=("type",))
+    return container
+
+
+def _write_union(container: Any, oneof: str, specs: dict[str, list[Spec]]) -> JSON:
+    kind = container.WhichOneof(oneof)
+    if kind == "opaque":
+        return _loads(container.opaque.json, f"{oneof}.opaque.json")
+    if kind is None:
+        raise ValueError(f"{oneof} with nothing set")
+    return _write_from(getattr(container, kind), specs[kind], {"type": kind})
+
+
+def _content_part(value: Any, path: str, exact: bool = True) -> r.ContentPart:
+    return _read_union(r.ContentPart(), _PART_SPECS, value, path, exact)
 
 
 def _content_part_to_json(part: r.ContentPart) -> JSON:
-    kind = part.WhichOneof("part")
-    if kind == "opaque":
-        return _loads(part.opaque.json, "opaque.json")
-    if kind is None:
-        raise ValueError("content part with nothing set")
-    inner = getattr(part, kind)
-    specs = _PART_SPECS[kind][1]
-    if kind == "output_text":
-        out = _write_from(inner, specs, {"type": kind})
-        if not inner.annotations_json and inner.annotations:  # the deprecated Struct list
-            out["annotations"] = [struct_to_dict(a) for a in inner.annotations]
-        return out
-    return _write_from(inner, specs, {"type": kind})
+    out = _write_union(part, "part", _PART_SPECS)
+    text = part.output_text
+    if part.WhichOneof("part") == "output_text" and not text.annotations_json and text.annotations:
+        out["annotations"] = [struct_to_dict(a) for a in text.annotations]  # the deprecated Struct list
+    return out
 
 
 def _content_list(value: Any, path: str) -> r.ContentList:
@@ -563,35 +553,18 @@ _FUNCTION_TOOL = [
 ]
 _CUSTOM_TOOL = [_f("name", required=True), _f("description"), _f("format", "json", "format_json")]
 _MCP_TOOL = [_f("server_label", required=True), _f("server_url"), _f("server_description")]
-_TOOL_SPECS = {"function": ("function", _FUNCTION_TOOL), "custom": ("custom", _CUSTOM_TOOL), "mcp": ("mcp", _MCP_TOOL)}
+_TOOL_SPECS = {"function": _FUNCTION_TOOL, "custom": _CUSTOM_TOOL, "mcp": _MCP_TOOL}
 
 
 def _tool(value: Any, path: str, exact: bool = True) -> r.Tool:
-    obj = _obj(value, path)
-    kind = obj.get("type")
-    tool = r.Tool()
-    if kind not in _TOOL_SPECS:
-        tool.opaque.type = kind if isinstance(kind, str) else ""
-        tool.opaque.json = dumps(obj)
-        return tool
-    attr, specs = _TOOL_SPECS[kind]
-    inner = getattr(tool, attr)
-    inner.SetInParent()
-    _read_into(inner, obj, path, specs, exact, skip=("type",))
-    return tool
+    return _read_union(r.Tool(), _TOOL_SPECS, value, path, exact)
 
 
 def _tool_to_json(tool: r.Tool) -> JSON:
-    kind = tool.WhichOneof("tool")
-    if kind == "opaque":
-        return _loads(tool.opaque.json, "opaque.json")
-    if kind is None:
-        raise ValueError("tool with nothing set")
-    inner = getattr(tool, kind)
-    json_type = {"function": "function", "custom": "custom", "mcp": "mcp"}[kind]
-    out = _write_from(inner, _TOOL_SPECS[json_type][1], {"type": json_type})
-    if kind == "function" and not inner.parameters_json and inner.HasField("parameters"):  # deprecated Struct
-        out["parameters"] = struct_to_dict(inner.parameters)
+    out = _write_union(tool, "tool", _TOOL_SPECS)
+    fn = tool.function
+    if tool.WhichOneof("tool") == "function" and not fn.parameters_json and fn.HasField("parameters"):
+        out["parameters"] = struct_to_dict(fn.parameters)  # the deprecated Struct
     return out
 
 
