@@ -1,12 +1,13 @@
 """JSON from outside (task and rollout rows, tool arguments, a model's text), with bounded nesting.
 
-Deep nesting breaks two things. Python's json raises RecursionError, which is
-not a ValueError, somewhere near 1,000 levels. And protobuf parsers (upb, C++,
-Java) refuse a message nested more than 100 levels deep. Each level of a JSON
-object inside a `google.protobuf.Struct` costs three of those (Struct, map entry,
-Value). A task row's fields become `Task.data`, two levels below the request
-that carries it, so a row nested 34 levels deep cannot reach a server.
-`loads` refuses text nested deeper than MAX_DEPTH before the parser recurses.
+Deep nesting breaks every recursive reader on the way: Python's json raises
+RecursionError, which is not a ValueError, somewhere near 1,000 levels, and
+verifiers and other languages' parsers have their own limits. gym.v1 carries
+free-form JSON as text (`Task.data_json`), so protobuf's own limit of 100
+nested messages no longer applies to it; but a peer built before the `*_json`
+fields puts a row's fields in a `google.protobuf.Struct`, where each JSON level
+costs three of those, and 32 levels is what that peer can carry. `loads`
+refuses text nested deeper than MAX_DEPTH before the parser recurses.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import re
 from typing import Any
 
 #: How deep JSON may nest (the outermost object or list is level 1). Every gym.v1
-#: message can carry a row this deep.
+#: peer, old or new, can carry a row this deep.
 MAX_DEPTH = 32
 
 _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)

@@ -50,7 +50,7 @@ def parse_line(raw: bytes) -> Any:
     except json.JSONDecodeError as e:
         raise ValueError(f"not JSON: {e}") from None
     except json_input.TooDeep as e:
-        raise ValueError(f"{e}, the most every gym.v1 message can carry") from None
+        raise ValueError(f"{e}, the most every gym.v1 peer can carry") from None
 
 
 class Appender:
