@@ -577,6 +577,20 @@ def tool_parameters(tool: r.FunctionTool) -> JSON | None:
     return None
 
 
+def format_schema(fmt: r.TextFormat) -> JSON | None:
+    """A text format's JSON schema as a dict (key order kept), None when it has none."""
+    if fmt.schema_json:
+        return _loads(fmt.schema_json, "schema_json")
+    return struct_to_dict(fmt.schema) if fmt.HasField("schema") else None
+
+
+def params_extra(params: r.CreateParams) -> JSON:
+    """The create parameters CreateParams does not model (`seed`, `store`, ...), nulls included."""
+    if params.extra_json:
+        return _loads(params.extra_json, "extra_json")
+    return struct_to_dict(params.extra)
+
+
 def _tool_choice(value: Any, path: str, exact: bool = True) -> r.ToolChoice:
     if isinstance(value, str):
         if value in TOOL_CHOICE_MODES:

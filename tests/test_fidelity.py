@@ -359,3 +359,24 @@ def test_a_response_built_here_is_valid_for_the_openai_sdk_and_invents_nothing_o
     assert parsed.temperature == 0.5 and parsed.tools[0].name == "f" and parsed.object == "response"
     assert difference(dumped, rows.response_to_json(rows.response_from_json(dumped))) is None
     assert r.Response.FromString(response.SerializeToString()) == response
+
+
+def test_a_peer_that_still_sends_the_deprecated_structs_is_read():
+    """A peer built before the *_json fields sends Structs: they are read when the text is empty."""
+    from google.protobuf import struct_pb2
+
+    from gym_grpc.v1 import task_pb2
+
+    data = struct_pb2.Struct()
+    data.update({"expected_answer": "4", "n": 3})
+    task = task_pb2.Task(responses_create_params=rows.params_from_json({"input": "hi"}), data=data)
+    assert rows.task_data(task) == {"expected_answer": "4", "n": 3}
+    tool = r.FunctionTool(name="f")
+    tool.parameters.update({"type": "object"})
+    assert rows.tool_parameters(tool) == {"type": "object"}
+    assert rows.params_to_json(r.CreateParams(input_text="hi", tools=[r.Tool(function=tool)]))["tools"] == [
+        {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    ]
+    result = task_pb2.VerificationResult(reward=1.0)
+    result.fields.update({"correct": True})
+    assert rows.json_field(result, "fields") == {"correct": True}

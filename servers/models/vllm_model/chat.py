@@ -14,11 +14,10 @@ then the message, then one function_call per tool call. finish_reason
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from gym_grpc.responses import assistant_message, input_items, item_body, message_text, new_id, new_response, turns
-from gym_grpc.rows import TOOL_CHOICE_MODE_NAMES, struct_to_dict, tool_parameters
+from gym_grpc.rows import TOOL_CHOICE_MODE_NAMES, format_schema, params_extra, tool_parameters
 from gym_grpc.v1 import responses_pb2 as r
 
 JSON = dict[str, Any]
@@ -114,7 +113,7 @@ def to_request(params: r.CreateParams, model: str, tags: tuple[str, str]) -> JSO
         body["reasoning_effort"] = params.reasoning.effort
     fmt = params.text.format
     if fmt.type == r.TEXT_FORMAT_TYPE_JSON_SCHEMA:
-        schema: JSON = {"name": fmt.name or "response", "schema": _schema(fmt)}
+        schema: JSON = {"name": fmt.name or "response", "schema": format_schema(fmt) or {}}
         if fmt.HasField("strict"):
             schema["strict"] = fmt.strict
         body["response_format"] = {"type": "json_schema", "json_schema": schema}
@@ -122,12 +121,6 @@ def to_request(params: r.CreateParams, model: str, tags: tuple[str, str]) -> JSO
         body["response_format"] = {"type": "json_object"}
     body.update(_other_options(params))
     return body
-
-
-def _schema(fmt: r.TextFormat) -> JSON:
-    if fmt.schema_json:
-        return json.loads(fmt.schema_json)
-    return struct_to_dict(fmt.schema)  # a peer that still sends the deprecated Struct
 
 
 #: Responses parameters that mean nothing to a Chat Completions engine (or would break the exchange).
@@ -138,8 +131,7 @@ _RESPONSES_ONLY = frozenset(
 
 def _other_options(params: r.CreateParams) -> JSON:
     """The request's parameters that CreateParams does not model, for the engine: null means unset."""
-    extra = json.loads(params.extra_json) if params.extra_json else struct_to_dict(params.extra)
-    return {k: v for k, v in extra.items() if v is not None and k not in _RESPONSES_ONLY}
+    return {k: v for k, v in params_extra(params).items() if v is not None and k not in _RESPONSES_ONLY}
 
 
 def split_reasoning(content: str, tags: tuple[str, str]) -> tuple[str, str]:
