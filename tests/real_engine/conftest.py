@@ -1,0 +1,23 @@
+"""The local CPU vLLM for the real_engine tests: prepared (cached), started once per session, stopped after.
+
+Run them with `pytest --real-engine tests/real_engine`. The first run builds
+the engine's virtualenv and model under GYM_GRPC_ENGINE_CACHE (about 2
+minutes and 3.5 GB); later runs reuse them. Any failure to prepare or start is
+an error of every test that needs the engine, never a skip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from gym_grpc import local_vllm
+
+
+@pytest.fixture(scope="session")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[local_vllm.Engine]:
+    prepared = local_vllm.prepare()
+    log_path = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    with local_vllm.running(prepared, log_path=log_path) as running:
+        yield running

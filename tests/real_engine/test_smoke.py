@@ -1,0 +1,132 @@
+"""The local CPU vLLM answers what the model servers ask of it: token ids, log-probs, parsed tool calls.
+
+These check the engine and its setup (gym_grpc.local_vllm, the chat
+template), not gym-grpc's servers: if they fail, every real-engine test of
+the servers would fail for a reason that is not theirs.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+
+from gym_grpc import local_vllm
+
+pytestmark = pytest.mark.real_engine
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "the city's name"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            return json.loads(reply.read())
+    except urllib.error.HTTPError as e:
+        raise AssertionError(f"POST {url} -> {e.code}: {e.read().decode(errors='replace')[:2000]}") from None
+
+
+def _chat(engine: local_vllm.Engine, **body: Any) -> dict[str, Any]:
+    return _post(
+        f"{engine.base_url}/chat/completions",
+        {
+            "model": engine.model,
+            "temperature": 1.0,
+            "logprobs": True,
+            "return_tokens_as_token_ids": True,
+            "return_token_ids": True,
+            **body,
+        },
+    )
+
+
+def _detokenize(engine: local_vllm.Engine, ids: list[int]) -> str:
+    root = engine.base_url.removesuffix("/v1")  # vLLM serves /tokenize and /detokenize outside /v1
+    return _post(f"{root}/detokenize", {"model": engine.model, "tokens": ids})["prompt"]
+
+
+def _check_ids_and_logprobs(reply: dict[str, Any]) -> tuple[list[int], list[int]]:
+    """Prompt and generated ids are there and agree with usage and with the log-probs; returns both."""
+    choice = reply["choices"][0]
+    prompt_ids, generated_ids = reply["prompt_token_ids"], choice["token_ids"]
+    assert prompt_ids and all(isinstance(i, int) for i in prompt_ids)
+    assert generated_ids and all(isinstance(i, int) for i in generated_ids)
+    assert reply["usage"]["prompt_tokens"] == len(prompt_ids)
+    assert reply["usage"]["completion_tokens"] == len(generated_ids)
+    logprobs = choice["logprobs"]["content"]
+    # One log-prob per generated token, naming that very token (return_tokens_as_token_ids).
+    assert [entry["token"] for entry in logprobs] == [f"token_id:{i}" for i in generated_ids]
+    assert all(entry["logprob"] <= 0.0 for entry in logprobs)
+    return prompt_ids, generated_ids
+
+
+def test_chat_completion_returns_prompt_and_generated_ids_with_logprobs(engine: local_vllm.Engine) -> None:
+    reply = _chat(engine, messages=[{"role": "user", "content": "What is 2 + 3? Answer briefly."}], max_tokens=24)
+    prompt_ids, generated_ids = _check_ids_and_logprobs(reply)
+    prompt = _detokenize(engine, prompt_ids)
+    assert prompt.endswith("<|im_start|>user\nWhat is 2 + 3? Answer briefly.<|im_end|>\n<|im_start|>assistant\n")
+    text = reply["choices"][0]["message"]["content"]
+    assert _detokenize(engine, generated_ids).removesuffix("<|im_end|>") == text
+
+
+def test_tools_are_rendered_and_a_required_tool_call_is_parsed(engine: local_vllm.Engine) -> None:
+    reply = _chat(
+        engine,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+        max_tokens=64,
+    )
+    prompt_ids, _ = _check_ids_and_logprobs(reply)
+    prompt = _detokenize(engine, prompt_ids)
+    # Our template's tool block, with the schema's keys sorted.
+    assert "<tools>\n" + json.dumps(WEATHER_TOOL, sort_keys=True) + "\n</tools>" in prompt
+    (call,) = reply["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert isinstance(json.loads(call["function"]["arguments"]), dict)
+
+
+def test_an_earlier_tool_call_and_its_result_render_as_hermes_turns(engine: local_vllm.Engine) -> None:
+    reply = _chat(
+        engine,
+        messages=[
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+        ],
+        tools=[WEATHER_TOOL],
+        max_tokens=16,
+    )
+    prompt_ids, _ = _check_ids_and_logprobs(reply)
+    assert _detokenize(engine, prompt_ids).endswith(
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\nsunny, 21 C\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
