@@ -12,7 +12,7 @@ It lives in the package, not in dev/, because `gym-grpc engine start` is meant
 to run it from an installed gym-grpc, which has no dev/ directory.
 """
 
-from gym_grpc.local_vllm.prepare import Prepared, PrepareError, cache_dir, prepare
+from gym_grpc.local_vllm.installation import Prepared, PrepareError, cache_dir, prepare
 from gym_grpc.local_vllm.process import Engine, EngineStartError, running, start, stop
 
 __all__ = [

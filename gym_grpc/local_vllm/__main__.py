@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from gym_grpc.local_vllm.prepare import PrepareError, cache_dir, prepare
+from gym_grpc.local_vllm.installation import PrepareError, cache_dir, prepare
 from gym_grpc.local_vllm.process import EngineStartError, start, stop
 
 
@@ -59,8 +59,11 @@ def main(argv: list[str] | None = None) -> int:
             if pid is None:
                 try:
                     pid = json.loads(_record().read_text())["pid"]
+                except FileNotFoundError:
+                    print(f"no engine recorded in {_record()}: nothing to stop", file=sys.stderr)
+                    return 0
                 except (OSError, ValueError, KeyError) as e:
-                    print(f"no running engine recorded in {_record()} ({e}); give --pid", file=sys.stderr)
+                    print(f"cannot read {_record()} ({e}); give --pid", file=sys.stderr)
                     return 1
             if not _is_vllm(pid):
                 print(f"process {pid} is not a running vLLM: nothing to stop", file=sys.stderr)

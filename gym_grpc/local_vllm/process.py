@@ -25,7 +25,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from gym_grpc.local_vllm.prepare import Prepared, cache_dir, prepare
+from gym_grpc.local_vllm.installation import Prepared, cache_dir, prepare
 
 CHAT_TEMPLATE = Path(__file__).with_name("hermes_tools.jinja")
 # Without these vLLM reaches for the Hub, and reserves 4 GiB for its KV cache on CPU.
@@ -185,9 +185,11 @@ def _reap(pid: int) -> None:
 
 
 @contextlib.contextmanager
-def running(prepared: Prepared | None = None, **start_args: object) -> Iterator[Engine]:
+def running(
+    prepared: Prepared | None = None, *, log_path: Path | None = None, ready_timeout: float = 600.0
+) -> Iterator[Engine]:
     """A vLLM for the duration of a block (a test session): started, then stopped whatever happens."""
-    engine = start(prepared, **start_args)  # type: ignore[arg-type]
+    engine = start(prepared, log_path=log_path, ready_timeout=ready_timeout)
     try:
         yield engine
     finally:

