@@ -58,3 +58,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if real:
         config.hook.pytest_deselected(items=real)
         items[:] = [item for item in items if not item.get_closest_marker("real_engine")]
+
+
+_skipped_real_engine_tests: list[str] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.skipped and "real_engine" in report.keywords:
+        _skipped_real_engine_tests.append(report.nodeid)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """With --real-engine a skipped real_engine test fails the run: CI asked for the engine, so it must be tested."""
+    if session.config.getoption("--real-engine") and _skipped_real_engine_tests:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(
+                f"--real-engine: {len(_skipped_real_engine_tests)} real_engine test(s) skipped, which fails the run: "
+                + ", ".join(_skipped_real_engine_tests),
+                red=True,
+            )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
