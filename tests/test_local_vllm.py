@@ -87,6 +87,8 @@ def test_a_port_taken_before_vllm_binds_it_makes_another_attempt(fake: Any, tmp_
     with running(prepared, log_path=tmp_path / "vllm.log", ready_timeout=30) as engine:
         with urllib.request.urlopen(f"{engine.base_url}/models", timeout=5) as reply:
             assert reply.status == 200
+    log = (tmp_path / "vllm.log").read_text()
+    assert "attempt 1" in log and "Address already in use" in log and "attempt 2" in log  # both attempts kept
 
 
 def test_stop_kills_an_engine_that_ignores_sigterm(fake: Any, tmp_path: Path) -> None:

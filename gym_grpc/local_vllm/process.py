@@ -117,7 +117,9 @@ def start(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     for attempt in range(1, port_attempts + 1):
         port = _free_port()
-        with open(log_path, "w") as log:
+        with open(log_path, "w" if attempt == 1 else "a") as log:  # a retry keeps the failed attempt's log
+            log.write(f"--- gym_grpc.local_vllm: attempt {attempt}, port {port}\n")
+            log.flush()
             process = subprocess.Popen(
                 _command(prepared, port, max_model_len),
                 stdin=subprocess.DEVNULL,
