@@ -32,6 +32,15 @@ def _is_vllm(pid: int) -> bool:
         return False
 
 
+def _recorded_engine() -> dict | None:
+    """The engine `start` recorded, if its process is still a running vLLM."""
+    try:
+        recorded = json.loads(_record().read_text())
+    except (OSError, ValueError):
+        return None
+    return recorded if isinstance(recorded.get("pid"), int) and _is_vllm(recorded["pid"]) else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gym_grpc.local_vllm", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -48,6 +57,13 @@ def main(argv: list[str] | None = None) -> int:
             prepared = prepare()
             print(f"prepared in {time.monotonic() - began:.1f} s: {prepared.python}, {prepared.model_dir}")
         elif args.command == "start":
+            running = _recorded_engine()
+            if running is not None:
+                print(
+                    f"a vLLM is already running at {running['base_url']} (pid {running['pid']}): stop it first",
+                    file=sys.stderr,
+                )
+                return 1
             began = time.monotonic()
             engine = start(ready_timeout=args.ready_timeout, max_model_len=args.max_model_len)
             _record().parent.mkdir(parents=True, exist_ok=True)

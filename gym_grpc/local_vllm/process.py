@@ -77,6 +77,12 @@ def _answers(url: str) -> bool:
         return False
 
 
+def _prune(logs: Path, keep: int) -> None:
+    """Delete all but the newest `keep` logs of earlier starts (the names sort by time)."""
+    for old in sorted(logs.glob("vllm-*.log"))[:-keep]:
+        old.unlink(missing_ok=True)
+
+
 def _command(prepared: Prepared, port: int, max_model_len: int) -> list[str]:
     return [
         str(prepared.python),
@@ -113,7 +119,10 @@ def start(
 ) -> Engine:
     """Start vLLM and return once GET /v1/models answers; raise EngineStartError if it dies or times out."""
     prepared = prepared or prepare()
-    log_path = log_path or cache_dir() / "logs" / f"vllm-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    if log_path is None:
+        logs = cache_dir() / "logs"
+        _prune(logs, keep=9)
+        log_path = logs / f"vllm-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     for attempt in range(1, port_attempts + 1):
         port = _free_port()
