@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from gym_grpc.local_vllm import EngineStartError, Prepared, PrepareError, installation, prepare, running, start, stop
+from gym_grpc.local_vllm import process as local_vllm_process
 
 FAKE_VLLM = Path(__file__).parent / "programs" / "fake_vllm.py"
 
@@ -130,3 +131,19 @@ def test_a_failed_step_is_named_with_the_end_of_its_output() -> None:
     with pytest.raises(PrepareError, match=r"(?s)installing the thing failed \(exit status 4\):.*no such version"):
         failing = [sys.executable, "-c", "print('no such version'); raise SystemExit(4)"]
         installation._run("installing the thing", failing)
+
+
+def test_an_interrupted_start_leaves_no_engine_running(
+    fake: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prepared, pids = fake("hang")
+
+    def interrupted(url: str) -> bool:
+        if _started(pids):  # once the fake is up, as if Ctrl-C came during the wait
+            raise KeyboardInterrupt
+        return False
+
+    monkeypatch.setattr(local_vllm_process, "_answers", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        start(prepared, log_path=tmp_path / "vllm.log", ready_timeout=30)
+    assert _started(pids) and not any(_alive(pid) for pid in _started(pids))

@@ -139,13 +139,17 @@ def start(
             )
         engine = Engine(f"http://127.0.0.1:{port}/v1", process.pid, log_path, prepared.model_name)
         deadline = time.monotonic() + ready_timeout
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                break
-            if _answers(f"{engine.base_url}/models"):
-                return engine
-            time.sleep(0.5)
-        else:
+        try:
+            while time.monotonic() < deadline:
+                if process.poll() is not None:
+                    break
+                if _answers(f"{engine.base_url}/models"):
+                    return engine
+                time.sleep(0.5)
+        except BaseException:  # Ctrl-C while waiting: leave no 3 GB engine behind
+            stop(process.pid)
+            raise
+        if process.poll() is None:
             stop(process.pid)
             raise EngineStartError(
                 f"vLLM (pid {process.pid}) did not answer {engine.base_url}/models within {ready_timeout:.0f} s; "
