@@ -47,11 +47,12 @@ class RolloutEvents:
             self._put(agent_pb.RunStreamResponse(tool_call=event))
 
     def verification(
-        self, reward: float, fields: Mapping[str, Any], seconds: float, components: Mapping[str, float] | None = None
+        self, reward: float, fields_json: str, seconds: float, components: Mapping[str, float] | None = None
     ) -> None:
         if self._queue is not None:
-            event = agent_pb.VerificationEvent(reward=reward, seconds=seconds, reward_components=components or {})
-            rows.set_json_field(event, "fields", fields)
+            event = agent_pb.VerificationEvent(
+                reward=reward, fields_json=fields_json, seconds=seconds, reward_components=components or {}
+            )
             self._put(agent_pb.RunStreamResponse(verification=event))
 
 

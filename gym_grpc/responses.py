@@ -7,7 +7,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from gym_grpc.rows import dumps
+from gym_grpc.rows import ECHOED_KEYS, dumps
 from gym_grpc.v1 import responses_pb2 as r
 
 
@@ -16,19 +16,9 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-#: The request parameters a Responses object echoes, as CreateParams and Response both name them.
-ECHOED_PARAMS = (
-    "instructions",
-    "tools",
-    "tool_choice",
-    "temperature",
-    "top_p",
-    "max_output_tokens",
-    "parallel_tool_calls",
-    "metadata",
-    "reasoning",
-    "text",
-)
+#: The keys a Response has that a model server's request may leave out, as extra_json.
+_ENVELOPE = dumps({"object": "response"})
+_ENVELOPE_WITHOUT_TOOLS = dumps({"object": "response", "tools": []})
 
 
 def new_response(params: r.CreateParams, model: str) -> r.Response:
@@ -39,7 +29,7 @@ def new_response(params: r.CreateParams, model: str) -> r.Response:
     response = r.Response(id=new_id("resp"), created_at=time.time(), model=model)
     response.usage.input_tokens_details.SetInParent()  # the API always has both details
     response.usage.output_tokens_details.SetInParent()
-    for name in ECHOED_PARAMS:
+    for name in ECHOED_KEYS:
         field = getattr(params, name)
         if name in ("tools", "metadata"):
             getattr(response, name).MergeFrom(field)
@@ -52,10 +42,7 @@ def new_response(params: r.CreateParams, model: str) -> r.Response:
         response.tool_choice.mode = r.TOOL_CHOICE_MODE_AUTO
     if not response.HasField("parallel_tool_calls"):
         response.parallel_tool_calls = True
-    envelope: dict[str, Any] = {"object": "response"}
-    if not response.tools:
-        envelope["tools"] = []
-    response.extra_json = dumps(envelope)
+    response.extra_json = _ENVELOPE if response.tools else _ENVELOPE_WITHOUT_TOOLS
     return response
 
 

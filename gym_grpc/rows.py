@@ -98,6 +98,15 @@ def json_field(message: ProtoMessage, name: str) -> JSON:
     return struct_to_dict(getattr(message, name))
 
 
+def json_text(message: ProtoMessage, name: str) -> str:
+    """`message.<name>_json` as it is, or the deprecated Struct `message.<name>` as JSON text
+    when the text is empty: for passing a JSON field on without parsing it."""
+    text = getattr(message, f"{name}_json")
+    if text or not getattr(message, name).fields:
+        return text
+    return dumps(struct_to_dict(getattr(message, name)))
+
+
 def set_json_field(message: ProtoMessage, name: str, value: Mapping[str, Any]) -> None:
     """Set `message.<name>_json` to the JSON object `value` (see json_field); TypeError/ValueError if it is not JSON."""
     setattr(message, f"{name}_json", dumps(dict(value)) if value else "")
@@ -155,6 +164,17 @@ RESPONSE_STATUS_NAMES = _names(RESPONSE_STATUSES)
 INCOMPLETE_REASON_NAMES = _names(INCOMPLETE_REASONS)
 TOOL_CHOICE_MODE_NAMES = _names(TOOL_CHOICE_MODES)
 TEXT_FORMAT_TYPE_NAMES = _names(TEXT_FORMAT_TYPES)
+#: Each table's names by value, for the writer (built once, not per value written).
+_NAMES_OF = {
+    id(table): names
+    for table, names in (
+        (ROLES, ROLE_NAMES),
+        (ITEM_STATUSES, ITEM_STATUS_NAMES),
+        (RESPONSE_STATUSES, RESPONSE_STATUS_NAMES),
+        (INCOMPLETE_REASONS, INCOMPLETE_REASON_NAMES),
+        (TEXT_FORMAT_TYPES, TEXT_FORMAT_TYPE_NAMES),
+    )
+}
 
 
 # --- checked access to JSON values -----------------------------------------
@@ -299,7 +319,7 @@ def _write_from(message: ProtoMessage, specs: list[Spec], out: JSON) -> JSON:
         if tag == "json":
             out[key] = _loads(value, attr)
         elif tag == "enum":
-            names = _names(kind[1])
+            names = _NAMES_OF[id(kind[1])]
             if value in names:
                 out[key] = names[value]
         elif tag == "msg":
@@ -644,7 +664,7 @@ def _metadata(value: Any, path: str) -> dict[str, str]:
     return {k: _str(v, f"{path}.{k}") for k, v in obj.items()}
 
 
-# The request parameters that a CreateParams holds and a Response echoes.
+# The request parameters that a CreateParams holds and a Response echoes (and `metadata`).
 _ECHOED = [
     _f("instructions"),
     _f("tools", ("list", _tool, _tool_to_json)),
@@ -656,6 +676,7 @@ _ECHOED = [
     _f("reasoning", ("msg", _reader(r.ReasoningConfig, _REASONING_CONFIG), _writer(_REASONING_CONFIG))),
     _f("text", ("msg", _reader(r.TextConfig, _TEXT_CONFIG), _writer(_TEXT_CONFIG))),
 ]
+ECHOED_KEYS = (*(spec[0] for spec in _ECHOED), "metadata")
 
 
 _PARAMS = [*_ECHOED, _f("model")]

@@ -145,9 +145,9 @@ class SimpleAgent(AgentServer):
         began = time.monotonic()
         verdict = await self.resources.verify(session_id, task, final)
         timings.verify_seconds = time.monotonic() - began
-        fields = rows.json_field(verdict, "fields")
-        events.verification(verdict.reward, fields, timings.verify_seconds, verdict.reward_components)
+        fields_json = rows.json_text(verdict, "fields")  # passed on as text, never parsed here
+        events.verification(verdict.reward, fields_json, timings.verify_seconds, verdict.reward_components)
         rollout.reward = verdict.reward
-        rows.set_json_field(rollout, "verifier_fields", fields)
+        rollout.verifier_fields_json = fields_json
         rollout.reward_components.update(verdict.reward_components)
         return rollout
