@@ -86,7 +86,10 @@ def _write_config(directory: Path, model_latency: float, engine_url: str | None 
         engine = {"base_url": engine_url, "model": "instant", "max_connections": 0}
         config["servers"]["http_policy_model"] = {
             "entrypoint": f"{REPO}/servers/models/vllm_model/server.py:VLLMModel",
-            "config": {**engine, "return_token_ids": True},
+            # The Chat Completions path, as NeMo Gym's vLLM model server uses it and as the results
+            # so far measured it; instant_engine.py serves no /v1/completions. The token path on a
+            # real engine is measured by bench/real_engine.py.
+            "config": {**engine, "return_token_ids": True, "token_in_token_out": False},
         }
         config["servers"]["http_weather_agent"] = {
             "entrypoint": agent,

@@ -1,6 +1,7 @@
 """Live counters of a server: calls by method and status, in flight, latency
 percentiles over recent calls, the time agents' rollouts spend per stage, and
-the retries of requests to engines by failure class.
+the retries of requests to engines by failure class, and histories that did
+not extend their token ids, by cause.
 
 Recording a call costs two clock reads and a few dict and array updates;
 percentiles are computed only when someone asks (AdminService.GetCounters).
@@ -56,6 +57,7 @@ class Counters:
         self.methods: dict[str, _Method] = {}
         self.stages = {stage: _Recent() for stage in ("model", "tools", "verify")}
         self.retries: Counter[str] = Counter()
+        self.histories: Counter[str] = Counter()
 
     def begin(self, method: str) -> float:
         """A call started; returns the time to pass to end()."""
@@ -84,11 +86,18 @@ class Counters:
         """A request to an engine is retried after a failure of class `kind` (see gym_grpc.retries)."""
         self.retries[kind] += 1
 
+    def history(self, cause: str) -> None:
+        """A conversation did not extend the token ids of its earlier turns, for `cause`
+        (see servers/models/vllm_model/token_prompts.py)."""
+        self.histories[cause] += 1
+
     def uptime(self) -> float:
         return time.monotonic() - self.started
 
     def to_proto(self) -> admin_pb.GetCountersResponse:
-        reply = admin_pb.GetCountersResponse(uptime_seconds=self.uptime(), retries=dict(self.retries))
+        reply = admin_pb.GetCountersResponse(
+            uptime_seconds=self.uptime(), retries=dict(self.retries), non_monotonic_histories=dict(self.histories)
+        )
         for name, counters in sorted(self.methods.items()):
             ordered = counters.latency.sorted()
             reply.methods.add(

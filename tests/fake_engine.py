@@ -3,12 +3,18 @@
 It speaks the wire format of vLLM's `/v1/chat/completions` (with its token
 fields: `logprobs` + `return_tokens_as_token_ids` give "token_id:N" tokens,
 `return_token_ids` gives `prompt_token_ids` and `choices[].token_ids`,
-`required_prefix_token_ids` as NeMo RL's vLLM accepts it), `/tokenize`, and
+`required_prefix_token_ids` as NeMo RL's vLLM accepts it), `/v1/completions`
+with a prompt of token ids (as vLLM: generated text, `token_ids`,
+`logprobs.tokens`/`token_logprobs`, `prompt_token_ids`), `/tokenize`, and
 OpenAI's `/v1/responses`. Its "model" is a script of turns; its tokenizer is
 byte-level with a ChatML template, so prompt ids are real functions of the
-messages. Faults on demand: HTTP errors for the first N requests (with a
-Retry-After header if asked), hanging, a context limit; and a late start, on
-a socket bound before (connections to it are refused until then).
+messages. Like a real model it writes tool calls in its own text format
+(hermes: `<tool_call>\n{...}\n</tool_call>`, arguments as generated), which
+its template re-renders differently; `sampled_splits` makes it sample "th" as
+one token (258) that its tokenizer never produces, as real samplers do.
+Faults on demand: HTTP errors for the first N requests (with a Retry-After
+header if asked), hanging, a context limit; and a late start, on a socket
+bound before (connections to it are refused until then).
 """
 
 from __future__ import annotations
@@ -23,11 +29,27 @@ from typing import Any
 
 from aiohttp import web
 
-IM_START, IM_END = 256, 257
+IM_START, IM_END, TH = 256, 257, 258
 
 
 def encode(text: str) -> list[int]:
     return list(text.encode("utf-8"))
+
+
+def encode_sampled(text: str) -> list[int]:
+    """Ids as a sampler may pick them: "th" as the one token TH, which encode() never makes."""
+    ids: list[int] = []
+    for index, piece in enumerate(text.split("th")):
+        ids += ([TH] if index else []) + encode(piece)
+    return ids
+
+
+def decode(ids: list[int]) -> str:
+    return b"".join(b"th" if i == TH else bytes([i]) for i in ids if i < 256 or i == TH).decode("utf-8", "replace")
+
+
+def hermes_call(name: str, arguments: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
 
 
 @dataclass
@@ -47,10 +69,12 @@ class FakeEngine:
         *,
         strip_history_reasoning: bool = False,
         max_model_len: int = 1_000_000,
+        sampled_splits: bool = False,
     ) -> None:
         self.turns = turns or [Turn(content="ok")]
         self.strip_history_reasoning = strip_history_reasoning
         self.max_model_len = max_model_len
+        self.sampled_splits = sampled_splits
         self.requests: list[dict] = []
         self.headers: list[dict] = []
         self.fail_next: list[int] = []  # statuses to answer the next requests with
@@ -66,6 +90,7 @@ class FakeEngine:
         """Serve on 127.0.0.1, on a free port or on `sock` (bound, not yet listening); the base URL."""
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/responses", self._responses)
         app.router.add_post("/tokenize", self._tokenize)
         self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
@@ -137,14 +162,9 @@ class FakeEngine:
         if prefix:
             prompt = list(prefix) + prompt[len(prefix) :]
         limit = body.get("max_tokens")
-        if len(prompt) + (limit or 0) > self.max_model_len:
-            message = (
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{len(prompt) + (limit or 0)} tokens. Please reduce the length of the messages or completion."
-            )
-            return web.json_response(
-                {"object": "error", "message": message, "type": "BadRequestError", "code": 400}, status=400
-            )
+        too_long = self._too_long(prompt, limit)
+        if too_long is not None:
+            return too_long
         turn = self._next_turn(body)
         calls = [
             {"id": f"chatcmpl-tool-{uuid.uuid4().hex[:8]}", "type": "function", "function": {"name": n, "arguments": a}}
@@ -154,7 +174,7 @@ class FakeEngine:
             f'<tool_call>{{"name": "{c["function"]["name"]}", "arguments": {c["function"]["arguments"]}}}</tool_call>'
             for c in calls
         )
-        generated = encode(text) + [IM_END]
+        generated = (encode_sampled(text) if self.sampled_splits else encode(text)) + [IM_END]
         finish = "tool_calls" if calls else "stop"
         content = turn.content
         if limit is not None and len(generated) > limit:
@@ -193,6 +213,63 @@ class FakeEngine:
             answer["prompt_token_ids"] = prompt
             choice["token_ids"] = generated
         return web.json_response(answer)
+
+    def _too_long(self, prompt: list[int], limit: int | None) -> web.Response | None:
+        if len(prompt) + (limit or 0) <= self.max_model_len:
+            return None
+        message = (
+            f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+            f"{len(prompt) + (limit or 0)} tokens. Please reduce the length of the messages or completion."
+        )
+        return web.json_response(
+            {"object": "error", "message": message, "type": "BadRequestError", "code": 400}, status=400
+        )
+
+    async def _completions(self, request: web.Request) -> web.Response:
+        """vLLM's /v1/completions for a prompt of token ids, with its token fields."""
+        body, failed = await self._gate(request)
+        if failed is not None:
+            return failed
+        prompt = body["prompt"]
+        limit = body.get("max_tokens")
+        too_long = self._too_long(prompt, limit)
+        if too_long is not None:
+            return too_long
+        turn = self._next_turn(body)
+        text = turn.content + "".join(hermes_call(name, arguments) for name, arguments in turn.tool_calls)
+        generated = (encode_sampled(text) if self.sampled_splits else encode(text)) + [IM_END]
+        finish = "stop"
+        if limit is not None and len(generated) > limit:
+            generated, finish = generated[:limit], "length"
+        choice: dict[str, Any] = {"index": 0, "text": decode(generated), "finish_reason": finish}
+        if body.get("logprobs") is not None:
+            as_ids = body.get("return_tokens_as_token_ids")
+            choice["logprobs"] = {
+                "tokens": [
+                    f"token_id:{t + 1 if self.disagree and i == 0 else t}" if as_ids else decode([t])
+                    for i, t in enumerate(generated)
+                ],
+                "token_logprobs": [-0.01 * (i % 7) for i in range(len(generated))],
+                "top_logprobs": None,
+                "text_offset": list(range(len(generated))),
+            }
+        if body.get("return_token_ids"):
+            choice["prompt_token_ids"] = prompt
+            choice["token_ids"] = generated
+        return web.json_response(
+            {
+                "id": f"cmpl-{uuid.uuid4().hex}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": body.get("model", "fake"),
+                "choices": [choice],
+                "usage": {
+                    "prompt_tokens": len(prompt),
+                    "completion_tokens": len(generated),
+                    "total_tokens": len(prompt) + len(generated),
+                },
+            }
+        )
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()

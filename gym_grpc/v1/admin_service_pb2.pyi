@@ -416,12 +416,33 @@ class GetCountersResponse(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class NonMonotonicHistoriesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     METHODS_FIELD_NUMBER: _builtins.int
     IN_FLIGHT_FIELD_NUMBER: _builtins.int
     CALLS_TOTAL_FIELD_NUMBER: _builtins.int
     UPTIME_SECONDS_FIELD_NUMBER: _builtins.int
     STAGES_FIELD_NUMBER: _builtins.int
     RETRIES_FIELD_NUMBER: _builtins.int
+    NON_MONOTONIC_HISTORIES_FIELD_NUMBER: _builtins.int
     in_flight: _builtins.int
     """Calls running now, over all methods."""
     calls_total: _builtins.int
@@ -446,6 +467,17 @@ class GetCountersResponse(_message.Message):
         absent.
         """
 
+    @_builtins.property
+    def non_monotonic_histories(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Model servers that send token ids: conversations whose history did not
+        extend the token ids its earlier turns carry, since start, by cause:
+        "edited" (a message before the last turn was changed or removed),
+        "template" (the chat template renders earlier turns differently once later
+        ones follow, as templates that drop earlier reasoning do). A cause never
+        seen is absent. Each such turn started a new sample or was refused, by the server's
+        configuration.
+        """
+
     def __init__(
         self,
         *,
@@ -455,10 +487,11 @@ class GetCountersResponse(_message.Message):
         uptime_seconds: _builtins.float = ...,
         stages: _abc.Iterable[Global___StageCounters] | None = ...,
         retries: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        non_monotonic_histories: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls_total", b"calls_total", "in_flight", b"in_flight", "methods", b"methods", "retries", b"retries", "stages", b"stages", "uptime_seconds", b"uptime_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls_total", b"calls_total", "in_flight", b"in_flight", "methods", b"methods", "non_monotonic_histories", b"non_monotonic_histories", "retries", b"retries", "stages", b"stages", "uptime_seconds", b"uptime_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

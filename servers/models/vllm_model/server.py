@@ -1,19 +1,33 @@
-"""A model server for engines that only speak Chat Completions: vLLM, SGLang, ...
+"""A model server for vLLM, SGLang and other OpenAI-compatible engines, with what RL training needs.
 
-With `return_token_ids`, every answer carries what RL training needs: the
-engine is asked for token ids and log-probs (`logprobs` with
-`return_tokens_as_token_ids`, and `return_token_ids` for the prompt ids and
-the generated ids), and prompt ids, generation ids and log-probs go on the
-last output item of the turn. Two sources of the same ids must agree, or the
-call fails: nothing is silently mixed.
+Without `return_token_ids` it speaks Chat Completions: the conversation goes
+as messages, the engine renders and parses them.
 
-Multi-turn: when earlier assistant items come back with their token ids, the
-prompt of this turn must begin with exactly the prompt and generation ids of
-the last of them, or the rollout would be trained off-policy. With
-`prefix_token_ids: require` those ids are sent as `required_prefix_token_ids`
-(for engines that accept it, as NeMo RL's vLLM does); with `check` (stock
-vLLM) the engine's prompt ids are compared with them, and a mismatch fails
-the call with the position where they part.
+With `return_token_ids` every assistant turn carries its prompt ids,
+generated ids and the log-probs the engine reported when it sampled them (on
+the turn's last output item), and by default (`token_in_token_out`) the
+server talks to the engine in token ids through `/v1/completions`: the first
+turn is rendered by the engine's chat template (its `/tokenize`), and every
+later turn's prompt is the previous prompt + generated ids + the ids of only
+the messages that came after (see token_prompts.py), so no turn is ever
+trained on ids the model did not see. The server then reads reasoning (by its
+tags) and tool calls (by `tool_call_parser`, as vLLM's `--tool-call-parser`)
+from the generated text itself, and constrains tool calls to the tools'
+schemas with a structural tag (`tool_call_grammar`; `tool_choice: required`
+or a named function needs it). A history that does not extend the ids its
+turns carry (a caller that edited an earlier message, a template that drops
+earlier reasoning, a turn cut short) is counted (the `history` counters) and
+handled by `non_monotonic`: `new_sample` renders the whole conversation and
+starts a new sample at this turn (the default: the rollout goes on, each
+sample is exactly what the model saw, and a trainer can tell from the ids
+where one ends); `refuse` fails the call, naming the turn.
+
+With `token_in_token_out: false` the Chat Completions path asks for the same
+ids (`return_token_ids`, `logprobs` with `return_tokens_as_token_ids`); the
+engine re-renders earlier turns from text, so a later prompt may not begin
+with the earlier ids: `prefix_token_ids: check` fails such a call with the
+position where they part, `require` sends them as `required_prefix_token_ids`
+for engines that honour it (stock vLLM ignores it).
 
 An engine's context-length error (HTTP 400) makes an incomplete response, so
 the rollout ends and is scored instead of failing.
@@ -36,11 +50,11 @@ from pydantic import Field
 
 from gym_grpc import errors, json_input
 from gym_grpc.engines import Engine, EngineError, EngineModelServer, EngineSettings
-from gym_grpc.responses import assistant_message, input_items, item_body, new_response, turns
+from gym_grpc.responses import assistant_message, input_items, item_body, new_id, new_response, turns
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import responses_pb2 as r
 
-from . import chat
+from . import chat, token_prompts, tool_calls
 
 log = logging.getLogger("gym_grpc.vllm_model")
 
@@ -48,9 +62,17 @@ _CONTEXT_ERRORS = ("context length", "maximum model length", "max_model_len", "c
 
 
 class VLLMModelConfig(EngineSettings):
-    return_token_ids: bool = Field(False, description="ask for token ids and log-probs (for training)")
+    return_token_ids: bool = Field(False, description="token ids and log-probs on every turn (for training)")
+    token_in_token_out: bool = Field(
+        True, description="with return_token_ids: send token ids to /v1/completions, never re-rendered history"
+    )
+    tool_call_parser: Literal["hermes"] = Field("hermes", description="how the chat template writes tool calls")
+    tool_call_grammar: bool = Field(True, description="token path: constrain tool calls to the tools' schemas")
+    non_monotonic: Literal["new_sample", "refuse"] = Field(
+        "new_sample", description="token path: a history that does not extend its turns' ids"
+    )
     prefix_token_ids: Literal["check", "require"] = Field(
-        "check", description="check the engine's prompt ids against earlier turns, or require them"
+        "check", description="chat path: check the engine's prompt ids against earlier turns, or require them"
     )
     reasoning_tags: tuple[str, str] = Field(("<think>", "</think>"), description="tags around reasoning in text")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="sent with every request")
@@ -73,38 +95,33 @@ def _metadata_object(params: r.CreateParams, key: str) -> dict[str, Any]:
     return value
 
 
-def _prefix(items: list[r.Item]) -> list[int] | None:
-    """Prompt + generation ids of the last assistant turn, when the conversation carries ids."""
-    assistant = [part for part in turns(items) if isinstance(part, list)]
-    carriers = [[c for c in map(item_body, turn) if c.generation_token_ids] for turn in assistant]
-    if not any(carriers):
-        return None
-    if not carriers[-1]:
-        raise errors.InvalidArgument(
-            "the last assistant turn of the input has no token ids although an earlier one has: "
-            "the prompt cannot be checked against the ids the model generated",
-            field="params.input",
-        )
-    last = carriers[-1][-1]
-    return list(last.prompt_token_ids) + list(last.generation_token_ids)
+def _carriers(items: list[r.Item]) -> list[token_prompts.Carrier | None]:
+    """The ids each assistant turn of a conversation carries (on its last item with ids), in order."""
+    carriers: list[token_prompts.Carrier | None] = []
+    for turn in turns(items):
+        if isinstance(turn, list):
+            bodies = [body for body in map(item_body, turn) if body.generation_token_ids]
+            carriers.append(
+                token_prompts.Carrier(bodies[-1].prompt_token_ids, bodies[-1].generation_token_ids) if bodies else None
+            )
+    return carriers
 
 
-def _generated_ids(engine: Engine, choice: dict[str, Any]) -> tuple[list[int], list[float]]:
-    """Generation ids and log-probs of a choice, from every source the engine gave, checked."""
-    logprobs = (choice.get("logprobs") or {}).get("content")
-    from_logprobs = values = None
-    if logprobs is not None:
-        from_logprobs, values = [], []
-        for position, entry in enumerate(logprobs):
-            token = str(entry.get("token", ""))
+def _checked_ids(
+    engine: Engine, token_ids: list[int] | None, tokens: list[str] | None, values: list[float] | None
+) -> tuple[list[int], list[float]]:
+    """Generated ids and log-probs from every source the engine gave (its `token_ids`, and
+    the log-prob tokens as "token_id:N"), checked against each other."""
+    from_logprobs = None
+    if tokens is not None:
+        from_logprobs = []
+        for position, token in enumerate(tokens):
             if not token.startswith("token_id:"):
                 raise errors.GymError(
                     f"engine {engine.base_url}: log-prob token {position} is {token!r}, not 'token_id:N' "
                     "(is return_tokens_as_token_ids supported?)"
                 )
             from_logprobs.append(int(token.removeprefix("token_id:")))
-            values.append(float(entry["logprob"]))
-    token_ids = choice.get("token_ids")
     if token_ids is not None and from_logprobs is not None and list(token_ids) != from_logprobs:
         raise errors.GymError(
             f"engine {engine.base_url}: the generated ids in token_ids and in the log-probs disagree "
@@ -120,7 +137,15 @@ def _generated_ids(engine: Engine, choice: dict[str, Any]) -> tuple[list[int], l
         raise errors.GymError(
             f"engine {engine.base_url}: {len(values)} log-probs for {len(generated)} generated tokens"
         )
-    return generated, values
+    return generated, [float(v) for v in values]
+
+
+def _attach(response: r.Response, prompt: list[int], generated: list[int], log_probs: list[float]) -> None:
+    """The turn's ids go on its last output item."""
+    carrier = item_body(response.output[-1])
+    carrier.prompt_token_ids.extend(prompt)
+    carrier.generation_token_ids.extend(generated)
+    carrier.generation_log_probs.extend(log_probs)
 
 
 class VLLMModel(EngineModelServer):
@@ -128,16 +153,24 @@ class VLLMModel(EngineModelServer):
     config: VLLMModelConfig
 
     def capabilities(self) -> admin_pb.Capabilities:
-        # With token ids on, a later prompt that does not begin with the earlier ids fails the call
-        # (prefix_token_ids: check) or cannot happen (require): token in, token out.
+        # With token ids on, a later prompt that does not begin with the earlier ids is never
+        # sent silently: token in, token out (or, on the chat path, checked or required).
         capabilities = super().capabilities()
         capabilities.token_ids = capabilities.token_in_token_out = self.config.return_token_ids
         return capabilities
 
-    async def create_response(self, params: r.CreateParams, session_id: str) -> r.Response:
-        tags = self.config.reasoning_tags
+    async def start(self) -> None:
+        await super().start()
+        self._closings: dict[tuple[str, str], list[int]] = {}
+
+    def _chat_body(self, params: r.CreateParams) -> dict[str, Any]:
+        """The Chat Completions request for `params`, with the config's and the row's engine options."""
         row_extra = _metadata_object(params, "extra_body")  # under the row's own fields, as in NeMo Gym
-        body = {**self.config.extra_body, **row_extra, **chat.to_request(params, self.config.model, tags)}
+        body = {
+            **self.config.extra_body,
+            **row_extra,
+            **chat.to_request(params, self.config.model, self.config.reasoning_tags),
+        }
         template_kwargs = {
             **self.config.chat_template_kwargs,
             **body.get("chat_template_kwargs", {}),
@@ -145,60 +178,146 @@ class VLLMModel(EngineModelServer):
         }
         if template_kwargs:
             body["chat_template_kwargs"] = template_kwargs
-        prefix = None
-        if self.config.return_token_ids:
-            prefix = _prefix(input_items(params))
-            body.update(logprobs=True, top_logprobs=0, return_tokens_as_token_ids=True, return_token_ids=True)
-            if prefix is not None and self.config.prefix_token_ids == "require":
-                body["required_prefix_token_ids"] = prefix
+        return body
+
+    async def create_response(self, params: r.CreateParams, session_id: str) -> r.Response:
+        body = self._chat_body(params)
         engine = self.engines.for_session(session_id)
         try:
-            answer = await engine.post("/chat/completions", body)
+            if self.config.return_token_ids and self.config.token_in_token_out:
+                return await self._by_tokens(engine, params, body)
+            return await self._by_chat(engine, params, body)
         except EngineError as e:
             if e.status == 400 and any(marker in e.detail.lower() for marker in _CONTEXT_ERRORS):
                 return _context_full(params, self.config.model, e.detail)
             raise
+
+    # --- token in, token out: /v1/completions ---------------------------------
+
+    async def _by_tokens(self, engine: Engine, params: r.CreateParams, body: dict[str, Any]) -> r.Response:
+        messages = body.pop("messages")
+        template = {key: body.pop(key) for key in ("tools", "chat_template_kwargs") if key in body}
+        if "reasoning_effort" in body:  # a template option (gpt-oss), as vLLM's chat path passes it
+            template.setdefault("chat_template_kwargs", {}).setdefault("reasoning_effort", body.pop("reasoning_effort"))
+        choice = body.pop("tool_choice", "auto")
+        choice = choice["function"]["name"] if isinstance(choice, dict) else choice
+        parallel = body.pop("parallel_tool_calls", True)
+
+        async def render(conversation: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+            return await self._tokenize(engine, {**template, "messages": conversation}, add_generation_prompt)
+
         try:
-            response = chat.to_response(answer, tags, params)
+            closing = await self._closing(engine, template.get("chat_template_kwargs"), render)
+            prompt = await token_prompts.build(messages, _carriers(input_items(params)), render, closing)
+        except ValueError as e:
+            raise errors.InvalidArgument(str(e), field="params.input") from None
+        if prompt.broken is not None:
+            self.counters.history(prompt.cause or "edited")
+            if self.config.non_monotonic == "refuse":
+                raise errors.FailedPrecondition(
+                    f"the conversation does not extend the token ids of its earlier turns: {prompt.broken} "
+                    "(non_monotonic: new_sample would start a new sample at this turn instead)"
+                )
+            log.info("new sample at this turn: %s", prompt.broken)
+        tools = template.get("tools")
+        parser = tool_calls.FORMATS[self.config.tool_call_parser]
+        if tools and choice != "none" and self.config.tool_call_grammar and "response_format" not in body:
+            try:
+                body["response_format"] = parser.structural_tag(tools, choice, parallel)
+            except ValueError as e:
+                raise errors.InvalidArgument(f"params.tool_choice: {e}", field="params.tool_choice") from None
+        body.update(prompt=prompt.ids, logprobs=0, return_token_ids=True, return_tokens_as_token_ids=True)
+        answer = await engine.post("/completions", body)
+        try:
+            completion = answer["choices"][0]
+            text = completion.get("text") or ""
+            logprobs = completion.get("logprobs") or {}
+            generated, log_probs = _checked_ids(
+                engine, completion.get("token_ids"), logprobs.get("tokens"), logprobs.get("token_logprobs")
+            )
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
+            raise errors.GymError(f"engine {engine.base_url} answered a malformed completion: {e!r}") from None
+        echoed = completion.get("prompt_token_ids")
+        if echoed is not None and list(echoed) != prompt.ids:
+            raise errors.GymError(
+                f"engine {engine.base_url} reports other prompt ids than it was sent "
+                f"({len(echoed)} ids for {len(prompt.ids)})"
+            )
+        reasoning, rest = chat.split_reasoning(text, self.config.reasoning_tags)
+        content, calls = parser.parse(rest) if tools and choice != "none" else (rest, [])
+        message = {
+            "role": "assistant",
+            "content": content,
+            "reasoning_content": reasoning,
+            "tool_calls": [
+                {"id": new_id("call"), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in calls
+            ],
+        }
+        as_chat = {**answer, "choices": [{**completion, "message": message}]}
+        response = chat.to_response(as_chat, self.config.reasoning_tags, params)
+        _attach(response, prompt.ids, generated, log_probs)
+        return response
+
+    async def _closing(
+        self, engine: Engine, template_kwargs: dict[str, Any] | None, render: token_prompts.Render
+    ) -> list[int]:
+        """The template's turn closing, found once per engine and template options."""
+        key = (engine.base_url, json.dumps(template_kwargs, sort_keys=True))
+        if key not in self._closings:
+            self._closings[key] = await token_prompts.turn_closing(render)
+        return self._closings[key]
+
+    # --- the chat path: /v1/chat/completions ----------------------------------
+
+    async def _by_chat(self, engine: Engine, params: r.CreateParams, body: dict[str, Any]) -> r.Response:
+        prefix = None
+        if self.config.return_token_ids:
+            carriers = _carriers(input_items(params))
+            if any(carriers) and carriers[-1] is None:
+                raise errors.InvalidArgument(
+                    "the last assistant turn of the input has no token ids although an earlier one has: "
+                    "the prompt cannot be checked against the ids the model generated",
+                    field="params.input",
+                )
+            if carriers and carriers[-1] is not None:
+                prefix = [*carriers[-1].prompt, *carriers[-1].generated]
+            body.update(logprobs=True, top_logprobs=0, return_tokens_as_token_ids=True, return_token_ids=True)
+            if prefix is not None and self.config.prefix_token_ids == "require":
+                body["required_prefix_token_ids"] = prefix
+        answer = await engine.post("/chat/completions", body)
+        try:
+            response = chat.to_response(answer, self.config.reasoning_tags, params)
             choice = answer["choices"][0]
         except (KeyError, IndexError, TypeError, AttributeError) as e:
             raise errors.GymError(f"engine {engine.base_url} answered a malformed completion: {e!r}") from None
-        if self.config.return_token_ids:
-            await self._attach_tokens(engine, body, answer, choice, response, prefix)
-        return response
-
-    async def _attach_tokens(
-        self,
-        engine: Engine,
-        body: dict[str, Any],
-        answer: dict[str, Any],
-        choice: dict[str, Any],
-        response: r.Response,
-        prefix: list[int] | None,
-    ) -> None:
-        generated, log_probs = _generated_ids(engine, choice)
+        if not self.config.return_token_ids:
+            return response
+        entries = (choice.get("logprobs") or {}).get("content")
+        generated, log_probs = _checked_ids(
+            engine,
+            choice.get("token_ids"),
+            None if entries is None else [str(e.get("token", "")) for e in entries],
+            None if entries is None else [e["logprob"] for e in entries],
+        )
         prompt = answer.get("prompt_token_ids")
         if prompt is None:
-            prompt = await self._tokenize(engine, body)
+            request = {k: body[k] for k in ("messages", "tools", "chat_template_kwargs") if k in body}
+            prompt = await self._tokenize(engine, request, True)
         prompt = list(prompt)
         if prefix is not None and prompt[: len(prefix)] != prefix:
             apart = next((i for i, (a, b) in enumerate(zip(prompt, prefix, strict=False)) if a != b), len(prompt))
             raise errors.FailedPrecondition(
                 f"engine {engine.base_url}: this turn's prompt ids part from the earlier turns' ids at "
                 f"position {apart} of {len(prefix)}; the chat template re-tokenizes history differently, "
-                "so the rollout would be off-policy (use prefix_token_ids: require with an engine that "
-                "accepts required_prefix_token_ids, or a template that keeps history as generated)"
+                "so the rollout would be off-policy (token_in_token_out: true sends the earlier ids as they were)"
             )
-        last = response.output[-1]
-        carrier = item_body(last)
-        carrier.prompt_token_ids.extend(prompt)
-        carrier.generation_token_ids.extend(generated)
-        carrier.generation_log_probs.extend(log_probs)
+        _attach(response, prompt, generated, log_probs)
+        return response
 
-    async def _tokenize(self, engine: Engine, body: dict[str, Any]) -> list[int]:
-        """Prompt ids from the engine's /tokenize, for engines that do not return them."""
-        request = {k: body[k] for k in ("model", "messages", "tools", "chat_template_kwargs") if k in body}
-        request["add_generation_prompt"] = True
+    async def _tokenize(self, engine: Engine, request: dict[str, Any], add_generation_prompt: bool) -> list[int]:
+        """The ids of a conversation as the engine's chat template renders it (vLLM's /tokenize)."""
+        request = {**request, "model": self.config.model, "add_generation_prompt": add_generation_prompt}
         tokens = (await engine.post("/tokenize", request, from_root=True)).get("tokens")
         if not isinstance(tokens, list):
             raise errors.GymError(f"engine {engine.base_url}: /tokenize returned no tokens")

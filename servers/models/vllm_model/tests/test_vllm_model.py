@@ -1,4 +1,6 @@
-"""The Chat Completions model server against a fake vLLM speaking the real wire format."""
+"""The vLLM model server against a fake vLLM speaking the real wire format: the Chat Completions
+path, and what both paths share (retries, context errors, engine pools, options). The token path
+has its own tests in test_token_in_token_out.py."""
 
 import asyncio
 import json
@@ -57,7 +59,12 @@ async def test_a_multi_turn_tool_conversation_round_trips_the_token_ids(start, e
             Turn(content="<think>It is 5.</think>The answer is 5."),
         ]
     )
-    model = await start(VLLMModel({"base_url": fake.base_url, "model": "policy", "return_token_ids": True}, name="m"))
+    model = await start(
+        VLLMModel(
+            {"base_url": fake.base_url, "model": "policy", "return_token_ids": True, "token_in_token_out": False},
+            name="m",
+        )
+    )
     env = await start(Calculator())
     agent = await start(
         SimpleAgent(
@@ -207,10 +214,11 @@ async def test_4000_concurrent_requests_through_one_model_server(start, engine):
     await model.registry.close()
 
 
-async def test_token_sources_that_disagree_are_an_error(start, engine):
+@pytest.mark.parametrize("token_in_token_out", [True, False])
+async def test_token_sources_that_disagree_are_an_error(start, engine, token_in_token_out):
     fake = await engine([Turn(content="ok")])
     fake.disagree = True
-    model = await _model(start, fake, return_token_ids=True)
+    model = await _model(start, fake, return_token_ids=True, token_in_token_out=token_in_token_out)
     with pytest.raises(errors.GymError) as error:
         await model.create_response(_params(), "s")
     assert error.value.code == grpc.StatusCode.INTERNAL and "disagree" in error.value.message
@@ -228,12 +236,12 @@ async def _two_turns(model) -> r.Response:
 async def test_a_template_that_rewrites_history_is_caught_unless_the_prefix_is_required(start, engine):
     turns = [Turn(content="<think>hm</think>5"), Turn(content="7")]
     fake = await engine(turns, strip_history_reasoning=True)
-    checking = await _model(start, fake, return_token_ids=True)
+    checking = await _model(start, fake, return_token_ids=True, token_in_token_out=False)
     with pytest.raises(errors.FailedPrecondition) as error:
         await _two_turns(checking)
     assert "part from the earlier turns' ids" in error.value.message
     fake.requests.clear()
-    requiring = await _model(start, fake, return_token_ids=True, prefix_token_ids="require")
+    requiring = await _model(start, fake, return_token_ids=True, token_in_token_out=False, prefix_token_ids="require")
     second = await _two_turns(requiring)
     sent = fake.requests[1]["required_prefix_token_ids"]
     assert list(second.output[-1].message.prompt_token_ids)[: len(sent)] == sent
@@ -244,7 +252,7 @@ async def test_a_template_that_rewrites_history_is_caught_unless_the_prefix_is_r
 async def test_prompt_ids_come_from_tokenize_when_the_engine_does_not_return_them(start, engine):
     fake = await engine([Turn(content="ok")])
     fake.without_token_ids = True  # an older vLLM
-    model = await _model(start, fake, return_token_ids=True)
+    model = await _model(start, fake, return_token_ids=True, token_in_token_out=False)
     response = await model.create_response(_params(), "s")
     carrier = response.output[-1].message
     assert list(carrier.prompt_token_ids) == fake.render(fake.requests[0]["messages"], True)

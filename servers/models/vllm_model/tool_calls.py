@@ -1,0 +1,104 @@
+"""Tool-call formats: how a chat template has the model write its tool calls.
+
+On the token-in-token-out path the engine returns generated text and ids, not
+parsed messages, so the model server reads the calls itself, as vLLM does on
+the chat path with `--tool-call-parser`. A format also gives the structural
+tag (vLLM's `response_format: {"type": "structural_tag"}`, run by xgrammar)
+that makes the engine write calls the tools' schemas accept: every call once
+the model opens one, and at least one call for `tool_choice: required`, or
+exactly the named function.
+
+Formats are chosen by name in the model server's config (`tool_call_parser`),
+like vLLM's parsers; add one to FORMATS for a template that writes calls
+another way.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+JSON = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallFormat(Protocol):
+    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
+        """(the text outside the calls, the calls) of a generated text; a call that
+        does not parse stays in the text, as the model wrote it."""
+        ...
+
+    def structural_tag(self, tools: list[JSON], choice: str, parallel: bool) -> JSON:
+        """The response_format that constrains calls to `tools` (Chat Completions
+        tool objects) under a tool choice of "auto", "required" or a function's name."""
+        ...
+
+
+class Hermes:
+    """`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, as Hermes-2-Pro,
+    Qwen2.5 and Qwen3 write calls (vLLM's `hermes` parser), any number per turn."""
+
+    _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
+        calls: list[ParsedCall] = []
+        kept: list[str] = []
+        position = 0
+        for match in self._CALL.finditer(text):
+            call = self._call(match.group(1))
+            if call is None:
+                continue  # not a call after all: it stays in the text
+            calls.append(call)
+            kept.append(text[position : match.start()])
+            position = match.end()
+        kept.append(text[position:])
+        return "".join(kept).strip(), calls
+
+    @staticmethod
+    def _call(body: str) -> ParsedCall | None:
+        try:
+            value = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            return None
+        arguments = value.get("arguments", {})
+        if not isinstance(arguments, str):  # as vLLM's hermes parser serialises them
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        return ParsedCall(value["name"], arguments)
+
+    def structural_tag(self, tools: list[JSON], choice: str, parallel: bool) -> JSON:
+        def tag(function: JSON) -> JSON:
+            return {
+                "type": "tag",
+                "begin": '<tool_call>\n{"name": ' + json.dumps(function["name"]) + ', "arguments": ',
+                "content": {"type": "json_schema", "json_schema": function.get("parameters") or {"type": "object"}},
+                "end": "}\n</tool_call>",
+            }
+
+        functions = [tool["function"] for tool in tools]
+        if choice not in ("auto", "required"):
+            named = [f for f in functions if f["name"] == choice]
+            if not named:
+                raise ValueError(f"tool_choice names {choice!r}, which is not among the tools")
+            return {"type": "structural_tag", "format": tag(named[0])}
+        return {
+            "type": "structural_tag",
+            "format": {
+                "type": "triggered_tags",
+                "triggers": ["<tool_call>"],
+                "tags": [tag(f) for f in functions],
+                "at_least_one": choice == "required",
+                "stop_after_first": not parallel,
+            },
+        }
+
+
+FORMATS: dict[str, ToolCallFormat] = {"hermes": Hermes()}
