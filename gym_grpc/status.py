@@ -47,6 +47,7 @@ async def _one(info: reg.ServerInfo, address: str, interval: float, security: Se
         calls_per_second=round((second.calls_total - first.calls_total) / elapsed, 1),
         calls_total=second.calls_total,
         retries=dict(second.retries),
+        non_monotonic_histories=dict(second.non_monotonic_histories),
         version=server.version,
         config_hash=server.config_hash,
         profiling=server.profiling,

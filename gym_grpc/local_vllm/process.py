@@ -99,6 +99,12 @@ def _command(prepared: Prepared, port: int, max_model_len: int) -> list[str]:
         "--dtype",
         "bfloat16",
         "--enforce-eager",
+        # vLLM 0.32's CPU runner crashes its engine core ("CPU Generator does not use offset") when a
+        # request with a seed is prefilled in chunks, which happens as soon as concurrent prompts
+        # exceed one step's token budget: whole prefills only, with a budget that holds the longest.
+        "--no-enable-chunked-prefill",
+        "--max-num-batched-tokens",
+        str(max(max_model_len, 8192)),
         "--max-model-len",
         str(max_model_len),
         "--enable-auto-tool-choice",

@@ -7,6 +7,7 @@ the servers would fail for a reason that is not theirs.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import urllib.error
 import urllib.request
@@ -134,3 +135,21 @@ def test_an_earlier_tool_call_and_its_result_render_as_hermes_turns(engine: loca
         "<|im_end|>\n<|im_start|>user\n<tool_response>\nsunny, 21 C\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\n"
     )
+
+
+def test_seeded_requests_arriving_together_do_not_kill_the_engine(engine: local_vllm.Engine) -> None:
+    """vLLM 0.32's CPU runner kills its engine core when a seeded request is prefilled in chunks
+    (RuntimeError "CPU Generator does not use offset"), which happens as soon as the prompts of
+    concurrent requests exceed one step's token budget; gym_grpc.local_vllm starts vLLM with
+    whole prefills only. 48 seeded requests of ~230 tokens at once are well past vLLM's default
+    budget of 2,048 tokens."""
+
+    def ask(i: int) -> str:
+        reply = _chat(
+            engine, messages=[{"role": "user", "content": "Weather in Paris? " * 40 + str(i)}], seed=i, max_tokens=8
+        )
+        return reply["choices"][0]["finish_reason"]
+
+    with concurrent.futures.ThreadPoolExecutor(48) as pool:
+        reasons = list(pool.map(ask, range(48)))
+    assert len(reasons) == 48 and set(reasons) <= {"stop", "length"}

@@ -162,6 +162,7 @@ class VLLMModel(EngineModelServer):
     async def start(self) -> None:
         await super().start()
         self._closings: dict[tuple[str, str], list[int]] = {}
+        self._context: dict[str, int] = {}  # each engine's context length, as its /tokenize reports it
 
     def _chat_body(self, params: r.CreateParams) -> dict[str, Any]:
         """The Chat Completions request for `params`, with the config's and the row's engine options."""
@@ -221,12 +222,18 @@ class VLLMModel(EngineModelServer):
             log.info("new sample at this turn: %s", prompt.broken)
         tools = template.get("tools")
         parser = tool_calls.FORMATS[self.config.tool_call_parser]
-        if tools and choice != "none" and self.config.tool_call_grammar and "response_format" not in body:
+        constrained = any(
+            key in body for key in ("response_format", "structured_outputs", "guided_json", "guided_regex")
+        )
+        if tools and choice != "none" and self.config.tool_call_grammar and not constrained:  # the row's own wins
             try:
                 body["response_format"] = parser.structural_tag(tools, choice, parallel)
             except ValueError as e:
                 raise errors.InvalidArgument(f"params.tool_choice: {e}", field="params.tool_choice") from None
         body.update(prompt=prompt.ids, logprobs=0, return_token_ids=True, return_tokens_as_token_ids=True)
+        if "max_tokens" not in body and engine.base_url in self._context:
+            # /v1/completions stops at 16 tokens unless told; Chat Completions at the context's end.
+            body["max_tokens"] = max(1, self._context[engine.base_url] - len(prompt.ids))
         answer = await engine.post("/completions", body)
         try:
             completion = answer["choices"][0]
@@ -318,7 +325,10 @@ class VLLMModel(EngineModelServer):
     async def _tokenize(self, engine: Engine, request: dict[str, Any], add_generation_prompt: bool) -> list[int]:
         """The ids of a conversation as the engine's chat template renders it (vLLM's /tokenize)."""
         request = {**request, "model": self.config.model, "add_generation_prompt": add_generation_prompt}
-        tokens = (await engine.post("/tokenize", request, from_root=True)).get("tokens")
+        reply = await engine.post("/tokenize", request, from_root=True)
+        tokens = reply.get("tokens")
+        if isinstance(reply.get("max_model_len"), int):
+            self._context[engine.base_url] = reply["max_model_len"]
         if not isinstance(tokens, list):
             raise errors.GymError(f"engine {engine.base_url}: /tokenize returned no tokens")
         return tokens

@@ -286,3 +286,15 @@ def test_the_hermes_parser_keeps_text_around_calls_and_what_does_not_parse():
     assert Hermes().parse('<tool_call>\n{"name": "f", "arguments": "{\\"y\\": 2}"}\n</tool_call>')[1][0].arguments == (
         '{"y": 2}'
     )
+
+
+async def test_without_max_output_tokens_the_engine_may_generate_to_the_end_of_its_context(vllm, engine):
+    """vLLM's /v1/completions stops at 16 tokens unless told otherwise; Chat Completions (and a
+    Responses request without max_output_tokens) goes on to the end of the context."""
+    fake = await engine([Turn(content="ok")], max_model_len=5000)
+    _, model = await vllm(fake)
+    response = await model.create_response(_params(), "s")
+    (request,) = [request for request in fake.requests if "prompt" in request]
+    assert request["max_tokens"] == 5000 - len(_carrier(response).prompt_token_ids)
+    await model.create_response(_params(max_output_tokens=7), "s")
+    assert fake.requests[-1]["max_tokens"] == 7
