@@ -4,41 +4,22 @@
     python -m gym_grpc.local_vllm start     # prints the engine as JSON: base_url, pid, log_path, model
     python -m gym_grpc.local_vllm stop      # stops the one `start` recorded (or --pid PID)
 
-`start` records the engine in CACHE/run/vllm.json and leaves it running;
-`stop` checks that the PID is still a vLLM before signalling it, so a stale
-record never ends an unrelated process that reused the PID.
+`start` records the engine in CACHE/run/vllm.json (or GYM_GRPC_ENGINE_RECORD)
+and leaves it running; `stop` checks that the PID is still a vLLM before
+signalling it, so a stale record never ends an unrelated process that reused
+the PID. `gym-grpc engine start|stop|status` does the same through the same
+functions (gym_grpc.local_vllm.record), and writes env.yaml.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
-from gym_grpc.local_vllm.installation import PrepareError, cache_dir, prepare
-from gym_grpc.local_vllm.process import EngineStartError, start, stop
-
-
-def _record() -> Path:
-    return cache_dir() / "run" / "vllm.json"
-
-
-def _is_vllm(pid: int) -> bool:
-    try:
-        return b"vllm.entrypoints" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-
-
-def _recorded_engine() -> dict | None:
-    """The engine `start` recorded, if its process is still a running vLLM."""
-    try:
-        recorded = json.loads(_record().read_text())
-    except (OSError, ValueError):
-        return None
-    return recorded if isinstance(recorded.get("pid"), int) and _is_vllm(recorded["pid"]) else None
+from gym_grpc.local_vllm.installation import PrepareError, prepare
+from gym_grpc.local_vllm.process import EngineStartError
+from gym_grpc.local_vllm.record import RecordError, start_recorded, stop_recorded
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,37 +38,15 @@ def main(argv: list[str] | None = None) -> int:
             prepared = prepare()
             print(f"prepared in {time.monotonic() - began:.1f} s: {prepared.python}, {prepared.model_dir}")
         elif args.command == "start":
-            running = _recorded_engine()
-            if running is not None:
-                print(
-                    f"a vLLM is already running at {running['base_url']} (pid {running['pid']}): stop it first",
-                    file=sys.stderr,
-                )
-                return 1
             began = time.monotonic()
-            engine = start(ready_timeout=args.ready_timeout, max_model_len=args.max_model_len)
-            _record().parent.mkdir(parents=True, exist_ok=True)
-            _record().write_text(engine.to_json())
+            engine = start_recorded(ready_timeout=args.ready_timeout, max_model_len=args.max_model_len)
             print(engine.to_json())
             print(f"[engine] serving at {engine.base_url} after {time.monotonic() - began:.1f} s", file=sys.stderr)
         else:
-            pid = args.pid
-            if pid is None:
-                try:
-                    pid = json.loads(_record().read_text())["pid"]
-                except FileNotFoundError:
-                    print(f"no engine recorded in {_record()}: nothing to stop", file=sys.stderr)
-                    return 0
-                except (OSError, ValueError, KeyError) as e:
-                    print(f"cannot read {_record()} ({e}); give --pid", file=sys.stderr)
-                    return 1
-            if not _is_vllm(pid):
-                print(f"process {pid} is not a running vLLM: nothing to stop", file=sys.stderr)
-            else:
-                stop(pid)
-                print(f"stopped vLLM (pid {pid})", file=sys.stderr)
-            if args.pid is None:
-                _record().unlink(missing_ok=True)
+            print(stop_recorded(args.pid), file=sys.stderr)
+    except RecordError as e:
+        print(f"error: {e}; give --pid", file=sys.stderr)
+        return 1
     except (PrepareError, EngineStartError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -153,6 +153,17 @@ def _build_model(model_dir: Path, python: Path) -> None:
     shutil.rmtree(download)
 
 
+def _model_spec() -> dict[str, Any]:
+    # The model's marker includes the virtualenv's spec: another transformers may convert differently.
+    return {**MODEL_SPEC, "venv": VENV_SPEC}
+
+
+def is_prepared(cache: Path | None = None) -> bool:
+    """Whether prepare() would find both built, and return at once."""
+    cache = cache or cache_dir()
+    return _is_built(cache / "venv", VENV_SPEC) and _is_built(cache / "models" / MODEL_NAME, _model_spec())
+
+
 def prepare(cache: Path | None = None) -> Prepared:
     """Build or reuse the engine's virtualenv and model under cache (default: cache_dir())."""
     cache = cache or cache_dir()
@@ -160,6 +171,5 @@ def prepare(cache: Path | None = None) -> Prepared:
     model_dir = cache / "models" / MODEL_NAME
     _build(venv, VENV_SPEC, "vLLM virtualenv", _build_venv)
     python = _engine_python(venv)
-    # The model's marker includes the virtualenv's spec: another transformers may convert differently.
-    _build(model_dir, {**MODEL_SPEC, "venv": VENV_SPEC}, "model", lambda d: _build_model(d, python))
+    _build(model_dir, _model_spec(), "model", lambda d: _build_model(d, python))
     return Prepared(python=python, model_dir=model_dir)
