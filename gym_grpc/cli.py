@@ -21,7 +21,7 @@ from gym_grpc import errors, hub, open_files, status
 from gym_grpc.batch import BatchSummary
 from gym_grpc.clients import AdminClient
 from gym_grpc.collector import CollectOptions, collect, parse_overrides
-from gym_grpc.config import ConfigError, GymConfig, dump_config, load_config, load_env
+from gym_grpc.config import ConfigError, GymConfig, dump_config, load_config, load_env, set_env_values
 from gym_grpc.datasets import MODES, DataError, Dataset, prepare, read_tasks
 from gym_grpc.jsonl import count_rows, failures_path
 from gym_grpc.registry import Registry
@@ -578,6 +578,119 @@ def test_command(run_all: bool, args: tuple[str, ...]) -> None:
         raise click.ClickException(f"{', '.join(missing)} not installed: pip install 'gym-grpc[test]'")
     click.echo(f"testing {len(targets)} server(s): {', '.join(str(t.parent) for t in targets)}", err=True)
     sys.exit(subprocess.call([sys.executable, "-m", "pytest", *map(str, targets), *pytest_args]))
+
+
+# --- a real engine on this machine -----------------------------------------------
+
+#: The env.yaml keys that configs/vllm.yaml reads.
+ENGINE_KEYS = ("policy_base_url", "policy_api_key", "policy_model_name")
+
+
+@main.group()
+def engine() -> None:
+    """A real model on CPU: vLLM's CPU build serving SmolLM2-135M-Instruct, for trying environments.
+
+    `start` prepares it (the first time: a virtualenv and a model under
+    ~/.cache/gym-grpc-engine, or GYM_GRPC_ENGINE_CACHE), starts it on a free
+    loopback port, records it and writes env.yaml for configs/vllm.yaml;
+    `stop` and `status` find it through the record."""
+
+
+@engine.command("start")
+@click.option(
+    "--env-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=Path("env.yaml"),
+    show_default=True,
+    help="Where policy_base_url, policy_api_key and policy_model_name are written; its other keys are kept.",
+)
+@click.option(
+    "--max-model-len", type=click.IntRange(min=1), default=4096, show_default=True, help="Prompt + output, in tokens."
+)
+@click.option(
+    "--ready-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=600.0,
+    show_default=True,
+    help="Seconds to wait for vLLM to serve.",
+)
+def engine_start_command(env_file: Path, max_model_len: int, ready_timeout: float) -> None:
+    """Prepare and start the local CPU vLLM, and point env.yaml at it."""
+    from gym_grpc import local_vllm
+
+    running = local_vllm.recorded()
+    if running is not None:
+        raise click.ClickException(
+            f"a vLLM is already running at {running.base_url} (pid {running.pid}): `gym-grpc engine stop` first"
+        )
+    try:
+        if env_file.exists():
+            load_env(env_file)  # a broken env.yaml fails before vLLM starts, not after
+        if not local_vllm.is_prepared():
+            click.echo(
+                f"first start: building vLLM's CPU virtualenv and the model in {local_vllm.cache_dir()} "
+                f"(about 1 GB to download, 3.5 GB on disk, 2-3 minutes; later starts reuse them)",
+                err=True,
+            )
+        prepared = local_vllm.prepare()
+        click.echo(f"starting vLLM with {prepared.model_name} on CPU (about 30 s, more on a busy machine)", err=True)
+        began = time.monotonic()
+        started = local_vllm.start_recorded(prepared, ready_timeout=ready_timeout, max_model_len=max_model_len)
+    except (ConfigError, local_vllm.PrepareError, local_vllm.EngineStartError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(
+        f"vLLM serves {started.model} at {started.base_url} (pid {started.pid}) after {time.monotonic() - began:.0f} s"
+    )
+    click.echo(f"log: {started.log_path}")
+    values = dict(zip(ENGINE_KEYS, (started.base_url, "EMPTY", started.model), strict=True))
+    try:
+        kept = set_env_values(env_file, values)
+    except ConfigError as e:
+        raise click.ClickException(f"{e}\nvLLM is running; set {', '.join(ENGINE_KEYS)} yourself") from None
+    comments = (
+        "other keys and comments kept" if kept else "other keys kept, comments dropped: the file's layout was not plain"
+    )
+    click.echo(f"wrote {', '.join(ENGINE_KEYS)} to {env_file} ({comments})")
+    env_arg = "" if env_file == Path("env.yaml") else f" --env-file {env_file}"
+    click.echo(
+        f"next:\n"
+        f"  gym-grpc run{env_arg} configs/vllm.yaml servers/resources/weather/config.yaml\n"
+        f"  gym-grpc collect --agent weather_agent --input servers/resources/weather/data/example.jsonl "
+        f"--output weather_vllm.jsonl --limit 5\n"
+        f"  gym-grpc engine stop"
+    )
+
+
+@engine.command("stop")
+def engine_stop_command() -> None:
+    """Stop the engine that `gym-grpc engine start` recorded."""
+    from gym_grpc import local_vllm
+
+    try:
+        click.echo(local_vllm.stop_recorded())
+    except local_vllm.RecordError as e:
+        raise click.ClickException(str(e)) from None
+
+
+@engine.command("status")
+def engine_status_command() -> None:
+    """Whether the recorded engine runs: its base URL, pid, model and log (exit status 1 when it does not run)."""
+    from gym_grpc import local_vllm
+
+    running = local_vllm.recorded()
+    if running is None:
+        try:
+            stale = local_vllm.read_record()
+        except local_vllm.RecordError as e:
+            stale, why = None, f" ({e})"
+        else:
+            why = f" (the record of pid {stale.pid} is stale)" if stale is not None else ""
+        click.echo(f"not running{why}; start it with `gym-grpc engine start`")
+        sys.exit(1)
+    click.echo(
+        f"running\nbase_url: {running.base_url}\npid: {running.pid}\nmodel: {running.model}\nlog: {running.log_path}"
+    )
+    click.echo(f"record: {local_vllm.record_path()}")
 
 
 # --- data ------------------------------------------------------------------------

@@ -298,3 +298,52 @@ def dump_config(
     config, secrets = _load(paths, overrides, env_file)
     longest_first = sorted(secrets, key=len, reverse=True)  # a secret that holds another is masked whole
     return yaml.safe_dump(_mask(config.model_dump(mode="json"), longest_first), sort_keys=False)
+
+
+def set_env_values(path: Path, values: dict[str, str]) -> bool:
+    """Set top-level keys of an env.yaml (created if missing), keeping its other keys.
+
+    The file is edited as text: the line of each key given (with the indented
+    lines of its value) is replaced, or a line is appended, so the user's
+    comments and layout stay. When the edited text does not read back as
+    exactly the old mapping with the new values (a layout this edit does not
+    understand, such as a flow mapping or a duplicate key), the mapping is
+    written anew without comments. Returns whether the comments were kept.
+    """
+    try:
+        text = path.read_text() if path.exists() else ""
+        before = yaml.safe_load(text) or {}
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(before, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    wanted = {**before, **values}
+    lines = text.splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n"
+    for key, value in values.items():
+        line = yaml.safe_dump({key: value}, default_flow_style=False, width=1_000_000)
+        at = next((i for i, old in enumerate(lines) if re.match(rf"{re.escape(key)}\s*:(\s|$)", old)), None)
+        if at is None:
+            lines.append(line)
+            continue
+        end = at + 1
+        while end < len(lines) and re.match(r"[ \t]+\S|- |-$", lines[end]):  # the value's own lines
+            end += 1
+        lines[at:end] = [line]
+    edited = "".join(lines)
+    try:
+        kept = yaml.safe_load(edited) == wanted
+    except yaml.YAMLError:
+        kept = False
+    if not kept:
+        edited = yaml.safe_dump(wanted, sort_keys=False)
+    temporary = path.with_name(path.name + ".tmp")
+    try:
+        temporary.write_text(edited)
+        temporary.replace(path)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot write: {e.strerror}") from None
+    return kept

@@ -3,7 +3,7 @@
 import pytest
 import yaml
 
-from gym_grpc.config import ConfigError, dump_config, load_config
+from gym_grpc.config import ConfigError, dump_config, load_config, set_env_values
 from gym_grpc.entrypoints import load_entrypoint
 from gym_grpc.serving import GymServer
 from tests.support import REPO
@@ -141,3 +141,32 @@ def test_dump_config_masks_every_secret_variable_wherever_it_is_interpolated(tmp
         "policy_url": "http://gpu:8000",  # not a secret: shown, so the dump still says where things go
         "pin_password": "***",
     }
+
+
+def test_set_env_values_keeps_other_keys_and_comments(tmp_path):
+    env = _write(
+        tmp_path / "env.yaml",
+        "# secrets\nhf_token: abc  # the Hub\npolicy_base_url:\n  - http://a:8000/v1\n  - http://b:8000/v1\n"
+        "# the model\npolicy_model_name: old\nlast: 3",
+    )
+    new = {"policy_base_url": "http://127.0.0.1:5/v1", "policy_api_key": "EMPTY", "policy_model_name": "m"}
+    assert set_env_values(env, new) is True
+    assert env.read_text() == (
+        "# secrets\nhf_token: abc  # the Hub\npolicy_base_url: http://127.0.0.1:5/v1\n"
+        "# the model\npolicy_model_name: m\nlast: 3\npolicy_api_key: EMPTY\n"
+    )
+
+
+def test_set_env_values_rewrites_a_layout_it_cannot_edit_and_says_so(tmp_path):
+    env = _write(tmp_path / "env.yaml", "# a comment\n{a: 1, policy_api_key: x}\n")
+    assert set_env_values(env, {"policy_api_key": "EMPTY"}) is False
+    assert yaml.safe_load(env.read_text()) == {"a": 1, "policy_api_key": "EMPTY"}
+
+
+def test_set_env_values_creates_the_file_and_refuses_one_that_is_not_a_mapping(tmp_path):
+    assert set_env_values(tmp_path / "env.yaml", {"k": "v: with a colon"}) is True
+    assert yaml.safe_load((tmp_path / "env.yaml").read_text()) == {"k": "v: with a colon"}
+    listed = _write(tmp_path / "list.yaml", "- 1\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        set_env_values(listed, {"k": "v"})
+    assert listed.read_text() == "- 1\n"
