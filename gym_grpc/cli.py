@@ -656,7 +656,7 @@ def engine_start_command(env_file: Path, max_model_len: int, ready_timeout: floa
         f"next:\n"
         f"  gym-grpc run{env_arg} configs/vllm.yaml servers/resources/weather/config.yaml\n"
         f"  gym-grpc collect --agent weather_agent --input servers/resources/weather/data/example.jsonl "
-        f"--output weather_vllm.jsonl --limit 5\n"
+        f"--output weather_vllm.jsonl --limit 5 temperature=0 max_output_tokens=256\n"
         f"  gym-grpc engine stop"
     )
 

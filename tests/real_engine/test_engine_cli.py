@@ -1,0 +1,66 @@
+"""`gym-grpc engine start|status|stop` with the real CPU vLLM, as a user runs them.
+
+The engine's virtualenv and model are the prepared ones (GYM_GRPC_ENGINE_CACHE
+as given); the run record is the test's own (GYM_GRPC_ENGINE_RECORD), so the
+test neither refuses to start because of an engine someone else recorded nor
+stops it. It starts its own vLLM, not the session's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gym_grpc.local_vllm import installation
+
+pytestmark = pytest.mark.real_engine
+
+_SCRIPT = Path(sys.executable).with_name("gym-grpc")
+GYM_GRPC = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "gym_grpc"]
+
+
+def _gym_grpc(tmp_path: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "GYM_GRPC_ENGINE_RECORD": str(tmp_path / "record" / "vllm.json")}
+    return subprocess.run([*GYM_GRPC, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a live (not zombie) process is in the group: vLLM runs in its own, with its engine core."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (command)"
+        except OSError:
+            continue  # ended meanwhile
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def test_engine_start_points_env_yaml_at_a_serving_vllm_and_stop_ends_it(tmp_path: Path) -> None:
+    env_file = tmp_path / "secrets.yaml"
+    env_file.write_text("# mine\nhf_organization: my-org  # for dataset upload\n")
+    started = _gym_grpc(tmp_path, "engine", "start", "--env-file", env_file.name, timeout=1200)
+    try:
+        assert started.returncode == 0, f"{started.stdout}\n{started.stderr}"
+        env = yaml.safe_load(env_file.read_text())
+        assert env["hf_organization"] == "my-org" and env_file.read_text().startswith("# mine\n")
+        assert env["policy_api_key"] == "EMPTY"
+        assert env["policy_model_name"] == installation.MODEL_NAME
+        with urllib.request.urlopen(f"{env['policy_base_url']}/models", timeout=30) as reply:
+            assert [m["id"] for m in json.loads(reply.read())["data"]] == [installation.MODEL_NAME]
+        status = _gym_grpc(tmp_path, "engine", "status")
+        assert status.returncode == 0 and f"base_url: {env['policy_base_url']}\n" in status.stdout
+        pid = int(status.stdout.split("pid: ")[1].split()[0])
+        assert _group_alive(pid)
+    finally:
+        stopped = _gym_grpc(tmp_path, "engine", "stop", timeout=60)
+    assert stopped.returncode == 0 and f"stopped vLLM (pid {pid})" in stopped.stdout
+    assert not _group_alive(pid)
+    assert _gym_grpc(tmp_path, "engine", "status").returncode == 1
