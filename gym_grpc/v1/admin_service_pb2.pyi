@@ -247,8 +247,14 @@ class Capabilities(_message.Message):
     token_in_token_out: _builtins.bool
     """Model servers: token in, token out. When a later call sends earlier
     assistant turns back with their token ids, its prompt_token_ids begin
-    with those ids exactly (the conversation is not re-tokenized), so a
-    multi-turn rollout stays on-policy.
+    with the last turn's prompt + generation ids exactly (the conversation is
+    not re-tokenized), so a multi-turn rollout stays on-policy. A history that
+    does not extend those ids (an earlier message edited or removed, a chat
+    template that renders earlier turns differently later) is counted in
+    GetCountersResponse.non_monotonic_histories and, by the server's
+    configuration, either starts a new sample (that turn's prompt ids are the
+    whole conversation rendered, and do not begin with the earlier ids) or
+    fails the call with FAILED_PRECONDITION naming the turn.
     """
     max_sessions: _builtins.int
     """Resources servers: most sessions open at once; SeedSession beyond it
