@@ -92,6 +92,24 @@ def test_a_port_taken_before_vllm_binds_it_makes_another_attempt(fake: Any, tmp_
     assert "attempt 1" in log and "Address already in use" in log and "attempt 2" in log  # both attempts kept
 
 
+def test_an_engine_restarted_on_its_port_serves_the_same_base_url(fake: Any, tmp_path: Path) -> None:
+    prepared, _ = fake("serve")
+    first = start(prepared, log_path=tmp_path / "first.log", ready_timeout=30)
+    stop(first.pid)
+    port = int(first.base_url.removesuffix("/v1").rsplit(":", 1)[1])
+    with running(prepared, log_path=tmp_path / "second.log", ready_timeout=30, port=port) as second:
+        assert second.base_url == first.base_url and second.pid != first.pid
+        with urllib.request.urlopen(f"{second.base_url}/models", timeout=5) as reply:
+            assert reply.status == 200
+
+
+def test_a_given_port_that_is_taken_fails_without_trying_another(fake: Any, tmp_path: Path) -> None:
+    prepared, _ = fake("taken_once")
+    with pytest.raises(EngineStartError, match=r"(?s)exited with status 1 before serving.*Address already in use"):
+        start(prepared, log_path=tmp_path / "vllm.log", ready_timeout=30, port=local_vllm_process._free_port())
+    assert "attempt 2" not in (tmp_path / "vllm.log").read_text()
+
+
 def test_stop_kills_an_engine_that_ignores_sigterm(fake: Any, tmp_path: Path) -> None:
     prepared, pids = fake("stubborn")
     engine = start(prepared, log_path=tmp_path / "vllm.log", ready_timeout=30)

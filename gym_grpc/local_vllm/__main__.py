@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     starting = commands.add_parser("start", help="start vLLM, wait until it serves, print it as JSON")
     starting.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait (default 600)")
     starting.add_argument("--max-model-len", type=int, default=4096)
+    starting.add_argument("--port", type=int, help="serve on this port (default: a free one)")
     stopping = commands.add_parser("stop", help="stop the recorded vLLM, or --pid")
     stopping.add_argument("--pid", type=int, help="the PID that start printed")
     args = parser.parse_args(argv)
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"prepared in {time.monotonic() - began:.1f} s: {prepared.python}, {prepared.model_dir}")
         elif args.command == "start":
             began = time.monotonic()
-            engine = start_recorded(ready_timeout=args.ready_timeout, max_model_len=args.max_model_len)
+            engine = start_recorded(ready_timeout=args.ready_timeout, max_model_len=args.max_model_len, port=args.port)
             print(engine.to_json())
             print(f"[engine] serving at {engine.base_url} after {time.monotonic() - began:.1f} s", file=sys.stderr)
         else:

@@ -1,4 +1,4 @@
-"""Start vLLM on a free loopback port, wait until it serves, stop it by its PID.
+"""Start vLLM on a free (or a given) loopback port, wait until it serves, stop it by its PID.
 
 vLLM takes a port number, not a bound socket, so port 0 is not possible: a
 free port is picked by binding 127.0.0.1:0 and closing it, and if another
@@ -122,28 +122,34 @@ def start(
     ready_timeout: float = 600.0,
     max_model_len: int = 4096,
     port_attempts: int = 3,
+    port: int | None = None,
 ) -> Engine:
-    """Start vLLM and return once GET /v1/models answers; raise EngineStartError if it dies or times out."""
+    """Start vLLM and return once GET /v1/models answers; raise EngineStartError if it dies or times out.
+
+    With `port` (say, an engine's again after a restart) vLLM binds that port or fails: a
+    port in use is an error, not a reason to try another."""
     prepared = prepared or prepare()
+    if port is not None:
+        port_attempts = 1
     if log_path is None:
         logs = cache_dir() / "logs"
         _prune(logs, keep=9)
         log_path = logs / f"vllm-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     for attempt in range(1, port_attempts + 1):
-        port = _free_port()
+        bound = port if port is not None else _free_port()
         with open(log_path, "w" if attempt == 1 else "a") as log:  # a retry keeps the failed attempt's log
-            log.write(f"--- gym_grpc.local_vllm: attempt {attempt}, port {port}\n")
+            log.write(f"--- gym_grpc.local_vllm: attempt {attempt}, port {bound}\n")
             log.flush()
             process = subprocess.Popen(
-                _command(prepared, port, max_model_len),
+                _command(prepared, bound, max_model_len),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **_ENV},
                 start_new_session=True,
             )
-        engine = Engine(f"http://127.0.0.1:{port}/v1", process.pid, log_path, prepared.model_name)
+        engine = Engine(f"http://127.0.0.1:{bound}/v1", process.pid, log_path, prepared.model_name)
         deadline = time.monotonic() + ready_timeout
         try:
             while time.monotonic() < deadline:
@@ -207,10 +213,14 @@ def _reap(pid: int) -> None:
 
 @contextlib.contextmanager
 def running(
-    prepared: Prepared | None = None, *, log_path: Path | None = None, ready_timeout: float = 600.0
+    prepared: Prepared | None = None,
+    *,
+    log_path: Path | None = None,
+    ready_timeout: float = 600.0,
+    port: int | None = None,
 ) -> Iterator[Engine]:
     """A vLLM for the duration of a block (a test session): started, then stopped whatever happens."""
-    engine = start(prepared, log_path=log_path, ready_timeout=ready_timeout)
+    engine = start(prepared, log_path=log_path, ready_timeout=ready_timeout, port=port)
     try:
         yield engine
     finally:

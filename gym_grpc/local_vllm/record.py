@@ -67,7 +67,9 @@ def recorded() -> Engine | None:
     return engine if engine is not None and is_vllm(engine.pid) else None
 
 
-def start_recorded(prepared: Prepared | None = None, *, ready_timeout: float, max_model_len: int) -> Engine:
+def start_recorded(
+    prepared: Prepared | None = None, *, ready_timeout: float, max_model_len: int, port: int | None = None
+) -> Engine:
     """start() and record the engine; AlreadyRunning if the recorded one still runs.
 
     A lock next to the record makes a second start (another shell) wait for
@@ -77,7 +79,7 @@ def start_recorded(prepared: Prepared | None = None, *, ready_timeout: float, ma
         running = recorded()
         if running is not None:
             raise AlreadyRunning(running)
-        engine = start(prepared, ready_timeout=ready_timeout, max_model_len=max_model_len)
+        engine = start(prepared, ready_timeout=ready_timeout, max_model_len=max_model_len, port=port)
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(path.name + ".tmp")
         temporary.write_text(engine.to_json())
