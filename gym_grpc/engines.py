@@ -36,8 +36,10 @@ from gym_grpc.serving import ServerConfig
 
 log = logging.getLogger("gym_grpc.engines")
 
-#: HTTP statuses worth retrying; the others are the engine's answer.
-RETRY_STATUSES = frozenset({429, 502, 503, 504})
+#: HTTP statuses worth retrying; the others are the engine's answer. 500 is among them
+#: (as in OpenAI's own clients): vLLM answers it to the requests in flight when its
+#: engine core dies ("EngineCore encountered an issue"), a stop or a crash, not the request.
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 
 
 class EngineSettings(ServerConfig, RetrySettings):
@@ -67,7 +69,8 @@ class EngineSettings(ServerConfig, RetrySettings):
 
 class EngineError(errors.GymError):
     """An engine answered with an HTTP error that is not worth retrying. Its status code
-    follows the HTTP status: 401/403 FAILED_PRECONDITION, other 4xx INVALID_ARGUMENT, else INTERNAL."""
+    follows the HTTP status: 401/403 FAILED_PRECONDITION, other 4xx INVALID_ARGUMENT, else INTERNAL
+    (a 5xx that is not retried, such as 501)."""
 
     def __init__(self, status: int, detail: str, url: str) -> None:
         text = f"engine {url} answered HTTP {status}: {detail}"
@@ -212,7 +215,7 @@ class Engine:
 
 
 class _Retryable(Exception):
-    """An answer worth retrying (429, 502, 503, 504), as the Failure it is."""
+    """An answer worth retrying (429, 500, 502, 503, 504), as the Failure it is."""
 
     def __init__(self, status: int, detail: str, retry_after: str | None) -> None:
         super().__init__(detail)

@@ -5,7 +5,7 @@ A failed attempt falls in one of four classes, each with its own number of retri
 
 * ``connect``: no connection (refused, reset, connect time-out), or it dropped
   before the whole answer arrived;
-* ``server_error``: HTTP 502, 503 or 504;
+* ``server_error``: HTTP 500, 502, 503 or 504;
 * ``rate_limited``: HTTP 429;
 * ``timeout``: no answer within the read time-out.
 
@@ -43,7 +43,7 @@ class RetrySettings(BaseModel):
     max_retries: int = Field(5, ge=0, description="retries of each failure class that `retries` does not list")
     retries: dict[FailureClass, Annotated[int, Field(ge=0)]] = Field(
         default_factory=dict,
-        description="retries per failure class: connect, server_error (HTTP 502/503/504), "
+        description="retries per failure class: connect, server_error (HTTP 500/502/503/504), "
         "rate_limited (HTTP 429), timeout (no answer within read_timeout)",
     )
     backoff_seconds: float = Field(0.5, ge=0, description="first retry delay of a class; doubles each time, jittered")

@@ -11,11 +11,13 @@ import socket
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 
+import grpc
 import pytest
 
 from gym_grpc import errors, status, transport
 from gym_grpc.clients import ModelClient
 from gym_grpc.collector import CollectOptions, collect
+from gym_grpc.engines import Engine, EngineError, EngineSettings
 from gym_grpc.retries import retry_after_seconds
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
@@ -135,6 +137,32 @@ async def test_retries_are_bounded_per_failure_class_and_counted(start, engines)
     assert "HTTP 503" in error.value.message and "gave up after 2 server_error retries" in error.value.message
     assert len(fake.requests) == 9
     await client.registry.close()
+
+
+async def test_an_http_500_is_retried_as_a_server_error_and_the_last_one_names_it(engines):
+    """vLLM answers 500 ("EngineCore encountered an issue") to the requests in flight when its
+    engine core dies: a restarted engine can still answer them, and if none does, the call is
+    UNAVAILABLE (transient), not INTERNAL (a bug)."""
+    fake = await engines()
+    fake.fail_next = [500]
+    settings = EngineSettings(base_url=fake.base_url, model="policy", retries={"server_error": 2}, **FAST)
+    engine = Engine(fake.base_url, settings)
+    body = {"model": "policy", "messages": [{"role": "user", "content": "2 + 3?"}]}
+    try:
+        answer = await engine.post("/chat/completions", body)
+        assert answer["choices"][0]["message"]["content"] == "5" and len(fake.requests) == 2
+        assert engine.counters.retries["server_error"] == 1
+        fake.fail_next = [500, 500, 500]
+        with pytest.raises(errors.Unavailable) as error:
+            await engine.post("/chat/completions", body)
+        assert "HTTP 500: injected 500" in error.value.message
+        assert "gave up after 2 server_error retries" in error.value.message
+        fake.fail_next = [501]  # not worth retrying: the engine's answer
+        with pytest.raises(EngineError) as refused:
+            await engine.post("/chat/completions", body)
+        assert refused.value.code == grpc.StatusCode.INTERNAL and len(fake.requests) == 6
+    finally:
+        await engine.close()
 
 
 async def test_a_retry_after_is_waited_for(start, engines, caplog):
