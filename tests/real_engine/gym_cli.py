@@ -1,0 +1,81 @@
+"""The `gym-grpc` command against the real engine, as a user runs it: an env file that
+points a config at the engine, `gym-grpc run` in the background, `gym-grpc collect`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from gym_grpc import local_vllm
+from tests.support import REPO
+from tests.test_cli import Run, _start_run, _tool
+
+VLLM = REPO / "configs" / "vllm.yaml"
+OPENAI = REPO / "configs" / "openai.yaml"
+WEATHER_CONFIG = REPO / "servers" / "resources" / "weather" / "config.yaml"
+MATH_CONFIG = REPO / "servers" / "resources" / "math" / "config.yaml"
+WEATHER_TASKS = REPO / "servers" / "resources" / "weather" / "data" / "example.jsonl"
+MATH_TASKS = REPO / "servers" / "resources" / "math" / "data" / "example.jsonl"
+
+
+def env_file(engine: local_vllm.Engine, directory: Path) -> Path:
+    """An env.yaml that points configs/vllm.yaml or configs/openai.yaml at `engine`."""
+    path = directory / "env.yaml"
+    path.write_text(f"policy_base_url: {engine.base_url}\npolicy_api_key: EMPTY\npolicy_model_name: {engine.model}\n")
+    return path
+
+
+@contextlib.contextmanager
+def serving(
+    engine: local_vllm.Engine, directory: Path, *configs: Path, overrides: tuple[str, ...] = ()
+) -> Iterator[Run]:
+    """`gym-grpc run CONFIGS --env-file ENV` (port 0 registry) until the block ends."""
+    run = _start_run("--env-file", str(env_file(engine, directory)), *overrides, configs=configs)
+    try:
+        yield run
+    finally:
+        run.stop()
+
+
+def collect_args(run: Run, agent: str, tasks: Path, output: Path, *extra: str) -> list[str]:
+    """The `gym-grpc collect` command line (extra: more options, then KEY=VALUE overrides)."""
+    return [
+        _tool("gym-grpc"),
+        "collect",
+        "--registry",
+        run.registry,
+        "--agent",
+        agent,
+        "--input",
+        str(tasks),
+        "--output",
+        str(output),
+        "--no-progress",
+        *extra,
+    ]
+
+
+def collect(run: Run, agent: str, tasks: Path, output: Path, *extra: str) -> subprocess.CompletedProcess:
+    """Run `gym-grpc collect` to its end. The time-out only bounds a hang: a slow, shared
+    2-core machine may take many minutes."""
+    return subprocess.run(collect_args(run, agent, tasks, output, *extra), capture_output=True, text=True, timeout=3600)
+
+
+def rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def failures(output: Path) -> list[dict[str, Any]]:
+    """The failures sidecar of a collect output (empty when there is none)."""
+    sidecar = output.with_suffix(".failures.jsonl")
+    return rows(sidecar) if sidecar.exists() else []
+
+
+def tasks_file(path: Path, rows_: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows_))
+    return path
