@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -79,3 +81,15 @@ def failures(output: Path) -> list[dict[str, Any]]:
 def tasks_file(path: Path, rows_: list[dict[str, Any]]) -> Path:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows_))
     return path
+
+
+def post_json(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """POST JSON to the engine; its JSON answer, or an AssertionError quoting the HTTP error."""
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=300) as reply:
+            return json.loads(reply.read())
+    except urllib.error.HTTPError as e:
+        raise AssertionError(f"POST {url} -> {e.code}: {e.read().decode(errors='replace')[:2000]}") from None
