@@ -231,9 +231,13 @@ class VLLMModel(EngineModelServer):
             except ValueError as e:
                 raise errors.InvalidArgument(f"params.tool_choice: {e}", field="params.tool_choice") from None
         body.update(prompt=prompt.ids, logprobs=0, return_token_ids=True, return_tokens_as_token_ids=True)
-        if "max_tokens" not in body and engine.base_url in self._context:
-            # /v1/completions stops at 16 tokens unless told; Chat Completions at the context's end.
-            body["max_tokens"] = max(1, self._context[engine.base_url] - len(prompt.ids))
+        if engine.base_url in self._context:
+            # /v1/completions stops at 16 tokens unless told; Chat Completions at the context's end. A
+            # max_output_tokens past the context's end is cut to fit, as vLLM cuts prompt + max_tokens.
+            room = self._context[engine.base_url] - len(prompt.ids)
+            if room <= 0:
+                return _context_full(params, self.config.model, f"{len(prompt.ids)} prompt tokens fill the context")
+            body["max_tokens"] = min(body.get("max_tokens") or room, room)
         answer = await engine.post("/completions", body)
         try:
             completion = answer["choices"][0]

@@ -298,3 +298,14 @@ async def test_without_max_output_tokens_the_engine_may_generate_to_the_end_of_i
     assert request["max_tokens"] == 5000 - len(_carrier(response).prompt_token_ids)
     await model.create_response(_params(max_output_tokens=7), "s")
     assert fake.requests[-1]["max_tokens"] == 7
+    # More than the context holds is cut to fit, not refused.
+    await model.create_response(_params(max_output_tokens=9000), "s")
+    assert fake.requests[-1]["max_tokens"] == 5000 - len(_carrier(response).prompt_token_ids)
+
+
+async def test_a_prompt_that_fills_the_context_ends_the_rollout_without_asking_the_engine(vllm, engine):
+    fake = await engine([Turn(content="never")], max_model_len=20)
+    _, model = await vllm(fake)
+    response = await model.create_response(_params("a question far longer than twenty byte tokens"), "s")
+    assert response.status == r.RESPONSE_STATUS_INCOMPLETE
+    assert not [request for request in fake.requests if "prompt" in request]
