@@ -30,6 +30,7 @@ against the engine's whole process tree, over the same collection.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
 import json
 import os
@@ -90,6 +91,23 @@ def _command_name(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:100].strip()
     except OSError:
         return "?"
+
+
+def model_counters(address: str) -> dict:
+    """The model server's engine retries and its histories that did not extend their ids, since it started."""
+    from gym_grpc import transport
+    from gym_grpc.v1 import admin_service_pb2 as admin_pb
+    from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
+
+    async def ask() -> dict:
+        async with transport.open_channel(address) as channel:
+            reply = await admin_grpc.AdminServiceStub(channel).GetCounters(admin_pb.GetCountersRequest(), timeout=10)
+        return {
+            "retries": dict(reply.retries),
+            "non_monotonic_histories": dict(getattr(reply, "non_monotonic_histories", {})),
+        }
+
+    return asyncio.run(ask())
 
 
 def tito_available() -> bool:
@@ -239,6 +257,7 @@ def collect_path(stack, engine_pid: int | None, tmp: Path, path: str, tasks: Pat
     engine_after = _tree_cpu(engine_pid) if engine_pid else {}
     load_after = os.getloadavg()
     result = analyse(out, events)
+    result["model_server_counters"] = model_counters(stack.servers[f"{path}_model"])
     servers_cpu = _delta(stack_before, stack_after)
     gym_cpu = servers_cpu + run.collector_cpu
     engine_cpu = _delta(engine_before, engine_after) if engine_pid else None
