@@ -36,7 +36,9 @@ def test_a_conversation_past_the_context_ends_incomplete_and_is_scored(
     tasks = gym_cli.rows(gym_cli.WEATHER_TASKS)
     too_long = json.loads(json.dumps(tasks[0]))
     too_long["responses_create_params"]["input"][0]["content"] = "Hello. " * 5000 + "What is the weather in Paris?"
-    runs_on = tasks[1]  # greedy, this model writes about Tokyo until the context is full
+    runs_on = json.loads(json.dumps(tasks[1]))  # greedy, this model writes about Tokyo until the context is full
+    question = runs_on["responses_create_params"]["input"][0]
+    question["content"] = "Hello. " * 1800 + question["content"]  # 3,600 tokens: little room left to fill
     output = tmp_path / "out.jsonl"
     with gym_cli.serving(engine, tmp_path, gym_cli.VLLM, gym_cli.WEATHER_CONFIG) as run:
         done = gym_cli.collect(
