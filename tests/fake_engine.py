@@ -48,6 +48,14 @@ def decode(ids: list[int]) -> str:
     return b"".join(b"th" if i == TH else bytes([i]) for i in ids if i < 256 or i == TH).decode("utf-8", "replace")
 
 
+def _usage(prompt: list[int], generated: list[int]) -> dict[str, int]:
+    return {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": len(generated),
+        "total_tokens": len(prompt) + len(generated),
+    }
+
+
 def hermes_call(name: str, arguments: str) -> str:
     return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
 
@@ -203,11 +211,7 @@ class FakeEngine:
             "created": int(time.time()),
             "model": body.get("model", "fake"),
             "choices": [choice],
-            "usage": {
-                "prompt_tokens": len(prompt),
-                "completion_tokens": len(generated),
-                "total_tokens": len(prompt) + len(generated),
-            },
+            "usage": _usage(prompt, generated),
         }
         if body.get("return_token_ids") and not self.without_token_ids:
             answer["prompt_token_ids"] = prompt
@@ -263,11 +267,7 @@ class FakeEngine:
                 "created": int(time.time()),
                 "model": body.get("model", "fake"),
                 "choices": [choice],
-                "usage": {
-                    "prompt_tokens": len(prompt),
-                    "completion_tokens": len(generated),
-                    "total_tokens": len(prompt) + len(generated),
-                },
+                "usage": _usage(prompt, generated),
             }
         )
 

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import urllib.error
-import urllib.request
 from typing import Any
 
 import pytest
 
 from gym_grpc import local_vllm
+from tests.real_engine.gym_cli import post_json
 
 pytestmark = pytest.mark.real_engine
 
@@ -33,19 +32,8 @@ WEATHER_TOOL = {
 }
 
 
-def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            return json.loads(reply.read())
-    except urllib.error.HTTPError as e:
-        raise AssertionError(f"POST {url} -> {e.code}: {e.read().decode(errors='replace')[:2000]}") from None
-
-
 def _chat(engine: local_vllm.Engine, **body: Any) -> dict[str, Any]:
-    return _post(
+    return post_json(
         f"{engine.base_url}/chat/completions",
         {
             "model": engine.model,
@@ -61,7 +49,7 @@ def _chat(engine: local_vllm.Engine, **body: Any) -> dict[str, Any]:
 
 def _detokenize(engine: local_vllm.Engine, ids: list[int]) -> str:
     root = engine.base_url.removesuffix("/v1")  # vLLM serves /tokenize and /detokenize outside /v1
-    return _post(f"{root}/detokenize", {"model": engine.model, "tokens": ids})["prompt"]
+    return post_json(f"{root}/detokenize", {"model": engine.model, "tokens": ids})["prompt"]
 
 
 def _check_ids_and_logprobs(reply: dict[str, Any]) -> tuple[list[int], list[int]]:

@@ -19,21 +19,6 @@ from tests.support import Calculator, static_registry, task
 
 
 @pytest.fixture
-async def engine():
-    engines = []
-
-    async def make(*args, **kwargs) -> FakeEngine:
-        fake = FakeEngine(*args, **kwargs)
-        await fake.start()
-        engines.append(fake)
-        return fake
-
-    yield make
-    for fake in engines:
-        await fake.stop()
-
-
-@pytest.fixture
 async def vllm(start):
     """vllm(fake, **config): a token-path VLLMModel on `fake`, and a client of it (closed after the test)."""
     clients: list[ModelClient] = []

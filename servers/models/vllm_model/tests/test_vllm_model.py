@@ -19,25 +19,10 @@ from servers.agents.simple_agent.agent import SimpleAgent
 from servers.models.vllm_model import chat
 from servers.models.vllm_model.server import VLLMModel
 from tests.corpus import nemo_gym_file
-from tests.fake_engine import FakeEngine, Turn
+from tests.fake_engine import Turn
 from tests.support import Calculator, static_registry, task
 
 FAST_RETRIES = {"backoff_seconds": 0.01, "max_backoff_seconds": 0.05}
-
-
-@pytest.fixture
-async def engine():
-    engines = []
-
-    async def make(*args, **kwargs) -> FakeEngine:
-        fake = FakeEngine(*args, **kwargs)
-        await fake.start()
-        engines.append(fake)
-        return fake
-
-    yield make
-    for fake in engines:
-        await fake.stop()
 
 
 async def _model(start, fake, **config) -> ModelClient:
