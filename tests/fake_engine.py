@@ -33,7 +33,7 @@ IM_START, IM_END, TH = 256, 257, 258
 
 
 def encode(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
+    return list(text.encode("utf-8", "surrogatepass"))  # an engine passes on what JSON decodes
 
 
 def encode_sampled(text: str) -> list[int]:

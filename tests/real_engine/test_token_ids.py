@@ -15,6 +15,7 @@ after </tool_call> is in the ids and in no item.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -51,13 +52,14 @@ def _check_rollout(engine: local_vllm.Engine, row: dict[str, Any]) -> list[str]:
             # (the model often ends with "\n\n"); the ids keep it.
             assert "".join(part["text"] for part in item["content"]) in (body, body.strip())
         else:
+            # The ids cover the whole turn: any text the model wrote first, then its calls,
+            # of which this item is the last.
             assert item["type"] == "function_call"
-            assert text.startswith("<tool_call>\n"), text
-            call, closed, _ = text.removeprefix("<tool_call>\n").partition("\n</tool_call>")
-            assert closed, text
-            body = json.loads(call)
+            calls = re.findall(r"<tool_call>\n(.*?)\n</tool_call>", text, re.DOTALL)
+            assert calls, text
+            body = json.loads(calls[-1])
             assert body == {"name": item["name"], "arguments": json.loads(item["arguments"])}
-            assert item["arguments"] == json.dumps(body["arguments"])
+            assert item["arguments"] == json.dumps(body["arguments"], ensure_ascii=False)
     return [item["type"] for item in carriers]
 
 

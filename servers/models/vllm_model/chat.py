@@ -150,12 +150,22 @@ def split_reasoning(content: str, tags: tuple[str, str]) -> tuple[str, str]:
     return "", content.strip()
 
 
+def _unicode(text: str) -> str:
+    """`text` as a protobuf string can carry it: a lone surrogate (JSON's escape of half a
+    character, which an engine may pass on from what the model wrote) becomes U+FFFD."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
 def to_response(answer: JSON, tags: tuple[str, str], params: r.CreateParams) -> r.Response:
     """A Chat Completions answer to `params` as a Response (token fields not included)."""
     choice = answer["choices"][0]
     message = choice.get("message") or {}
-    content = message.get("content") or ""
-    field = message.get("reasoning_content") or message.get("reasoning")
+    content = _unicode(message.get("content") or "")
+    field = _unicode(message.get("reasoning_content") or message.get("reasoning") or "")
     if field:
         reasoning, text = field.strip(), content.strip()
     else:
@@ -177,8 +187,8 @@ def to_response(answer: JSON, tags: tuple[str, str], params: r.CreateParams) -> 
             r.FunctionCall(
                 id=new_id("fc"),
                 call_id=call.get("id") or new_id("call"),
-                name=function.get("name", ""),
-                arguments=function.get("arguments") or "{}",
+                name=_unicode(function.get("name", "")),
+                arguments=_unicode(function.get("arguments") or "{}"),
                 status=r.ITEM_STATUS_COMPLETED,
             )
         )

@@ -41,6 +41,16 @@ class ToolCallFormat(Protocol):
         ...
 
 
+def _utf8(text: str) -> bool:
+    """Whether `text` is valid Unicode: JSON can decode an escaped lone surrogate
+    that no protobuf string can carry."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class Hermes:
     """`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, as Hermes-2-Pro,
     Qwen2.5 and Qwen3 write calls (vLLM's `hermes` parser), any number per turn."""
@@ -67,11 +77,15 @@ class Hermes:
             value = json.loads(body)
         except ValueError:
             return None
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not _utf8(value["name"]):
             return None
         arguments = value.get("arguments", {})
         if not isinstance(arguments, str):  # as vLLM's hermes parser serialises them
             arguments = json.dumps(arguments, ensure_ascii=False)
+            if not _utf8(arguments):  # a "\\ud8ca" escape of half a character: kept escaped
+                arguments = json.dumps(value.get("arguments"))
+        elif not _utf8(arguments):
+            return None
         return ParsedCall(value["name"], arguments)
 
     def structural_tag(self, tools: list[JSON], choice: str, parallel: bool) -> JSON:

@@ -294,3 +294,15 @@ async def test_a_prompt_that_fills_the_context_ends_the_rollout_without_asking_t
     response = await model.create_response(_params("a question far longer than twenty byte tokens"), "s")
     assert response.status == r.RESPONSE_STATUS_INCOMPLETE
     assert not [request for request in fake.requests if "prompt" in request]
+
+
+async def test_a_call_with_an_escaped_half_character_keeps_the_escape(vllm, engine):
+    """Seen on the real engine: the model wrote a JSON escape of a lone surrogate in its arguments;
+    decoded, no protobuf string can carry it (the call failed INTERNAL)."""
+    fake = await engine([Turn(tool_calls=[("add", '{"a": "x\\ud8ca"}')])])
+    _, model = await vllm(fake)
+    params = _params()
+    params.tools.add().function.CopyFrom(r.FunctionTool(name="add", parameters_json='{"type": "object"}'))
+    (call,) = function_calls(await model.create_response(params, "s"))
+    assert call.arguments == '{"a": "x\\ud8ca"}' and json.loads(call.arguments) == {"a": "x\ud8ca"}
+    assert Hermes().parse('<tool_call>\n{"name": "f\\udc00", "arguments": {}}\n</tool_call>')[1] == []

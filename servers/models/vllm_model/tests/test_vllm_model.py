@@ -338,3 +338,13 @@ async def test_row_engine_options_merge_over_the_config_and_under_the_rows_own_f
     assert error.value.field == "params.metadata.extra_body" and "not JSON" in error.value.message
     assert len(fake.requests) == 1  # refused before the engine is asked
     await model.registry.close()
+
+
+async def test_a_lone_surrogate_from_the_engine_becomes_a_replacement_character(start, engine):
+    """JSON can carry an escaped half character that no protobuf string can: it must not fail the call."""
+    fake = await engine([Turn(content="ok \ud8ca", tool_calls=[("add", '{"a": "\ud8ca"}')])])
+    model = await _model(start, fake, token_in_token_out=False)
+    response = await model.create_response(_params(), "s")
+    assert final_text(response) == "ok \ufffd"
+    assert function_calls(response)[0].arguments == '{"a": "\ufffd"}'
+    await model.registry.close()
