@@ -468,7 +468,7 @@ class GetCountersResponse(_message.Message):
         """Model servers in front of engines: retries of requests to the engines
         since start, by failure class: "connect" (no connection, or it dropped
         before the answer; includes waiting for an engine that is still
-        starting), "server_error" (HTTP 502, 503, 504), "rate_limited" (HTTP 429),
+        starting), "server_error" (HTTP 500, 502, 503, 504), "rate_limited" (HTTP 429),
         "timeout" (no answer within the read time-out). A class never retried is
         absent.
         """
