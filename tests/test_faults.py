@@ -13,10 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from gym_grpc import errors
+from gym_grpc.clients import ResourcesClient
 from gym_grpc.collector import CollectOptions, collect
 from gym_grpc.registry import Registry
 from gym_grpc.resources import ResourcesServer, Session
 from gym_grpc.v1 import responses_pb2 as r
+from gym_grpc.v1 import task_pb2
 from servers.agents.simple_agent.agent import SimpleAgent
 from tests.support import REPO, EchoModel, static_registry
 from tests.test_cli import MATH, _gym, _rows, _start_run, _status, _tool
@@ -173,7 +176,23 @@ class Moody(ResourcesServer):
             raise RuntimeError("the verifier fell over")
         if prompt == "hang":
             await asyncio.Event().wait()
+        if prompt == "block":  # past the limit without letting the event loop run its time-out
+            time.sleep(0.5)
         return 1.0
+
+
+async def test_a_verify_that_ends_past_its_limit_fails_whichever_the_loop_saw_first(start):
+    """Seen under load: a check that ended itself at the verify's deadline answered before the
+    event loop ran the verify's time-out, and the verify passed; which one won was chance."""
+    env = await start(Moody({"verify_timeout_seconds": 0.3}, name="moody"))
+    client = ResourcesClient(static_registry(moody=env), "moody")
+    task = task_pb2.Task()
+    task.responses_create_params.input_text = "block"
+    with pytest.raises(errors.GymError, match=r"INTERNAL: verify did not finish within 0\.3 s"):
+        await client.verify("s", task, r.Response())
+    task.responses_create_params.input_text = "fine"
+    assert (await client.verify("s", task, r.Response())).reward == 1.0
+    await client.registry.close()
 
 
 @pytest.mark.parametrize("server_timeout, code", [(0.3, "INTERNAL"), (300.0, "DEADLINE_EXCEEDED")])
