@@ -1,6 +1,10 @@
 """The bootstrap every server shares: ports, health, reflection, limits, shutdown."""
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -104,3 +108,24 @@ async def test_stop_goes_not_serving_and_lets_in_flight_calls_finish(start):
             await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
     assert error.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     await client.registry.close()
+
+
+def test_a_child_forked_while_grpc_is_busy_starts():
+    """Ray starts its raylet with a fork while our gRPC threads run; the child must live to exec.
+
+    A real child process imports gym_grpc, keeps health calls in flight and forks
+    300 children. With gRPC's fork handlers on, about one child in ten aborted
+    before exec (measured 28-41 of 300), which is how `ray.init` failed in CI.
+    The variable is removed from the child's environment so that only what
+    importing gym_grpc does counts.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.programs.busy_forker", "300"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert json.loads(out.stdout.splitlines()[-1]) == {"children": 300, "failed": 0}, out.stderr[-2000:]
