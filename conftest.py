@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gym_grpc.serving import GymServer, Running, serve
+from gym_grpc.server.serving import GymServer, Running, serve
 
 
 @pytest.fixture

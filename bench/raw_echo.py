@@ -18,7 +18,7 @@ import time
 
 import grpc
 
-from gym_grpc import transport
+from gym_grpc.rpc import transport
 from gym_grpc.v1 import model_service_pb2 as model_pb
 from gym_grpc.v1 import model_service_pb2_grpc as model_grpc
 from gym_grpc.v1 import responses_pb2 as r

@@ -3,7 +3,7 @@
     python bench/real_engine.py --rollouts 200 --concurrency 16   # the measurement; bench/results/<name>.json + .md
     python bench/real_engine.py --smoke                           # 1-2 minutes, to check it works (temp dir)
 
-One run starts the local vLLM (gym_grpc.local_vllm; or --engine-url/--engine-pid
+One run starts the local vLLM (gym_grpc.engines.local_vllm; or --engine-url/--engine-pid
 reuses one), one `gym-grpc run` with the customer-support refund environment
 (servers/resources/multi_step: find_user, list_orders, refund_order) behind the
 simple agent and two vllm_model servers on the same engine, and collects the
@@ -95,7 +95,7 @@ def _command_name(pid: int) -> str:
 
 def model_counters(address: str) -> dict:
     """The model server's engine retries and its histories that did not extend their ids, since it started."""
-    from gym_grpc import transport
+    from gym_grpc.rpc import transport
     from gym_grpc.v1 import admin_service_pb2 as admin_pb
     from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 
@@ -112,7 +112,7 @@ def model_counters(address: str) -> dict:
 
 def server_pids(addresses: dict[str, str]) -> dict[int, str]:
     """The PID of each server of `gym-grpc run`, by name (AdminService.GetServerInfo)."""
-    from gym_grpc import transport
+    from gym_grpc.rpc import transport
     from gym_grpc.v1 import admin_service_pb2 as admin_pb
     from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 
@@ -416,7 +416,7 @@ def main() -> None:
         if "token_in_token_out" in paths:
             paths.remove("token_in_token_out")
         notes.append("this checkout's vllm_model has no token_in_token_out switch: the chat path only.")
-    from gym_grpc import local_vllm
+    from gym_grpc.engines import local_vllm
 
     load_start = [round(x, 2) for x in os.getloadavg()]
     prepared, engine = None, None

@@ -9,8 +9,10 @@ from typing import Any
 
 import grpc
 
-from gym_grpc import errors, jsonl, rows, validation
-from gym_grpc.serving import GymServer, rpc_method
+from gym_grpc import errors
+from gym_grpc.data import jsonl, rows
+from gym_grpc.server import validation
+from gym_grpc.server.serving import GymServer, rpc_method
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
 from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
 from gym_grpc.v1 import registry_service_pb2 as reg

@@ -15,7 +15,7 @@ from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from gym_grpc import open_files
+from gym_grpc.server import open_files
 
 
 class ConfigError(ValueError):

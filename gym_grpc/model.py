@@ -6,8 +6,8 @@ from typing import Any
 
 import grpc
 
-from gym_grpc import validation
-from gym_grpc.serving import GymServer, rpc_method
+from gym_grpc.server import validation
+from gym_grpc.server.serving import GymServer, rpc_method
 from gym_grpc.v1 import model_service_pb2 as model_pb
 from gym_grpc.v1 import model_service_pb2_grpc as model_grpc
 from gym_grpc.v1 import registry_service_pb2 as reg

@@ -34,9 +34,11 @@ import grpc
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from pydantic.json_schema import GenerateJsonSchema
 
-from gym_grpc import errors, json_input, metrics, validation
-from gym_grpc.rows import dumps, json_field, params_to_json, task_data
-from gym_grpc.serving import GymServer, ServerConfig, rpc_method
+from gym_grpc import errors
+from gym_grpc.data import json_input, metrics
+from gym_grpc.data.rows import dumps, json_field, params_to_json, task_data
+from gym_grpc.server import validation
+from gym_grpc.server.serving import GymServer, ServerConfig, rpc_method
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import registry_service_pb2 as reg
 from gym_grpc.v1 import resources_service_pb2 as res_pb

@@ -7,7 +7,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from gym_grpc.rows import ECHOED_KEYS, dumps
+from gym_grpc.data.rows import ECHOED_KEYS, dumps
 from gym_grpc.v1 import responses_pb2 as r
 
 

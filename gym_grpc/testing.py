@@ -35,12 +35,14 @@ import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from gym_grpc import errors, jsonl, rows, transport
+from gym_grpc import errors
 from gym_grpc.agent import AgentServer
-from gym_grpc.registry import Registry
+from gym_grpc.data import jsonl, rows
 from gym_grpc.resources import ResourcesServer
 from gym_grpc.responses import assistant_message
-from gym_grpc.serving import GymServer, Running, serve
+from gym_grpc.rpc import transport
+from gym_grpc.rpc.registry import Registry
+from gym_grpc.server.serving import GymServer, Running, serve
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
 from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
 from gym_grpc.v1 import resources_service_pb2 as res_pb

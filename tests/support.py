@@ -8,10 +8,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from gym_grpc.model import ModelServer
-from gym_grpc.registry import Registry
 from gym_grpc.resources import ResourcesServer, Session, Verification, tool
 from gym_grpc.responses import assistant_message, final_text, input_items, message_text, new_id
-from gym_grpc.serving import Running
+from gym_grpc.rpc.registry import Registry
+from gym_grpc.server.serving import Running
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
 

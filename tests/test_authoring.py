@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from gym_grpc import json_input
-from gym_grpc.dataset_stats import approx_tokens, differences, statistics
-from gym_grpc.rows import task_from_row
+from gym_grpc.data import json_input
+from gym_grpc.data.dataset_stats import approx_tokens, differences, statistics
+from gym_grpc.data.rows import task_from_row
 from tests.support import REPO, nested_json
 from tests.test_cli import _gym, _rows, _start_run, _tool
 

@@ -7,11 +7,13 @@ import json
 import grpc
 import pytest
 
-from gym_grpc import errors, json_input, transport
-from gym_grpc.collector import CollectOptions, collect
-from gym_grpc.jsonl import failures_path
-from gym_grpc.registry import Registry
-from gym_grpc.runner import RegistryServer
+from gym_grpc import errors
+from gym_grpc.batch.collector import CollectOptions, collect
+from gym_grpc.cli.runner import RegistryServer
+from gym_grpc.data import json_input
+from gym_grpc.data.jsonl import failures_path
+from gym_grpc.rpc import transport
+from gym_grpc.rpc.registry import Registry
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
 from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
 from gym_grpc.v1 import model_service_pb2 as model_pb

@@ -8,12 +8,12 @@ import threading
 
 import pytest
 
-from gym_grpc import client as client_module
 from gym_grpc import errors
-from gym_grpc.client import GymClient, max_concurrent_rollouts, set_max_concurrent_rollouts
-from gym_grpc.collector import CollectOptions, collect
-from gym_grpc.jsonl import failures_path
-from gym_grpc.registry import Registry
+from gym_grpc.batch.collector import CollectOptions, collect
+from gym_grpc.client import training as client_module
+from gym_grpc.client.training import GymClient, max_concurrent_rollouts, set_max_concurrent_rollouts
+from gym_grpc.data.jsonl import failures_path
+from gym_grpc.rpc.registry import Registry
 from servers.agents.simple_agent.agent import SimpleAgent
 from servers.models.local_policy.server import LocalPolicyModel
 from servers.resources.weather.server import WeatherEnv
@@ -80,7 +80,7 @@ async def _echo_agent(start, model=None):
 
 async def test_one_limit_is_shared_by_every_client_in_every_thread_and_loop(start, caplog):
     model, address = await _echo_agent(start)
-    caplog.set_level(logging.INFO, logger="gym_grpc.client")
+    caplog.set_level(logging.INFO, logger="gym_grpc.client.training")
     set_max_concurrent_rollouts(3)
     row = {"responses_create_params": {"input": "hello"}, "expected_answer": "hello"}
 
@@ -108,7 +108,7 @@ async def test_one_limit_is_shared_by_every_client_in_every_thread_and_loop(star
 
 
 async def test_the_default_limit_is_set_and_logged_when_the_first_client_starts(caplog):
-    caplog.set_level(logging.INFO, logger="gym_grpc.client")
+    caplog.set_level(logging.INFO, logger="gym_grpc.client.training")
     GymClient("agent", Registry(static={}))
     GymClient("agent", Registry(static={}))
     assert max_concurrent_rollouts() == client_module.DEFAULT_MAX_CONCURRENT_ROLLOUTS

@@ -9,9 +9,9 @@ import time
 import pytest
 
 from gym_grpc import errors
-from gym_grpc.clients import ResourcesClient
-from gym_grpc.collector import CollectOptions, collect
-from gym_grpc.jsonl import failures_path
+from gym_grpc.batch.collector import CollectOptions, collect
+from gym_grpc.client.stubs import ResourcesClient
+from gym_grpc.data.jsonl import failures_path
 from gym_grpc.responses import input_items, message_text
 from servers.agents.simple_agent.agent import SimpleAgent
 from tests.support import Calculator, EchoModel, static_registry, task

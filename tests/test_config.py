@@ -3,9 +3,9 @@
 import pytest
 import yaml
 
-from gym_grpc.config import ConfigError, dump_config, load_config, set_env_values
-from gym_grpc.entrypoints import load_entrypoint
-from gym_grpc.serving import GymServer
+from gym_grpc.cli.config import ConfigError, dump_config, load_config, set_env_values
+from gym_grpc.server.entrypoints import load_entrypoint
+from gym_grpc.server.serving import GymServer
 from tests.support import REPO
 
 
@@ -65,7 +65,7 @@ def test_the_quickstart_config_names_real_server_classes():
         ("nonsense", "expected 'path/to/file.py:Class'"),
         ("/no/such/file.py:X", "no such file"),
         ("gym_grpc.no_such_module:X", "cannot import"),
-        ("gym_grpc.serving:ServerConfig", "no GymServer subclass"),
+        ("gym_grpc.server.serving:ServerConfig", "no GymServer subclass"),
     ],
 )
 def test_a_bad_entrypoint_names_what_is_wrong(entrypoint, message):

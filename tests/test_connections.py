@@ -7,9 +7,9 @@ import asyncio
 import pytest
 
 from gym_grpc import errors
-from gym_grpc.clients import ResourcesClient
-from gym_grpc.registry import Registry
-from gym_grpc.serving import serve
+from gym_grpc.client.stubs import ResourcesClient
+from gym_grpc.rpc.registry import Registry
+from gym_grpc.server.serving import serve
 from gym_grpc.v1 import responses_pb2 as r
 from tests.support import Calculator, task
 

@@ -16,11 +16,13 @@ from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
 
-from gym_grpc import errors, protocol, reflection, transport
-from gym_grpc.client import GymClient
-from gym_grpc.clients import AgentClient, ModelClient, ResourcesClient
-from gym_grpc.registry import Registry
-from gym_grpc.runner import RegistryServer
+from gym_grpc import errors
+from gym_grpc.cli.runner import RegistryServer
+from gym_grpc.client.stubs import AgentClient, ModelClient, ResourcesClient
+from gym_grpc.client.training import GymClient
+from gym_grpc.rpc import protocol, transport
+from gym_grpc.rpc.registry import Registry
+from gym_grpc.server import reflection
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
 from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gym_grpc.local_vllm import installation
+from gym_grpc.engines.local_vllm import installation
 
 FAKE_VLLM = Path(__file__).parent / "programs" / "fake_vllm.py"
 
@@ -48,7 +48,7 @@ class Shell:
 
     def local_vllm(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "gym_grpc.local_vllm", *args],
+            [sys.executable, "-m", "gym_grpc.engines.local_vllm", *args],
             cwd=self.cwd,
             env={**self.env, "FAKE_VLLM_MODE": "serve"},
             capture_output=True,

@@ -14,11 +14,13 @@ from email.utils import format_datetime
 import grpc
 import pytest
 
-from gym_grpc import errors, status, transport
-from gym_grpc.clients import ModelClient
-from gym_grpc.collector import CollectOptions, collect
-from gym_grpc.engines import Engine, EngineError, EngineSettings
-from gym_grpc.retries import retry_after_seconds
+from gym_grpc import errors
+from gym_grpc.batch.collector import CollectOptions, collect
+from gym_grpc.cli import status
+from gym_grpc.client.stubs import ModelClient
+from gym_grpc.engines.http import Engine, EngineError, EngineSettings
+from gym_grpc.engines.retries import retry_after_seconds
+from gym_grpc.rpc import transport
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from gym_grpc.v1 import model_service_pb2 as model_pb
@@ -81,7 +83,7 @@ async def _until(condition, seconds: float = 30.0) -> None:
 async def test_a_collect_started_before_its_engine_is_ready_loses_no_rollouts(
     start, engines, unopened, tmp_path, caplog
 ):
-    caplog.set_level(logging.WARNING, logger="gym_grpc.engines")
+    caplog.set_level(logging.WARNING, logger="gym_grpc.engines.http")
     model, client = await _model(start, _url(unopened), startup_wait_seconds=120, max_retries=1)
     env = await start(Calculator())
     peers = static_registry(model=model, calc=env)
@@ -166,7 +168,7 @@ async def test_an_http_500_is_retried_as_a_server_error_and_the_last_one_names_i
 
 
 async def test_a_retry_after_is_waited_for(start, engines, caplog):
-    caplog.set_level(logging.WARNING, logger="gym_grpc.engines")
+    caplog.set_level(logging.WARNING, logger="gym_grpc.engines.http")
     fake = await engines()
     fake.fail_next, fake.retry_after = [503], "1"
     _, client = await _model(start, fake.base_url)

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from gym_grpc import errors
-from gym_grpc.clients import ResourcesClient
-from gym_grpc.collector import CollectOptions, collect
-from gym_grpc.registry import Registry
+from gym_grpc.batch.collector import CollectOptions, collect
+from gym_grpc.client.stubs import ResourcesClient
 from gym_grpc.resources import ResourcesServer, Session
+from gym_grpc.rpc.registry import Registry
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
 from servers.agents.simple_agent.agent import SimpleAgent

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gym_grpc import rows
-from gym_grpc.clients import AgentClient, ModelClient
+from gym_grpc.client.stubs import AgentClient, ModelClient
+from gym_grpc.data import rows
 from gym_grpc.v1 import responses_pb2 as r
 from servers.agents.simple_agent.agent import SimpleAgent
 from servers.models.openai_model.server import OpenAIModel

@@ -13,7 +13,7 @@ import sys
 
 from google.protobuf import json_format
 
-from gym_grpc import rows
+from gym_grpc.data import rows
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
 from tests.support import REPO
 from tests.test_cli import WEATHER, _start_run, _status, _tool

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from gym_grpc import json_input
+from gym_grpc.data import json_input
 
 
 def test_brackets_inside_strings_do_not_count():

@@ -1,4 +1,4 @@
-"""gym_grpc.local_vllm's preparation and process handling, with a fake vLLM (no download, no model).
+"""gym_grpc.engines.local_vllm's preparation and process handling, with a fake vLLM (no download, no model).
 
 The real engine is tested in tests/real_engine (pytest --real-engine).
 """
@@ -18,8 +18,17 @@ from typing import Any
 
 import pytest
 
-from gym_grpc.local_vllm import EngineStartError, Prepared, PrepareError, installation, prepare, running, start, stop
-from gym_grpc.local_vllm import process as local_vllm_process
+from gym_grpc.engines.local_vllm import (
+    EngineStartError,
+    Prepared,
+    PrepareError,
+    installation,
+    prepare,
+    running,
+    start,
+    stop,
+)
+from gym_grpc.engines.local_vllm import process as local_vllm_process
 
 FAKE_VLLM = Path(__file__).parent / "programs" / "fake_vllm.py"
 

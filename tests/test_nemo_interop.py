@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from gym_grpc import jsonl
-from gym_grpc.collector import CollectOptions, collect
-from gym_grpc.jsonl import KEY, NEMO_KEY
-from gym_grpc.registry import Registry
-from gym_grpc.reverify import ReverifyOptions, reverify
-from gym_grpc.summary import GroupIndex, summarise_file
+from gym_grpc.batch.collector import CollectOptions, collect
+from gym_grpc.batch.reverify import ReverifyOptions, reverify
+from gym_grpc.batch.summary import GroupIndex, summarise_file
+from gym_grpc.data import jsonl
+from gym_grpc.data.jsonl import KEY, NEMO_KEY
+from gym_grpc.rpc.registry import Registry
 from servers.agents.simple_agent.agent import SimpleAgent
 from servers.models.local_policy.server import LocalPolicyModel
 from servers.resources.math.server import MathEnv

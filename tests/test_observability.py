@@ -9,8 +9,8 @@ import signal
 import grpc
 import pytest
 
-from gym_grpc import transport
-from gym_grpc.clients import ResourcesClient
+from gym_grpc.client.stubs import ResourcesClient
+from gym_grpc.rpc import transport
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from gym_grpc.v1 import model_service_pb2 as model_pb

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from gym_grpc import protocol
+from gym_grpc.rpc import protocol
 from tests.support import REPO
 from tests.test_cli import BIN, _start_run
 

@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from gym_grpc import errors
-from gym_grpc.registry import Registry, RegistryServicer
+from gym_grpc.rpc.registry import Registry, RegistryServicer
 from gym_grpc.v1 import registry_service_pb2 as reg
 from gym_grpc.v1 import registry_service_pb2_grpc as reg_grpc
 

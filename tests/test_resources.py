@@ -5,12 +5,13 @@ import asyncio
 import grpc
 import pytest
 
-from gym_grpc import errors, json_input, rows
-from gym_grpc.clients import ResourcesClient
+from gym_grpc import errors
+from gym_grpc.client.stubs import ResourcesClient
+from gym_grpc.data import json_input, rows
 from gym_grpc.resources import ResourcesServer, Session, Verification, tool
 from gym_grpc.responses import assistant_message
+from gym_grpc.rpc.transport import open_channel
 from gym_grpc.testing import ResourcesConformance
-from gym_grpc.transport import open_channel
 from gym_grpc.v1 import resources_service_pb2 as res_pb
 from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
 from gym_grpc.v1 import responses_pb2 as r

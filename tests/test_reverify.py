@@ -4,13 +4,13 @@ import asyncio
 import io
 import json
 
-from gym_grpc import json_input
-from gym_grpc.collector import CollectOptions, collect
-from gym_grpc.jsonl import KEY, NEMO_KEY, failures_path
-from gym_grpc.registry import Registry
+from gym_grpc.batch.collector import CollectOptions, collect
+from gym_grpc.batch.reverify import ReverifyOptions, _scan, reverify
+from gym_grpc.data import json_input
+from gym_grpc.data.jsonl import KEY, NEMO_KEY, failures_path
 from gym_grpc.resources import ResourcesServer, Session
 from gym_grpc.responses import final_text
-from gym_grpc.reverify import ReverifyOptions, _scan, reverify
+from gym_grpc.rpc.registry import Registry
 from gym_grpc.v1 import responses_pb2 as r
 from servers.agents.simple_agent.agent import SimpleAgent
 from servers.models.local_policy.server import LocalPolicyModel

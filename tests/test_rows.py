@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai.types.responses import Response as OpenAIResponse
 
-from gym_grpc import rows
+from gym_grpc.data import rows
 from gym_grpc.responses import new_response
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2

@@ -11,11 +11,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gym_grpc import errors, transport
-from gym_grpc.clients import AgentClient, ResourcesClient
-from gym_grpc.registry import Registry
-from gym_grpc.security import Security, TlsSettings
-from gym_grpc.serving import serve
+from gym_grpc import errors
+from gym_grpc.client.stubs import AgentClient, ResourcesClient
+from gym_grpc.rpc import transport
+from gym_grpc.rpc.registry import Registry
+from gym_grpc.rpc.security import Security, TlsSettings
+from gym_grpc.server.serving import serve
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from gym_grpc.v1 import resources_service_pb2 as res_pb
@@ -83,7 +84,7 @@ async def test_a_streaming_call_carries_the_token():
 
 
 async def test_a_refused_call_is_logged_with_its_peer_and_method(caplog):
-    caplog.set_level(logging.WARNING, logger="gym_grpc.security")
+    caplog.set_level(logging.WARNING, logger="gym_grpc.rpc.security")
     agent = SimpleAgent({"model_server": "m", "resources_server": "calc"}, name="agent")
     server = await serve(agent, security=Security(token="s3cret-token"))
     client = AgentClient(Registry(static={"agent": server.address}, security=Security(token="wrong")), "agent")

@@ -11,10 +11,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from gym_grpc import transport
-from gym_grpc.clients import ResourcesClient
+from gym_grpc.client.stubs import ResourcesClient
 from gym_grpc.resources import ResourcesServer, Session, tool
-from gym_grpc.serving import serve
+from gym_grpc.rpc import transport
+from gym_grpc.server.serving import serve
 from gym_grpc.v1 import responses_pb2 as r
 from tests.support import Calculator, static_registry, task
 

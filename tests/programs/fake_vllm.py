@@ -1,4 +1,4 @@
-"""Stands in for `python -m vllm.entrypoints.openai.api_server ...` in tests of gym_grpc.local_vllm.
+"""Stands in for `python -m vllm.entrypoints.openai.api_server ...` in tests of gym_grpc.engines.local_vllm.
 
 Takes vLLM's arguments (only --port matters) and behaves as FAKE_VLLM_MODE says:
 serve (answers GET /v1/models, with a forked child like vLLM's engine core),

@@ -18,7 +18,7 @@ import sys
 
 import grpc
 
-from gym_grpc import rows
+from gym_grpc.data import rows
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
 from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
 

@@ -6,7 +6,7 @@ minutes and 3.5 GB); later runs reuse them. Any failure to prepare or start is
 an error of every test that needs the engine, never a skip.
 
 To iterate on the tests without starting vLLM each time, start it once
-(`python -m gym_grpc.local_vllm start`) and give its base URL in
+(`python -m gym_grpc.engines.local_vllm start`) and give its base URL in
 GYM_GRPC_REAL_ENGINE_URL; the tests then use it and leave it running.
 """
 
@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gym_grpc import local_vllm
+from gym_grpc.engines import local_vllm
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from gym_grpc import local_vllm
+from gym_grpc.engines import local_vllm
 from tests.support import REPO
 from tests.test_cli import Run, _start_run, _tool
 

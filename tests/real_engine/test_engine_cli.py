@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gym_grpc.local_vllm import installation
+from gym_grpc.engines.local_vllm import installation
 
 pytestmark = pytest.mark.real_engine
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from gym_grpc import local_vllm
+from gym_grpc.engines import local_vllm
 from tests.real_engine import gym_cli
 
 pytestmark = pytest.mark.real_engine

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from gym_grpc import local_vllm
+from gym_grpc.engines import local_vllm
 from servers.resources.weather.server import forecast
 from tests.real_engine import gym_cli
 

@@ -1,6 +1,6 @@
 """The local CPU vLLM answers what the model servers ask of it: token ids, log-probs, parsed tool calls.
 
-These check the engine and its setup (gym_grpc.local_vllm, the chat
+These check the engine and its setup (gym_grpc.engines.local_vllm, the chat
 template), not gym-grpc's servers: if they fail, every real-engine test of
 the servers would fail for a reason that is not theirs.
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from gym_grpc import local_vllm
+from gym_grpc.engines import local_vllm
 from tests.real_engine.gym_cli import post_json
 
 pytestmark = pytest.mark.real_engine
@@ -128,7 +128,7 @@ def test_an_earlier_tool_call_and_its_result_render_as_hermes_turns(engine: loca
 def test_seeded_requests_arriving_together_do_not_kill_the_engine(engine: local_vllm.Engine) -> None:
     """vLLM 0.32's CPU runner kills its engine core when a seeded request is prefilled in chunks
     (RuntimeError "CPU Generator does not use offset"), which happens as soon as the prompts of
-    concurrent requests exceed one step's token budget; gym_grpc.local_vllm starts vLLM with
+    concurrent requests exceed one step's token budget; gym_grpc.engines.local_vllm starts vLLM with
     whole prefills only. 48 seeded requests of ~230 tokens at once are well past vLLM's default
     budget of 2,048 tokens."""
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from gym_grpc import local_vllm
+from gym_grpc.engines import local_vllm
 from tests.real_engine.gym_cli import REPO, WEATHER_CONFIG, WEATHER_TASKS, collect, post_json, rows, serving
 from tests.test_cli import Run, _tool
 

@@ -18,11 +18,12 @@ import uuid
 
 from pydantic import Field
 
-from gym_grpc import errors, rows
+from gym_grpc import errors
 from gym_grpc.agent import AgentServer, RolloutEvents
-from gym_grpc.clients import ModelClient, ResourcesClient
+from gym_grpc.client.stubs import ModelClient, ResourcesClient
+from gym_grpc.data import rows
 from gym_grpc.responses import function_calls, input_items, new_id, tool_error_output
-from gym_grpc.serving import ServerConfig
+from gym_grpc.server.serving import ServerConfig
 from gym_grpc.v1 import model_service_pb2 as model_pb
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2

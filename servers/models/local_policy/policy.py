@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from gym_grpc import json_input
+from gym_grpc.data import json_input
+from gym_grpc.data.rows import tool_parameters
 from gym_grpc.responses import TOOL_ERROR_PREFIX, message_text
-from gym_grpc.rows import tool_parameters
 from gym_grpc.v1 import responses_pb2 as r
 
 

@@ -24,7 +24,7 @@ from pydantic import Field
 
 from gym_grpc.model import ModelServer
 from gym_grpc.responses import assistant_message, input_items, item_body, new_id, new_response
-from gym_grpc.serving import ServerConfig
+from gym_grpc.server.serving import ServerConfig
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import responses_pb2 as r
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+from gym_grpc.data.rows import tool_parameters
 from gym_grpc.responses import item_body, message_text, turns
-from gym_grpc.rows import tool_parameters
 from gym_grpc.v1 import responses_pb2 as r
 
 IM_START = 256

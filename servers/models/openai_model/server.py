@@ -8,8 +8,9 @@ a native Responses endpoint. For token ids from vLLM, use the vllm server.
 
 from __future__ import annotations
 
-from gym_grpc import errors, rows
-from gym_grpc.engines import EngineModelServer, EngineSettings
+from gym_grpc import errors
+from gym_grpc.data import rows
+from gym_grpc.engines.http import EngineModelServer, EngineSettings
 from gym_grpc.v1 import responses_pb2 as r
 
 

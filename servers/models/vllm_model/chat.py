@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from gym_grpc.data.rows import TOOL_CHOICE_MODE_NAMES, format_schema, params_extra, tool_parameters
 from gym_grpc.responses import assistant_message, input_items, item_body, message_text, new_id, new_response, turns
-from gym_grpc.rows import TOOL_CHOICE_MODE_NAMES, format_schema, params_extra, tool_parameters
 from gym_grpc.v1 import responses_pb2 as r
 
 JSON = dict[str, Any]

@@ -48,8 +48,9 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from gym_grpc import errors, json_input
-from gym_grpc.engines import Engine, EngineError, EngineModelServer, EngineSettings
+from gym_grpc import errors
+from gym_grpc.data import json_input
+from gym_grpc.engines.http import Engine, EngineError, EngineModelServer, EngineSettings
 from gym_grpc.responses import assistant_message, input_items, item_body, new_id, new_response, turns
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import responses_pb2 as r

@@ -36,7 +36,8 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from gym_grpc import errors, json_input
+from gym_grpc import errors
+from gym_grpc.data import json_input
 from gym_grpc.resources import ResourcesConfig, ResourcesServer, Session, Verification
 from gym_grpc.responses import final_text
 from gym_grpc.v1 import responses_pb2 as r

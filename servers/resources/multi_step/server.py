@@ -27,7 +27,8 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
-from gym_grpc import errors, json_input
+from gym_grpc import errors
+from gym_grpc.data import json_input
 from gym_grpc.resources import ResourcesServer, Session, Verification, tool
 from gym_grpc.responses import function_calls, function_outputs
 from gym_grpc.v1 import responses_pb2 as r

@@ -15,7 +15,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from gym_grpc import json_input
+from gym_grpc.data import json_input
 from gym_grpc.resources import ResourcesServer, Session, Verification, tool
 from gym_grpc.responses import final_text, function_calls, function_outputs
 from gym_grpc.v1 import responses_pb2 as r

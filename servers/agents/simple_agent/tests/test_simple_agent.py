@@ -6,12 +6,14 @@ import time
 import grpc
 import pytest
 
-from gym_grpc import errors, rows, transport
-from gym_grpc.clients import AgentClient, ResourcesClient
-from gym_grpc.registry import Registry
+from gym_grpc import errors
+from gym_grpc.client.stubs import AgentClient, ResourcesClient
+from gym_grpc.data import rows
 from gym_grpc.resources import ResourcesServer, tool
 from gym_grpc.responses import assistant_message, final_text, new_id
-from gym_grpc.serving import GymServer
+from gym_grpc.rpc import transport
+from gym_grpc.rpc.registry import Registry
+from gym_grpc.server.serving import GymServer
 from gym_grpc.testing import AgentConformance
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
 from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gym_grpc import rows
-from gym_grpc.clients import ModelClient
+from gym_grpc.client.stubs import ModelClient
+from gym_grpc.data import rows
 from gym_grpc.responses import final_text, function_calls, item_body
 from gym_grpc.v1 import responses_pb2 as r
 from servers.models.local_policy import policy, tokenizer

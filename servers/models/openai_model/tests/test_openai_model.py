@@ -3,7 +3,7 @@
 import pytest
 
 from gym_grpc import errors
-from gym_grpc.clients import AgentClient, ModelClient
+from gym_grpc.client.stubs import AgentClient, ModelClient
 from gym_grpc.responses import final_text, user_message
 from gym_grpc.v1 import responses_pb2 as r
 from servers.agents.simple_agent.agent import SimpleAgent

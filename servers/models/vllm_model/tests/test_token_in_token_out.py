@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from gym_grpc import errors
-from gym_grpc.clients import AgentClient, ModelClient
+from gym_grpc.client.stubs import AgentClient, ModelClient
 from gym_grpc.responses import final_text, function_calls, user_message
 from gym_grpc.v1 import responses_pb2 as r
 from servers.agents.simple_agent.agent import SimpleAgent

@@ -10,9 +10,11 @@ import time
 import grpc
 import pytest
 
-from gym_grpc import errors, rows, validation
-from gym_grpc.clients import AgentClient, ModelClient
+from gym_grpc import errors
+from gym_grpc.client.stubs import AgentClient, ModelClient
+from gym_grpc.data import rows
 from gym_grpc.responses import final_text, function_calls, user_message
+from gym_grpc.server import validation
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
 from servers.agents.simple_agent.agent import SimpleAgent
@@ -121,7 +123,7 @@ async def test_a_429_storm_recovers_and_every_retry_is_logged(start, engine, cap
     fake = await engine([Turn(content="fine")])
     fake.fail_next = [429, 429, 503, 429]
     model = await _model(start, fake)
-    caplog.set_level(logging.WARNING, logger="gym_grpc.engines")
+    caplog.set_level(logging.WARNING, logger="gym_grpc.engines.http")
     response = await model.create_response(_params(), "s")
     assert final_text(response) == "fine" and len(fake.requests) == 5
     retries = [rec.getMessage() for rec in caplog.records if "retrying" in rec.getMessage()]

@@ -12,9 +12,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gym_grpc import errors, rows, transport
-from gym_grpc.clients import ResourcesClient
+from gym_grpc import errors
+from gym_grpc.client.stubs import ResourcesClient
+from gym_grpc.data import rows
 from gym_grpc.responses import assistant_message
+from gym_grpc.rpc import transport
 from gym_grpc.testing import ResourcesConformance, example_rows
 from gym_grpc.v1 import resources_service_pb2 as res_pb
 from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc

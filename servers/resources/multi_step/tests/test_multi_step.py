@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from gym_grpc import errors, rows
-from gym_grpc.clients import AgentClient, ResourcesClient
+from gym_grpc import errors
+from gym_grpc.client.stubs import AgentClient, ResourcesClient
+from gym_grpc.data import rows
 from gym_grpc.responses import assistant_message, tool_error_output
 from gym_grpc.testing import ResourcesConformance, example_rows
 from gym_grpc.v1 import responses_pb2 as r

@@ -8,11 +8,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gym_grpc import errors, rows
-from gym_grpc.clients import AgentClient, ResourcesClient
+from gym_grpc import errors
+from gym_grpc.client.stubs import AgentClient, ResourcesClient
+from gym_grpc.data import rows
 from gym_grpc.responses import assistant_message
+from gym_grpc.rpc.transport import open_channel
 from gym_grpc.testing import ResourcesConformance, example_rows
-from gym_grpc.transport import open_channel
 from gym_grpc.v1 import resources_service_pb2 as res_pb
 from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
 from gym_grpc.v1 import responses_pb2 as r

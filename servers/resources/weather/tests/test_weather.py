@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from gym_grpc import rows
-from gym_grpc.clients import ResourcesClient
+from gym_grpc.client.stubs import ResourcesClient
+from gym_grpc.data import rows
 from gym_grpc.responses import assistant_message
 from gym_grpc.testing import ResourcesConformance, example_rows
 from gym_grpc.v1 import responses_pb2 as r

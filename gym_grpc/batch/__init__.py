@@ -1,0 +1,1 @@
+"""Collecting at scale: jobs through a bounded window, `collect`, `reverify` and their summaries."""

@@ -1,0 +1,164 @@
+"""`gym-grpc collect`: a JSONL of tasks in, a JSONL of scored rollouts out.
+
+Each task row runs `num_repeats` times through an agent, keyed by
+(task_index, repeat_index), through a bounded window (see batch.py for
+resume, the failures sidecar and the summary). A rollout row is the task row
+(with an `agent_ref` naming the agent when it had none), then `response`,
+`reward`, the verifier's fields and their names in `verifier_fields`,
+`stop_reason`, `model_calls`, `timings` and the key. With `skip_verify` the
+rollouts are not verified: `reward` is a placeholder and
+`verification_skipped` is true, for `gym-grpc reverify` to score them later.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from gym_grpc import errors
+from gym_grpc.batch.jobs import BadInput, Batch, BatchSummary, Job, RunOptions
+from gym_grpc.client.stubs import AgentClient
+from gym_grpc.data import jsonl, rows
+from gym_grpc.data.jsonl import count_rows
+from gym_grpc.rpc.registry import Registry
+from gym_grpc.v1 import responses_pb2 as r
+from gym_grpc.v1 import task_pb2
+
+
+@dataclass
+class CollectOptions(RunOptions):
+    """What to collect and how."""
+
+    #: Use only the first `limit` task rows.
+    limit: int | None = None
+    num_repeats: int = 1
+    #: Seconds one rollout may take before it fails.
+    timeout: float = 3600.0
+    #: `responses_create_params` values that win over each row's, by dotted key.
+    overrides: dict[str, Any] = field(default_factory=dict)
+    #: Where to record each rollout's events (RunStream), if anywhere.
+    events: Path | None = None
+    #: Do not verify; write `placeholder_reward` and `verification_skipped: true`.
+    skip_verify: bool = False
+    placeholder_reward: float = 0.0
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """`key=value` pairs (value read as JSON, else taken as text) as a dict by dotted key."""
+    overrides = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {pair!r}: expected key=value, such as temperature=0.7")
+        try:
+            overrides[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            overrides[key] = raw
+    return overrides
+
+
+def apply_overrides(params: dict[str, Any], overrides: dict[str, Any]) -> None:
+    """Set each dotted key of `overrides` in a responses_create_params dict."""
+    for key, value in overrides.items():
+        *parents, last = key.split(".")
+        node = params
+        for part in parents:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = node[part] = {}
+            node = child
+        node[last] = value
+
+
+@dataclass(frozen=True)
+class _Task:
+    row: dict[str, Any]
+    task: task_pb2.Task
+
+
+def _jobs(options: CollectOptions) -> Iterator[Job | BadInput]:
+    """The task rows of the input, overrides applied, each num_repeats times."""
+    task_index = -1
+    with options.input.open("rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            task_index += 1
+            if options.limit is not None and task_index >= options.limit:
+                return
+            try:
+                row = jsonl.parse_line(raw)
+                if isinstance(row, dict) and isinstance(row.get(rows.PARAMS_KEY), dict) and options.overrides:
+                    apply_overrides(row[rows.PARAMS_KEY], options.overrides)
+                task = rows.task_from_row(row)
+                agent = rows.agent_name(row, options.agent, " and no --agent was given")
+            except ValueError as e:
+                yield BadInput(task_index, line_no, str(e), getattr(e, "field", None), jobs=options.num_repeats)
+                continue
+            if "agent_ref" not in row:  # say which agent ran it, for reverify and for readers
+                row["agent_ref"] = {"name": agent}
+            for repeat in range(options.num_repeats):
+                yield Job(task_index, repeat, agent, _Task(row, task))
+
+
+def _event_row(event: Any) -> dict[str, Any]:
+    kind = event.WhichOneof("event")
+    row: dict[str, Any] = {"sequence": event.sequence, "elapsed_seconds": event.elapsed_seconds, "type": kind}
+    if kind == "model_call":
+        e = event.model_call
+        row.update(step=e.step, seconds=e.seconds, response=rows.response_to_json(e.response))
+    elif kind == "tool_call":
+        e = event.tool_call
+        row.update(step=e.step, seconds=e.seconds, error=e.error)
+        row["call"] = rows.item_to_json(r.Item(function_call=e.call))
+        row["output"] = rows.item_to_json(r.Item(function_call_output=e.output))
+    elif kind == "verification":
+        e = event.verification
+        row.update(reward=e.reward, fields=rows.json_field(e, "fields"), seconds=e.seconds)
+        if e.reward_components:
+            row["reward_components"] = dict(e.reward_components)
+    elif kind == "rollout":
+        row.update(
+            reward=event.rollout.reward, stop_reason=rows.STOP_REASONS.get(event.rollout.stop_reason, "unspecified")
+        )
+    return row
+
+
+async def collect(registry: Registry, options: CollectOptions, *, log: TextIO = sys.stderr) -> BatchSummary:
+    """Collect rollouts as `options` says; return what was done."""
+    if options.num_repeats < 1:
+        raise ValueError("num_repeats must be at least 1")
+    clients: dict[str, AgentClient] = {}
+    events = jsonl.Appender(options.events) if options.events is not None else None
+
+    async def rollout(job: Job) -> task_pb2.Rollout:
+        client = clients.get(job.group)
+        if client is None:
+            client = clients[job.group] = AgentClient(registry, job.group)
+        task = job.payload.task
+        if events is None:
+            return await client.run(task, timeout=options.timeout, skip_verification=options.skip_verify)
+        last = None
+        stream = client.run_stream(task, timeout=options.timeout, skip_verification=options.skip_verify)
+        async for event in stream:
+            row = {"task_index": job.task_index, "repeat_index": job.repeat_index, **_event_row(event)}
+            events.append(row)
+            if event.WhichOneof("event") == "rollout":
+                last = event.rollout
+        if last is None:
+            raise errors.GymError(f"agent {job.group!r} ended the event stream without a rollout")
+        return last
+
+    async def produce(job: Job) -> dict[str, Any]:
+        return rows.rollout_record(job.payload.row, await rollout(job), options.placeholder_reward)
+
+    batch = Batch(options.batch(count_rows(options.input, options.limit), options.num_repeats), log)
+    try:
+        return await batch.run(_jobs(options), produce)
+    finally:
+        if events is not None:
+            events.close()

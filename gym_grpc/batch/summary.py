@@ -1,0 +1,262 @@
+"""What a rollout file says, and how fast this run produced it.
+
+`summarise_file` reads a whole output file (every run that wrote to it):
+per group (agent), the mean of every numeric field the rollouts produced
+(the reward, the fields its verifier listed in `verifier_fields`,
+`model_calls`, `timings`), pass@1, pass@k and mean@k over complete groups of
+repeats, and warnings for the usual signs of a broken verifier or data set.
+
+`RunStats` follows the rows this run wrote: rollouts/s, tokens/s from the
+responses' usage, and the median and p95 of each stage's time.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gym_grpc.data import jsonl
+from gym_grpc.data.metrics import Means
+
+#: Rollout fields that the collector writes, none of them a task's own.
+ROLLOUT_FIELDS = frozenset(
+    {
+        "response",
+        "reward",
+        "reward_components",
+        "verifier_fields",
+        "verification_skipped",
+        "stop_reason",
+        "model_calls",
+        "timings",
+        *jsonl.KEY,
+        *jsonl.NEMO_KEY,
+    }
+)
+STAGES = ("model", "tools", "verify")
+
+
+def task_fields(row: dict[str, Any]) -> dict[str, Any]:
+    """The task row inside a rollout row: without the rollout's fields and its verifier's."""
+    produced = set(row.get("verifier_fields") or ()) | ROLLOUT_FIELDS
+    return {k: v for k, v in row.items() if k not in produced}
+
+
+def _numbers(prefix: str, value: Any, out: dict[str, float]) -> None:
+    if isinstance(value, bool | int | float) and not (isinstance(value, float) and math.isnan(value)):
+        out[prefix] = float(value)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _numbers(f"{prefix}.{k}", v, out)
+
+
+def has_answer(response: Any) -> bool:
+    """Whether a dumped response holds any assistant text or tool call."""
+    for item in response.get("output", []) if isinstance(response, dict) else []:
+        if item.get("type") == "function_call":
+            return True
+        if item.get("type") == "message" and item.get("role") == "assistant":
+            content = item.get("content")
+            texts = [content] if isinstance(content, str) else [p.get("text", "") for p in content or []]
+            if any(t.strip() for t in texts):
+                return True
+    return False
+
+
+def usage_of(row: dict[str, Any]) -> tuple[int, int]:
+    """(input tokens, output tokens) of a rollout row's response."""
+    usage = (row.get("response") or {}).get("usage") or {}
+    return int(usage.get("input_tokens") or 0), int(usage.get("output_tokens") or 0)
+
+
+class GroupIndex:
+    """The group (agent) of each task index, as small ids."""
+
+    def __init__(self, n_tasks: int) -> None:
+        self.names: list[str] = []
+        self._ids: dict[str, int] = {}
+        self.group_of = array("i", [-1]) * n_tasks
+
+    def set(self, task_index: int, name: str) -> None:
+        if name not in self._ids:
+            self._ids[name] = len(self.names)
+            self.names.append(name)
+        self.group_of[task_index] = self._ids[name]
+
+
+@dataclass
+class FileSummary:
+    """Metrics per group and warnings, over a whole output file."""
+
+    metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+
+def summarise_file(
+    path: Path,
+    groups: GroupIndex,
+    repeats: int,
+    *,
+    reward_range: tuple[float, float] = (0.0, 1.0),
+    pass_threshold: float = 1.0,
+) -> FileSummary:
+    """Metrics and warnings per group over every rollout of `path` whose task is in `groups`."""
+    n_tasks = len(groups.group_of)
+    rewards = array("d", [math.nan]) * (n_tasks * repeats)
+    seen = bytearray(n_tasks * repeats)
+    means: dict[int, Means] = {}
+    empty: dict[int, int] = {}
+    unverified: dict[int, int] = {}
+    outside: dict[int, list[float]] = {}
+    duplicates = 0
+    low, high = reward_range
+    for row in jsonl.iter_rows(path):
+        slot = jsonl.key_slot(row, n_tasks, repeats)
+        if slot is None:
+            continue
+        group = groups.group_of[slot // repeats]
+        if group < 0:  # the task row is not usable now; its old rollouts are not counted
+            continue
+        if seen[slot]:
+            duplicates += 1
+            continue
+        seen[slot] = 1
+        produced: dict[str, float] = {}
+        for name in row.get("verifier_fields") or ():
+            _numbers(name, row.get(name), produced)
+        _numbers("reward_components", row.get("reward_components"), produced)
+        _numbers("model_calls", row.get("model_calls"), produced)
+        _numbers("timings", row.get("timings"), produced)
+        if row.get("verification_skipped"):
+            unverified[group] = unverified.get(group, 0) + 1
+        elif isinstance(row.get("reward"), int | float):
+            reward = float(row["reward"])
+            rewards[slot] = reward
+            produced["reward"] = reward
+            if not low <= reward <= high:
+                outside.setdefault(group, []).append(reward)
+        means.setdefault(group, Means()).add(produced)
+        if not has_answer(row.get("response")):
+            empty[group] = empty.get(group, 0) + 1
+
+    summary = FileSummary()
+    for group, m in sorted(means.items(), key=lambda item: groups.names[item[0]]):
+        name = groups.names[group]
+        metrics: dict[str, float] = {"rollouts": m.count, **m.means()}
+        if unverified.get(group):
+            metrics["unverified"] = unverified[group]
+            summary.warnings.append(f"{name}: {unverified[group]} rollouts are not verified yet (gym-grpc reverify)")
+        if repeats > 1:
+            metrics.update(_group_metrics(rewards, groups.group_of, group, repeats, pass_threshold))
+        summary.metrics[name] = metrics
+        lowest, highest = m.min("reward"), m.max("reward")
+        verified = m.count - unverified.get(group, 0)
+        if verified > 1 and lowest == highest:
+            summary.warnings.append(
+                f"{name}: all {verified} rewards are {lowest:g}: is the verifier or the data broken?"
+            )
+        if empty.get(group):
+            summary.warnings.append(f"{name}: {empty[group]} of {m.count} rollouts have no assistant text or tool call")
+        if outside.get(group):
+            bad = outside[group]
+            summary.warnings.append(
+                f"{name}: {len(bad)} rewards outside [{low:g}, {high:g}] (from {min(bad):g} to {max(bad):g})"
+            )
+    if duplicates:
+        summary.warnings.append(f"{duplicates} rows repeat a key already in {path}; each key was counted once")
+    return summary
+
+
+def _group_metrics(rewards: array, group_of: array, group: int, repeats: int, threshold: float) -> dict[str, float]:
+    """pass@1, pass@k and mean@k over the tasks of one group whose k repeats are all verified."""
+    complete = passed_any = 0
+    pass_one = mean_k = 0.0
+    for t, owner in enumerate(group_of):
+        if owner != group:
+            continue
+        rollouts = rewards[t * repeats : (t + 1) * repeats]
+        if any(math.isnan(x) for x in rollouts):
+            continue
+        complete += 1
+        passes = sum(x >= threshold for x in rollouts)
+        passed_any += passes > 0
+        pass_one += passes / repeats
+        mean_k += sum(rollouts) / repeats
+    if not complete:
+        return {}
+    return {
+        "complete_tasks": complete,
+        "pass@1": pass_one / complete,
+        f"pass@{repeats}": passed_any / complete,
+        f"mean@{repeats}": mean_k / complete,
+    }
+
+
+class RunStats:
+    """Throughput and stage times of the rows one run wrote."""
+
+    def __init__(self) -> None:
+        self.rollouts = 0
+        self.input_tokens = 0
+        self.output_tokens = 0
+        self.reward = Means()
+        self.stages = {stage: array("d") for stage in STAGES}
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.rollouts += 1
+        tokens_in, tokens_out = usage_of(row)
+        self.input_tokens += tokens_in
+        self.output_tokens += tokens_out
+        if not row.get("verification_skipped") and isinstance(row.get("reward"), int | float):
+            self.reward.add({"reward": row["reward"]})
+        timings = row.get("timings") or {}
+        for stage in STAGES:
+            if isinstance(timings.get(stage), int | float):
+                self.stages[stage].append(float(timings[stage]))
+
+    def slowest_stage(self) -> tuple[str, float, float] | None:
+        """(stage, median s, p95 s) of the stage with the largest median time."""
+        found = []
+        for stage, values in self.stages.items():
+            if values:
+                ordered = sorted(values)
+                p95 = ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
+                found.append((statistics.median(ordered), stage, p95))
+        if not found:
+            return None
+        median, stage, p95 = max(found)
+        return stage, median, p95
+
+    def lines(self, seconds: float, estimate_for: int) -> list[str]:
+        """Human lines: rollouts/s and tokens/s, the slowest stage, how long more would take."""
+        if not self.rollouts or seconds <= 0:
+            return []
+        rate = self.rollouts / seconds
+        total = self.input_tokens + self.output_tokens
+        lines = [
+            f"{rate:.1f} rollouts/s; tokens/s: {self.input_tokens / seconds:,.0f} input, "
+            f"{self.output_tokens / seconds:,.0f} output, {total / seconds:,.0f} total "
+            f"({self.input_tokens:,} + {self.output_tokens:,} tokens)"
+        ]
+        slowest = self.slowest_stage()
+        if slowest is not None:
+            stage, median, p95 = slowest
+            lines.append(f"slowest stage: {stage} (median {1000 * median:.1f} ms, p95 {1000 * p95:.1f} ms per rollout)")
+        if estimate_for:
+            lines.append(f"at this rate {estimate_for:,} more rollouts take {_duration(estimate_for / rate)}")
+        return lines
+
+
+def _duration(seconds: float) -> str:
+    seconds = round(seconds)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours} h {minutes:02d} min"
+    if minutes:
+        return f"{minutes} min {secs:02d} s"
+    return f"{secs} s"

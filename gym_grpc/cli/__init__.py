@@ -1,0 +1,1 @@
+"""The `gym-grpc` command: configuration, `run`, `status`, `prepare-data`, `init-env`."""

@@ -1,0 +1,349 @@
+"""Configuration: YAML files merged in order, then `key=value` overrides.
+
+    registry:            # where `gym-grpc run` serves the registry
+      port: 50050
+    servers:
+      policy_model:
+        entrypoint: ../servers/models/local_policy/server.py:LocalPolicyModel
+        config: {error_rate: 0.1}          # the server class's own Config
+      weather:
+        entrypoint: server.py:WeatherEnv   # a path is relative to its YAML file
+        port: 0                            # 0: any free port
+
+A file may `include:` other files (relative to itself); they are merged
+before the file's own content. Later files and overrides win; mappings merge
+key by key, anything else is replaced. Then `env.yaml` (in the current
+directory, or the file given) is merged: it is where secrets live. An
+override is `dotted.key=value` with the value read as YAML
+(`servers.weather_agent.config.max_steps=3`).
+
+Top-level keys other than `registry`, `servers`, `security` (see
+security.py), `profiling_enabled` and `profiling_results_dirpath` are
+variables, usually
+from env.yaml (`policy_base_url: http://gpu-node:8000/v1`). `${name}` in any
+string of the servers or the registry is replaced by the variable, or else by
+the environment variable of that name; a string that is only `${name}` takes
+the variable's type.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from gym_grpc.errors import ConfigError
+from gym_grpc.rpc.security import Security
+
+
+class HubIdentifier(BaseModel):
+    """Where a dataset lives on the Hugging Face Hub."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    repo_id: str = Field(description='"organization/name" of a dataset repository')
+    artifact_fpath: str = Field(description="the file in the repository, such as train.jsonl")
+    revision: str | None = Field(None, description="branch, tag or commit; default: main")
+
+
+DatasetType = Literal["train", "validation", "example"]
+
+
+class DatasetSpec(BaseModel):
+    """One data file of an agent, for `gym-grpc prepare-data`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    type: DatasetType
+    jsonl_fpath: str = Field(description="the JSONL of tasks; a relative path is relative to its YAML file")
+    license: str | None = Field(None, description="required for train and validation data")
+    num_repeats: int = Field(1, ge=1, description="times each row appears in the prepared file")
+    huggingface_identifier: HubIdentifier | None = Field(None, description="where to download it when it is missing")
+
+    @model_validator(mode="after")
+    def _training_data_has_a_license(self) -> DatasetSpec:
+        if self.type != "example" and not self.license:
+            raise ValueError(f"dataset {self.name!r}: {self.type} data needs a license")
+        return self
+
+
+class ServerSpec(BaseModel):
+    """One server of a configuration."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    entrypoint: str = Field(description='"path/to/file.py:Class" or "package.module:Class"')
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
+    num_workers: int = Field(1, ge=1, description="processes serving the port together (SO_REUSEPORT)")
+    restart: bool = Field(False, description="start a process of this server again, on its port, when it dies")
+    config: dict[str, Any] = Field(default_factory=dict, description="the server class's own settings")
+    datasets: list[DatasetSpec] = Field(default_factory=list, description="its data, for prepare-data")
+
+    @model_validator(mode="after")
+    def _dataset_names_are_unique(self) -> ServerSpec:
+        names = [d.name for d in self.datasets]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"dataset names repeat: {', '.join(repeated)}")
+        return self
+
+
+class RegistrySpec(BaseModel):
+    """Where `gym-grpc run` serves the registry."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(50050, ge=0, le=65535)
+
+
+class GymConfig(BaseModel):
+    """A whole configuration: the registry and the servers, by name."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    registry: RegistrySpec = RegistrySpec()
+    servers: dict[str, ServerSpec] = Field(default_factory=dict)
+    security: Security = Security()
+    profiling_enabled: bool = Field(False, description="run yappi in every server and write a log at stop")
+    profiling_results_dirpath: str | None = Field(None, description="where the profile logs go")
+
+    @model_validator(mode="after")
+    def _profiling_needs_a_directory(self) -> GymConfig:
+        if self.profiling_enabled and not self.profiling_results_dirpath:
+            raise ValueError("profiling_enabled needs profiling_results_dirpath")
+        return self
+
+
+def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """Merge `update` into `base` in place: mappings key by key, the rest replaced."""
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            merge(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
+def _resolve_paths(data: dict[str, Any], directory: Path) -> None:
+    """Make "file.py:Class" entrypoints and dataset paths absolute, relative to their YAML file."""
+    servers = data.get("servers")
+    if not isinstance(servers, dict):
+        return
+    for spec in servers.values():
+        if not isinstance(spec, dict):
+            continue
+        entry = spec.get("entrypoint")
+        if isinstance(entry, str) and ".py:" in entry:
+            path, _, cls = entry.rpartition(":")
+            spec["entrypoint"] = f"{(directory / path).resolve()}:{cls}"
+        datasets = spec.get("datasets")
+        for dataset in datasets if isinstance(datasets, list) else ():
+            fpath = dataset.get("jsonl_fpath") if isinstance(dataset, dict) else None
+            if isinstance(fpath, str) and "${" not in fpath:
+                dataset["jsonl_fpath"] = str((directory / fpath).resolve())
+
+
+def _load_file(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    path = path.resolve()
+    if path in chain:
+        raise ConfigError(f"{path}: includes itself (through {' -> '.join(str(p) for p in chain)})")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    merged: dict[str, Any] = {}
+    includes = data.pop("include", [])
+    for include in [includes] if isinstance(includes, str) else includes:
+        merge(merged, _load_file(path.parent / include, (*chain, path)))
+    _resolve_paths(data, path.parent)
+    return merge(merged, data)
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Apply one `dotted.key=value` override (value parsed as YAML)."""
+    key, sep, raw = override.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {override!r}: expected key=value")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {override!r}: value is not valid YAML: {e}") from None
+    parts = key.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {override!r}: {part!r} is not a mapping")
+        node = child
+    node[parts[-1]] = value
+
+
+#: Names of settings and variables (env.yaml keys, `${NAME}` environment variables) whose values
+#: are secrets: api_key, token, hf_token, OPENAI_API_KEY, DB_PASSWORD, ...
+_SECRET_NAME = re.compile(r"(^|_)(key|token|secret|password)$", re.I)
+MASK = "***"
+_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_SECTIONS = ("registry", "servers", "security", "profiling_enabled", "profiling_results_dirpath")
+
+
+def _secret_text(name: str, value: Any) -> str | None:
+    """The text to mask wherever it appears when variable `name` holds a secret.
+
+    None for other variables, and for values shorter than 4 characters (masking
+    those everywhere would hide more than the secret)."""
+    if not _SECRET_NAME.search(name) or isinstance(value, bool) or not isinstance(value, str | int | float):
+        return None
+    text = str(value)
+    return text if len(text) >= 4 else None
+
+
+def _interpolate(value: Any, variables: dict[str, Any], where: str, secrets: set[str]) -> Any:
+    """Replace `${name}` in the strings of `value`; add the secrets it takes from the environment to `secrets`."""
+    if isinstance(value, dict):
+        return {k: _interpolate(v, variables, f"{where}.{k}", secrets) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_interpolate(v, variables, f"{where}[{i}]", secrets) for i, v in enumerate(value)]
+    if not isinstance(value, str) or "${" not in value:
+        return value
+
+    def lookup(name: str) -> Any:
+        if name in variables:
+            return variables[name]
+        if name in os.environ:
+            if text := _secret_text(name, os.environ[name]):
+                secrets.add(text)
+            return os.environ[name]
+        raise ConfigError(f"{where}: unknown variable ${{{name}}}; set it in env.yaml or in the environment")
+
+    whole = _VARIABLE.fullmatch(value)
+    if whole:
+        return lookup(whole.group(1))
+    return _VARIABLE.sub(lambda m: str(lookup(m.group(1))), value)
+
+
+def load_env(env_file: str | Path | None = None) -> dict[str, Any]:
+    """The contents of env.yaml: the file given, else ./env.yaml when it exists, else nothing."""
+    env_path = Path(env_file) if env_file is not None else Path("env.yaml")
+    if env_file is None and not env_path.exists():
+        return {}
+    return _load_file(env_path)
+
+
+def _load(
+    paths: Sequence[str | Path], overrides: Sequence[str], env_file: str | Path | None
+) -> tuple[GymConfig, set[str]]:
+    """The validated configuration, and the secrets of the variables it was built from."""
+    data: dict[str, Any] = {}
+    for path in paths:
+        merge(data, _load_file(Path(path)))
+    merge(data, load_env(env_file))
+    for override in overrides:
+        apply_override(data, override)
+    variables = {k: v for k, v in data.items() if k not in _SECTIONS}
+    for name, value in variables.items():
+        if isinstance(value, dict | list):
+            raise ConfigError(f"{name}: a top-level key that is not a setting is a variable, so a scalar")
+    secrets = {text for name, value in variables.items() if (text := _secret_text(name, value))}
+    sections = {k: _interpolate(data[k], variables, k, secrets) for k in _SECTIONS if k in data}
+    try:
+        return GymConfig.model_validate(sections), secrets
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
+        raise ConfigError(f"invalid configuration: {problems}") from None
+
+
+def load_config(
+    paths: Sequence[str | Path], overrides: Sequence[str] = (), *, env_file: str | Path | None = None
+) -> GymConfig:
+    """Load, merge, interpolate and validate a configuration.
+
+    `env_file` defaults to `env.yaml` in the current directory when it exists."""
+    return _load(paths, overrides, env_file)[0]
+
+
+def _mask(value: Any, secrets: list[str], key: str = "") -> Any:
+    if isinstance(value, dict):
+        return {k: _mask(v, secrets, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_mask(v, secrets, key) for v in value]
+    if _SECRET_NAME.search(key) and value not in (None, "") and not isinstance(value, bool):
+        return MASK
+    if isinstance(value, str):
+        for secret in secrets:
+            value = value.replace(secret, MASK)
+    return value
+
+
+def dump_config(
+    paths: Sequence[str | Path], overrides: Sequence[str] = (), *, env_file: str | Path | None = None
+) -> str:
+    """The merged configuration as YAML, with secrets masked.
+
+    One rule decides what a secret is: a name like a key, token, secret or password.
+    Every value of a setting so named is masked. So is the value of every variable so
+    named (a top-level key of a config, env.yaml or an override, or an environment
+    variable used as `${NAME}`), wherever it appears: inside a URL or a header too."""
+    config, secrets = _load(paths, overrides, env_file)
+    longest_first = sorted(secrets, key=len, reverse=True)  # a secret that holds another is masked whole
+    return yaml.safe_dump(_mask(config.model_dump(mode="json"), longest_first), sort_keys=False)
+
+
+def set_env_values(path: Path, values: dict[str, str]) -> bool:
+    """Set top-level keys of an env.yaml (created if missing), keeping its other keys.
+
+    The file is edited as text: the line of each key given (with the indented
+    lines of its value) is replaced, or a line is appended, so the user's
+    comments and layout stay. When the edited text does not read back as
+    exactly the old mapping with the new values (a layout this edit does not
+    understand, such as a flow mapping or a duplicate key), the mapping is
+    written anew without comments. Returns whether the comments were kept.
+    """
+    try:
+        text = path.read_text() if path.exists() else ""
+        before = yaml.safe_load(text) or {}
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(before, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    wanted = {**before, **values}
+    lines = text.splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n"
+    for key, value in values.items():
+        line = yaml.safe_dump({key: value}, default_flow_style=False, width=1_000_000)
+        at = next((i for i, old in enumerate(lines) if re.match(rf"{re.escape(key)}\s*:(\s|$)", old)), None)
+        if at is None:
+            lines.append(line)
+            continue
+        end = at + 1
+        while end < len(lines) and re.match(r"[ \t]+\S|- |-$", lines[end]):  # the value's own lines
+            end += 1
+        lines[at:end] = [line]
+    edited = "".join(lines)
+    try:
+        kept = yaml.safe_load(edited) == wanted
+    except yaml.YAMLError:
+        kept = False
+    if not kept:
+        edited = yaml.safe_dump(wanted, sort_keys=False)
+    temporary = path.with_name(path.name + ".tmp")
+    try:
+        temporary.write_text(edited)
+        temporary.replace(path)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot write: {e.strerror}") from None
+    return kept

@@ -1,0 +1,884 @@
+"""The `gym-grpc` command."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import importlib.util
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from gym_grpc import errors
+from gym_grpc.batch.collector import CollectOptions, collect, parse_overrides
+from gym_grpc.batch.jobs import BatchSummary
+from gym_grpc.batch.reverify import ReverifyOptions, reverify
+from gym_grpc.cli import hub, status
+from gym_grpc.cli.config import ConfigError, GymConfig, dump_config, load_config, load_env, set_env_values
+from gym_grpc.cli.datasets import MODES, DataError, Dataset, prepare, read_tasks
+from gym_grpc.cli.runner import Runner, StartupError, describe
+from gym_grpc.client.stubs import AdminClient
+from gym_grpc.data.jsonl import count_rows, failures_path
+from gym_grpc.rpc.registry import Registry
+from gym_grpc.rpc.security import Security, TlsSettings
+from gym_grpc.server import open_files
+
+T = TypeVar("T")
+
+#: Where the quickstart's files are, relative to a checkout of the repository.
+REPO_ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART_CONFIG = REPO_ROOT / "configs" / "quickstart.yaml"
+QUICKSTART_DATA = {
+    "weather_agent": REPO_ROOT / "servers" / "resources" / "weather" / "data" / "example.jsonl",
+    "math_agent": REPO_ROOT / "servers" / "resources" / "math" / "data" / "example.jsonl",
+}
+
+
+@click.group()
+@click.version_option(package_name="gym-grpc")
+@click.pass_context
+def main(ctx: click.Context) -> None:
+    """gRPC environments for LLM reinforcement learning."""
+    open_files.raise_limit(f"gym-grpc {ctx.invoked_subcommand}")
+
+
+def _split_args(args: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    files = [a for a in args if "=" not in a]
+    overrides = [a for a in args if "=" in a]
+    if not files:
+        raise click.UsageError("give at least one config file")
+    return files, overrides
+
+
+_env_file_option = click.option(
+    "--env-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Secrets and variables, merged after the configs.  [default: ./env.yaml if it exists]",
+)
+
+
+async def _serve_until_stopped(runner: Runner) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    code = await runner.watch(stop)
+    click.echo("stopping...", err=True)
+    await runner.stop()
+    return code
+
+
+async def _run(config: GymConfig, grace: float) -> int:
+    started = time.monotonic()
+    runner = Runner(config, grace=grace)
+    await runner.start()
+    click.echo(describe(runner, started))
+    click.echo("Ctrl-C stops every server.", err=True)
+    return await _serve_until_stopped(runner)
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1)
+@click.option("--grace", type=float, default=10.0, show_default=True, help="Seconds in-flight calls get at stop.")
+@_env_file_option
+def run(args: tuple[str, ...], grace: float, env_file: Path | None) -> None:
+    """Start the servers of CONFIG files (then KEY=VALUE overrides) and serve the registry."""
+    files, overrides = _split_args(args)
+    try:
+        config = load_config(files, overrides, env_file=env_file)
+        sys.exit(asyncio.run(_run(config, grace)))
+    except (ConfigError, StartupError) as e:
+        raise click.ClickException(str(e)) from None
+
+
+@main.command("dump-config", context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1)
+@_env_file_option
+def dump_config_command(args: tuple[str, ...], env_file: Path | None) -> None:
+    """Print the merged configuration of CONFIG files and KEY=VALUE overrides, secrets masked."""
+    files, overrides = _split_args(args)
+    try:
+        click.echo(dump_config(files, overrides, env_file=env_file), nl=False)
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _print_summary(summary: BatchSummary, output: Path, what: str, estimate_for: int = 0) -> None:
+    click.echo(
+        f"{summary.done} rollouts {what}, {summary.failed} failed, {summary.skipped} already done, "
+        f"{summary.bad_rows} bad rows, in {summary.seconds:.2f} s -> {output}",
+        err=True,
+    )
+    for kind, count in summary.failure_counts.items():
+        click.echo(f"{kind}: {count:,}", err=True)
+    for line in summary.run.lines(summary.seconds, estimate_for):
+        click.echo(line, err=True)
+    if summary.failed or summary.bad_rows:
+        click.echo(f"failures are in {failures_path(output)}; run the same command again to retry them", err=True)
+    for warning in summary.warnings:
+        click.echo(f"warning: {warning}", err=True)
+
+
+async def _with_registry(
+    address: str,
+    name: str | None,
+    work: Callable[[Registry], Awaitable[T]],
+    security: Security | None = None,
+    *,
+    rows: Path | None = None,
+) -> T:
+    """Run `work` against the registry of a `gym-grpc run`, checking first that it answers
+    and, when `name` is given, that it knows that server. An input file of `rows` with
+    none needs no servers: nothing is checked."""
+    if rows is not None and not count_rows(rows, limit=1):
+        registry = Registry(address, security=security)
+        try:
+            return await work(registry)
+        finally:
+            await registry.close()
+    async with _registry(address, security, name) as registry:
+        return await work(registry)
+
+
+def _reward_range(ctx: click.Context, param: click.Parameter, value: str) -> tuple[float, float]:
+    try:
+        low, high = (float(x) for x in value.split(","))
+    except ValueError:
+        raise click.BadParameter("expected MIN,MAX such as 0,1") from None
+    return low, high
+
+
+def _interruptible(coroutine: Awaitable[T], output: Path) -> T:
+    """Run a batch; Ctrl-C or an output that cannot be written (a full disk) is one line and exit 1."""
+    try:
+        return asyncio.run(coroutine)  # type: ignore[arg-type]
+    except KeyboardInterrupt:
+        raise click.ClickException(
+            f"interrupted; every finished rollout is in {output}: run the same command again to resume"
+        ) from None
+    except OSError as e:
+        if not open_files.ran_out(e):
+            raise
+        raise click.ClickException(open_files.explain(f"opening {e.filename}" if e.filename else "")) from None
+    except errors.OutputError as e:
+        raise click.ClickException(
+            f"{e}. Stopped; every rollout written before is kept in {output}: "
+            "make room, then run the same command again to resume"
+        ) from None
+
+
+_registry_option = click.option(
+    "--registry", default="127.0.0.1:50050", show_default=True, help="Registry of a `gym-grpc run`."
+)
+
+
+def _security_options(command: Callable) -> Callable:
+    """--ca/--cert/--key/--server-name/--token (or GYM_GRPC_CA, ... in the environment) as `security`."""
+    options = [
+        click.option(
+            "--ca",
+            envvar="GYM_GRPC_CA",
+            type=click.Path(exists=True, dir_okay=False),
+            help="CA certificate of the servers (TLS).  [env: GYM_GRPC_CA]",
+        ),
+        click.option(
+            "--cert",
+            envvar="GYM_GRPC_CERT",
+            type=click.Path(exists=True, dir_okay=False),
+            help="Client certificate (mutual TLS).  [env: GYM_GRPC_CERT]",
+        ),
+        click.option(
+            "--key",
+            envvar="GYM_GRPC_KEY",
+            type=click.Path(exists=True, dir_okay=False),
+            help="Client private key (mutual TLS).  [env: GYM_GRPC_KEY]",
+        ),
+        click.option(
+            "--server-name",
+            envvar="GYM_GRPC_SERVER_NAME",
+            help="Name in the servers' certificates, if not their host.  [env: GYM_GRPC_SERVER_NAME]",
+        ),
+        click.option(
+            "--token",
+            envvar="GYM_GRPC_TOKEN",
+            help="Bearer token; prefer the environment variable.  [env: GYM_GRPC_TOKEN]",
+        ),
+    ]
+
+    @functools.wraps(command)
+    def wrapper(
+        *args: Any,
+        ca: str | None,
+        cert: str | None,
+        key: str | None,
+        server_name: str | None,
+        token: str | None,
+        **kwargs: Any,
+    ) -> Any:
+        tls = TlsSettings(ca=ca, cert=cert, key=key, server_name=server_name) if ca or cert or key else None
+        return command(*args, security=Security(tls=tls, token=token), **kwargs)
+
+    for option in reversed(options):
+        wrapper = option(wrapper)
+    return wrapper
+
+
+_window_option = click.option(
+    "--max-in-flight", type=click.IntRange(min=1), default=4096, show_default=True, help="Most rollouts at once."
+)
+_range_option = click.option(
+    "--reward-range",
+    default="0,1",
+    show_default=True,
+    callback=_reward_range,
+    help="Warn about rewards outside MIN,MAX.",
+)
+_threshold_option = click.option(
+    "--pass-threshold",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="A rollout passes (for pass@k) when its reward is at least this.",
+)
+_progress_option = click.option("--no-progress", is_flag=True, help="No progress bar.")
+
+
+@main.command("collect", context_settings={"ignore_unknown_options": True})
+@click.argument("overrides", nargs=-1)
+@click.option(
+    "--input",
+    "input_path",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="JSONL of tasks.",
+)
+@click.option(
+    "--output",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="JSONL of rollouts; appended to, and keys already in it are skipped.",
+)
+@click.option("--agent", help="Agent for rows without an agent_ref.")
+@_registry_option
+@click.option("--limit", type=click.IntRange(min=0), help="Use only the first N task rows.")
+@click.option("--num-repeats", type=click.IntRange(min=1), default=1, show_default=True, help="Rollouts per task.")
+@_window_option
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=3600.0,
+    show_default=True,
+    help="Seconds one rollout may take.",
+)
+@click.option(
+    "--events",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also record every step of every rollout (model outputs, tool calls, verification) here.",
+)
+@click.option("--skip-verify", is_flag=True, help="Do not verify now; score later with `gym-grpc reverify`.")
+@click.option(
+    "--placeholder-reward", type=float, default=0.0, show_default=True, help="The reward written with --skip-verify."
+)
+@_range_option
+@_threshold_option
+@click.option(
+    "--estimate",
+    "estimate_for",
+    type=click.IntRange(min=0),
+    default=10_000,
+    show_default=True,
+    help="Say how long this many more rollouts would take at the measured rate.",
+)
+@_progress_option
+@_security_options
+def collect_command(
+    overrides: tuple[str, ...],
+    input_path: Path,
+    output: Path,
+    agent: str | None,
+    registry: str,
+    limit: int | None,
+    num_repeats: int,
+    max_in_flight: int,
+    timeout: float,
+    events: Path | None,
+    skip_verify: bool,
+    placeholder_reward: float,
+    reward_range: tuple[float, float],
+    pass_threshold: float,
+    estimate_for: int,
+    no_progress: bool,
+    security: Security,
+) -> None:
+    """Run the tasks of INPUT through an agent and write scored rollouts to OUTPUT.
+
+    OVERRIDES are KEY=VALUE pairs that replace the rows' responses_create_params
+    values, such as temperature=0.6 or reasoning.effort=high (VALUE is read as JSON,
+    else as text).
+    """
+    try:
+        parsed = parse_overrides(list(overrides))
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    options = CollectOptions(
+        input=input_path,
+        output=output,
+        agent=agent,
+        limit=limit,
+        num_repeats=num_repeats,
+        max_in_flight=max_in_flight,
+        timeout=timeout,
+        overrides=parsed,
+        events=events,
+        skip_verify=skip_verify,
+        placeholder_reward=placeholder_reward,
+        reward_range=reward_range,
+        pass_threshold=pass_threshold,
+        progress=not no_progress,
+    )
+    summary = _interruptible(
+        _with_registry(registry, agent, lambda reg: collect(reg, options), security, rows=input_path), output
+    )
+    _print_summary(summary, output, "collected", estimate_for)
+    click.echo(json.dumps(summary.metrics, indent=2))
+    if summary.failed or summary.bad_rows:
+        sys.exit(1)
+
+
+@main.command("reverify")
+@click.argument("input_path", metavar="IN.jsonl", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "--out",
+    "output",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="JSONL of re-scored rollouts; appended to, and keys already in it are skipped.",
+)
+@click.option("--agent", help="Agent for rows without an agent_ref (its resources server verifies).")
+@click.option("--resources", help="Resources server that verifies every row, instead of the agents' own.")
+@_registry_option
+@_window_option
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=600.0,
+    show_default=True,
+    help="Seconds one verification may take.",
+)
+@_range_option
+@_threshold_option
+@_progress_option
+@_security_options
+def reverify_command(
+    input_path: Path,
+    output: Path,
+    agent: str | None,
+    resources: str | None,
+    registry: str,
+    max_in_flight: int,
+    timeout: float,
+    reward_range: tuple[float, float],
+    pass_threshold: float,
+    no_progress: bool,
+    security: Security,
+) -> None:
+    """Score the rollouts of IN.jsonl again (verify only, no inference) into --out."""
+    options = ReverifyOptions(
+        input=input_path,
+        output=output,
+        agent=agent,
+        resources=resources,
+        max_in_flight=max_in_flight,
+        timeout=timeout,
+        reward_range=reward_range,
+        pass_threshold=pass_threshold,
+        progress=not no_progress,
+    )
+    summary, changes = _interruptible(
+        _with_registry(registry, resources or agent, lambda reg: reverify(reg, options), security, rows=input_path),
+        output,
+    )
+    _print_summary(summary, output, "re-verified")
+    click.echo(changes.line(), err=True)
+    click.echo(json.dumps(summary.metrics, indent=2))
+    if summary.failed or summary.bad_rows:
+        sys.exit(1)
+
+
+@main.command("status")
+@_registry_option
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per server, for scripts.")
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=1.0,
+    show_default=True,
+    help="Seconds between the two samples that give calls/s.",
+)
+@_security_options
+def status_command(registry: str, as_json: bool, interval: float, security: Security) -> None:
+    """Every server of a running config: address, health, pid, uptime, in flight, calls/s, engine retries,
+    open files."""
+
+    async def ask() -> list[dict]:
+        async with _registry(registry, security) as reg:
+            return await status.status(reg, interval)
+
+    rows = asyncio.run(ask())
+    click.echo(json.dumps(rows, indent=2) if as_json else status.format_status(rows))
+    if any(row["health"] != "serving" for row in rows):
+        sys.exit(1)
+
+
+@main.command("profile")
+@click.argument("names", nargs=-1)
+@_registry_option
+@click.option("--limit", type=click.IntRange(min=1), default=30, show_default=True, help="Functions per server.")
+@_security_options
+def profile_command(names: tuple[str, ...], registry: str, limit: int, security: Security) -> None:
+    """The current profile (name ncall tsub ttot tavg, by ttot) of NAMES, or of every server."""
+
+    async def ask() -> list[tuple[str, str, str]]:
+        async with _registry(registry, security) as reg:
+            return await status.profiles(reg, list(names), limit)
+
+    for name, address, text in asyncio.run(ask()):
+        click.echo(f"== {name} ({address})\n{text}")
+
+
+@contextlib.asynccontextmanager
+async def _registry(address: str, security: Security | None, name: str | None = None) -> AsyncIterator[Registry]:
+    """A Registry client whose failure to reach `gym-grpc run` (or to know `name`, or to speak
+    our protocol's major version with it) is a clear error."""
+    registry = Registry(address, security=security)
+    try:
+        try:
+            await registry.list()
+            if name:
+                await registry.info(name)
+                await AdminClient(registry, name).check_protocol()
+        except (errors.OutOfFiles, errors.IncompatibleServer) as e:
+            raise click.ClickException(e.message) from None
+        except errors.GymError as e:
+            raise click.ClickException(f"{e.message}\n(is `gym-grpc run` up with its registry at {address}?)") from None
+        yield registry
+    finally:
+        await registry.close()
+
+
+async def _quickstart(output_dir: Path, num_repeats: int) -> dict[str, dict[str, float]]:
+    started = time.monotonic()
+    runner = Runner(load_config([QUICKSTART_CONFIG], ["registry.port=0"]), log_level="WARNING")
+    await runner.start()
+    click.echo(describe(runner, started), err=True)
+    metrics: dict[str, dict[str, float]] = {}
+    try:
+        for agent, data in QUICKSTART_DATA.items():
+            output = output_dir / f"{agent}_rollouts.jsonl"
+            output.unlink(missing_ok=True)
+            options = CollectOptions(input=data, output=output, agent=agent, num_repeats=num_repeats)
+            summary = await _with_registry(
+                runner.registry_address, agent, lambda reg, o=options: collect(reg, o), runner.config.security
+            )
+            _print_summary(summary, output, "collected")
+            metrics.update(summary.metrics)
+    finally:
+        await runner.stop()
+    return metrics
+
+
+@main.command()
+@click.option(
+    "--output-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("quickstart_output"),
+    show_default=True,
+    help="Where the rollouts are written.",
+)
+@click.option("--num-repeats", type=click.IntRange(min=1), default=4, show_default=True, help="Rollouts per task.")
+def quickstart(output_dir: Path, num_repeats: int) -> None:
+    """Start the quickstart servers, collect the example tasks, print the metrics, stop."""
+    if not QUICKSTART_CONFIG.exists():
+        raise click.ClickException(
+            f"{QUICKSTART_CONFIG} not found: the quickstart runs from a checkout of gym-grpc "
+            f"installed with `pip install -e .`"
+        )
+    try:
+        metrics = asyncio.run(_quickstart(output_dir, num_repeats))
+    except (ConfigError, StartupError, errors.OutputError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(json.dumps(metrics, indent=2))
+
+
+# --- writing environments ------------------------------------------------------
+
+
+@main.command("init-env")
+@click.argument("name")
+@click.option(
+    "--dir",
+    "parent",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("servers/resources"),
+    show_default=True,
+    help="Where the environment's directory is created.",
+)
+def init_env_command(name: str, parent: Path) -> None:
+    """Create a new environment NAME: a server with a tool and a verify, config, data, tests."""
+    from gym_grpc.cli.scaffold import init_env
+
+    try:
+        target = init_env(name, parent)
+    except (ValueError, FileExistsError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"created {target}")
+    click.echo(
+        f"next:\n"
+        f"  gym-grpc test {target}\n"
+        f"  gym-grpc run configs/local_policy.yaml {target}/config.yaml\n"
+        f"  gym-grpc collect --agent {name}_agent --input {target}/data/example.jsonl --output {name}.jsonl\n"
+        f"  gym-grpc prepare-data {target}/config.yaml --mode example-validation"
+    )
+
+
+def _server_test_dirs(root: Path) -> list[Path]:
+    return sorted(p for p in root.glob("*/*/tests") if p.is_dir())
+
+
+@main.command("test", context_settings={"ignore_unknown_options": True})
+@click.option("--all", "run_all", is_flag=True, help="Run the tests of every server under ./servers.")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def test_command(run_all: bool, args: tuple[str, ...]) -> None:
+    """Run the tests of the server in PATH (its tests/ directory), or of every server with --all.
+
+    \b
+    gym-grpc test servers/resources/math -x -k boxed   # what follows PATH goes to pytest
+    gym-grpc test --all"""
+    if run_all:
+        targets = _server_test_dirs(Path("servers"))
+        if not targets:
+            raise click.ClickException("no servers/*/*/tests directories here; run it from the repository's root")
+        pytest_args = args
+    else:
+        if not args or args[0].startswith("-"):
+            raise click.UsageError("give a server's directory, or --all")
+        path = Path(args[0])
+        if not path.is_dir():
+            raise click.UsageError(f"{path}: no such directory")
+        targets = [path / "tests" if (path / "tests").is_dir() else path]
+        pytest_args = args[1:]
+    missing = [m for m in ("pytest", "pytest_asyncio") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise click.ClickException(f"{', '.join(missing)} not installed: pip install 'gym-grpc[test]'")
+    click.echo(f"testing {len(targets)} server(s): {', '.join(str(t.parent) for t in targets)}", err=True)
+    sys.exit(subprocess.call([sys.executable, "-m", "pytest", *map(str, targets), *pytest_args]))
+
+
+# --- a real engine on this machine -----------------------------------------------
+
+#: The env.yaml keys that configs/vllm.yaml reads.
+ENGINE_KEYS = ("policy_base_url", "policy_api_key", "policy_model_name")
+
+
+@main.group()
+def engine() -> None:
+    """A real model on CPU: vLLM's CPU build serving SmolLM2-135M-Instruct, for trying environments.
+
+    `start` prepares it (the first time: a virtualenv and a model under
+    ~/.cache/gym-grpc-engine, or GYM_GRPC_ENGINE_CACHE), starts it on a free
+    loopback port, records it and writes env.yaml for configs/vllm.yaml;
+    `stop` and `status` find it through the record."""
+
+
+@engine.command("start")
+@click.option(
+    "--env-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=Path("env.yaml"),
+    show_default=True,
+    help="Where policy_base_url, policy_api_key and policy_model_name are written; its other keys are kept.",
+)
+@click.option(
+    "--max-model-len", type=click.IntRange(min=1), default=4096, show_default=True, help="Prompt + output, in tokens."
+)
+@click.option(
+    "--ready-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=600.0,
+    show_default=True,
+    help="Seconds to wait for vLLM to serve.",
+)
+def engine_start_command(env_file: Path, max_model_len: int, ready_timeout: float) -> None:
+    """Prepare and start the local CPU vLLM, and point env.yaml at it."""
+    from gym_grpc.engines import local_vllm
+
+    running = local_vllm.recorded()
+    if running is not None:
+        raise click.ClickException(
+            f"a vLLM is already running at {running.base_url} (pid {running.pid}): `gym-grpc engine stop` first"
+        )
+    try:
+        if env_file.exists():
+            load_env(env_file)  # a broken env.yaml fails before vLLM starts, not after
+        if not local_vllm.is_prepared():
+            click.echo(
+                f"first start: building vLLM's CPU virtualenv and the model in {local_vllm.cache_dir()} "
+                f"(about 1 GB to download, 3.5 GB on disk, 2-3 minutes; later starts reuse them)",
+                err=True,
+            )
+        prepared = local_vllm.prepare()
+        click.echo(f"starting vLLM with {prepared.model_name} on CPU (about 30 s, more on a busy machine)", err=True)
+        began = time.monotonic()
+        started = local_vllm.start_recorded(prepared, ready_timeout=ready_timeout, max_model_len=max_model_len)
+    except (ConfigError, local_vllm.PrepareError, local_vllm.EngineStartError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(
+        f"vLLM serves {started.model} at {started.base_url} (pid {started.pid}) after {time.monotonic() - began:.0f} s"
+    )
+    click.echo(f"log: {started.log_path}")
+    values = dict(zip(ENGINE_KEYS, (started.base_url, "EMPTY", started.model), strict=True))
+    try:
+        kept = set_env_values(env_file, values)
+    except ConfigError as e:
+        raise click.ClickException(f"{e}\nvLLM is running; set {', '.join(ENGINE_KEYS)} yourself") from None
+    comments = (
+        "other keys and comments kept" if kept else "other keys kept, comments dropped: the file's layout was not plain"
+    )
+    click.echo(f"wrote {', '.join(ENGINE_KEYS)} to {env_file} ({comments})")
+    env_arg = "" if env_file == Path("env.yaml") else f" --env-file {env_file}"
+    click.echo(
+        f"next:\n"
+        f"  gym-grpc run{env_arg} configs/vllm.yaml servers/resources/weather/config.yaml\n"
+        f"  gym-grpc collect --agent weather_agent --input servers/resources/weather/data/example.jsonl "
+        f"--output weather_vllm.jsonl --limit 5 temperature=0 max_output_tokens=256\n"
+        f"  gym-grpc engine stop"
+    )
+
+
+@engine.command("stop")
+def engine_stop_command() -> None:
+    """Stop the engine that `gym-grpc engine start` recorded."""
+    from gym_grpc.engines import local_vllm
+
+    try:
+        click.echo(local_vllm.stop_recorded())
+    except local_vllm.RecordError as e:
+        raise click.ClickException(str(e)) from None
+
+
+@engine.command("status")
+def engine_status_command() -> None:
+    """Whether the recorded engine runs: its base URL, pid, model and log (exit status 1 when it does not run)."""
+    from gym_grpc.engines import local_vllm
+
+    running = local_vllm.recorded()
+    if running is None:
+        try:
+            stale = local_vllm.read_record()
+        except local_vllm.RecordError as e:
+            stale, why = None, f" ({e})"
+        else:
+            why = f" (the record of pid {stale.pid} is stale)" if stale is not None else ""
+        click.echo(f"not running{why}; start it with `gym-grpc engine start`")
+        sys.exit(1)
+    click.echo(
+        f"running\nbase_url: {running.base_url}\npid: {running.pid}\nmodel: {running.model}\nlog: {running.log_path}"
+    )
+    click.echo(f"record: {local_vllm.record_path()}")
+
+
+# --- data ------------------------------------------------------------------------
+
+
+def _hub_settings(env_file: Path | None) -> hub.HubSettings:
+    try:
+        return hub.HubSettings.from_env(load_env(env_file))
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+
+
+@main.command("prepare-data", context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1)
+@click.option(
+    "--mode", type=click.Choice(list(MODES)), required=True, help="Which datasets: example, or train and validation."
+)
+@click.option(
+    "--output-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("prepared_data"),
+    show_default=True,
+    help="Where the collated <type>.jsonl files are written.",
+)
+@click.option("--update-stats", is_flag=True, help="Accept changed data: rewrite its statistics files.")
+@click.option("--download", is_flag=True, help="Fetch missing files from their huggingface_identifier.")
+@_env_file_option
+def prepare_data_command(
+    args: tuple[str, ...], mode: str, output_dir: Path, update_stats: bool, download: bool, env_file: Path | None
+) -> None:
+    """Check, measure and collate the datasets that CONFIG files list on their agents.
+
+    Every malformed row is reported (file, line, field) before anything is
+    written; statistics are kept in <data>.stats.json next to each file and a
+    change to them is an error; the rows are collated into one JSONL per type
+    in --output-dir, each with an agent_ref and repeated num_repeats times.
+    A dataset is listed as `datasets: [{name, type: train|validation|example,
+    jsonl_fpath, license, num_repeats, huggingface_identifier: {repo_id,
+    artifact_fpath}}]` on a server of the config."""
+    files, overrides = _split_args(args)
+    settings = _hub_settings(env_file)
+
+    def fetch(dataset: Dataset) -> Path:
+        where = dataset.spec.huggingface_identifier
+        assert where is not None
+        return hub.download(where.repo_id, where.artifact_fpath, dataset.path, settings, revision=where.revision)
+
+    try:
+        config = load_config(files, overrides, env_file=env_file)
+        done = prepare(
+            config,
+            mode,  # type: ignore[arg-type]
+            output_dir,
+            update_stats=update_stats,
+            fetch=fetch if download else None,
+            echo=lambda line: click.echo(line, err=True),
+        )
+    except (ConfigError, DataError, hub.HubError) as e:
+        raise click.ClickException(str(e)) from None
+    for path in done.stats_written:
+        click.echo(f"wrote statistics {path} (commit it)")
+    for kind, (path, count) in done.outputs.items():
+        click.echo(f"{kind}: {count} rows in {path}")
+
+
+@main.group()
+def dataset() -> None:
+    """Upload task files to the Hugging Face Hub, or download them."""
+
+
+def _repo_options(command: Callable) -> Callable:
+    options = [
+        click.option("--repo-id", help="The dataset repository, instead of the four parts below."),
+        click.option("--organization", help="Hub organization.  [default: env.yaml hf_organization]"),
+        click.option("--prefix", default="gym", show_default=True, help="First part of the repository name."),
+        click.option("--domain", help="Second part: the domain (math, coding, agent, ...)."),
+        click.option("--name", help="Last part: the dataset's name."),
+        click.option("--revision", help="Branch, tag or PR ref (refs/pr/N).  [default: main]"),
+        _env_file_option,
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _repo_id(
+    settings: hub.HubSettings,
+    repo_id: str | None,
+    organization: str | None,
+    prefix: str,
+    domain: str | None,
+    name: str | None,
+) -> str:
+    if repo_id:
+        return repo_id
+    organization = organization or settings.organization
+    missing = [o for o, v in (("--organization", organization), ("--domain", domain), ("--name", name)) if not v]
+    if missing:
+        raise click.UsageError(f"give --repo-id, or {', '.join(missing)}")
+    try:
+        return hub.repo_name(organization, prefix, domain, name)  # type: ignore[arg-type]
+    except hub.HubError as e:
+        raise click.UsageError(str(e)) from None
+
+
+@dataset.command("upload")
+@click.argument("path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@_repo_options
+@click.option("--split", type=click.Choice(hub.SPLITS), help="Upload as <split>.jsonl, after checking every row.")
+@click.option("--artifact-fpath", help="Path in the repository, for a raw file.  [default: the file's name]")
+@click.option("--create-pr", is_flag=True, help="Open a pull request instead of committing to the branch.")
+@click.option("--message", help="Commit message.")
+@click.option("--description", help="Commit description.")
+@click.option("--public", is_flag=True, help="Create the repository public (it is private by default).")
+def upload_command(
+    path: Path,
+    repo_id: str | None,
+    organization: str | None,
+    prefix: str,
+    domain: str | None,
+    name: str | None,
+    revision: str | None,
+    env_file: Path | None,
+    split: str | None,
+    artifact_fpath: str | None,
+    create_pr: bool,
+    message: str | None,
+    description: str | None,
+    public: bool,
+) -> None:
+    """Upload PATH to a dataset repository: a split (checked first) or a raw file."""
+    if split and artifact_fpath:
+        raise click.UsageError("give --split or --artifact-fpath, not both")
+    settings = _hub_settings(env_file)
+    repo = _repo_id(settings, repo_id, organization, prefix, domain, name)
+    if split:
+        checked = read_tasks(path)
+        if checked.problems:
+            lines = "\n".join(f"  {p}" for p in checked.problems)
+            raise click.ClickException(f"{len(checked.problems)} malformed row(s); nothing was uploaded\n{lines}")
+        click.echo(f"{path}: {len(checked.rows)} rows, all tasks", err=True)
+    in_repo = hub.split_file(split) if split else (artifact_fpath or path.name)
+    try:
+        done = hub.upload(
+            path,
+            repo,
+            in_repo,
+            settings,
+            message=message,
+            description=description,
+            create_pr=create_pr,
+            revision=revision,
+            private=not public,
+        )
+    except hub.HubError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"uploaded {path} to {done.repo_id}:{done.path_in_repo}  {done.commit_url}")
+    if done.pr_url:
+        click.echo(f"pull request: {done.pr_url}")
+
+
+@dataset.command("download")
+@_repo_options
+@click.option("--split", type=click.Choice(hub.SPLITS), help="Download <split>.jsonl.")
+@click.option("--artifact-fpath", help="Download this file of the repository.")
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Where to write it.")
+def download_command(
+    repo_id: str | None,
+    organization: str | None,
+    prefix: str,
+    domain: str | None,
+    name: str | None,
+    revision: str | None,
+    env_file: Path | None,
+    split: str | None,
+    artifact_fpath: str | None,
+    output: Path,
+) -> None:
+    """Download a split or a raw file of a dataset repository to --output."""
+    if bool(split) == bool(artifact_fpath):
+        raise click.UsageError("give --split or --artifact-fpath")
+    settings = _hub_settings(env_file)
+    repo = _repo_id(settings, repo_id, organization, prefix, domain, name)
+    filename = hub.split_file(split) if split else artifact_fpath
+    try:
+        hub.download(repo, filename, output, settings, revision=revision)  # type: ignore[arg-type]
+    except hub.HubError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"downloaded {repo}:{filename} to {output}")

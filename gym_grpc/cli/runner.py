@@ -1,0 +1,352 @@
+"""`gym-grpc run`: start the servers of a configuration and serve the registry.
+
+Each server runs in its own process (`python -m gym_grpc.server.worker`), bound to
+its configured port or to port 0 with the bound port read back from it. The
+runner waits until every server reports ready and answers its health check,
+checks that the servers they call exist, then lists them in the registry.
+A server with `restart: true` whose process dies is started again, with a
+bounded backoff when its replacement dies too. Each server's stderr passes
+through the runner (see server_log.py), which quotes its last lines when it
+cannot start. Stopping sends SIGTERM (servers finish in-flight calls within
+the grace period) and kills what is still alive after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gym_grpc.cli.config import ConfigError, GymConfig, ServerSpec
+from gym_grpc.cli.server_log import ServerLog
+from gym_grpc.rpc import transport
+from gym_grpc.rpc.registry import REGISTRY_SERVICE, SERVER_ROLES, RegistryServicer, closest
+from gym_grpc.rpc.security import Security
+from gym_grpc.server.serving import DEFAULT_GRACE_SECONDS, GymServer, Running, serve
+from gym_grpc.v1 import registry_service_pb2 as reg
+from gym_grpc.v1 import registry_service_pb2_grpc as reg_grpc
+
+log = logging.getLogger("gym_grpc.cli.runner")
+
+#: Seconds a server may take from process start to healthy.
+DEFAULT_STARTUP_TIMEOUT = 120.0
+
+#: Attempts to start a dead server again before giving up on it.
+RESTART_ATTEMPTS = 5
+
+#: Seconds before the second attempt (the first is at once); doubles, up to RESTART_MAX_DELAY.
+RESTART_FIRST_DELAY = 0.5
+RESTART_MAX_DELAY = 8.0
+
+_WILDCARD_HOSTS = {"0.0.0.0", "::", "[::]", ""}
+
+
+class StartupError(RuntimeError):
+    """A server could not start; the message names it and says why."""
+
+
+class RegistryServer(GymServer):
+    """The registry service as a GymServer, so it gets health and reflection too."""
+
+    def __init__(self) -> None:
+        super().__init__(name="registry")
+        self.servicer = RegistryServicer()
+
+    def add_services(self, server: grpc.aio.Server) -> list[str]:
+        reg_grpc.add_RegistryServiceServicer_to_server(self.servicer, server)
+        return [REGISTRY_SERVICE]
+
+
+@dataclass
+class ServerProcesses:
+    """The worker processes of one server and what they reported."""
+
+    name: str
+    spec: ServerSpec
+    processes: list[asyncio.subprocess.Process] = field(default_factory=list)
+    info: reg.ServerInfo = field(default_factory=reg.ServerInfo)
+    log: ServerLog = field(default_factory=ServerLog)
+
+
+class Runner:
+    """Starts, lists and stops the servers of one configuration."""
+
+    def __init__(
+        self,
+        config: GymConfig,
+        *,
+        grace: float = DEFAULT_GRACE_SECONDS,
+        startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
+        log_level: str = "INFO",
+    ) -> None:
+        self.config = config
+        self.grace = grace
+        self.startup_timeout = startup_timeout
+        self.log_level = log_level
+        self.servers: dict[str, ServerProcesses] = {}
+        self.registry: Running | None = None
+
+    @property
+    def registry_address(self) -> str:
+        if self.registry is None:
+            raise RuntimeError("the runner is not started")
+        return self.registry.address
+
+    async def start(self) -> None:
+        """Start the registry and every server; return once all are healthy."""
+        if not self.config.servers:
+            raise ConfigError("the configuration has no servers")
+        spec = self.config.registry
+        try:
+            self.registry = await serve(RegistryServer(), spec.host, spec.port, security=self.config.security)
+        except (OSError, RuntimeError) as e:
+            raise StartupError(
+                f"cannot serve the registry on {spec.host}:{spec.port} ({e}); is another `gym-grpc run` "
+                f"using it? Pick another port with registry.port=PORT (0: any free port)"
+            ) from None
+        self.servers = {name: ServerProcesses(name, spec) for name, spec in self.config.servers.items()}
+        try:
+            await asyncio.wait_for(self._start_servers(), self.startup_timeout)
+        except TimeoutError:
+            await self.stop()
+            pending = [s.name for s in self.servers.values() if not s.info.addresses]
+            raise StartupError(f"servers not ready after {self.startup_timeout:.0f} s: {', '.join(pending)}") from None
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start_servers(self) -> None:
+        await asyncio.gather(*(self._start_server(s) for s in self.servers.values()))
+        for s in self.servers.values():
+            for role, target in s.info.references.items():
+                if target not in self.servers:
+                    raise StartupError(
+                        f"server {s.name!r} calls {role} server {target!r}, which is not in the "
+                        f"configuration: {closest(target, list(self.servers))}"
+                    )
+        for s in self.servers.values():
+            self.registry.app.servicer.add(s.info)  # type: ignore[union-attr]
+
+    async def _start_server(self, server: ServerProcesses) -> None:
+        """Start a server's first worker, then the others on the port it bound."""
+        try:
+            await self._start_workers(server)
+        except StartupError as e:
+            raise StartupError(f"{e}{server.log.quote()}") from None
+
+    async def _start_workers(self, server: ServerProcesses) -> None:
+        spec = server.spec
+        report = await self._ready(server, await self._spawn(server, spec.port, 0))
+        others = [await self._spawn(server, report["port"], i) for i in range(1, spec.num_workers)]
+        await asyncio.gather(*(self._ready(server, process) for process in others))
+        host = "127.0.0.1" if spec.host in _WILDCARD_HOSTS else spec.host
+        address = f"{host}:{report['port']}"
+        await _wait_healthy(address, self.config.security)
+        server.info = reg.ServerInfo(
+            name=server.name,
+            role=report["role"],
+            addresses=[address],
+            entrypoint=spec.entrypoint,
+            references=report["references"],
+            workers=spec.num_workers,
+        )
+
+    async def _spawn(self, server: ServerProcesses, port: int, worker: int) -> asyncio.subprocess.Process:
+        process = await server.log.spawn(
+            sys.executable,
+            "-m",
+            "gym_grpc.server.worker",
+            name=server.name,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            start_new_session=True,  # its own process group, so that what it starts goes with it
+        )
+        if worker < len(server.processes):  # a restart: close the dead process's stdin
+            dead = server.processes[worker]
+            if dead.stdin is not None:
+                dead.stdin.close()
+            server.processes[worker] = process
+        else:
+            server.processes.append(process)
+        spec = server.spec
+        message = {
+            "name": server.name,
+            "entrypoint": spec.entrypoint,
+            "host": spec.host,
+            "port": port,
+            "reuse_port": spec.num_workers > 1,
+            "config": spec.config,
+            "registry": self.registry_address,
+            "grace": self.grace,
+            "log_level": self.log_level,
+            "profiling_dir": self.config.profiling_results_dirpath if self.config.profiling_enabled else None,
+            "security": self.config.security.model_dump(),
+            "log_name": server.name if spec.num_workers == 1 else f"{server.name}.worker{worker}",
+        }
+        assert process.stdin is not None
+        process.stdin.write((json.dumps(message) + "\n").encode())
+        await process.stdin.drain()
+        return process
+
+    async def _ready(self, server: ServerProcesses, process: asyncio.subprocess.Process) -> dict:
+        """The ready report of one worker process (StartupError when it failed)."""
+        assert process.stdout is not None
+        line = await process.stdout.readline()
+        if not line:
+            code = await process.wait()
+            _kill_group(process)  # what it started may hold its stderr open
+            await server.log.drained(process)
+            raise StartupError(f"server {server.name!r} exited with code {code} before it was ready")
+        report = json.loads(line)
+        if "error" in report:
+            reason = report["error"].removeprefix(f"server {server.name!r}: ")
+            raise StartupError(f"server {server.name!r} could not start: {reason}")
+        return report
+
+    def processes(self) -> list[tuple[str, asyncio.subprocess.Process]]:
+        return [(s.name, p) for s in self.servers.values() for p in s.processes]
+
+    async def watch(self, stop: asyncio.Event) -> int:
+        """Until `stop` is set: report each server process that exits, start it again
+        when its server says `restart`, keep the others serving. 1 when any process
+        exited (0 otherwise); returns early if every process is gone for good."""
+        exits = {
+            asyncio.ensure_future(p.wait()): (s, worker)
+            for s in self.servers.values()
+            for worker, p in enumerate(s.processes)
+        }
+        restarts: dict[asyncio.Future, tuple[ServerProcesses, int]] = {}
+        stopping = asyncio.ensure_future(stop.wait())
+        code = 0
+        try:
+            while exits or restarts:
+                done, _ = await asyncio.wait({*exits, *restarts, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                if stopping in done:
+                    break
+                for future in done:
+                    if future in restarts:
+                        server, worker = restarts.pop(future)
+                        if future.result():
+                            exits[asyncio.ensure_future(server.processes[worker].wait())] = (server, worker)
+                        continue
+                    server, worker = exits.pop(future)
+                    process = server.processes[worker]
+                    _kill_group(process)  # what it started (a verifier's pool, say) is orphaned now
+                    code = 1
+                    log.error("server %r (pid %d) exited with code %s", server.name, process.pid, process.returncode)
+                    if server.spec.restart:
+                        restarts[asyncio.ensure_future(self._restart(server, worker))] = (server, worker)
+                    else:
+                        log.error("the other servers keep serving (see gym-grpc status)")
+            if not exits and not restarts:
+                log.error("every server has exited")
+        finally:
+            stopping.cancel()
+            for future in [*exits, *restarts]:
+                future.cancel()
+            await asyncio.gather(*restarts, return_exceptions=True)  # their processes are listed for stop()
+        return code
+
+    async def _restart(self, server: ServerProcesses, worker: int) -> bool:
+        """Start worker `worker` of a server again on the server's port; whether it came back.
+
+        A replacement that dies (or is not healthy) before it serves is followed by
+        another, up to RESTART_ATTEMPTS, with growing delays; then the server is
+        given up, with its last log lines."""
+        address = server.info.addresses[0]
+        port = int(address.rsplit(":", 1)[1])
+        for attempt in range(1, RESTART_ATTEMPTS + 1):
+            delay = 0.0 if attempt == 1 else min(RESTART_FIRST_DELAY * 2 ** (attempt - 2), RESTART_MAX_DELAY)
+            when = f" in {delay:.1f} s" if delay else ""
+            log.warning("restarting %r (attempt %d of %d)%s", server.name, attempt, RESTART_ATTEMPTS, when)
+            await asyncio.sleep(delay)
+            try:
+                process = await self._spawn(server, port, worker)
+                await asyncio.wait_for(self._ready(server, process), self.startup_timeout)
+                await _wait_healthy(address, self.config.security)
+            except TimeoutError:
+                failure = f"server {server.name!r} not ready after {self.startup_timeout:.0f} s"
+            except (StartupError, OSError) as e:
+                failure = str(e)
+            else:
+                log.warning("server %r restarted (pid %d) on %s", server.name, process.pid, address)
+                return True
+            log.error("attempt %d of %d failed: %s", attempt, RESTART_ATTEMPTS, failure)
+            await _end(server.processes[worker])
+        log.error(
+            "giving up on server %r after %d attempts to restart it%s",
+            server.name,
+            RESTART_ATTEMPTS,
+            server.log.quote(),
+        )
+        return False
+
+    async def stop(self) -> None:
+        """Stop every server (SIGTERM, then SIGKILL after the grace period) and the registry."""
+        alive = [p for _, p in self.processes() if p.returncode is None]
+        for process in alive:
+            process.send_signal(signal.SIGTERM)
+        if alive:
+            await asyncio.wait([asyncio.ensure_future(p.wait()) for p in alive], timeout=self.grace + 5)
+            for process in alive:
+                if process.returncode is None:
+                    log.warning("server pid %d did not stop in time; killing it", process.pid)
+                    process.kill()
+                    await process.wait()
+        for _, process in self.processes():
+            _kill_group(process)
+            if process.stdin is not None:
+                process.stdin.close()
+        if self.registry is not None:
+            await self.registry.stop(grace=1.0)
+
+
+async def _end(process: asyncio.subprocess.Process) -> None:
+    """Kill a server process that failed to start, and what it started."""
+    _kill_group(process)
+    await process.wait()
+
+
+def _kill_group(process: asyncio.subprocess.Process) -> None:
+    """Kill whatever is left in the process group of a server process that has exited."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+async def _wait_healthy(address: str, security: Security, attempts: int = 50) -> None:
+    """Poll the health service of a server until it says SERVING."""
+    async with transport.open_channel(address, security=security) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for _ in range(attempts):
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.1)
+    raise StartupError(f"server at {address} never reported SERVING")
+
+
+def describe(runner: Runner, started: float) -> str:
+    """A table of the running servers, for the terminal."""
+    lines = [f"registry   {runner.registry_address}"]
+    for s in runner.servers.values():
+        refs = ", ".join(f"{k}={v}" for k, v in sorted(s.info.references.items()))
+        workers = f"{s.info.workers} workers" if s.info.workers > 1 else ""
+        lines.append(
+            f"{SERVER_ROLES.get(s.info.role, '?'):<10} {s.name:<24} {s.info.addresses[0]:<22} {workers:<11}{refs}"
+        )
+    processes = len(runner.processes())
+    lines.append(f"{len(runner.servers)} servers healthy in {time.monotonic() - started:.1f} s ({processes} processes)")
+    return "\n".join(lines)

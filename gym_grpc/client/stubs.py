@@ -1,0 +1,242 @@
+"""Typed clients over the generated stubs, one per role.
+
+Each resolves its server by name through a `Registry`, gives every call a
+deadline (what is left of the current call's deadline when called from a
+handler, else the client's default timeout) and turns a failed call into a
+`GymError` that names the server and method. A server that answered before
+is waited for while it cannot be reached (see `transport.Connection`): a
+pause or a restart costs time, not the rollout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf import struct_pb2
+
+from gym_grpc import errors
+from gym_grpc.rpc import protocol, transport
+from gym_grpc.rpc.registry import Registry
+from gym_grpc.v1 import admin_service_pb2 as admin_pb
+from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
+from gym_grpc.v1 import agent_service_pb2 as agent_pb
+from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
+from gym_grpc.v1 import model_service_pb2 as model_pb
+from gym_grpc.v1 import model_service_pb2_grpc as model_grpc
+from gym_grpc.v1 import resources_service_pb2 as res_pb
+from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
+from gym_grpc.v1 import responses_pb2 as r
+from gym_grpc.v1 import task_pb2
+
+#: Default timeout of one call, in seconds, when the caller has no deadline.
+DEFAULT_TIMEOUT = 600.0
+
+
+class _Client:
+    _stub_class: Any
+    _kind: str
+
+    def __init__(self, registry: Registry, name: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.registry = registry
+        self.name = name
+        self.timeout = timeout
+        self._peers: list[tuple[Any, transport.Connection]] = []
+        self._next = 0
+        self._handshake: asyncio.Future[None] | None = None
+
+    async def _peer(self) -> tuple[Any, transport.Connection]:
+        """A stub and its connection for the next call: calls go round the server's connections."""
+        if not self._peers:
+            connections = await self.registry.connections(self.name)
+            self._peers = [(self._stub_class(c.channel), c) for c in connections]
+        self._next = (self._next + 1) % len(self._peers)
+        return self._peers[self._next]
+
+    async def server_info(self) -> admin_pb.GetServerInfoResponse:
+        """The server's AdminService.GetServerInfo: what it is, its protocol version, its capabilities."""
+        return await self._call("GetServerInfo", admin_pb.GetServerInfoRequest(), admin=True)
+
+    async def check_protocol(self) -> None:
+        """Raise IncompatibleServer when the server speaks another major version of the
+        protocol. Asked once; a server without AdminService is taken as it comes."""
+        if self._handshake is None:
+            self._handshake = asyncio.ensure_future(self._shake_hands())
+        handshake = self._handshake
+        try:
+            await asyncio.shield(handshake)
+        except errors.GymError as e:
+            if not isinstance(e, errors.IncompatibleServer) and self._handshake is handshake:
+                self._handshake = None  # ask again next time: the server may be up by then
+            raise
+
+    async def _shake_hands(self) -> None:
+        try:
+            info = await self.server_info()
+        except errors.GymError as e:
+            if e.code == grpc.StatusCode.UNIMPLEMENTED:
+                return  # another implementation of the protocol, without AdminService: be liberal
+            raise
+        protocol.check(info, f"{self._kind} {self.name!r}")
+
+    def _error(
+        self, error: grpc.aio.AioRpcError | None, method: str, connection: transport.Connection
+    ) -> errors.GymError:
+        where = f"{self._kind} {self.name!r} {method}"
+        if error is None:  # cancelled by the connection: the peer was given up
+            return errors.Unavailable(
+                f"{where}: UNAVAILABLE: {connection.address} unreachable for {connection.unreachable_seconds:g} s"
+            )
+        return errors.from_rpc_error(error, where)
+
+    async def _call(
+        self,
+        method: str,
+        request: Any,
+        timeout: float | None = None,
+        *,
+        detached: bool = False,
+        passing: frozenset[grpc.StatusCode] = frozenset(),
+        admin: bool = False,
+    ) -> Any:
+        """Call `method` (of the server's AdminService when `admin`). `detached` calls ignore
+        the caller's deadline (for cleanup); a failure with a code in `passing` is returned, not raised."""
+        stub, connection = await self._peer()
+        if admin:
+            stub = admin_grpc.AdminServiceStub(connection.channel)
+        timeout = timeout if timeout is not None else self.timeout
+        wait = connection.wait
+        call = getattr(stub, method)(
+            request, timeout=timeout if detached else transport.timeout_for(timeout), wait_for_ready=wait
+        )
+        if wait:
+            connection.waiting(call)
+        try:
+            return await call
+        except grpc.aio.AioRpcError as e:
+            if e.code() in passing:
+                return e
+            raise self._error(e, method, connection) from None
+        except asyncio.CancelledError:
+            if _cancelled_by(connection):
+                raise self._error(None, method, connection) from None
+            raise
+
+
+def _cancelled_by(connection: transport.Connection) -> bool:
+    """Whether a call that ended in CancelledError was cancelled by its connection
+    giving up on the peer, not by a cancel of the task that made it."""
+    task = asyncio.current_task()
+    return connection.given_up and task is not None and not task.cancelling()
+
+
+class AdminClient(_Client):
+    """Calls the AdminService every gym-grpc server has, whatever its role."""
+
+    _stub_class = admin_grpc.AdminServiceStub
+    _kind = "server"
+
+
+class ModelClient(_Client):
+    """Calls a ModelService."""
+
+    _stub_class = model_grpc.ModelServiceStub
+    _kind = "model server"
+
+    async def create_response(self, params: r.CreateParams, session_id: str = "") -> r.Response:
+        return await self.send(model_pb.CreateResponseRequest(params=params, session_id=session_id))
+
+    async def send(self, request: model_pb.CreateResponseRequest) -> r.Response:
+        """CreateResponse with a request the caller keeps (an agent grows one conversation in place)."""
+        reply = await self._call("CreateResponse", request)
+        return reply.response
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """A tool call's output for the model; `error` when the call failed."""
+
+    output: str
+    error: bool = False
+
+
+class ResourcesClient(_Client):
+    """Calls a ResourcesService."""
+
+    _stub_class = res_grpc.ResourcesServiceStub
+    _kind = "resources server"
+
+    async def seed_session(self, session_id: str, task: task_pb2.Task) -> None:
+        await self._call("SeedSession", res_pb.SeedSessionRequest(session_id=session_id, task=task))
+
+    async def call_tool(self, session_id: str, call: r.FunctionCall) -> ToolResult:
+        """Run a tool call. Mistakes of the model (unknown tool, bad arguments)
+        and errors the tool raised come back as an error ToolResult; failures of
+        the server itself raise."""
+        request = res_pb.CallToolRequest(
+            session_id=session_id, name=call.name, arguments=call.arguments, call_id=call.call_id
+        )
+        reply = await self._call("CallTool", request, passing=errors.TOOL_ERROR_CODES)
+        if isinstance(reply, grpc.aio.AioRpcError):
+            return ToolResult(output=reply.details() or reply.code().name, error=True)
+        return ToolResult(output=reply.output)
+
+    async def verify(self, session_id: str, task: task_pb2.Task, response: r.Response) -> res_pb.VerifyResponse:
+        return await self._call("Verify", res_pb.VerifyRequest(session_id=session_id, task=task, response=response))
+
+    async def close_session(self, session_id: str, timeout: float | None = None) -> None:
+        """Close a session. Cleanup: runs with its own timeout even when the
+        caller's deadline has passed."""
+        await self._call("CloseSession", res_pb.CloseSessionRequest(session_id=session_id), timeout, detached=True)
+
+    async def aggregate_metrics(self, results: list[task_pb2.VerificationResult]) -> struct_pb2.Struct:
+        reply = await self._call("AggregateMetrics", res_pb.AggregateMetricsRequest(results=results))
+        return reply.metrics
+
+    async def describe_tools(self) -> res_pb.DescribeToolsResponse:
+        """The environment's tools, and whether it is stateless."""
+        return await self._call("DescribeTools", res_pb.DescribeToolsRequest())
+
+
+class AgentClient(_Client):
+    """Calls an AgentService."""
+
+    _stub_class = agent_grpc.AgentServiceStub
+    _kind = "agent"
+
+    async def run(
+        self, task: task_pb2.Task, timeout: float | None = None, *, skip_verification: bool = False
+    ) -> task_pb2.Rollout:
+        await self.check_protocol()
+        request = agent_pb.RunRequest(task=task, skip_verification=skip_verification)
+        reply = await self._call("Run", request, timeout)
+        return reply.rollout
+
+    async def run_stream(
+        self, task: task_pb2.Task, timeout: float | None = None, *, skip_verification: bool = False
+    ) -> AsyncIterator[agent_pb.RunStreamResponse]:
+        """The events of one rollout as they happen; the last one holds the rollout."""
+        await self.check_protocol()
+        stub, connection = await self._peer()
+        wait = connection.wait
+        call = stub.RunStream(
+            agent_pb.RunStreamRequest(task=task, skip_verification=skip_verification),
+            timeout=transport.timeout_for(timeout if timeout is not None else self.timeout),
+            wait_for_ready=wait,
+        )
+        if wait:
+            connection.waiting(call)
+        try:
+            async for event in call:
+                yield event
+        except grpc.aio.AioRpcError as e:
+            raise self._error(e, "RunStream", connection) from None
+        except asyncio.CancelledError:
+            if _cancelled_by(connection):
+                raise self._error(None, "RunStream", connection) from None
+            raise
+        finally:
+            call.cancel()

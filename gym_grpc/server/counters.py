@@ -1,0 +1,123 @@
+"""Live counters of a server: calls by method and status, in flight, latency
+percentiles over recent calls, the time agents' rollouts spend per stage, and
+the retries of requests to engines by failure class, and histories that did
+not extend their token ids, by cause.
+
+Recording a call costs two clock reads and a few dict and array updates;
+percentiles are computed only when someone asks (AdminService.GetCounters).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from array import array
+from collections import Counter
+
+from gym_grpc.v1 import admin_service_pb2 as admin_pb
+from gym_grpc.v1 import task_pb2
+
+#: Recent values kept per method (and per stage) for percentiles.
+RECENT = 4096
+
+
+class _Recent:
+    """The last RECENT values, in a ring."""
+
+    def __init__(self) -> None:
+        self.values = array("d", bytes(8 * RECENT))
+        self.count = 0
+
+    def add(self, value: float) -> None:
+        self.values[self.count % RECENT] = value
+        self.count += 1
+
+    def sorted(self) -> list[float]:
+        return sorted(self.values[: min(self.count, RECENT)])
+
+
+def _percentile(ordered: list[float], fraction: float) -> float:
+    if not ordered:
+        return 0.0
+    return ordered[min(len(ordered) - 1, max(0, round(fraction * len(ordered)) - 1))]
+
+
+class _Method:
+    def __init__(self) -> None:
+        self.by_status: Counter[str] = Counter()
+        self.in_flight = 0
+        self.latency = _Recent()
+
+
+class Counters:
+    """The counters of one server process."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.methods: dict[str, _Method] = {}
+        self.stages = {stage: _Recent() for stage in ("model", "tools", "verify")}
+        self.retries: Counter[str] = Counter()
+        self.histories: Counter[str] = Counter()
+
+    def begin(self, method: str) -> float:
+        """A call started; returns the time to pass to end()."""
+        counters = self.methods.get(method)
+        if counters is None:
+            counters = self.methods[method] = _Method()
+        counters.in_flight += 1
+        return time.monotonic()
+
+    def end(self, method: str, began: float, status: str) -> float:
+        """A call finished with `status`; returns its duration in seconds."""
+        seconds = time.monotonic() - began
+        counters = self.methods[method]
+        counters.in_flight -= 1
+        counters.by_status[status] += 1
+        counters.latency.add(seconds)
+        return seconds
+
+    def rollout(self, timings: task_pb2.RolloutTimings) -> None:
+        """An agent finished a rollout that spent `timings`."""
+        self.stages["model"].add(timings.model_seconds)
+        self.stages["tools"].add(timings.tools_seconds)
+        self.stages["verify"].add(timings.verify_seconds)
+
+    def retried(self, kind: str) -> None:
+        """A request to an engine is retried after a failure of class `kind` (see gym_grpc.engines.retries)."""
+        self.retries[kind] += 1
+
+    def history(self, cause: str) -> None:
+        """A conversation did not extend the token ids of its earlier turns, for `cause`
+        (see servers/models/vllm_model/token_prompts.py)."""
+        self.histories[cause] += 1
+
+    def uptime(self) -> float:
+        return time.monotonic() - self.started
+
+    def to_proto(self) -> admin_pb.GetCountersResponse:
+        reply = admin_pb.GetCountersResponse(
+            uptime_seconds=self.uptime(), retries=dict(self.retries), non_monotonic_histories=dict(self.histories)
+        )
+        for name, counters in sorted(self.methods.items()):
+            ordered = counters.latency.sorted()
+            reply.methods.add(
+                method=name,
+                calls_by_status=dict(counters.by_status),
+                in_flight=counters.in_flight,
+                p50_ms=1000 * _percentile(ordered, 0.50),
+                p95_ms=1000 * _percentile(ordered, 0.95),
+                p99_ms=1000 * _percentile(ordered, 0.99),
+            )
+            reply.in_flight += counters.in_flight
+            reply.calls_total += sum(counters.by_status.values())
+        for stage, recent in self.stages.items():
+            ordered = recent.sorted()
+            if ordered:
+                reply.stages.add(
+                    stage=stage,
+                    rollouts=recent.count,
+                    mean_seconds=statistics.fmean(ordered),
+                    p50_seconds=_percentile(ordered, 0.50),
+                    p95_seconds=_percentile(ordered, 0.95),
+                )
+        return reply

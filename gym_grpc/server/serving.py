@@ -1,0 +1,382 @@
+"""Server bootstrap shared by every gym-grpc server.
+
+`GymServer` is the base of the three roles: a name, a typed config, the gRPC
+services it adds, and start/stop hooks. `serve()` puts one on a grpc.aio
+server with the health service, server reflection and our transport options,
+binds it (port 0 picks a free port, read back from the server), and
+`Running.stop()` shuts it down gracefully: health goes NOT_SERVING first, then
+in-flight calls get a grace period to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+import signal
+import time
+from collections.abc import Callable
+from typing import Any, ClassVar, NoReturn, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from gym_grpc import errors
+from gym_grpc.errors import ConfigError
+from gym_grpc.rpc import protocol, transport
+from gym_grpc.rpc.registry import Registry
+from gym_grpc.rpc.security import Security
+from gym_grpc.server import health, open_files, reflection
+from gym_grpc.server.admin import ADMIN_SERVICE, AdminServicer
+from gym_grpc.server.counters import Counters
+from gym_grpc.server.health import HealthServicer
+from gym_grpc.server.profiling import Profiler
+from gym_grpc.v1 import admin_service_pb2 as admin_pb
+from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
+from gym_grpc.v1 import registry_service_pb2 as reg
+
+log = logging.getLogger("gym_grpc")
+
+#: Seconds in-flight calls get to finish after a stop is requested.
+DEFAULT_GRACE_SECONDS = 10.0
+
+
+class ServerConfig(BaseModel):
+    """Base of a server's own config (the `config:` block of its entry)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class GymServer:
+    """Base of every gym-grpc server. Subclass one of the role bases instead."""
+
+    role: ClassVar[int] = reg.SERVER_ROLE_UNSPECIFIED
+    Config: ClassVar[type[ServerConfig]] = ServerConfig
+
+    def __init__(
+        self,
+        config: ServerConfig | dict[str, Any] | None = None,
+        *,
+        name: str | None = None,
+        registry: Registry | None = None,
+    ) -> None:
+        self.name = name or type(self).__name__
+        if isinstance(config, ServerConfig):
+            self.config = config
+        else:
+            try:
+                self.config = self.Config.model_validate(config or {})
+            except ValidationError as e:
+                raise ConfigError(_describe_validation(self.name, e)) from None
+        self.registry = registry or Registry()
+        self.counters = Counters()
+        self.profiler = Profiler()
+        #: What it runs, for AdminService.GetServerInfo (the worker sets the configured string).
+        self.entrypoint = f"{type(self).__module__}:{type(self).__qualname__}"
+
+    def references(self) -> dict[str, str]:
+        """Names of the servers this one calls, by role (for the registry)."""
+        return {}
+
+    def add_services(self, server: grpc.aio.Server) -> list[str]:
+        """Add this server's gRPC services; return their full names."""
+        raise NotImplementedError
+
+    def capabilities(self) -> admin_pb.Capabilities:
+        """What this server's methods can do, for the handshake (AdminService.GetServerInfo).
+        A role or a server adds what it declares, such as a model server's token ids."""
+        return protocol.base_capabilities()
+
+    async def start(self) -> None:
+        """Hook: acquire resources (pools, channels) before serving."""
+
+    async def stop(self) -> None:
+        """Hook: release them after the last call finished."""
+        await self.registry.close()
+
+
+def _describe_validation(name: str, error: ValidationError) -> str:
+    problems = []
+    for e in error.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(config)"
+        problems.append(f"config.{where}: {e['msg']}")
+    return f"server {name!r}: " + "; ".join(problems)
+
+
+H = TypeVar("H", bound=Callable[..., Any])
+
+
+class _Call:
+    """One call as the log and the counters see it.
+
+    Everything it needs from the call's context is read when the call starts:
+    touching a grpc.aio context after its call has ended (client cancel,
+    deadline, client death) can crash the process."""
+
+    __slots__ = ("app", "method", "peer", "deadline", "began", "status", "detail", "out_of_files")
+
+    def __init__(self, app: GymServer, method: str, context: grpc.aio.ServicerContext) -> None:
+        self.app, self.method = app, method
+        self.peer = context.peer()
+        remaining = context.time_remaining()
+        self.deadline = None if remaining is None else time.monotonic() + remaining
+        self.began = app.counters.begin(method)
+        self.status, self.detail = "OK", ""
+        self.out_of_files = False
+
+    async def fail(self, error: BaseException, context: grpc.aio.ServicerContext) -> NoReturn:
+        """Turn what the handler raised into the call's status; always raises."""
+        if isinstance(error, errors.GymError):
+            self.status, self.detail = error.code.name, error.message
+            self.out_of_files = isinstance(error, errors.OutOfFiles)
+            await context.abort_with_status(error.to_status())
+        if isinstance(error, grpc.aio.AbortError):
+            raise error
+        if not isinstance(error, Exception):  # cancelled, or a stream closed early
+            expired = self.deadline is not None and time.monotonic() >= self.deadline
+            self.status = "DEADLINE_EXCEEDED" if expired else "CANCELLED"
+            raise error
+        self.status, self.detail = "INTERNAL", f"{type(error).__name__}: {error}"
+        log.error("%s failed", self.method, exc_info=error)
+        await context.abort(
+            grpc.StatusCode.INTERNAL,
+            f"internal error in {self.method}: {type(error).__name__} (details in the server log)",
+        )
+        raise AssertionError("abort returned")
+
+    def end(self) -> None:
+        seconds = self.app.counters.end(self.method, self.began, self.status)
+        if self.status != "OK" and (not self.out_of_files or open_files.time_to_say()):
+            level = logging.INFO if self.status in _CALLER_FAULTS else logging.WARNING
+            log.log(
+                level,
+                "%s %s from %s after %.1f ms: %s",
+                self.method,
+                self.status,
+                self.peer,
+                1000 * seconds,
+                self.detail,
+            )
+
+
+def rpc_method(handler: H) -> H:
+    """Wrap a servicer method (a coroutine, or an async generator for a stream):
+    errors become statuses, the deadline propagates, the call is counted and logged.
+
+    A `GymError` aborts the call with its code and public message. Any other
+    exception is a bug: logged with its traceback, reported as INTERNAL with
+    the exception's class only. A call that ends because its deadline passed
+    counts as DEADLINE_EXCEEDED, one the client gave up on as CANCELLED.
+    """
+    method = handler.__name__.lstrip("_")
+
+    if inspect.isasyncgenfunction(handler):
+
+        @functools.wraps(handler)
+        async def stream(self: Any, request: Any, context: grpc.aio.ServicerContext, *rest: Any) -> Any:
+            call = _Call(self.app, method, context)
+            # Not reset: the stream may be closed from another task, and each call
+            # runs in its own task, whose context dies with it.
+            transport.set_deadline(context.time_remaining())
+            try:
+                async for reply in handler(self, request, context, *rest):
+                    yield reply
+            except BaseException as e:
+                await call.fail(e, context)
+            finally:
+                call.end()
+
+        return stream  # type: ignore[return-value]
+
+    @functools.wraps(handler)
+    async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext, *rest: Any) -> Any:
+        call = _Call(self.app, method, context)
+        token = transport.set_deadline(context.time_remaining())
+        try:
+            return await handler(self, request, context, *rest)
+        except BaseException as e:
+            await call.fail(e, context)
+        finally:
+            transport.reset_deadline(token)
+            call.end()
+
+    return unary  # type: ignore[return-value]
+
+
+# Failures that come from the caller's request (or the model's tool call), not the server.
+_CALLER_FAULTS = frozenset(
+    {"INVALID_ARGUMENT", "NOT_FOUND", "ABORTED", "FAILED_PRECONDITION", "CANCELLED", "DEADLINE_EXCEEDED"}
+)
+
+
+class _Corrupt:
+    """What a request that does not parse becomes, so that the call can say so."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _guarded(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as e:  # protobuf's DecodeError and friends
+            return _Corrupt(e)
+
+    return deserialize
+
+
+class _DecodeGuard(grpc.aio.ServerInterceptor):
+    """A request whose bytes do not parse gets INVALID_ARGUMENT (grpcio would say UNKNOWN).
+
+    The last interceptor, so a method's handler never changes: it is wrapped once."""
+
+    def __init__(self) -> None:
+        self._wrapped: dict[str, Any] = {}
+
+    async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        wrapped = self._wrapped.get(details.method)
+        if wrapped is None:
+            handler = await continuation(details)
+            if handler is None:
+                return None
+            wrapped = self._wrapped[details.method] = self._wrap(details.method, handler)
+        return wrapped
+
+    @staticmethod
+    def _wrap(method: str, handler: Any) -> Any:
+        if handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        behaviour = handler.unary_unary or handler.unary_stream
+
+        async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Corrupt):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request is not a valid message: {request.error}"
+                )
+            return await behaviour(request, context)
+
+        async def checked_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Corrupt):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request is not a valid message: {request.error}"
+                )
+            async for reply in behaviour(request, context):
+                yield reply
+
+        deserialize = _guarded(handler.request_deserializer)
+        if handler.unary_stream:
+            # A streaming handler is an async generator or a coroutine that writes; keep its kind.
+            wrapped = checked_stream if inspect.isasyncgenfunction(behaviour) else checked
+            return grpc.unary_stream_rpc_method_handler(wrapped, deserialize, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(checked, deserialize, handler.response_serializer)
+
+
+class _EndedCallWrites(logging.Filter):
+    """grpc logs an ERROR with a traceback when a stream's next reply is written
+    after its call ended (the deadline passed in between). The call's end is
+    already counted and logged by rpc_method; the traceback is noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("ExecuteBatchError raised in core")
+
+
+_GRPC_CORE_LOG = logging.getLogger("grpc._cython.cygrpc")
+_GRPC_CORE_LOG.addFilter(_EndedCallWrites())
+
+
+class Running:
+    """A server that is up: its bound port, and how to stop it."""
+
+    def __init__(
+        self, server: grpc.aio.Server, app: GymServer, health_servicer: HealthServicer, host: str, port: int
+    ) -> None:
+        self.server = server
+        self.app = app
+        self.health = health_servicer
+        self.host = host
+        self.port = port
+        self._stopped = False
+
+    @property
+    def address(self) -> str:
+        """The "host:port" to reach it."""
+        return f"{self.host}:{self.port}"
+
+    async def stop(self, grace: float = DEFAULT_GRACE_SECONDS) -> None:
+        """Go NOT_SERVING, let in-flight calls finish within `grace` s, then close."""
+        if self._stopped:
+            return
+        self._stopped = True
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        await self.app.stop()
+        self.app.profiler.stop()
+
+
+async def serve(
+    app: GymServer,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    reuse_port: bool = False,
+    security: Security | None = None,
+) -> Running:
+    """Start `app` on host:port (0: any free port) and return once it serves.
+
+    `reuse_port` lets several processes serve the same port (num_workers);
+    `security` adds TLS and the bearer token check."""
+    security = security or Security()
+    server = grpc.aio.server(
+        options=transport.server_options(reuse_port=reuse_port),
+        interceptors=[*security.server_interceptors(), _DecodeGuard()],
+    )
+    names = [*app.add_services(server), ADMIN_SERVICE]
+    served = [*names, health.SERVICE_NAME, *reflection.SERVICE_NAMES]
+    described = reflection.add_to_server(served, server)
+    admin_grpc.add_AdminServiceServicer_to_server(AdminServicer(app, protocol.served(served, described)), server)
+    health_servicer = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    credentials = security.server_credentials()
+    try:
+        if credentials is None:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        else:
+            bound = server.add_secure_port(f"{host}:{port}", credentials)
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise OSError(f"server {app.name!r} could not bind {host}:{port} (in use?)")
+    app.profiler.start()
+    await app.start()
+    await server.start()
+    for name in ["", *names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("%s serving on %s:%d", app.name, host, bound)
+    return Running(server, app, health_servicer, host, bound)
+
+
+async def serve_until_signalled(
+    app: GymServer,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    grace: float = DEFAULT_GRACE_SECONDS,
+    on_ready: Callable[[Running], None] | None = None,
+    stop_event: asyncio.Event | None = None,
+    reuse_port: bool = False,
+    security: Security | None = None,
+) -> None:
+    """Serve until SIGTERM/SIGINT (or `stop_event`), then stop gracefully."""
+    running = await serve(app, host, port, reuse_port=reuse_port, security=security)
+    stop = stop_event or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if on_ready is not None:
+        on_ready(running)
+    await stop.wait()
+    log.info("%s stopping (grace %.0f s)", app.name, grace)
+    await running.stop(grace)

@@ -1,0 +1,94 @@
+"""One server in its own process: what `gym-grpc run` starts for each server.
+
+The parent writes the server's spec as one JSON line on our stdin and keeps
+stdin open; when it closes (the parent exited, even by SIGKILL) we stop. Once
+serving, we write one JSON line on stdout: the bound port, role and the names
+of the servers we call; or {"error": ...} when we could not start. Logs go to
+stderr, prefixed with the server's name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+from gym_grpc.errors import ConfigError
+from gym_grpc.rpc.registry import Registry
+from gym_grpc.rpc.security import Security
+from gym_grpc.server import open_files
+from gym_grpc.server.entrypoints import load_entrypoint
+from gym_grpc.server.profiling import Profiler
+from gym_grpc.server.serving import GymServer, Running, serve_until_signalled
+
+# The report pipe: our stdout as the parent gave it, on a descriptor that
+# processes we start (a verifier's pool, say) do not inherit. Descriptor 1
+# becomes a copy of stderr: a grandchild holding the pipe open would keep the
+# parent from seeing us exit (asyncio waits for the pipe to close).
+_REPORTS = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+sys.stdout = sys.stderr
+
+
+def _report(message: dict[str, Any]) -> None:
+    _REPORTS.write(json.dumps(message) + "\n")
+    _REPORTS.flush()
+
+
+async def _serve(app: GymServer, spec: dict[str, Any], security: Security) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_stdin() -> None:
+        if not os.read(0, 4096):  # EOF: the parent is gone
+            loop.remove_reader(0)
+            stop.set()
+
+    loop.add_reader(0, on_stdin)
+
+    def on_ready(running: Running) -> None:
+        _report({"port": running.port, "role": app.role, "references": app.references()})
+
+    await serve_until_signalled(
+        app,
+        spec["host"],
+        spec["port"],
+        grace=spec["grace"],
+        on_ready=on_ready,
+        stop_event=stop,
+        reuse_port=spec.get("reuse_port", False),
+        security=security,
+    )
+
+
+def main() -> None:
+    spec = json.loads(sys.stdin.readline())
+    name = spec["name"]
+    open_files.raise_limit(f"server {name!r}")  # and name this process in what it says about it
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=spec.get("log_level", "INFO"),
+        format=f"%(asctime)s [{name}] %(levelname)s %(message)s",
+    )
+    try:
+        security = Security.model_validate(spec.get("security") or {})
+        cls = load_entrypoint(spec["entrypoint"])
+        app = cls(spec["config"], name=name, registry=Registry(spec["registry"], security=security))
+        app.entrypoint = spec["entrypoint"]
+        if spec.get("profiling_dir"):
+            app.profiler = Profiler(spec["profiling_dir"], spec.get("log_name", name))
+        asyncio.run(_serve(app, spec, security))
+    except ConfigError as e:
+        _report({"error": str(e)})
+        sys.exit(2)
+    except Exception as e:
+        logging.getLogger("gym_grpc").exception("could not serve")
+        _report({"error": f"{type(e).__name__}: {e}"})
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""The package's layout is its architecture: layers import downwards only, and old import paths still work."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import gym_grpc
+from gym_grpc import _moved
+
+PACKAGE = Path(gym_grpc.__file__).parent
+
+# Which folders each folder may import from (besides the top-level modules and v1).
+# docs/architecture.md draws the same picture.
+MAY_IMPORT = {
+    "data": set(),
+    "rpc": set(),
+    "server": {"rpc", "data"},
+    "client": {"rpc", "server", "data"},
+    "engines": {"rpc", "server", "data"},
+    "batch": {"rpc", "server", "client", "data"},
+    "cli": {"rpc", "server", "client", "data", "batch", "engines"},
+}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        if "v1" in parts:
+            continue
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def _imports(path: Path, known: dict[str, Path]) -> set[str]:
+    """Every gym_grpc module `path` imports, at any depth (functions and TYPE_CHECKING blocks included)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gym_grpc"):
+            for alias in node.names:
+                name = f"{node.module}.{alias.name}"
+                out.add(name if name in known else node.module)
+        elif isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names if alias.name.startswith("gym_grpc"))
+    return {name for name in out if name in known}
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    modules = _modules()
+    graph = {name: _imports(path, modules) - {name} for name, path in modules.items()}
+    state: dict[str, str] = {}
+    cycles = []
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = "open"
+        for other in sorted(graph[name]):
+            if state.get(other) == "open":
+                cycles.append(" -> ".join(path[path.index(other) :] + [name, other]))
+            elif other not in state:
+                visit(other, [*path, name])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+    assert cycles == []
+
+
+def test_each_folder_imports_only_the_layers_below_it():
+    modules = _modules()
+    wrong = []
+    for name, path in modules.items():
+        parts = name.split(".")
+        folder = parts[1] if len(parts) > 2 or (len(parts) == 2 and path.name == "__init__.py") else None
+        if folder not in MAY_IMPORT:
+            continue
+        for other in _imports(path, modules):
+            theirs = other.split(".")[1] if len(other.split(".")) > 2 else None
+            if theirs in MAY_IMPORT and theirs != folder and theirs not in MAY_IMPORT[folder]:
+                wrong.append(f"{name} imports {other}")
+    assert wrong == []
+
+
+def test_old_import_paths_reach_the_moved_modules_and_say_where_they_went():
+    """In a fresh interpreter: the first import by an old name warns, and both names are one module."""
+    checks = "; ".join(
+        f"import {old} as a, {new} as b; assert a is b and a.__spec__.name == {new!r}"
+        for old, new in _moved.MOVED.items()
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "always::DeprecationWarning", "-c", checks],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    for old, new in _moved.MOVED.items():
+        assert f"{old} moved to {new}" in done.stderr
