@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from gym_grpc import errors
-from gym_grpc.errors import ConfigError
+from gym_grpc.cli.config import ConfigError
 from gym_grpc.rpc import protocol, transport
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.rpc.security import Security
@@ -115,7 +115,7 @@ class _Call:
     touching a grpc.aio context after its call has ended (client cancel,
     deadline, client death) can crash the process."""
 
-    __slots__ = ("app", "method", "peer", "deadline", "began", "status", "detail", "out_of_files")
+    __slots__ = ("app", "method", "peer", "deadline", "began", "status", "detail", "out_of_files", "ended")
 
     def __init__(self, app: GymServer, method: str, context: grpc.aio.ServicerContext) -> None:
         self.app, self.method = app, method
@@ -125,12 +125,14 @@ class _Call:
         self.began = app.counters.begin(method)
         self.status, self.detail = "OK", ""
         self.out_of_files = False
+        self.ended = False
 
     async def fail(self, error: BaseException, context: grpc.aio.ServicerContext) -> NoReturn:
         """Turn what the handler raised into the call's status; always raises."""
         if isinstance(error, errors.GymError):
             self.status, self.detail = error.code.name, error.message
             self.out_of_files = isinstance(error, errors.OutOfFiles)
+            self.end()  # before the status goes out: once the caller has it, the log has the line
             await context.abort_with_status(error.to_status())
         if isinstance(error, grpc.aio.AbortError):
             raise error
@@ -140,6 +142,7 @@ class _Call:
             raise error
         self.status, self.detail = "INTERNAL", f"{type(error).__name__}: {error}"
         log.error("%s failed", self.method, exc_info=error)
+        self.end()
         await context.abort(
             grpc.StatusCode.INTERNAL,
             f"internal error in {self.method}: {type(error).__name__} (details in the server log)",
@@ -147,6 +150,10 @@ class _Call:
         raise AssertionError("abort returned")
 
     def end(self) -> None:
+        """Count the call and log it if it failed; once, whichever of fail() and the handler's end comes first."""
+        if self.ended:
+            return
+        self.ended = True
         seconds = self.app.counters.end(self.method, self.began, self.status)
         if self.status != "OK" and (not self.out_of_files or open_files.time_to_say()):
             level = logging.INFO if self.status in _CALLER_FAULTS else logging.WARNING
