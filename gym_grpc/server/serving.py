@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from gym_grpc import errors
-from gym_grpc.cli.config import ConfigError
+from gym_grpc.errors import ConfigError
 from gym_grpc.rpc import protocol, transport
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.rpc.security import Security
