@@ -100,3 +100,15 @@ def test_old_import_paths_reach_the_moved_modules_and_say_where_they_went():
     assert done.returncode == 0, done.stderr
     for old, new in _moved.MOVED.items():
         assert f"{old} moved to {new}" in done.stderr
+
+
+def test_importing_the_worker_leaves_the_importers_stdout_alone():
+    """Only the worker's main() takes stdout for its reports; importing the module must not."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import gym_grpc.server.worker; print('still on stdout')"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "still on stdout\n"

@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, TextIO
 
 from gym_grpc.errors import ConfigError
 from gym_grpc.rpc.registry import Registry
@@ -24,18 +24,24 @@ from gym_grpc.server.entrypoints import load_entrypoint
 from gym_grpc.server.profiling import Profiler
 from gym_grpc.server.serving import GymServer, Running, serve_until_signalled
 
-# The report pipe: our stdout as the parent gave it, on a descriptor that
-# processes we start (a verifier's pool, say) do not inherit. Descriptor 1
-# becomes a copy of stderr: a grandchild holding the pipe open would keep the
-# parent from seeing us exit (asyncio waits for the pipe to close).
-_REPORTS = os.fdopen(os.dup(1), "w")
-os.dup2(2, 1)
-sys.stdout = sys.stderr
+_reports: TextIO | None = None
+
+
+def _take_stdout() -> None:
+    """Keep our stdout as the parent gave it for reports only, on a descriptor that
+    processes we start (a verifier's pool, say) do not inherit. Descriptor 1
+    becomes a copy of stderr: a grandchild holding the pipe open would keep the
+    parent from seeing us exit (asyncio waits for the pipe to close)."""
+    global _reports
+    _reports = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
 
 
 def _report(message: dict[str, Any]) -> None:
-    _REPORTS.write(json.dumps(message) + "\n")
-    _REPORTS.flush()
+    assert _reports is not None, "main() takes stdout first"
+    _reports.write(json.dumps(message) + "\n")
+    _reports.flush()
 
 
 async def _serve(app: GymServer, spec: dict[str, Any], security: Security) -> None:
@@ -65,6 +71,7 @@ async def _serve(app: GymServer, spec: dict[str, Any], security: Security) -> No
 
 
 def main() -> None:
+    _take_stdout()
     spec = json.loads(sys.stdin.readline())
     name = spec["name"]
     open_files.raise_limit(f"server {name!r}")  # and name this process in what it says about it
