@@ -80,7 +80,7 @@ class _Task:
     task: task_pb2.Task
 
 
-def _jobs(options: CollectOptions) -> Iterator[Job | BadInput]:
+def _jobs(options: CollectOptions) -> Iterator[Job[_Task] | BadInput]:
     """The task rows of the input, overrides applied, each num_repeats times."""
     task_index = -1
     with options.input.open("rb") as f:
@@ -135,7 +135,7 @@ async def collect(registry: Registry, options: CollectOptions, *, log: TextIO = 
     clients: dict[str, AgentClient] = {}
     events = jsonl.Appender(options.events) if options.events is not None else None
 
-    async def rollout(job: Job) -> task_pb2.Rollout:
+    async def rollout(job: Job[_Task]) -> task_pb2.Rollout:
         client = clients.get(job.group)
         if client is None:
             client = clients[job.group] = AgentClient(registry, job.group)
@@ -153,7 +153,7 @@ async def collect(registry: Registry, options: CollectOptions, *, log: TextIO = 
             raise errors.GymError(f"agent {job.group!r} ended the event stream without a rollout")
         return last
 
-    async def produce(job: Job) -> dict[str, Any]:
+    async def produce(job: Job[_Task]) -> dict[str, Any]:
         return rows.rollout_record(job.payload.row, await rollout(job), options.placeholder_reward)
 
     batch = Batch(options.batch(count_rows(options.input, options.limit), options.num_repeats), log)

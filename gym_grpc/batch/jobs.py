@@ -19,7 +19,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Generic, TextIO, TypeVar
 
 from tqdm import tqdm
 
@@ -27,15 +27,18 @@ from gym_grpc import errors
 from gym_grpc.batch.summary import GroupIndex, RunStats, summarise_file
 from gym_grpc.data import jsonl
 
+#: What a job carries to the function that produces its row: collect's task, reverify's rollout.
+P = TypeVar("P")
+
 
 @dataclass(frozen=True)
-class Job:
+class Job(Generic[P]):
     """One unit of work: its key, its group (for the summary) and what it needs."""
 
     task_index: int
     repeat_index: int
     group: str
-    payload: Any
+    payload: P
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,7 @@ class BatchSummary:
         return self.run.rollouts
 
 
-Produce = Callable[[Job], Awaitable[dict[str, Any]]]
+Produce = Callable[[Job[P]], Awaitable[dict[str, Any]]]
 
 
 class FailureTally:
@@ -153,7 +156,9 @@ class FailureTally:
                 self._tell(f"{name}: {count:,} so far")
 
 
-class Batch:
+class Batch(Generic[P]):
+    """Runs jobs through a bounded window into the output file, counting and reporting what fails."""
+
     def __init__(self, options: BatchOptions, log: TextIO) -> None:
         if options.max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1")
@@ -202,7 +207,7 @@ class Batch:
             for task in self._running:
                 task.cancel()
 
-    async def _one(self, job: Job, produce: Produce, out: jsonl.Appender) -> None:
+    async def _one(self, job: Job[P], produce: Produce[P], out: jsonl.Appender) -> None:
         assert self.bar is not None
         try:
             try:
@@ -222,7 +227,7 @@ class Batch:
             self.bar.update(1)
             self.window.release()
 
-    def _failed(self, job: Job, failure: errors.Failure) -> None:
+    def _failed(self, job: Job[P], failure: errors.Failure) -> None:
         self.summary.failed += 1
         kind = f"failed with {failure.code} in {job.group}"
         self._fail(
@@ -248,7 +253,7 @@ class Batch:
             f"{name}:{bad.line}: {bad.message}",
         )
 
-    async def run(self, jobs: Iterator[Job | BadInput], produce: Produce) -> BatchSummary:
+    async def run(self, jobs: Iterator[Job[P] | BadInput], produce: Produce[P]) -> BatchSummary:
         """Run every job not already in the output; then summarise the output.
 
         Raises OutputError, after cancelling every job in flight, when the output

@@ -113,7 +113,7 @@ def _scan(path: Path) -> _Layout:
     return _Layout(lines, keyed_tasks, repeats, keyless)
 
 
-def _jobs(options: ReverifyOptions, layout: _Layout) -> Iterator[Job | BadInput]:
+def _jobs(options: ReverifyOptions, layout: _Layout) -> Iterator[Job[_Rollout] | BadInput]:
     """One job per rollout row, keyed as it was; a row without a key gets a slot after the keyed ones."""
     index, keyless = -1, 0
     fallback = options.agent or options.resources
@@ -161,8 +161,8 @@ async def reverify(
             verifiers.setdefault(group, ResourcesClient(registry, name, timeout=options.timeout))
         return verifiers[group]
 
-    async def produce(job: Job) -> dict[str, Any]:
-        rollout: _Rollout = job.payload
+    async def produce(job: Job[_Rollout]) -> dict[str, Any]:
+        rollout = job.payload
         began = time.monotonic()
         verdict = await (await verifier(job.group)).verify(uuid.uuid4().hex, rollout.task, rollout.response)
         seconds = time.monotonic() - began
