@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 
 from gym_grpc import errors
-from gym_grpc.data import jsonl, rows
+from gym_grpc.data import jsonl, record, rows
 from gym_grpc.server import validation
 from gym_grpc.server.serving import GymServer, rpc_method
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
@@ -98,7 +98,7 @@ class _AgentServicer(agent_grpc.AgentServiceServicer):
         task = rows.task_from_row(row)  # a RowError is an INVALID_ARGUMENT naming the row's field
         run = agent_pb.RunRequest(task=task, skip_verification=request.skip_verification)
         rollout = await self._roll_out(run, RolloutEvents())
-        return agent_pb.RunJsonResponse(rollout_json=rows.dumps(rows.rollout_record(row, rollout)))
+        return agent_pb.RunJsonResponse(rollout_json=rows.dumps(record.build(row, rollout)))
 
     @rpc_method
     async def RunStream(

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gym_grpc.client.stubs import AgentClient, ModelClient
-from gym_grpc.data import rows
+from gym_grpc.data import record, rows
 from gym_grpc.v1 import responses_pb2 as r
 from servers.agents.simple_agent.agent import SimpleAgent
 from servers.models.openai_model.server import OpenAIModel
@@ -341,7 +341,7 @@ async def test_a_one_turn_rollout_row_holds_the_engine_answer_unchanged(start):
     client = AgentClient(static_registry(agent=agent), "agent")
     row = {rows.PARAMS_KEY: {"input": "What is 2 + 3?"}, "expected_answer": 5}
     rollout = await client.run(rows.task_from_row(row), timeout=30)
-    assert difference(answer, rows.rollout_row(row, rollout)["response"]) is None
+    assert difference(answer, record.scored(row, rollout)["response"]) is None
     await client.registry.close()
     await engine.stop()
 

@@ -14,8 +14,8 @@ import pytest
 from gym_grpc.batch.collector import CollectOptions, collect
 from gym_grpc.batch.reverify import ReverifyOptions, reverify
 from gym_grpc.batch.summary import GroupIndex, summarise_file
-from gym_grpc.data import jsonl
-from gym_grpc.data.jsonl import KEY, NEMO_KEY
+from gym_grpc.data import record
+from gym_grpc.data.record import KEY, NEMO_KEY
 from gym_grpc.rpc.registry import Registry
 from servers.agents.simple_agent.agent import SimpleAgent
 from servers.models.local_policy.server import LocalPolicyModel
@@ -123,7 +123,7 @@ async def test_collect_resumes_an_output_that_nemo_gym_began(start, tmp_path):
     summary = await collect(registry, options, log=io.StringIO())
     assert (summary.skipped, summary.done, summary.failed) == (2, 3, 0)
     rows = [json.loads(line) for line in output.read_text().splitlines()]
-    assert sorted(jsonl.row_key(row) for row in rows) == [(t, 0) for t in range(5)]
+    assert sorted(record.row_key(row) for row in rows) == [(t, 0) for t in range(5)]
     for row in rows[2:]:  # ours carry both names of the key
         assert (row["task_index"], row["repeat_index"]) == (row["_ng_task_index"], row["_ng_rollout_index"])
     assert summary.metrics["agent"]["rollouts"] == 5  # the summary covers NeMo Gym's rows too

@@ -7,7 +7,8 @@ import json
 from gym_grpc.batch.collector import CollectOptions, collect
 from gym_grpc.batch.reverify import ReverifyOptions, _scan, reverify
 from gym_grpc.data import json_input
-from gym_grpc.data.jsonl import KEY, NEMO_KEY, failures_path
+from gym_grpc.data.jsonl import failures_path
+from gym_grpc.data.record import KEY, NEMO_KEY
 from gym_grpc.resources import ResourcesServer, Session
 from gym_grpc.responses import final_text
 from gym_grpc.rpc.registry import Registry

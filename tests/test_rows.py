@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai.types.responses import Response as OpenAIResponse
 
-from gym_grpc.data import rows
+from gym_grpc.data import record, rows
 from gym_grpc.responses import new_response
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
@@ -207,7 +207,7 @@ def test_rollout_row_is_the_task_row_plus_response_reward_and_verifier_fields():
     rollout = task_pb2.Rollout(response=_response(), reward=0.5)
     rollout.verifier_fields.update({"extracted_answer": "18", "close": True})
     rollout.reward_components["format"] = 1.0
-    row = rows.rollout_row(CANONICAL_ROW, rollout)
+    row = record.scored(CANONICAL_ROW, rollout)
     assert {k: row[k] for k in CANONICAL_ROW} == CANONICAL_ROW
     assert row["reward"] == 0.5 and row["extracted_answer"] == "18" and row["close"] is True
     assert row["verifier_fields"] == ["close", "extracted_answer"]

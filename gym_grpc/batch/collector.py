@@ -22,7 +22,7 @@ from typing import Any, TextIO
 from gym_grpc import errors
 from gym_grpc.batch.jobs import BadInput, Batch, BatchSummary, Job, RunOptions
 from gym_grpc.client.stubs import AgentClient
-from gym_grpc.data import jsonl, rows
+from gym_grpc.data import jsonl, record, rows
 from gym_grpc.data.jsonl import count_rows
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.v1 import responses_pb2 as r
@@ -123,7 +123,7 @@ def _event_row(event: Any) -> dict[str, Any]:
             row["reward_components"] = dict(e.reward_components)
     elif kind == "rollout":
         row.update(
-            reward=event.rollout.reward, stop_reason=rows.STOP_REASONS.get(event.rollout.stop_reason, "unspecified")
+            reward=event.rollout.reward, stop_reason=record.STOP_REASONS.get(event.rollout.stop_reason, "unspecified")
         )
     return row
 
@@ -154,7 +154,7 @@ async def collect(registry: Registry, options: CollectOptions, *, log: TextIO = 
         return last
 
     async def produce(job: Job[_Task]) -> dict[str, Any]:
-        return rows.rollout_record(job.payload.row, await rollout(job), options.placeholder_reward)
+        return record.build(job.payload.row, await rollout(job), options.placeholder_reward)
 
     batch = Batch(options.batch(count_rows(options.input, options.limit), options.num_repeats), log)
     try:

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from gym_grpc import errors
 from gym_grpc.batch.summary import GroupIndex, RunStats, summarise_file
-from gym_grpc.data import jsonl
+from gym_grpc.data import jsonl, record
 
 #: What a job carries to the function that produces its row: collect's task, reverify's rollout.
 P = TypeVar("P")
@@ -212,7 +212,7 @@ class Batch(Generic[P]):
         try:
             try:
                 row = await produce(job)
-                jsonl.set_key(row, job.task_index, job.repeat_index)
+                record.set_key(row, job.task_index, job.repeat_index)
                 out.append(row)
             except errors.OutputError:
                 raise

@@ -20,9 +20,8 @@ from typing import Any, TextIO
 
 from gym_grpc import errors
 from gym_grpc.batch.jobs import BadInput, Batch, BatchSummary, Job, RunOptions
-from gym_grpc.batch.summary import task_fields
 from gym_grpc.client.stubs import ResourcesClient
-from gym_grpc.data import jsonl, rows
+from gym_grpc.data import jsonl, record, rows
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
@@ -71,7 +70,7 @@ TASK_SLACK, REPEAT_SLACK = 1 << 16, 1 << 6
 
 def _key(row: Any, lines: int) -> tuple[int, int] | None:
     """A row's key (ours or NeMo Gym's, see jsonl) when it has one a file of `lines` rows can hold."""
-    t, k = jsonl.row_key(row) if isinstance(row, dict) else (None, None)
+    t, k = record.row_key(row) if isinstance(row, dict) else (None, None)
     if isinstance(t, int) and isinstance(k, int) and 0 <= t < lines + TASK_SLACK and 0 <= k < lines + REPEAT_SLACK:
         return t, k
     return None
@@ -125,15 +124,11 @@ def _jobs(options: ReverifyOptions, layout: _Layout) -> Iterator[Job[_Rollout] |
             key = None
             try:
                 row = jsonl.parse_line(raw)
-                if not isinstance(row, dict) or not isinstance(row.get("response"), dict):
-                    raise rows.RowError("response", "is required: this is not a rollout row")
+                _, task, response = record.parse(row)
                 key = _key(row, layout.lines)
-                names = jsonl.key_names(row)
+                names = record.key_names(row)
                 if key is None and names:
                     raise rows.RowError(names[0], "the key is not two non-negative integers within the file's rows")
-                response = rows.response_from_json(row["response"])
-                task_row = task_fields(row)
-                task = rows.task_from_row(task_row)
                 group = rows.agent_name(row, fallback, "; give --agent or --resources")
             except ValueError as e:
                 t = key[0] if key else layout.keyed_tasks + keyless
@@ -169,7 +164,7 @@ async def reverify(
         old = rollout.row
         replaced = {*(old.get("verifier_fields") or ()), "reward_components", "verification_skipped"}
         kept = {k: v for k, v in old.items() if k not in replaced}
-        row = rows.with_verdict(kept, verdict.reward, rows.json_field(verdict, "fields"), verdict.reward_components)
+        row = record.with_verdict(kept, verdict.reward, rows.json_field(verdict, "fields"), verdict.reward_components)
         row["timings"] = {**(old.get("timings") or {}), "verify": seconds}
         before = old.get("reward")
         if isinstance(before, int | float) and not old.get("verification_skipped"):

@@ -19,31 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gym_grpc.data import jsonl
+from gym_grpc.data import jsonl, record
 from gym_grpc.data.metrics import Means
 
-#: Rollout fields that the collector writes, none of them a task's own.
-ROLLOUT_FIELDS = frozenset(
-    {
-        "response",
-        "reward",
-        "reward_components",
-        "verifier_fields",
-        "verification_skipped",
-        "stop_reason",
-        "model_calls",
-        "timings",
-        *jsonl.KEY,
-        *jsonl.NEMO_KEY,
-    }
-)
 STAGES = ("model", "tools", "verify")
-
-
-def task_fields(row: dict[str, Any]) -> dict[str, Any]:
-    """The task row inside a rollout row: without the rollout's fields and its verifier's."""
-    produced = set(row.get("verifier_fields") or ()) | ROLLOUT_FIELDS
-    return {k: v for k, v in row.items() if k not in produced}
 
 
 def _numbers(prefix: str, value: Any, out: dict[str, float]) -> None:
@@ -52,25 +31,6 @@ def _numbers(prefix: str, value: Any, out: dict[str, float]) -> None:
     elif isinstance(value, dict):
         for k, v in value.items():
             _numbers(f"{prefix}.{k}", v, out)
-
-
-def has_answer(response: Any) -> bool:
-    """Whether a dumped response holds any assistant text or tool call."""
-    for item in response.get("output", []) if isinstance(response, dict) else []:
-        if item.get("type") == "function_call":
-            return True
-        if item.get("type") == "message" and item.get("role") == "assistant":
-            content = item.get("content")
-            texts = [content] if isinstance(content, str) else [p.get("text", "") for p in content or []]
-            if any(t.strip() for t in texts):
-                return True
-    return False
-
-
-def usage_of(row: dict[str, Any]) -> tuple[int, int]:
-    """(input tokens, output tokens) of a rollout row's response."""
-    usage = (row.get("response") or {}).get("usage") or {}
-    return int(usage.get("input_tokens") or 0), int(usage.get("output_tokens") or 0)
 
 
 class GroupIndex:
@@ -115,7 +75,7 @@ def summarise_file(
     duplicates = 0
     low, high = reward_range
     for row in jsonl.iter_rows(path):
-        slot = jsonl.key_slot(row, n_tasks, repeats)
+        slot = record.key_slot(row, n_tasks, repeats)
         if slot is None:
             continue
         group = groups.group_of[slot // repeats]
@@ -140,7 +100,7 @@ def summarise_file(
             if not low <= reward <= high:
                 outside.setdefault(group, []).append(reward)
         means.setdefault(group, Means()).add(produced)
-        if not has_answer(row.get("response")):
+        if not record.has_answer(row.get("response")):
             empty[group] = empty.get(group, 0) + 1
 
     summary = FileSummary()
@@ -208,7 +168,7 @@ class RunStats:
 
     def add(self, row: dict[str, Any]) -> None:
         self.rollouts += 1
-        tokens_in, tokens_out = usage_of(row)
+        tokens_in, tokens_out = record.usage_of(row)
         self.input_tokens += tokens_in
         self.output_tokens += tokens_out
         if not row.get("verification_skipped") and isinstance(row.get("reward"), int | float):

@@ -31,7 +31,7 @@ from typing import Any
 
 from gym_grpc import errors
 from gym_grpc.client.stubs import AgentClient
-from gym_grpc.data import rows
+from gym_grpc.data import record, rows
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.rpc.security import Security
 from gym_grpc.v1 import responses_pb2 as r
@@ -180,7 +180,7 @@ class RolloutResult:
 
     def to_row(self, task_row: dict[str, Any]) -> dict[str, Any]:
         """The rollout row (task row + response, reward, verifier fields, ...), as `collect` writes it."""
-        return rows.rollout_record(task_row, self._finished())
+        return record.build(task_row, self._finished())
 
 
 class GymClient:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gym_grpc import errors
-from gym_grpc.data import json_input
+from gym_grpc.data import json_input, record
 
 
 class DuplicateKey(ValueError):
@@ -109,36 +109,6 @@ def iter_rows(path: Path) -> Iterator[dict[str, Any]]:
                 yield row
 
 
-#: The key's names: gym-grpc's, then NeMo Gym's.
-KEY = ("task_index", "repeat_index")
-NEMO_KEY = ("_ng_task_index", "_ng_rollout_index")
-
-
-def key_names(row: dict[str, Any]) -> tuple[str, str] | None:
-    """The names a row's key is written under: ours when it has either, else NeMo Gym's; None without."""
-    return next((names for names in (KEY, NEMO_KEY) if names[0] in row or names[1] in row), None)
-
-
-def row_key(row: dict[str, Any]) -> tuple[Any, Any]:
-    """A row's (task index, repeat index) as written, unchecked; (None, None) without."""
-    t, k = key_names(row) or KEY
-    return row.get(t), row.get(k)
-
-
-def set_key(row: dict[str, Any], task_index: int, repeat_index: int) -> None:
-    """Write a row's key under both names."""
-    for t, k in (KEY, NEMO_KEY):
-        row[t], row[k] = task_index, repeat_index
-
-
-def key_slot(row: dict[str, Any], n_tasks: int, repeats: int) -> int | None:
-    """The slot of a row's key in [0, n_tasks * repeats), or None when it has none there."""
-    t, k = row_key(row)
-    if not (isinstance(t, int) and isinstance(k, int) and 0 <= t < n_tasks and 0 <= k < repeats):
-        return None
-    return t * repeats + k
-
-
 def repair_tail(path: Path) -> None:
     """Cut a torn last line (a writer killed mid-line) so that appending stays valid JSONL."""
     if not path.exists() or path.stat().st_size == 0:
@@ -163,7 +133,7 @@ def done_keys(path: Path, n_tasks: int, repeats: int) -> bytearray:
     """One byte per key slot: 1 when the file already holds that rollout."""
     done = bytearray(n_tasks * repeats)
     for row in iter_rows(path):
-        slot = key_slot(row, n_tasks, repeats)
+        slot = record.key_slot(row, n_tasks, repeats)
         if slot is not None:
             done[slot] = 1
     return done

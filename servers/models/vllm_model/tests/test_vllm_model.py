@@ -12,7 +12,7 @@ import pytest
 
 from gym_grpc import errors
 from gym_grpc.client.stubs import AgentClient, ModelClient
-from gym_grpc.data import rows
+from gym_grpc.data import record, rows
 from gym_grpc.responses import final_text, function_calls, user_message
 from gym_grpc.server import validation
 from gym_grpc.v1 import responses_pb2 as r
@@ -302,7 +302,7 @@ def test_an_answer_becomes_a_valid_response_and_rollout_row():
     response = chat.to_response(answer, ("<think>", "</think>"), _params())
     assert function_calls(response) == [] and response.usage.total_tokens == 4
     validation.check_response(response, "response")  # what Verify would accept
-    row = rows.rollout_row({"responses_create_params": {"input": "hi"}}, task_pb2.Rollout(response=response))
+    row = record.scored({"responses_create_params": {"input": "hi"}}, task_pb2.Rollout(response=response))
     assert row["response"]["output"][0]["role"] == "assistant"
     assert row["response"]["output"][0]["content"][0]["text"] == "hi"
 

@@ -1,0 +1,149 @@
+"""The rollout record: the row `collect` writes for one rollout, and everything that reads one back.
+
+A record is the task row it came from, then what the rollout produced
+(`response`, `reward`, the verifier's fields, `stop_reason`, `model_calls`,
+`timings`) and its key: (task index, repeat index), written under gym-grpc's
+names and NeMo Gym's. The collector, the agent's RunJson, the training client,
+reverify and the summary all build and read records here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from gym_grpc.data import rows
+from gym_grpc.v1 import responses_pb2 as r
+from gym_grpc.v1 import task_pb2
+
+JSON = dict[str, Any]
+
+# --- building ---------------------------------------------------------------------
+
+
+def with_verdict(row: JSON, reward: float, fields: JSON, components: Mapping[str, float]) -> JSON:
+    """A copy of `row` with a verification: `reward`, the verifier's fields (named
+    in `verifier_fields`) and `reward_components` when there are any."""
+    out = {**row, "reward": reward, **fields, "verifier_fields": sorted(fields)}
+    if components:
+        out["reward_components"] = dict(components)
+    return out
+
+
+def scored(row: JSON, rollout: task_pb2.Rollout) -> JSON:
+    """The task row, then `response` and the verification (a record without `build`'s run fields)."""
+    out = {**row, "response": rows.response_to_json(rollout.response)}
+    return with_verdict(out, rollout.reward, rows.json_field(rollout, "verifier_fields"), rollout.reward_components)
+
+
+STOP_REASONS = {
+    task_pb2.STOP_REASON_FINAL_MESSAGE: "final_message",
+    task_pb2.STOP_REASON_MAX_STEPS: "max_steps",
+    task_pb2.STOP_REASON_INCOMPLETE: "incomplete",
+}
+
+
+def build(task_row: JSON, rollout: task_pb2.Rollout, placeholder_reward: float = 0.0) -> JSON:
+    """The rollout row (without its key): the task row and what the rollout produced."""
+    row = scored(task_row, rollout)
+    if rollout.verification_skipped:
+        row["reward"] = placeholder_reward
+        row["verification_skipped"] = True
+    t = rollout.timings
+    row["stop_reason"] = STOP_REASONS.get(rollout.stop_reason, "unspecified")
+    row["model_calls"] = rollout.model_calls
+    row["timings"] = {
+        "model": t.model_seconds,
+        "tools": t.tools_seconds,
+        "verify": t.verify_seconds,
+        "total": t.total_seconds,
+    }
+    return row
+
+
+# --- keys -------------------------------------------------------------------------
+
+
+#: The key's names: gym-grpc's, then NeMo Gym's.
+KEY = ("task_index", "repeat_index")
+NEMO_KEY = ("_ng_task_index", "_ng_rollout_index")
+
+
+def key_names(row: dict[str, Any]) -> tuple[str, str] | None:
+    """The names a row's key is written under: ours when it has either, else NeMo Gym's; None without."""
+    return next((names for names in (KEY, NEMO_KEY) if names[0] in row or names[1] in row), None)
+
+
+def row_key(row: dict[str, Any]) -> tuple[Any, Any]:
+    """A row's (task index, repeat index) as written, unchecked; (None, None) without."""
+    t, k = key_names(row) or KEY
+    return row.get(t), row.get(k)
+
+
+def set_key(row: dict[str, Any], task_index: int, repeat_index: int) -> None:
+    """Write a row's key under both names."""
+    for t, k in (KEY, NEMO_KEY):
+        row[t], row[k] = task_index, repeat_index
+
+
+def key_slot(row: dict[str, Any], n_tasks: int, repeats: int) -> int | None:
+    """The slot of a row's key in [0, n_tasks * repeats), or None when it has none there."""
+    t, k = row_key(row)
+    if not (isinstance(t, int) and isinstance(k, int) and 0 <= t < n_tasks and 0 <= k < repeats):
+        return None
+    return t * repeats + k
+
+
+#: Rollout fields that the collector writes, none of them a task's own.
+ROLLOUT_FIELDS = frozenset(
+    {
+        "response",
+        "reward",
+        "reward_components",
+        "verifier_fields",
+        "verification_skipped",
+        "stop_reason",
+        "model_calls",
+        "timings",
+        *KEY,
+        *NEMO_KEY,
+    }
+)
+
+# --- reading ----------------------------------------------------------------------
+
+
+def parse(row: Any) -> tuple[JSON, task_pb2.Task, r.Response]:
+    """A record read back: its task row, that row as a Task, and its response.
+
+    Raises `rows.RowError` naming the field when the row is not a rollout record."""
+    if not isinstance(row, dict) or not isinstance(row.get("response"), dict):
+        raise rows.RowError("response", "is required: this is not a rollout row")
+    response = rows.response_from_json(row["response"])
+    task_row = task_fields(row)
+    return task_row, rows.task_from_row(task_row), response
+
+
+def task_fields(row: dict[str, Any]) -> dict[str, Any]:
+    """The task row inside a rollout row: without the rollout's fields and its verifier's."""
+    produced = set(row.get("verifier_fields") or ()) | ROLLOUT_FIELDS
+    return {k: v for k, v in row.items() if k not in produced}
+
+
+def has_answer(response: Any) -> bool:
+    """Whether a dumped response holds any assistant text or tool call."""
+    for item in response.get("output", []) if isinstance(response, dict) else []:
+        if item.get("type") == "function_call":
+            return True
+        if item.get("type") == "message" and item.get("role") == "assistant":
+            content = item.get("content")
+            texts = [content] if isinstance(content, str) else [p.get("text", "") for p in content or []]
+            if any(t.strip() for t in texts):
+                return True
+    return False
+
+
+def usage_of(row: dict[str, Any]) -> tuple[int, int]:
+    """(input tokens, output tokens) of a rollout row's response."""
+    usage = (row.get("response") or {}).get("usage") or {}
+    return int(usage.get("input_tokens") or 0), int(usage.get("output_tokens") or 0)
