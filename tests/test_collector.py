@@ -6,6 +6,7 @@ import io
 import json
 import time
 
+import grpc
 import pytest
 
 from gym_grpc import errors
@@ -13,6 +14,9 @@ from gym_grpc.batch.collector import CollectOptions, collect
 from gym_grpc.client.stubs import ResourcesClient
 from gym_grpc.data.jsonl import failures_path
 from gym_grpc.responses import input_items, message_text
+from gym_grpc.rpc.registry import Registry, RegistryServicer
+from gym_grpc.v1 import registry_service_pb2 as reg
+from gym_grpc.v1 import registry_service_pb2_grpc as reg_grpc
 from servers.agents.simple_agent.agent import SimpleAgent
 from tests.support import Calculator, EchoModel, static_registry, task
 
@@ -289,3 +293,64 @@ async def test_an_output_that_cannot_be_written_cancels_the_rollouts_in_flight(s
         await asyncio.sleep(0.01)
     assert (model.cancelled, model.active) == (3, 0)
     await registry.close()
+
+
+class GradingCalculator(Calculator):
+    """An environment with metrics of its own: what it was sent, and a reward it would rather report."""
+
+    async def aggregate_metrics(self, results):
+        return {
+            "results_seen": len(results),
+            "tasks_seen": len({result.task_index for result in results}),
+            "tool_calls_seen_total": sum(json.loads(result.fields_json)["tool_calls_seen"] for result in results),
+            "reward": 123.0,
+        }
+
+
+class BrokenAggregator(Calculator):
+    async def aggregate_metrics(self, results):
+        raise RuntimeError("no metrics today")
+
+
+async def _registry_service(start, env):
+    """The servers behind a real registry service, which knows the agent's references (a static table does not)."""
+    model = await start(EchoModel())
+    resources = await start(env)
+    agent = await start(
+        SimpleAgent(
+            {"model_server": "model", "resources_server": "calc"},
+            name="agent",
+            registry=static_registry(model=model, calc=resources),
+        )
+    )
+    servicer = RegistryServicer()
+    servicer.add(reg.ServerInfo(name="calc", addresses=[resources.address]))
+    servicer.add(
+        reg.ServerInfo(name="agent", addresses=[agent.address], references={"model": "model", "resources": "calc"})
+    )
+    server = grpc.aio.server()
+    reg_grpc.add_RegistryServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, Registry(f"127.0.0.1:{port}")
+
+
+async def test_an_environments_own_metrics_join_its_agents_group(start, tmp_path):
+    server, registry = await _registry_service(start, GradingCalculator())
+    _write_tasks(tmp_path / "tasks.jsonl", ["one", "two", "three"])
+    summary = await collect(registry, _options(tmp_path, num_repeats=2))
+    metrics = summary.metrics["agent"]
+    assert (metrics["results_seen"], metrics["tasks_seen"], metrics["tool_calls_seen_total"]) == (6, 3, 0)
+    assert metrics["reward"] == 1.0  # the summary's own mean stands; the environment only adds
+    await registry.close()
+    await server.stop(0)
+
+
+async def test_an_environment_that_cannot_aggregate_costs_a_warning_not_the_run(start, tmp_path):
+    server, registry = await _registry_service(start, BrokenAggregator())
+    _write_tasks(tmp_path / "tasks.jsonl", ["one", "two"])
+    summary = await collect(registry, _options(tmp_path))
+    assert summary.done == 2 and summary.metrics["agent"]["reward"] == 1.0
+    assert any(w.startswith("agent: no metrics from its environment") for w in summary.warnings), summary.warnings
+    await registry.close()
+    await server.stop(0)

@@ -19,11 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from google.protobuf import json_format
+
 from gym_grpc import errors
 from gym_grpc.batch.jobs import BadInput, Batch, BatchSummary, Job, RunOptions
-from gym_grpc.client.stubs import AgentClient
+from gym_grpc.client.stubs import AgentClient, ResourcesClient
 from gym_grpc.data import jsonl, record, rows
 from gym_grpc.data.jsonl import count_rows
+from gym_grpc.rpc import transport
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
@@ -158,7 +161,51 @@ async def collect(registry: Registry, options: CollectOptions, *, log: TextIO = 
 
     batch = Batch(options.batch(count_rows(options.input, options.limit), options.num_repeats), log)
     try:
-        return await batch.run(_jobs(options), produce)
+        summary = await batch.run(_jobs(options), produce)
     finally:
         if events is not None:
             events.close()
+    if not options.skip_verify:
+        await _add_environment_metrics(registry, options, summary)
+    return summary
+
+
+#: Results beyond this size are not sent to an environment's AggregateMetrics (a gRPC message).
+AGGREGATE_LIMIT_BYTES = transport.MAX_MESSAGE_BYTES // 2
+
+
+async def _add_environment_metrics(registry: Registry, options: CollectOptions, summary: BatchSummary) -> None:
+    """Ask each agent's environment (ResourcesService.AggregateMetrics) for its own metrics over
+    the output's verified rollouts, and add those the summary does not have to the agent's group.
+
+    An environment that cannot answer costs a warning, never the run."""
+    results: dict[str, list[task_pb2.VerificationResult]] = {group: [] for group in summary.metrics}
+    for row in jsonl.iter_rows(options.output):
+        try:
+            group = rows.agent_name(row, options.agent)
+        except rows.RowError:
+            continue
+        if group in results and not row.get("verification_skipped"):
+            results[group].append(record.verification(row))
+    for group, verified in results.items():
+        if not verified:
+            continue
+        request_size = sum(result.ByteSize() for result in verified)
+        try:
+            resources = (await registry.info(group)).references.get("resources")
+            if not resources:
+                continue
+            if request_size > AGGREGATE_LIMIT_BYTES:
+                summary.warnings.append(
+                    f"{group}: environment {resources!r} not asked for its metrics: "
+                    f"{len(verified):,} results are {request_size / 2**20:,.0f} MiB"
+                )
+                continue
+            metrics = await ResourcesClient(registry, resources).aggregate_metrics(verified)
+        except errors.GymError as e:
+            summary.warnings.append(f"{group}: no metrics from its environment: {e.message}")
+            continue
+        own = summary.metrics[group]
+        for name, value in json_format.MessageToDict(metrics).items():
+            if isinstance(value, bool | int | float) and name not in own:
+                own[name] = float(value)

@@ -124,6 +124,22 @@ def parse(row: Any) -> tuple[JSON, task_pb2.Task, r.Response]:
     return task_row, rows.task_from_row(task_row), response
 
 
+def verification(row: JSON) -> task_pb2.VerificationResult:
+    """A record's verdict as the protocol carries it: its task index, reward, verifier fields
+    and reward components."""
+    task_index, _ = row_key(row)
+    fields = {name: row[name] for name in row.get("verifier_fields") or () if name in row}
+    result = task_pb2.VerificationResult(
+        task_index=task_index if isinstance(task_index, int) and task_index >= 0 else 0,
+        reward=float(row.get("reward") or 0.0),
+        fields_json=rows.dumps(fields) if fields else "",
+    )
+    components = row.get("reward_components")
+    if isinstance(components, dict):
+        result.reward_components.update({k: float(v) for k, v in components.items() if isinstance(v, int | float)})
+    return result
+
+
 def task_fields(row: dict[str, Any]) -> dict[str, Any]:
     """The task row inside a rollout row: without the rollout's fields and its verifier's."""
     produced = set(row.get("verifier_fields") or ()) | ROLLOUT_FIELDS

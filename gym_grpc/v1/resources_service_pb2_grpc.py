@@ -118,6 +118,10 @@ class ResourcesServiceServicer:
 
     def AggregateMetrics(self, request, context):
         """Aggregate the verification results of many rollouts into metrics.
+        `gym-grpc collect` calls it once a run is done, per agent that uses this
+        environment, with the verified rollouts of that agent in the output; the
+        metrics join the agent's group in the run's summary (a name the summary
+        already has keeps the summary's value). A failure here costs a warning.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

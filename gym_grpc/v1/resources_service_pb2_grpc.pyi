@@ -53,7 +53,12 @@ class ResourcesServiceStub:
     an error.
     """
     AggregateMetrics: _grpc.UnaryUnaryMultiCallable[_resources_service_pb2.AggregateMetricsRequest, _resources_service_pb2.AggregateMetricsResponse]
-    """Aggregate the verification results of many rollouts into metrics."""
+    """Aggregate the verification results of many rollouts into metrics.
+    `gym-grpc collect` calls it once a run is done, per agent that uses this
+    environment, with the verified rollouts of that agent in the output; the
+    metrics join the agent's group in the run's summary (a name the summary
+    already has keeps the summary's value). A failure here costs a warning.
+    """
     DescribeTools: _grpc.UnaryUnaryMultiCallable[_resources_service_pb2.DescribeToolsRequest, _resources_service_pb2.DescribeToolsResponse]
     """List the tools this environment offers, with their JSON schemas."""
 
@@ -82,7 +87,12 @@ class ResourcesServiceAsyncStub(ResourcesServiceStub):
     an error.
     """
     AggregateMetrics: _aio.UnaryUnaryMultiCallable[_resources_service_pb2.AggregateMetricsRequest, _resources_service_pb2.AggregateMetricsResponse]  # type: ignore[assignment]
-    """Aggregate the verification results of many rollouts into metrics."""
+    """Aggregate the verification results of many rollouts into metrics.
+    `gym-grpc collect` calls it once a run is done, per agent that uses this
+    environment, with the verified rollouts of that agent in the output; the
+    metrics join the agent's group in the run's summary (a name the summary
+    already has keeps the summary's value). A failure here costs a warning.
+    """
     DescribeTools: _aio.UnaryUnaryMultiCallable[_resources_service_pb2.DescribeToolsRequest, _resources_service_pb2.DescribeToolsResponse]  # type: ignore[assignment]
     """List the tools this environment offers, with their JSON schemas."""
 
@@ -138,7 +148,12 @@ class ResourcesServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _resources_service_pb2.AggregateMetricsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_resources_service_pb2.AggregateMetricsResponse, _abc.Awaitable[_resources_service_pb2.AggregateMetricsResponse]]:
-        """Aggregate the verification results of many rollouts into metrics."""
+        """Aggregate the verification results of many rollouts into metrics.
+        `gym-grpc collect` calls it once a run is done, per agent that uses this
+        environment, with the verified rollouts of that agent in the output; the
+        metrics join the agent's group in the run's summary (a name the summary
+        already has keeps the summary's value). A failure here costs a warning.
+        """
 
     @_abc_1.abstractmethod
     def DescribeTools(
