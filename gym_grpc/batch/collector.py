@@ -202,6 +202,9 @@ async def _add_environment_metrics(registry: Registry, options: CollectOptions, 
                 )
                 continue
             metrics = await ResourcesClient(registry, resources).aggregate_metrics(verified)
+        except errors.OutOfFiles:  # explained once already, with the failures it cost
+            summary.warnings.append(f"{group}: no metrics from its environment: no file descriptor left to ask it")
+            continue
         except errors.GymError as e:
             summary.warnings.append(f"{group}: no metrics from its environment: {e.message}")
             continue
