@@ -13,6 +13,7 @@ A tool's JSON schema comes from its signature (pydantic types; describe an
 argument with `Annotated[str, Field(description=...)]`) and its description
 from the docstring's first paragraph. A tool may also take a `Session`
 parameter to reach the rollout's state; it is not part of the schema.
+
 """
 
 from __future__ import annotations
@@ -143,7 +144,16 @@ def _argument_error(tool_name: str, error: ValidationError) -> errors.InvalidArg
     for e in error.errors():
         where = ".".join(str(p) for p in e["loc"])
         problems.append(f"argument {where!r}: {e['msg']}" if where else e["msg"])
-    return errors.InvalidArgument(f"tool {tool_name!r}: " + "; ".join(problems), field="arguments")
+    return _bad_arguments(tool_name, "; ".join(problems))
+
+
+def _bad_arguments(tool_name: str, problem: str) -> errors.InvalidArgument:
+    return errors.InvalidArgument(
+        f"tool {tool_name!r}: {problem}",
+        field="arguments",
+        reason=errors.Reason.TOOL_ARGUMENTS_INVALID,
+        metadata={"tool": tool_name},
+    )
 
 
 class ResourcesConfig(ServerConfig):
@@ -286,23 +296,27 @@ class ResourcesServer(GymServer):
                 await self._end_quietly(session_id)
 
     async def call_tool(self, session: Session, name: str, arguments: str) -> str:
-        """Run one tool call: parse and check the arguments, run the tool, render its output."""
+        """Run one tool call: parse and check the arguments, run the tool, render its output.
+
+        A tool that raises (anything but a GymError other than ToolFailed) raises ToolFailed,
+        with the tool's error as the message, for the model."""
         spec = self.tools.get(name)
         if spec is None:
             known = ", ".join(sorted(self.tools)) or "none"
-            raise errors.NotFound(f"unknown tool {name!r} (tools: {known})", field="name")
+            raise errors.NotFound(
+                f"unknown tool {name!r} (tools: {known})",
+                field="name",
+                reason=errors.Reason.TOOL_NOT_FOUND,
+                metadata={"tool": name},
+            )
         try:
             parsed = json_input.loads(arguments) if arguments.strip() else {}
         except json_input.TooDeep as e:
-            raise errors.InvalidArgument(f"tool {name!r}: arguments are {e}", field="arguments") from None
+            raise _bad_arguments(name, f"arguments are {e}") from None
         except json.JSONDecodeError as e:
-            raise errors.InvalidArgument(
-                f"tool {name!r}: arguments are not valid JSON ({e}): {arguments[:200]!r}", field="arguments"
-            ) from None
+            raise _bad_arguments(name, f"arguments are not valid JSON ({e}): {arguments[:200]!r}") from None
         if not isinstance(parsed, dict):
-            raise errors.InvalidArgument(
-                f"tool {name!r}: arguments must be a JSON object, got {type(parsed).__name__}", field="arguments"
-            )
+            raise _bad_arguments(name, f"arguments must be a JSON object, got {type(parsed).__name__}")
         try:
             args = spec.arguments.model_validate(parsed)
         except ValidationError as e:
@@ -316,21 +330,25 @@ class ResourcesServer(GymServer):
             raise
         except Exception as e:
             log.debug("tool %s raised", name, exc_info=True)
-            raise errors.ToolFailed(f"tool {name!r} raised {type(e).__name__}: {e}") from None
+            raise errors.ToolFailed(
+                f"tool {name!r} raised {type(e).__name__}: {e}", metadata={"tool": name}, detail=repr(e)
+            ) from None
         return result if isinstance(result, str) else json.dumps(result)
 
 
 @contextlib.contextmanager
 def _hook(name: str, failure: type[errors.GymError] = errors.GymError) -> Iterator[None]:
     """Run an environment's hook: its own GymErrors pass; any other exception is
-    logged with its traceback and becomes `failure`, naming the hook and the error."""
+    logged with its traceback and becomes `failure` (HOOK_FAILED unless `failure`
+    has a reason of its own), naming the hook and the error."""
     try:
         yield
     except errors.GymError:
         raise
     except Exception as e:
         log.exception("%s failed", name)
-        raise failure(f"{name} raised {type(e).__name__}: {e}") from None
+        reason = errors.Reason.HOOK_FAILED if failure is errors.GymError else None
+        raise failure(f"{name} raised {type(e).__name__}: {e}", reason=reason, metadata={"hook": name}) from None
 
 
 def _verification(result: Any) -> res_pb.VerifyResponse:
@@ -368,6 +386,7 @@ class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
             raise errors.FailedPrecondition(
                 f"session {session_id!r} is not open: call SeedSession first (idle sessions are closed)",
                 field="session_id",
+                reason=errors.Reason.SESSION_NOT_OPEN,
             )
         return session
 
@@ -379,12 +398,18 @@ class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
             request.task.responses_create_params.input_items.items, "task.responses_create_params.input_items.items"
         )
         if request.session_id in self.app.sessions:
-            raise errors.FailedPrecondition(f"session {request.session_id!r} is already open", field="session_id")
+            raise errors.FailedPrecondition(
+                f"session {request.session_id!r} is already open",
+                field="session_id",
+                reason=errors.Reason.SESSION_ALREADY_OPEN,
+            )
         cap = getattr(self.app.config, "max_sessions", None)
         if cap is not None and len(self.app.sessions) >= cap:
             raise errors.ResourceExhausted(
                 f"{len(self.app.sessions)} sessions are open, this server's cap (config max_sessions: {cap}); "
-                "close finished sessions, or raise max_sessions or lower session_idle_timeout_seconds"
+                "close finished sessions, or raise max_sessions or lower session_idle_timeout_seconds",
+                reason=errors.Reason.SESSIONS_EXHAUSTED,
+                metadata={"max_sessions": str(cap)},
             )
         # Held from the start, so a second SeedSession with the same id is refused, not raced.
         session = self.app.sessions[request.session_id] = Session(id=request.session_id, task=request.task)
@@ -430,7 +455,10 @@ class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
                     if limit is not None and time.monotonic() - began > limit:
                         raise TimeoutError
                 except TimeoutError:
-                    raise errors.VerifierFailed(f"verify did not finish within {limit:g} s") from None
+                    raise errors.VerifierFailed(
+                        f"verify did not finish within {limit:g} s (config verify_timeout_seconds)",
+                        reason=errors.Reason.VERIFIER_TIMED_OUT,
+                    ) from None
         finally:
             session.in_flight -= 1
             session.last_used = time.monotonic()

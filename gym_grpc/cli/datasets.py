@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from gym_grpc import errors
 from gym_grpc.cli.config import DatasetSpec, GymConfig
 from gym_grpc.data import jsonl, rows
 from gym_grpc.data.dataset_stats import differences, statistics, write_statistics
@@ -61,8 +62,10 @@ class Problem:
         return f"{where}: {self.field}: {self.message}" if self.field else f"{where}: {self.message}"
 
 
-class DataError(Exception):
+class DataError(errors.FrameworkError):
     """The data cannot be prepared; `problems` says every reason."""
+
+    reason = errors.Reason.DATASET_INVALID
 
     def __init__(self, headline: str, problems: list[str]) -> None:
         super().__init__("\n".join([headline, *(f"  {p}" for p in problems)]))

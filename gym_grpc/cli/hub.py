@@ -18,14 +18,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
 
+from gym_grpc import errors
 from gym_grpc.cli.config import MASK, DatasetType
 
 SPLITS: tuple[str, ...] = get_args(DatasetType)
 _PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
-class HubError(Exception):
+class HubError(errors.FrameworkError):
     """The Hub refused or failed; the message names what and never holds the token."""
+
+    reason = errors.Reason.HUB_FAILED
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gym_grpc import errors
 from gym_grpc.cli.config import ConfigError, GymConfig, ServerSpec
 from gym_grpc.cli.server_log import ServerLog
 from gym_grpc.rpc import transport
@@ -49,8 +50,10 @@ RESTART_MAX_DELAY = 8.0
 _WILDCARD_HOSTS = {"0.0.0.0", "::", "[::]", ""}
 
 
-class StartupError(RuntimeError):
+class StartupError(errors.FrameworkError, RuntimeError):
     """A server could not start; the message names it and says why."""
+
+    reason = errors.Reason.SERVER_START_FAILED
 
 
 class RegistryServer(GymServer):

@@ -88,9 +88,10 @@ class _Client:
         where = f"{self._kind} {self.name!r} {method}"
         if error is None:  # cancelled by the connection: the peer was given up
             return errors.Unavailable(
-                f"{where}: UNAVAILABLE: {connection.address} unreachable for {connection.unreachable_seconds:g} s"
+                f"{where}: UNAVAILABLE: {connection.address} unreachable for {connection.unreachable_seconds:g} s",
+                metadata={"callee": self.name, "callee_method": method},
             )
-        return errors.from_rpc_error(error, where)
+        return errors.from_rpc_error(error, where, {"callee": self.name, "callee_method": method})
 
     async def _call(
         self,
@@ -157,10 +158,12 @@ class ModelClient(_Client):
 
 @dataclass(frozen=True)
 class ToolResult:
-    """A tool call's output for the model; `error` when the call failed."""
+    """A tool call's output for the model; `error` when the call failed, and then
+    `reason` says why (TOOL_FAILED, TOOL_NOT_FOUND, TOOL_ARGUMENTS_INVALID...)."""
 
     output: str
     error: bool = False
+    reason: str | None = None
 
 
 class ResourcesClient(_Client):
@@ -181,7 +184,8 @@ class ResourcesClient(_Client):
         )
         reply = await self._call("CallTool", request, passing=errors.TOOL_ERROR_CODES)
         if isinstance(reply, grpc.aio.AioRpcError):
-            return ToolResult(output=reply.details() or reply.code().name, error=True)
+            reason = errors.reason_of(reply)
+            return ToolResult(output=reply.details() or reply.code().name, error=True, reason=str(reason))
         return ToolResult(output=reply.output)
 
     async def verify(self, session_id: str, task: task_pb2.Task, response: r.Response) -> res_pb.VerifyResponse:

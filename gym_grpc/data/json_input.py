@@ -16,6 +16,8 @@ import json
 import re
 from typing import Any
 
+from gym_grpc import errors
+
 #: How deep JSON may nest (the outermost object or list is level 1). Every gym.v1
 #: peer, old or new, can carry a row this deep.
 MAX_DEPTH = 32
@@ -24,8 +26,10 @@ _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 
 
-class TooDeep(ValueError):
+class TooDeep(errors.FrameworkError, ValueError):
     """JSON nested deeper than MAX_DEPTH levels."""
+
+    reason = errors.Reason.JSON_TOO_DEEP
 
     def __init__(self) -> None:
         super().__init__(f"nested deeper than {MAX_DEPTH} levels")

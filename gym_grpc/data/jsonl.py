@@ -24,8 +24,10 @@ from gym_grpc import errors
 from gym_grpc.data import json_input, record
 
 
-class DuplicateKey(ValueError):
+class DuplicateKey(errors.FrameworkError, ValueError):
     """A JSON object with the same key twice (json.loads would keep the last silently)."""
+
+    reason = errors.Reason.JSON_DUPLICATE_KEY
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

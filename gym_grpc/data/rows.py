@@ -42,6 +42,8 @@ class RowError(errors.InvalidArgument, ValueError):
     In a server it is an INVALID_ARGUMENT (JSON text in a request's `*_json`
     field that does not parse, for example)."""
 
+    reason = errors.Reason.ROW_INVALID
+
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}", field=field)
         self.detail = message

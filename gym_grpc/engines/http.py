@@ -70,17 +70,19 @@ class EngineSettings(ServerConfig, RetrySettings):
 
 class EngineError(errors.GymError):
     """An engine answered with an HTTP error that is not worth retrying. Its status code
-    follows the HTTP status: 401/403 FAILED_PRECONDITION, other 4xx INVALID_ARGUMENT, else INTERNAL
-    (a 5xx that is not retried, such as 501)."""
+    follows the HTTP status: 401/403 FAILED_PRECONDITION (ENGINE_AUTH_FAILED), other 4xx
+    INVALID_ARGUMENT (ENGINE_REJECTED_REQUEST), else INTERNAL (ENGINE_FAILED: a 5xx that is not
+    retried, such as 501, or an answer that is not JSON)."""
 
     def __init__(self, status: int, detail: str, url: str) -> None:
         text = f"engine {url} answered HTTP {status}: {detail}"
-        code = grpc.StatusCode.INTERNAL
+        code, reason = grpc.StatusCode.INTERNAL, errors.Reason.ENGINE_FAILED
         if status in (401, 403):
             text, code = f"{text} (check the API key)", grpc.StatusCode.FAILED_PRECONDITION
+            reason = errors.Reason.ENGINE_AUTH_FAILED
         elif 400 <= status < 500:
-            code = grpc.StatusCode.INVALID_ARGUMENT
-        super().__init__(text, code=code)
+            code, reason = grpc.StatusCode.INVALID_ARGUMENT, errors.Reason.ENGINE_REJECTED_REQUEST
+        super().__init__(text, code=code, reason=reason, metadata={"engine": url, "http_status": str(status)})
         self.status = status
         self.detail = detail
         self.url = url

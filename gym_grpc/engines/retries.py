@@ -125,7 +125,9 @@ class Retries:
     def out_of_time(self) -> errors.GymError:
         """The error of a request whose time ran out during an attempt."""
         if self._budget_binds():
-            return errors.Unavailable(f"{self.what}: {self._limit()} ran out during a request")
+            return errors.Unavailable(
+                f"{self.what}: {self._limit()} ran out during a request", reason=errors.Reason.ENGINE_UNAVAILABLE
+            )
         return errors.DeadlineExceeded(f"{self.what}: the caller's deadline ran out during a request")
 
     def check_wait(self, delay: float, cause: str) -> None:
@@ -133,7 +135,8 @@ class Retries:
         left = self.time_left()
         if left is not None and delay >= left:
             raise errors.Unavailable(
-                f"{self.what}: {cause}; the next try (in {delay:.1f} s) would start after {self._limit()}"
+                f"{self.what}: {cause}; the next try (in {delay:.1f} s) would start after {self._limit()}",
+                reason=errors.Reason.ENGINE_UNAVAILABLE,
             )
 
     def wait_before_retry(self, failure: Failure) -> float:
@@ -143,7 +146,10 @@ class Retries:
         retry = self.counts[failure.kind]
         limit = self.settings.retry_limit(failure.kind)
         if retry > limit:
-            raise errors.Unavailable(f"{self.what}: {failure.cause}; gave up after {limit} {failure.kind} retries")
+            raise errors.Unavailable(
+                f"{self.what}: {failure.cause}; gave up after {limit} {failure.kind} retries",
+                reason=errors.Reason.ENGINE_UNAVAILABLE,
+            )
         if self._budget_ends is None and self.settings.retry_budget_seconds is not None:
             self._budget_ends = time.monotonic() + self.settings.retry_budget_seconds
         delay = self.settings.backoff(retry)

@@ -55,5 +55,6 @@ def check(info: admin_pb.GetServerInfoResponse, where: str) -> None:
         raise errors.IncompatibleServer(
             f"{where} speaks gym protocol {major}.{info.protocol.minor} (gym-grpc {info.version or '?'}); "
             f"this client speaks {VERSION[0]}.{VERSION[1]}: run a gym-grpc whose protocol major version "
-            "matches on both sides"
+            "matches on both sides",
+            metadata={"server_protocol": f"{major}.{info.protocol.minor}"},
         )

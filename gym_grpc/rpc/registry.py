@@ -56,7 +56,10 @@ class RegistryServicer(reg_grpc.RegistryServiceServicer):
             await context.abort_with_status(errors.InvalidArgument("name: is required", field="name").to_status())
         if info is None:
             error = errors.NotFound(
-                f"no server named {request.name!r}: {closest(request.name, list(self.servers))}", field="name"
+                f"no server named {request.name!r}: {closest(request.name, list(self.servers))}",
+                field="name",
+                reason=errors.Reason.SERVER_NOT_FOUND,
+                metadata={"server": request.name},
             )
             await context.abort_with_status(error.to_status())
         return reg.GetServerResponse(server=info)
@@ -112,7 +115,9 @@ class Registry:
         if name in self._static:
             return reg.ServerInfo(name=name, addresses=[self._static[name]])
         if self.address is None:
-            raise errors.Unavailable(f"server {name!r} is unknown: {closest(name, list(self._static))}")
+            raise errors.Unavailable(
+                f"server {name!r} is unknown: {closest(name, list(self._static))}", metadata={"server": name}
+            )
         try:
             reply = await self._stub().GetServer(reg.GetServerRequest(name=name), timeout=transport.timeout_for(10.0))
         except grpc.aio.AioRpcError as e:
@@ -140,7 +145,7 @@ class Registry:
             if pool is None:
                 info = await self.info(name)
                 if not info.addresses:
-                    raise errors.Unavailable(f"server {name!r} has no address")
+                    raise errors.Unavailable(f"server {name!r} has no address", metadata={"server": name})
                 per_address = transport.CONNECTIONS_PER_WORKER * info.workers if info.workers > 1 else 1
                 pool = [
                     transport.Connection(transport.open_channel(a, i, self.security), a, self.unreachable_seconds)

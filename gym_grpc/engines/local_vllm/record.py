@@ -14,6 +14,7 @@ import json
 import os
 from pathlib import Path
 
+from gym_grpc import errors
 from gym_grpc.engines.local_vllm.installation import Prepared, _locked, cache_dir
 from gym_grpc.engines.local_vllm.process import Engine, EngineStartError, start, stop
 
@@ -23,13 +24,17 @@ RECORD_VARIABLE = "GYM_GRPC_ENGINE_RECORD"
 class AlreadyRunning(EngineStartError):
     """start_recorded() found the recorded engine still running."""
 
+    reason = errors.Reason.ENGINE_ALREADY_RUNNING
+
     def __init__(self, engine: Engine) -> None:
         super().__init__(f"a vLLM is already running at {engine.base_url} (pid {engine.pid}): stop it first")
         self.engine = engine
 
 
-class RecordError(RuntimeError):
+class RecordError(errors.FrameworkError, RuntimeError):
     """The record exists but cannot be read."""
+
+    reason = errors.Reason.ENGINE_RECORD_UNREADABLE
 
 
 def record_path() -> Path:

@@ -31,4 +31,6 @@ class OpenAIModel(EngineModelServer):
         try:
             return rows.response_from_json(answer)
         except rows.RowError as e:
-            raise errors.GymError(f"engine {engine.base_url} answered what gym.v1 cannot carry: {e}") from None
+            raise errors.GymError(
+                f"engine {engine.base_url} answered what gym.v1 cannot carry: {e}", reason=errors.Reason.ENGINE_FAILED
+            ) from None

@@ -120,23 +120,27 @@ def _checked_ids(
             if not token.startswith("token_id:"):
                 raise errors.GymError(
                     f"engine {engine.base_url}: log-prob token {position} is {token!r}, not 'token_id:N' "
-                    "(is return_tokens_as_token_ids supported?)"
+                    "(is return_tokens_as_token_ids supported?)",
+                    reason=errors.Reason.ENGINE_FAILED,
                 )
             from_logprobs.append(int(token.removeprefix("token_id:")))
     if token_ids is not None and from_logprobs is not None and list(token_ids) != from_logprobs:
         raise errors.GymError(
             f"engine {engine.base_url}: the generated ids in token_ids and in the log-probs disagree "
-            f"({len(token_ids)} and {len(from_logprobs)} ids)"
+            f"({len(token_ids)} and {len(from_logprobs)} ids)",
+            reason=errors.Reason.ENGINE_FAILED,
         )
     generated = list(token_ids) if token_ids is not None else from_logprobs
     if generated is None or values is None:
         raise errors.GymError(
             f"engine {engine.base_url} returned no generated token ids or log-probs; it needs "
-            "logprobs with return_tokens_as_token_ids (vLLM) and, for prompt ids, return_token_ids (vLLM >= 0.10.2)"
+            "logprobs with return_tokens_as_token_ids (vLLM) and, for prompt ids, return_token_ids (vLLM >= 0.10.2)",
+            reason=errors.Reason.ENGINE_FAILED,
         )
     if len(values) != len(generated):
         raise errors.GymError(
-            f"engine {engine.base_url}: {len(values)} log-probs for {len(generated)} generated tokens"
+            f"engine {engine.base_url}: {len(values)} log-probs for {len(generated)} generated tokens",
+            reason=errors.Reason.ENGINE_FAILED,
         )
     return generated, [float(v) for v in values]
 
@@ -248,12 +252,15 @@ class VLLMModel(EngineModelServer):
                 engine, completion.get("token_ids"), logprobs.get("tokens"), logprobs.get("token_logprobs")
             )
         except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
-            raise errors.GymError(f"engine {engine.base_url} answered a malformed completion: {e!r}") from None
+            raise errors.GymError(
+                f"engine {engine.base_url} answered a malformed completion: {e!r}", reason=errors.Reason.ENGINE_FAILED
+            ) from None
         echoed = completion.get("prompt_token_ids")
         if echoed is not None and list(echoed) != prompt.ids:
             raise errors.GymError(
                 f"engine {engine.base_url} reports other prompt ids than it was sent "
-                f"({len(echoed)} ids for {len(prompt.ids)})"
+                f"({len(echoed)} ids for {len(prompt.ids)})",
+                reason=errors.Reason.ENGINE_FAILED,
             )
         reasoning, rest = chat.split_reasoning(text, self.config.reasoning_tags)
         content, calls = parser.parse(rest) if tools and choice != "none" else (rest, [])
@@ -302,7 +309,9 @@ class VLLMModel(EngineModelServer):
             response = chat.to_response(answer, self.config.reasoning_tags, params)
             choice = answer["choices"][0]
         except (KeyError, IndexError, TypeError, AttributeError) as e:
-            raise errors.GymError(f"engine {engine.base_url} answered a malformed completion: {e!r}") from None
+            raise errors.GymError(
+                f"engine {engine.base_url} answered a malformed completion: {e!r}", reason=errors.Reason.ENGINE_FAILED
+            ) from None
         if not self.config.return_token_ids:
             return response
         entries = (choice.get("logprobs") or {}).get("content")
@@ -335,7 +344,9 @@ class VLLMModel(EngineModelServer):
         if isinstance(reply.get("max_model_len"), int):
             self._context[engine.base_url] = reply["max_model_len"]
         if not isinstance(tokens, list):
-            raise errors.GymError(f"engine {engine.base_url}: /tokenize returned no tokens")
+            raise errors.GymError(
+                f"engine {engine.base_url}: /tokenize returned no tokens", reason=errors.Reason.ENGINE_FAILED
+            )
         return tokens
 
 
