@@ -14,6 +14,8 @@ argument with `Annotated[str, Field(description=...)]`) and its description
 from the docstring's first paragraph. A tool may also take a `Session`
 parameter to reach the rollout's state; it is not part of the schema.
 
+A tool that raises is the model's problem, not the call's: CallTool answers
+with its error as the output and `is_error` set.
 """
 
 from __future__ import annotations
@@ -433,6 +435,9 @@ class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
         session.in_flight += 1  # the idle time-out never closes a session under a running call
         try:
             output = await self.app.call_tool(session, request.name, request.arguments)
+        except errors.ToolFailed as e:
+            # The model's problem, not the call's: its error goes back to the model as the tool's output.
+            return res_pb.CallToolResponse(output=e.message, is_error=True)
         finally:
             session.in_flight -= 1
             session.last_used = time.monotonic()

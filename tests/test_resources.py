@@ -68,7 +68,6 @@ async def test_a_tool_call_runs_with_the_session_state(calc):
         ("add", '{"a": "two", "b": 3}', grpc.StatusCode.INVALID_ARGUMENT, "arguments", "argument 'a'"),
         ("add", '{"a": 2}', grpc.StatusCode.INVALID_ARGUMENT, "arguments", "argument 'b': Field required"),
         ("add", '{"a": 2, "b": 3, "c": 4}', grpc.StatusCode.INVALID_ARGUMENT, "arguments", "argument 'c'"),
-        ("explode", "{}", grpc.StatusCode.ABORTED, None, "raised ValueError: the calculator caught fire"),
     ],
 )
 async def test_a_bad_tool_call_gets_a_status_naming_what_is_wrong(calc, name, arguments, code, field, message):
@@ -78,6 +77,13 @@ async def test_a_bad_tool_call_gets_a_status_naming_what_is_wrong(calc, name, ar
     assert error.value.code() == code
     assert message in error.value.details()
     assert errors.field_of(error.value) == field
+
+
+async def test_a_tool_that_raises_answers_ok_with_its_error_as_the_output_for_the_model(calc):
+    _, server = calc
+    reply = await _raw_call(server, "explode", "{}")
+    assert reply.is_error
+    assert reply.output == "tool 'explode' raised ValueError: the calculator caught fire"
 
 
 async def test_arguments_nested_too_deep_are_the_callers_mistake_not_an_internal_error(calc):
@@ -93,6 +99,10 @@ async def test_tool_errors_come_back_to_the_client_as_tool_output(calc):
     client, _ = calc
     result = await client.call_tool("s1", r.FunctionCall(name="add", arguments="not json"))
     assert result.error and "not valid JSON" in result.output
+    assert result.reason == "TOOL_ARGUMENTS_INVALID"
+    result = await client.call_tool("s1", r.FunctionCall(name="explode", arguments="{}"))
+    assert result.error and "the calculator caught fire" in result.output
+    assert result.reason == "TOOL_FAILED"
 
 
 async def test_a_call_in_an_unknown_session_is_failed_precondition(calc):

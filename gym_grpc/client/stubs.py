@@ -186,6 +186,8 @@ class ResourcesClient(_Client):
         if isinstance(reply, grpc.aio.AioRpcError):
             reason = errors.reason_of(reply)
             return ToolResult(output=reply.details() or reply.code().name, error=True, reason=str(reason))
+        if reply.is_error:
+            return ToolResult(output=reply.output, error=True, reason=str(errors.Reason.TOOL_FAILED))
         return ToolResult(output=reply.output)
 
     async def verify(self, session_id: str, task: task_pb2.Task, response: r.Response) -> res_pb.VerifyResponse:

@@ -32,7 +32,10 @@ class AgentServiceStub:
     Errors: INVALID_ARGUMENT when the task is malformed, UNAVAILABLE or
     DEADLINE_EXCEEDED when a server it depends on is down or too slow, INTERNAL
     when verification failed. A tool's failure is not an error of the rollout:
-    it goes back to the model as the tool's output.
+    it goes back to the model as the tool's output. A failure of a server the
+    agent called keeps that server's ErrorInfo reason and metadata, with
+    "callee" (the server's name) and "callee_method" added; the table of codes
+    is in resources_service.proto, the reasons in docs/errors.md.
     """
 
     def __init__(self, channel):
@@ -65,7 +68,10 @@ class AgentServiceServicer:
     Errors: INVALID_ARGUMENT when the task is malformed, UNAVAILABLE or
     DEADLINE_EXCEEDED when a server it depends on is down or too slow, INTERNAL
     when verification failed. A tool's failure is not an error of the rollout:
-    it goes back to the model as the tool's output.
+    it goes back to the model as the tool's output. A failure of a server the
+    agent called keeps that server's ErrorInfo reason and metadata, with
+    "callee" (the server's name) and "callee_method" added; the table of codes
+    is in resources_service.proto, the reasons in docs/errors.md.
     """
 
     def Run(self, request, context):
@@ -129,7 +135,10 @@ class AgentService:
     Errors: INVALID_ARGUMENT when the task is malformed, UNAVAILABLE or
     DEADLINE_EXCEEDED when a server it depends on is down or too slow, INTERNAL
     when verification failed. A tool's failure is not an error of the rollout:
-    it goes back to the model as the tool's output.
+    it goes back to the model as the tool's output. A failure of a server the
+    agent called keeps that server's ErrorInfo reason and metadata, with
+    "callee" (the server's name) and "callee_method" added; the table of codes
+    is in resources_service.proto, the reasons in docs/errors.md.
     """
 
     @staticmethod

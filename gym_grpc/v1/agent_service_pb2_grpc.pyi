@@ -33,7 +33,10 @@ class AgentServiceStub:
     Errors: INVALID_ARGUMENT when the task is malformed, UNAVAILABLE or
     DEADLINE_EXCEEDED when a server it depends on is down or too slow, INTERNAL
     when verification failed. A tool's failure is not an error of the rollout:
-    it goes back to the model as the tool's output.
+    it goes back to the model as the tool's output. A failure of a server the
+    agent called keeps that server's ErrorInfo reason and metadata, with
+    "callee" (the server's name) and "callee_method" added; the table of codes
+    is in resources_service.proto, the reasons in docs/errors.md.
     """
 
     @_typing.overload
@@ -64,7 +67,10 @@ class AgentServiceAsyncStub(AgentServiceStub):
     Errors: INVALID_ARGUMENT when the task is malformed, UNAVAILABLE or
     DEADLINE_EXCEEDED when a server it depends on is down or too slow, INTERNAL
     when verification failed. A tool's failure is not an error of the rollout:
-    it goes back to the model as the tool's output.
+    it goes back to the model as the tool's output. A failure of a server the
+    agent called keeps that server's ErrorInfo reason and metadata, with
+    "callee" (the server's name) and "callee_method" added; the table of codes
+    is in resources_service.proto, the reasons in docs/errors.md.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -91,7 +97,10 @@ class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
     Errors: INVALID_ARGUMENT when the task is malformed, UNAVAILABLE or
     DEADLINE_EXCEEDED when a server it depends on is down or too slow, INTERNAL
     when verification failed. A tool's failure is not an error of the rollout:
-    it goes back to the model as the tool's output.
+    it goes back to the model as the tool's output. A failure of a server the
+    agent called keeps that server's ErrorInfo reason and metadata, with
+    "callee" (the server's name) and "callee_method" added; the table of codes
+    is in resources_service.proto, the reasons in docs/errors.md.
     """
 
     @_abc_1.abstractmethod

@@ -112,16 +112,26 @@ class CallToolResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     OUTPUT_FIELD_NUMBER: _builtins.int
+    IS_ERROR_FIELD_NUMBER: _builtins.int
     output: _builtins.str
-    """What the tool returned, as text for the model."""
+    """What the tool returned, as text for the model; when is_error, the
+    tool's error.
+    """
+    is_error: _builtins.bool
+    """True when the tool failed (it raised): `output` is then its error, meant
+    for the model, which may try again. The call itself succeeded; an agent
+    shows the output to the model as a failed tool call (gym-grpc's agent
+    prefixes it with "Error: "), it does not fail the rollout.
+    """
     def __init__(
         self,
         *,
         output: _builtins.str = ...,
+        is_error: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["output", b"output"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["is_error", b"is_error", "output", b"output"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

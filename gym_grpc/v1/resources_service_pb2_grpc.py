@@ -31,10 +31,32 @@ class ResourcesServiceStub:
     with the same session_id (a stateless environment, see DescribeTools,
     needs no SeedSession and CloseSession).
 
-    Errors: INVALID_ARGUMENT for bad input (the message names the field, and
-    a google.rpc.BadRequest detail carries it), NOT_FOUND for an unknown tool
-    or session, ABORTED when a tool raised (the message is the tool's error,
-    meant for the model), INTERNAL when the verifier raised.
+    Errors. Every gym.v1 service fails a call with a google.rpc.Status whose
+    details hold a google.rpc.ErrorInfo (domain "gym-grpc.dev", `reason` a
+    stable UPPER_SNAKE code to branch on, `metadata` such as the tool or the
+    server) and, when a request field is at fault, a google.rpc.BadRequest
+    naming it. docs/errors.md lists every reason. Whose problem it is decides
+    the code:
+
+    the model's      a tool that raised: not an error of the call. CallTool
+    answers OK with is_error set and the error as `output`;
+    the agent passes it to the model as the tool's output.
+    A tool call the model got wrong is NOT_FOUND (unknown
+    tool, TOOL_NOT_FOUND) or INVALID_ARGUMENT (arguments
+    that are not JSON or do not fit the schema,
+    TOOL_ARGUMENTS_INVALID, field "arguments"); an agent
+    passes those to the model too.
+    the caller's     a bad request: INVALID_ARGUMENT with the field (task
+    data an environment cannot use: TASK_DATA_INVALID);
+    FAILED_PRECONDITION for a session that is not open.
+    the server's     a bug, or a verifier that raised or returned no number:
+    INTERNAL. The message names the class; the traceback
+    stays in the server's log.
+    overload         RESOURCE_EXHAUSTED: max_sessions reached, out of open
+    files, a message over the size limit.
+    a dead peer      UNAVAILABLE: a server or an engine this one calls is
+    down or unknown; DEADLINE_EXCEEDED when the caller's
+    deadline ran out first.
     """
 
     def __init__(self, channel):
@@ -81,10 +103,32 @@ class ResourcesServiceServicer:
     with the same session_id (a stateless environment, see DescribeTools,
     needs no SeedSession and CloseSession).
 
-    Errors: INVALID_ARGUMENT for bad input (the message names the field, and
-    a google.rpc.BadRequest detail carries it), NOT_FOUND for an unknown tool
-    or session, ABORTED when a tool raised (the message is the tool's error,
-    meant for the model), INTERNAL when the verifier raised.
+    Errors. Every gym.v1 service fails a call with a google.rpc.Status whose
+    details hold a google.rpc.ErrorInfo (domain "gym-grpc.dev", `reason` a
+    stable UPPER_SNAKE code to branch on, `metadata` such as the tool or the
+    server) and, when a request field is at fault, a google.rpc.BadRequest
+    naming it. docs/errors.md lists every reason. Whose problem it is decides
+    the code:
+
+    the model's      a tool that raised: not an error of the call. CallTool
+    answers OK with is_error set and the error as `output`;
+    the agent passes it to the model as the tool's output.
+    A tool call the model got wrong is NOT_FOUND (unknown
+    tool, TOOL_NOT_FOUND) or INVALID_ARGUMENT (arguments
+    that are not JSON or do not fit the schema,
+    TOOL_ARGUMENTS_INVALID, field "arguments"); an agent
+    passes those to the model too.
+    the caller's     a bad request: INVALID_ARGUMENT with the field (task
+    data an environment cannot use: TASK_DATA_INVALID);
+    FAILED_PRECONDITION for a session that is not open.
+    the server's     a bug, or a verifier that raised or returned no number:
+    INTERNAL. The message names the class; the traceback
+    stays in the server's log.
+    overload         RESOURCE_EXHAUSTED: max_sessions reached, out of open
+    files, a message over the size limit.
+    a dead peer      UNAVAILABLE: a server or an engine this one calls is
+    down or unknown; DEADLINE_EXCEEDED when the caller's
+    deadline ran out first.
     """
 
     def SeedSession(self, request, context):
@@ -181,10 +225,32 @@ class ResourcesService:
     with the same session_id (a stateless environment, see DescribeTools,
     needs no SeedSession and CloseSession).
 
-    Errors: INVALID_ARGUMENT for bad input (the message names the field, and
-    a google.rpc.BadRequest detail carries it), NOT_FOUND for an unknown tool
-    or session, ABORTED when a tool raised (the message is the tool's error,
-    meant for the model), INTERNAL when the verifier raised.
+    Errors. Every gym.v1 service fails a call with a google.rpc.Status whose
+    details hold a google.rpc.ErrorInfo (domain "gym-grpc.dev", `reason` a
+    stable UPPER_SNAKE code to branch on, `metadata` such as the tool or the
+    server) and, when a request field is at fault, a google.rpc.BadRequest
+    naming it. docs/errors.md lists every reason. Whose problem it is decides
+    the code:
+
+    the model's      a tool that raised: not an error of the call. CallTool
+    answers OK with is_error set and the error as `output`;
+    the agent passes it to the model as the tool's output.
+    A tool call the model got wrong is NOT_FOUND (unknown
+    tool, TOOL_NOT_FOUND) or INVALID_ARGUMENT (arguments
+    that are not JSON or do not fit the schema,
+    TOOL_ARGUMENTS_INVALID, field "arguments"); an agent
+    passes those to the model too.
+    the caller's     a bad request: INVALID_ARGUMENT with the field (task
+    data an environment cannot use: TASK_DATA_INVALID);
+    FAILED_PRECONDITION for a session that is not open.
+    the server's     a bug, or a verifier that raised or returned no number:
+    INTERNAL. The message names the class; the traceback
+    stays in the server's log.
+    overload         RESOURCE_EXHAUSTED: max_sessions reached, out of open
+    files, a message over the size limit.
+    a dead peer      UNAVAILABLE: a server or an engine this one calls is
+    down or unknown; DEADLINE_EXCEEDED when the caller's
+    deadline ran out first.
     """
 
     @staticmethod
