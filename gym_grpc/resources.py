@@ -14,6 +14,9 @@ argument with `Annotated[str, Field(description=...)]`) and its description
 from the docstring's first paragraph. A tool may also take a `Session`
 parameter to reach the rollout's state; it is not part of the schema.
 
+Tools live in their own namespace (`ResourcesServer.tools`): a tool may be
+named `stop` or `verify` or after any other method of the base class without
+replacing that method (the class keeps the base's; the model gets the tool).
 A tool that raises is the model's problem, not the call's: CallTool answers
 with its error as the output and `is_error` set.
 """
@@ -184,7 +187,9 @@ class ResourcesServer(GymServer):
 
     role = reg.SERVER_ROLE_RESOURCES
     Config: ClassVar[type[ServerConfig]] = ResourcesConfig
+    #: The tools by name: their own namespace, apart from the class's methods.
     tools: ClassVar[dict[str, _Tool]] = {}
+    _own_tools: ClassVar[dict[str, _Tool]] = {}
     #: No per-rollout state: no seed_session or close_session, no tool takes the Session.
     #: Agents then skip SeedSession and CloseSession (two calls fewer per rollout).
     stateless: ClassVar[bool] = True
@@ -192,11 +197,20 @@ class ResourcesServer(GymServer):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         found: dict[str, _Tool] = {}
-        for klass in reversed(cls.__mro__):
-            for attr in vars(klass).values():
-                name = getattr(attr, _TOOL_MARK, None)
-                if name is not None:
-                    found[name] = _build_tool(name, attr)
+        for klass in reversed(cls.__mro__[1:]):
+            found.update(vars(klass).get("_own_tools", {}))
+        own: dict[str, _Tool] = {}
+        for attr_name, attr in list(vars(cls).items()):
+            name = getattr(attr, _TOOL_MARK, None)
+            if name is None:
+                continue
+            own[name] = _build_tool(name, attr)
+            # Tools live in their own namespace (`tools`): a tool named like a method of the
+            # base class (stop, verify, start, seed_session...) must not replace that method.
+            if hasattr(ResourcesServer, attr_name):
+                delattr(cls, attr_name)
+        cls._own_tools = own
+        found.update(own)
         cls.tools = found
         cls.stateless = (
             cls.seed_session is ResourcesServer.seed_session

@@ -9,7 +9,7 @@ from gym_grpc import errors
 from gym_grpc.client.stubs import ResourcesClient
 from gym_grpc.data import json_input, rows
 from gym_grpc.resources import ResourcesServer, Session, Verification, tool
-from gym_grpc.responses import assistant_message
+from gym_grpc.responses import assistant_message, final_text
 from gym_grpc.rpc.transport import open_channel
 from gym_grpc.testing import ResourcesConformance
 from gym_grpc.v1 import resources_service_pb2 as res_pb
@@ -348,3 +348,68 @@ def test_a_tool_must_be_async():
             @tool
             def blocking(self) -> str:
                 return "no"
+
+
+class Lifecycle(ResourcesServer):
+    """Tools named like the base class's own methods: stop, verify, start, seed_session."""
+
+    stopped = 0
+
+    @tool
+    async def stop(self, reason: str) -> str:
+        """Stop the simulated machine."""
+        return f"machine stopped: {reason}"
+
+    @tool(name="verify")
+    async def verify_tool(self, claim: str) -> str:
+        """Check a claim."""
+        return f"checked {claim}"
+
+    @tool
+    async def seed_session(self, seed: int) -> str:
+        """Seed the random generator."""
+        return f"seeded {seed}"
+
+    @tool
+    async def start(self) -> str:
+        """Start the simulated machine."""
+        return "machine started"
+
+    async def verify(self, session: Session, response: r.Response) -> float:
+        return 1.0 if "done" in final_text(response) else 0.0
+
+    async def close_session(self, session: Session) -> None:
+        Lifecycle.stopped += 1
+
+
+async def test_tools_named_like_lifecycle_methods_do_not_replace_them(start):
+    assert set(Lifecycle.tools) == {"stop", "verify", "seed_session", "start"}
+    assert Lifecycle.stop is ResourcesServer.stop and Lifecycle.start is ResourcesServer.start
+    assert Lifecycle.seed_session is ResourcesServer.seed_session
+    Lifecycle.stopped = 0
+    server = await start(Lifecycle(name="machine"))
+    client = ResourcesClient(static_registry(machine=server), "machine")
+    try:
+        await client.seed_session("s1", task("x"))
+        outputs = {}
+        for name, arguments in [
+            ("stop", '{"reason": "overheating"}'),
+            ("verify", '{"claim": "2 + 2 = 4"}'),
+            ("seed_session", '{"seed": 7}'),
+            ("start", "{}"),
+        ]:
+            result = await client.call_tool("s1", r.FunctionCall(name=name, arguments=arguments))
+            assert not result.error, result
+            outputs[name] = result.output
+        assert outputs == {
+            "stop": "machine stopped: overheating",
+            "verify": "checked 2 + 2 = 4",
+            "seed_session": "seeded 7",
+            "start": "machine started",
+        }
+        verdict = await client.verify("s1", task("x"), r.Response(output=[assistant_message("done")]))
+        assert verdict.reward == 1.0  # the environment's verify, not the tool
+    finally:
+        await client.registry.close()
+    await server.stop()  # the base class's stop: it closes the open session and returns
+    assert Lifecycle.stopped == 1
