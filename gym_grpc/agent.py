@@ -116,7 +116,9 @@ class _AgentServicer(agent_grpc.AgentServiceServicer):
             while (event := await queue.get()) is not None:
                 yield event
             events._put(agent_pb.RunStreamResponse(rollout=rollout.result()))  # result() re-raises its error
-            yield queue.get_nowait()
+            last = queue.get_nowait()
+            assert last is not None  # the rollout event just put
+            yield last
         finally:
             rollout.cancel()
             await asyncio.wait([rollout])

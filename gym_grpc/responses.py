@@ -7,6 +7,8 @@ import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from google.protobuf.message import Message
+
 from gym_grpc.data.rows import ECHOED_KEYS, dumps
 from gym_grpc.v1 import responses_pb2 as r
 
@@ -29,11 +31,12 @@ def new_response(params: r.CreateParams, model: str) -> r.Response:
     response = r.Response(id=new_id("resp"), created_at=time.time(), model=model)
     response.usage.input_tokens_details.SetInParent()  # the API always has both details
     response.usage.output_tokens_details.SetInParent()
+    source: Message = params  # the keys are names, checked as any message's fields
     for name in ECHOED_KEYS:
         field = getattr(params, name)
         if name in ("tools", "metadata"):
             getattr(response, name).MergeFrom(field)
-        elif params.HasField(name):
+        elif source.HasField(name):
             if name in ("tool_choice", "reasoning", "text"):
                 getattr(response, name).CopyFrom(field)
             else:
@@ -55,7 +58,10 @@ def input_items(params: r.CreateParams) -> list[r.Item]:
 
 def item_body(item: r.Item) -> Any:
     """What an item holds: its message, reasoning, function call or function call output."""
-    return getattr(item, item.WhichOneof("item"))
+    kind = item.WhichOneof("item")
+    if kind is None:
+        raise ValueError("the item has nothing set")
+    return getattr(item, kind)
 
 
 def _from_assistant(item: r.Item) -> bool:

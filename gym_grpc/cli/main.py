@@ -486,7 +486,7 @@ async def _quickstart(output_dir: Path, num_repeats: int) -> dict[str, dict[str,
             output.unlink(missing_ok=True)
             options = CollectOptions(input=data, output=output, agent=agent, num_repeats=num_repeats)
             summary = await _with_registry(
-                runner.registry_address, agent, lambda reg, o=options: collect(reg, o), runner.config.security
+                runner.registry_address, agent, functools.partial(collect, options=options), runner.config.security
             )
             _print_summary(summary, output, "collected")
             metrics.update(summary.metrics)

@@ -221,7 +221,7 @@ class Runner:
         """Until `stop` is set: report each server process that exits, start it again
         when its server says `restart`, keep the others serving. 1 when any process
         exited (0 otherwise); returns early if every process is gone for good."""
-        exits = {
+        exits: dict[asyncio.Future[int], tuple[ServerProcesses, int]] = {
             asyncio.ensure_future(p.wait()): (s, worker)
             for s in self.servers.values()
             for worker, p in enumerate(s.processes)

@@ -167,7 +167,7 @@ class RolloutResult:
         found = []
         for item in self.response.output:
             kind = item.WhichOneof("item")
-            inner = getattr(item, kind) if kind != "function_call_output" else None
+            inner = getattr(item, kind) if kind is not None and kind != "function_call_output" else None
             if inner is not None and inner.generation_token_ids:
                 found.append(
                     TokenTurn(

@@ -29,7 +29,7 @@ import grpc
 from pydantic import Field, field_validator
 
 from gym_grpc import errors
-from gym_grpc.engines.retries import Failure, Retries, RetrySettings, retry_after_seconds
+from gym_grpc.engines.retries import Failure, FailureClass, Retries, RetrySettings, retry_after_seconds
 from gym_grpc.model import ModelServer
 from gym_grpc.server import open_files
 from gym_grpc.server.counters import Counters
@@ -222,7 +222,7 @@ class _Retryable(Exception):
 
     def __init__(self, status: int, detail: str, retry_after: str | None) -> None:
         super().__init__(detail)
-        kind = "rate_limited" if status == 429 else "server_error"
+        kind: FailureClass = "rate_limited" if status == 429 else "server_error"
         # Retry-After is honoured where HTTP defines it for these statuses.
         wait = retry_after_seconds(retry_after) if status in (429, 503) else None
         cause = f"HTTP {status}: {detail}" + (f" (Retry-After {wait:g} s)" if wait is not None else "")

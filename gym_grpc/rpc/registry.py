@@ -9,6 +9,7 @@ and keeps one channel per server.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import difflib
 
 import grpc
@@ -94,6 +95,7 @@ class Registry:
 
     def _stub(self) -> reg_grpc.RegistryServiceStub:
         if self._registry_channel is None:
+            assert self.address is not None, "a registry of static addresses has no service to call"
             self._registry_channel = transport.open_channel(self.address, security=self.security)
         return reg_grpc.RegistryServiceStub(self._registry_channel)
 
@@ -134,7 +136,7 @@ class Registry:
             raise errors.from_rpc_error(e, f"registry {self.address}") from None
         return list(reply.servers)
 
-    async def connections(self, name: str) -> list[transport.Connection]:
+    async def connections(self, name: str) -> builtins.list[transport.Connection]:
         """The connections to server `name`, opened on first use: one per address, or
         several per address when worker processes share it."""
         pool = self._connections.get(name)

@@ -97,7 +97,9 @@ def open_channel(address: str, index: int = 0, security: Security | None = None)
     gives a channel its own, which is how a client reaches several worker
     processes behind one port (the kernel spreads connections, not calls).
     """
-    options = _common_options() + _RECONNECT_OPTIONS + ([("grpc.gym_channel_index", index)] if index else [])
+    options: list[tuple[str, str | int]] = [*_common_options(), *_RECONNECT_OPTIONS]
+    if index:
+        options.append(("grpc.gym_channel_index", index))
     if security is None:
         return grpc.aio.insecure_channel(address, options=options)
     options += security.channel_options()

@@ -14,6 +14,7 @@ from gym_grpc.server import open_files, profiling
 from gym_grpc.server.counters import Counters
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
+from gym_grpc.v1 import registry_service_pb2 as reg
 
 ADMIN_SERVICE = admin_pb.DESCRIPTOR.services_by_name["AdminService"].full_name
 
@@ -24,14 +25,23 @@ except PackageNotFoundError:  # running from a checkout that is not installed
 
 
 class Administered(Protocol):
-    """What the admin service reads from the server it reports on (a `GymServer`)."""
+    """What the admin service reads from the server it reports on (a `GymServer`).
 
-    name: str
-    role: str
-    entrypoint: str
-    config: BaseModel
-    counters: Counters
-    profiler: profiling.Profiler
+    Read-only properties: a server's own, narrower config class and its role
+    (a class variable) satisfy them."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def role(self) -> reg.ServerRole.ValueType: ...
+    @property
+    def entrypoint(self) -> str: ...
+    @property
+    def config(self) -> BaseModel: ...
+    @property
+    def counters(self) -> Counters: ...
+    @property
+    def profiler(self) -> profiling.Profiler: ...
 
     def capabilities(self) -> Any: ...
 

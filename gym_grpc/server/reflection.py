@@ -112,7 +112,8 @@ class ReflectionServicer:
             elif kind == "file_containing_extension":
                 asked = request.file_containing_extension
                 message = pool.FindMessageTypeByName(asked.containing_type)
-                self._send_file(reply, pool.FindExtensionByNumber(message, asked.extension_number).file.name)
+                extension = pool.FindExtensionByNumber(message, asked.extension_number)
+                self._send_file(reply, extension.file.name)  # type: ignore[attr-defined]  # types-protobuf lacks .file
             elif kind == "all_extension_numbers_of_type":
                 message = pool.FindMessageTypeByName(request.all_extension_numbers_of_type)
                 numbers = reply.all_extension_numbers_response

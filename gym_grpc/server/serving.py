@@ -52,7 +52,7 @@ class ServerConfig(BaseModel):
 class GymServer:
     """Base of every gym-grpc server. Subclass one of the role bases instead."""
 
-    role: ClassVar[int] = reg.SERVER_ROLE_UNSPECIFIED
+    role: ClassVar[reg.ServerRole.ValueType] = reg.SERVER_ROLE_UNSPECIFIED
     Config: ClassVar[type[ServerConfig]] = ServerConfig
 
     def __init__(

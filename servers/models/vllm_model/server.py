@@ -202,7 +202,7 @@ class VLLMModel(EngineModelServer):
 
     async def _by_tokens(self, engine: Engine, params: r.CreateParams, body: dict[str, Any]) -> r.Response:
         messages = body.pop("messages")
-        template = {key: body.pop(key) for key in ("tools", "chat_template_kwargs") if key in body}
+        template: dict[str, Any] = {key: body.pop(key) for key in ("tools", "chat_template_kwargs") if key in body}
         if "reasoning_effort" in body:  # a template option (gpt-oss), as vLLM's chat path passes it
             template.setdefault("chat_template_kwargs", {}).setdefault("reasoning_effort", body.pop("reasoning_effort"))
         choice = body.pop("tool_choice", "auto")
@@ -323,7 +323,7 @@ class VLLMModel(EngineModelServer):
         )
         prompt = answer.get("prompt_token_ids")
         if prompt is None:
-            request = {k: body[k] for k in ("messages", "tools", "chat_template_kwargs") if k in body}
+            request: dict[str, Any] = {k: body[k] for k in ("messages", "tools", "chat_template_kwargs") if k in body}
             prompt = await self._tokenize(engine, request, True)
         prompt = list(prompt)
         if prefix is not None and prompt[: len(prefix)] != prefix:

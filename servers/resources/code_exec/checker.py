@@ -144,7 +144,7 @@ def run_tests(
                 f,
             )
         killed = False
-        child = None
+        child: subprocess.Popen[bytes] | None = None
         try:
             with _interrupts_deferred():  # an interrupt raised here still reaches the `finally` below
                 child = subprocess.Popen(
@@ -175,6 +175,7 @@ def run_tests(
         records = _read_results(results_path)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    assert child is not None  # a Popen that raised has left by now
     return _verdict(records, tests, child.returncode, killed, test_timeout)
 
 

@@ -112,7 +112,13 @@ class CodeExecEnv(ResourcesServer):
         code = extract_code(final_text(response), function_name)
         if code is None:
             error = "the final answer has no ```python code block"
-            verdict = {"compiled": False, "passed": 0, "total": len(tests), "timeout": False, "error": error}
+            verdict: dict[str, Any] = {
+                "compiled": False,
+                "passed": 0,
+                "total": len(tests),
+                "timeout": False,
+                "error": error,
+            }
         else:
             verdict = await self._run(code, function_name, tests)
         passed, total = verdict["passed"], verdict["total"]
