@@ -99,6 +99,7 @@ def test_gym_grpc_test_reports_a_failing_server(scaffold, tmp_path):
     assert "test_naming_the_expected_answer_earns_the_reward" in done.stdout
 
 
+@pytest.mark.slow
 def test_gym_grpc_test_all_runs_every_servers_tests(tmp_path, scaffold):
     servers = tmp_path / "servers" / "resources"
     shutil.copytree(scaffold, servers / "quiz_one", ignore=shutil.ignore_patterns("__pycache__"))
@@ -257,6 +258,7 @@ def test_statistics_count_tools_tokens_turns_params_and_messages():
     assert differences({"a": 1, "b": {"c": 2}}, {"a": 1, "b": {"c": 3}}) == ["b.c: committed 2, now 3"]
 
 
+@pytest.mark.slow
 def test_the_collated_files_feed_collect(tmp_path):
     """The example file prepare-data writes is a valid input of `gym-grpc collect`: agent_ref routes each row."""
     done = _prepare(

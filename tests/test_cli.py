@@ -99,6 +99,7 @@ def _start_run(*overrides: str, configs: tuple[Path, ...] = (), open_files: tupl
     return Run(process, lines, registry, servers, stderr)
 
 
+@pytest.mark.slow
 def test_quickstart_end_to_end(tmp_path):
     done = _gym("quickstart", "--output-dir", str(tmp_path), "--num-repeats", "2", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -294,6 +295,7 @@ def test_ctrl_c_stops_every_server(live):
         assert done.returncode != 0  # nothing answers any more
 
 
+@pytest.mark.slow
 def test_a_collector_killed_mid_run_resumes_with_every_key_exactly_once(tmp_path):
     run = _start_run("servers.policy_model.config.latency_seconds=0.05")
     try:
@@ -344,6 +346,7 @@ cp "$disk/out.jsonl" second.jsonl
 """
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_collect_with_one_error_and_the_same_command_resumes_after_space_is_freed(tmp_path):
     """A real full disk: a 2 MiB tmpfs, mounted in a private mount namespace (`unshare --mount
     --map-root-user`: root, or unprivileged user namespaces, is needed). The tmpfs ends with
@@ -406,6 +409,7 @@ def _cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])  # utime + stime
 
 
+@pytest.mark.slow
 def test_num_workers_serve_one_port_and_share_the_calls(tmp_path):
     run = _start_run("servers.policy_model.num_workers=2")
     try:
@@ -442,6 +446,7 @@ def _status(registry: str) -> tuple[int, dict[str, dict]]:
     return done.returncode, {row["name"]: row for row in json.loads(done.stdout)}
 
 
+@pytest.mark.slow
 def test_a_server_that_dies_is_shown_down_and_the_others_keep_serving(tmp_path):
     run = _start_run()
     try:

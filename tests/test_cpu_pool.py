@@ -47,6 +47,7 @@ async def test_a_ray_address_without_ray_installed_is_a_config_error(monkeypatch
         await CpuPool("math", ray_address="auto").start()
 
 
+@pytest.mark.slow
 async def test_on_ray_a_check_gives_the_same_result_and_leaves_a_ray_it_joined(local_ray):
     pool = CpuPool("t", workers=1, ray_address="local")
     await pool.start()

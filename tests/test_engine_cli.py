@@ -96,6 +96,7 @@ def _models(base_url: str) -> list[str]:
         return [model["id"] for model in json.loads(reply.read())["data"]]
 
 
+@pytest.mark.slow
 def test_start_writes_env_yaml_keeping_the_users_keys_and_stop_ends_the_engine(shell: Shell) -> None:
     env_yaml = shell.cwd / "env.yaml"
     env_yaml.write_text("# my secrets\nhf_token: hf_abc  # for the Hub\npolicy_model_name: Qwen/Qwen3-4B\n")
@@ -146,6 +147,7 @@ def test_a_broken_env_yaml_fails_before_the_engine_starts(shell: Shell) -> None:
     assert shell.started() == []
 
 
+@pytest.mark.slow
 def test_env_file_option_names_the_file_written(shell: Shell) -> None:
     started = shell.run("engine", "start", "--env-file", "secrets/engine.yaml")
     try:
@@ -165,6 +167,7 @@ def test_env_file_option_names_the_file_written(shell: Shell) -> None:
     assert "gym-grpc run --env-file secrets/engine.yaml configs/vllm.yaml" in started.stdout
 
 
+@pytest.mark.slow
 def test_a_stale_record_neither_refuses_a_start_nor_stops_the_process_that_reused_its_pid(shell: Shell) -> None:
     # A process that is not a vLLM holds the recorded PID (and process group, as vLLM's would).
     reuser = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
@@ -188,6 +191,7 @@ def test_a_stale_record_neither_refuses_a_start_nor_stops_the_process_that_reuse
         reuser.wait()
 
 
+@pytest.mark.slow
 def test_gym_grpc_engine_and_python_m_local_vllm_share_one_record(shell: Shell) -> None:
     started = shell.local_vllm("start")
     assert started.returncode == 0, started.stderr
@@ -201,6 +205,7 @@ def test_gym_grpc_engine_and_python_m_local_vllm_share_one_record(shell: Shell) 
     assert not any(_alive(pid) for pid in shell.started())
 
 
+@pytest.mark.slow
 def test_gym_grpc_engine_record_variable_keeps_a_second_engine_apart(shell: Shell) -> None:
     first = shell.run("engine", "start")
     assert first.returncode == 0, first.stderr

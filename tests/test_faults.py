@@ -25,6 +25,7 @@ from tests.support import REPO, EchoModel, static_registry
 from tests.test_cli import MATH, _gym, _rows, _start_run, _status, _tool
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", ["math", "policy_model", "math_agent"])
 def test_a_server_killed_and_restarted_mid_collection_costs_at_most_its_calls_in_flight(victim, tmp_path):
     """Calls that were running in the killed process fail; later ones wait for the
@@ -111,6 +112,7 @@ def _wait_for(condition, what: str, seconds: float = 120.0) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_a_replacement_that_crashes_before_it_is_healthy_is_retried_until_one_serves(tmp_path):
     config, crashes = _crashing_config(tmp_path)
     run = _start_run(configs=(config,))
@@ -134,6 +136,7 @@ def test_a_replacement_that_crashes_before_it_is_healthy_is_retried_until_one_se
     assert "server 'crashing' restarted" in log and "giving up" not in log
 
 
+@pytest.mark.slow
 def test_a_server_whose_replacements_keep_crashing_is_given_up_with_its_last_log_lines(tmp_path):
     config, crashes = _crashing_config(tmp_path)
     run = _start_run(configs=(config,))

@@ -287,6 +287,7 @@ def _objects(value: Any) -> list[dict]:
     return []
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_unknown_keys_anywhere_in_a_response_survive(data):
@@ -311,6 +312,7 @@ def _recorded_openai_answers() -> list[dict]:
     ]
 
 
+@pytest.mark.slow
 async def test_every_recorded_answer_goes_through_the_model_server_unchanged(start, responses):
     """Every response in the corpus (OpenAI, vLLM, NIM...), as the engine's answer to openai_model."""
     answers = [answer for _, answer in responses]

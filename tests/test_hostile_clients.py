@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 from google.protobuf import json_format
 
 from gym_grpc.data import rows
@@ -19,6 +20,7 @@ from tests.support import REPO
 from tests.test_cli import WEATHER, _start_run, _status, _tool
 
 
+@pytest.mark.slow
 def test_streams_cancelled_timed_out_or_killed_mid_call_never_crash_the_agent():
     run = _start_run("servers.policy_model.config.latency_seconds=0.05")
     try:

@@ -37,6 +37,7 @@ def _dataset(author, *args: str):
     return done
 
 
+@pytest.mark.slow
 def test_a_split_is_uploaded_to_a_named_private_repository_and_downloaded_back(author, hub, tmp_path):
     done = _dataset(
         author,
@@ -76,6 +77,7 @@ def test_a_split_is_uploaded_to_a_named_private_repository_and_downloaded_back(a
     assert output.read_bytes() == MATH_TRAIN.read_bytes()
 
 
+@pytest.mark.slow
 def test_create_pr_opens_a_pull_request_and_a_revision_downloads_from_it(author, hub, tmp_path):
     raw = tmp_path / "notes.md"
     raw.write_text("how the tasks were made\n")
@@ -142,6 +144,7 @@ def test_naming_needs_an_organization_a_domain_and_a_name(author):
     assert done.returncode == 2 and "domain 'ma th'" in done.stderr
 
 
+@pytest.mark.slow
 def test_prepare_data_downloads_missing_training_data_from_the_hub(author, hub):
     cwd, env = author
     assert (

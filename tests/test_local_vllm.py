@@ -85,6 +85,7 @@ def test_an_engine_that_dies_is_reported_with_the_end_of_its_log(fake: Any, tmp_
         start(prepared, log_path=tmp_path / "vllm.log", ready_timeout=30)
 
 
+@pytest.mark.slow
 def test_an_engine_that_never_answers_times_out_and_is_stopped(fake: Any, tmp_path: Path) -> None:
     prepared, pids = fake("hang")
     with pytest.raises(EngineStartError, match=r"did not answer http://127\.0\.0\.1:\d+/v1/models within 2 s"):
@@ -92,6 +93,7 @@ def test_an_engine_that_never_answers_times_out_and_is_stopped(fake: Any, tmp_pa
     assert _started(pids) and not any(_alive(pid) for pid in _started(pids))
 
 
+@pytest.mark.slow
 def test_a_port_taken_before_vllm_binds_it_makes_another_attempt(fake: Any, tmp_path: Path) -> None:
     prepared, _ = fake("taken_once")
     with running(prepared, log_path=tmp_path / "vllm.log", ready_timeout=30) as engine:
@@ -101,6 +103,7 @@ def test_a_port_taken_before_vllm_binds_it_makes_another_attempt(fake: Any, tmp_
     assert "attempt 1" in log and "Address already in use" in log and "attempt 2" in log  # both attempts kept
 
 
+@pytest.mark.slow
 def test_an_engine_restarted_on_its_port_serves_the_same_base_url(fake: Any, tmp_path: Path) -> None:
     prepared, _ = fake("serve")
     first = start(prepared, log_path=tmp_path / "first.log", ready_timeout=30)

@@ -53,6 +53,7 @@ def _by_key(path: Path, names: tuple[str, str]) -> dict[tuple[int, int], dict]:
     return found
 
 
+@pytest.mark.slow
 async def test_a_nemo_gym_rollouts_file_reverifies_under_its_own_keys(start, tmp_path):
     env = await start(MathEnv(name="math"))
     registry = Registry(static={"math": env.address})
@@ -71,6 +72,7 @@ async def test_a_nemo_gym_rollouts_file_reverifies_under_its_own_keys(start, tmp
     await registry.close()
 
 
+@pytest.mark.slow
 async def test_reverify_of_a_nemo_gym_file_resumes_where_it_stopped(start, tmp_path):
     env = await start(MathEnv(name="math"))
     registry = Registry(static={"math": env.address})
@@ -114,6 +116,7 @@ async def _math_stack(start) -> Registry:
     return Registry(static={**static, "agent": agent.address})
 
 
+@pytest.mark.slow
 async def test_collect_resumes_an_output_that_nemo_gym_began(start, tmp_path):
     registry = await _math_stack(start)
     tasks = _write(tmp_path / "tasks.jsonl", _nemo_lines(PI_MATH + "example.jsonl"))
@@ -157,6 +160,7 @@ print(json.dumps(compute_aggregate_metrics(rows).model_dump(mode="json")))
 """
 
 
+@pytest.mark.slow
 async def test_nemo_gyms_own_models_and_aggregation_read_our_rollouts(start, tmp_path):
     interpreter = python313()
     if interpreter is None:

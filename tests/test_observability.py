@@ -86,6 +86,7 @@ async def test_a_deadline_that_passes_counts_as_deadline_exceeded_and_a_cancel_a
     await channel.close()
 
 
+@pytest.mark.slow
 def test_profiling_writes_a_log_with_the_verifiers_call_count_and_the_admin_answers_grpcurl(tmp_path):
     profiles = tmp_path / "profiles"
     run = _start_run("profiling_enabled=true", f"profiling_results_dirpath={profiles}")
@@ -131,6 +132,7 @@ def test_profiling_writes_a_log_with_the_verifiers_call_count_and_the_admin_answ
     assert (profiles / "policy_model.log").exists() and (profiles / "weather_agent.log").exists()
 
 
+@pytest.mark.slow
 def test_profiling_off_means_no_profile(tmp_path):
     run = _start_run()
     try:
@@ -146,6 +148,7 @@ def test_status_without_a_running_config_says_so():
     assert done.returncode == 1 and "is `gym-grpc run` up" in done.stderr
 
 
+@pytest.mark.slow
 def test_grpcurl_lists_the_admin_service(tmp_path):
     run = _start_run()
     try:

@@ -11,6 +11,7 @@ from tests.support import REPO
 from tests.test_cli import MATH, WEATHER, _gym, _limit_open_files, _rows, _start_run, _status, _tool
 
 
+@pytest.mark.slow
 def test_every_server_raises_its_open_file_limit_to_the_hard_limit_and_status_shows_it():
     run = _start_run(open_files=(256, 4096))
     try:
@@ -24,6 +25,7 @@ def test_every_server_raises_its_open_file_limit_to_the_hard_limit_and_status_sh
         run.stop()
 
 
+@pytest.mark.slow
 def test_a_model_server_out_of_open_files_says_so_once_and_its_calls_fail_as_resource_exhausted(tmp_path):
     """The engine is a socket that listens and never answers (a stand-in for a slow
     engine: each request holds a connection); the model server may hold 128 files."""
@@ -86,6 +88,7 @@ def _collect_60(run, tmp_path, open_files: tuple[int, int]) -> subprocess.Comple
     )
 
 
+@pytest.mark.slow
 def test_collect_raises_its_open_file_limit_so_a_low_soft_limit_costs_nothing(many_channels, tmp_path):
     done = _collect_60(many_channels, tmp_path, (32, 4096))  # 32 is fewer than it needs
     assert done.returncode == 0, done.stderr

@@ -10,6 +10,8 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from tests.test_cli import WEATHER, _rows, _start_run, _status, _tool
 
 
@@ -39,6 +41,7 @@ def _collect(run, out, repeats: int, max_in_flight: int, timeout: float, log) ->
     )
 
 
+@pytest.mark.slow
 def test_an_agent_paused_while_the_collector_connects_costs_no_rollout(tmp_path):
     run = _start_run()
     try:
@@ -59,6 +62,7 @@ def test_an_agent_paused_while_the_collector_connects_costs_no_rollout(tmp_path)
         run.stop()
 
 
+@pytest.mark.slow
 def test_an_agent_paused_longer_than_grpcs_30_s_queue_limit_mid_run_costs_no_rollout(tmp_path):
     """grpc cancels calls that wait more than 30 s for the application by default;
     the pause has to be longer than that for this test to mean anything."""

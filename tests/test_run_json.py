@@ -18,6 +18,7 @@ from tests.support import Calculator, EchoModel, static_registry
 from tests.test_cli import _start_run, _tool
 
 
+@pytest.mark.slow
 def test_grpcurl_rolls_out_a_nemo_gym_row_and_gets_its_rollout_row(tmp_path):
     """The documented pipeline, with the real jq and grpcurl, on a row of NeMo Gym's own pi_math tasks."""
     assert shutil.which("jq"), "jq is needed: apt-get install jq"

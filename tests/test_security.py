@@ -108,6 +108,7 @@ def _peak_rss_kb(pid: int) -> int:
         return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
 
 
+@pytest.mark.slow
 async def test_an_unauthenticated_huge_message_is_refused_without_being_read(tmp_path):
     """A 200 MB request without the token: the server process (a real `gym-grpc run`) refuses it
     from the metadata alone. Its peak memory does not grow by the message, and the log says who."""
@@ -169,6 +170,7 @@ def test_a_missing_certificate_file_is_a_clear_config_error(tmp_path):
         Security(tls=TlsSettings(cert=str(tmp_path / "nope.pem"), key=str(tmp_path / "k.pem"))).server_credentials()
 
 
+@pytest.mark.slow
 def test_tls_and_token_through_gym_grpc_run_and_secrets_stay_out_of_logs(certs, tmp_path):
     token = "tok-" + "9f3a7c1e5b" * 3
     env = tmp_path / "env.yaml"

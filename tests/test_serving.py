@@ -86,6 +86,7 @@ async def test_thousands_of_waiting_calls_are_not_cancelled(start):
     await client.registry.close()
 
 
+@pytest.mark.slow
 async def test_stop_goes_not_serving_and_lets_in_flight_calls_finish(start):
     app = Gate()
     server = await start(app)

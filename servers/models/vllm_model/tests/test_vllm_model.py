@@ -188,6 +188,7 @@ async def test_an_engine_that_is_down_is_unavailable(start):
     await client.registry.close()
 
 
+@pytest.mark.slow
 async def test_4000_concurrent_requests_through_one_model_server(start, engine):
     fake = await engine([Turn(content="ok")])
     model = await _model(start, fake, return_token_ids=True)

@@ -169,6 +169,7 @@ async def test_an_infinite_loop_times_out_and_the_server_answers_the_next_verify
     assert (await _verdict(code_exec, ADD))[0] == 1.0
 
 
+@pytest.mark.slow
 async def test_a_candidate_that_ignores_its_alarm_is_killed(code_exec, tmp_path):
     pid_file = tmp_path / "pid"
     code = (
@@ -424,6 +425,7 @@ SAME_ON_BOTH = [
 ]
 
 
+@pytest.mark.slow
 async def test_a_check_on_ray_gives_the_same_verdict_as_the_process_pool(start, local_ray):
     on_ray, ray_client = await _serve(start, ray_address="local", verify_workers=1)
     assert on_ray.app.pool.on_ray
