@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import click
 
-from gym_grpc import errors
+from gym_grpc import bundled, errors
 from gym_grpc.batch.collector import CollectOptions, collect, parse_overrides
 from gym_grpc.batch.jobs import BatchSummary
 from gym_grpc.batch.reverify import ReverifyOptions, reverify
@@ -33,12 +33,11 @@ from gym_grpc.server import open_files
 
 T = TypeVar("T")
 
-#: Where the quickstart's files are, relative to a checkout of the repository.
-REPO_ROOT = Path(__file__).resolve().parents[2]
-QUICKSTART_CONFIG = REPO_ROOT / "configs" / "quickstart.yaml"
+#: The quickstart's files: in a checkout or in the installed wheel (gym_grpc.bundled).
+QUICKSTART_CONFIG = bundled.config("quickstart.yaml")
 QUICKSTART_DATA = {
-    "weather_agent": REPO_ROOT / "servers" / "resources" / "weather" / "data" / "example.jsonl",
-    "math_agent": REPO_ROOT / "servers" / "resources" / "math" / "data" / "example.jsonl",
+    "weather_agent": bundled.server_dir("resources", "weather") / "data" / "example.jsonl",
+    "math_agent": bundled.server_dir("resources", "math") / "data" / "example.jsonl",
 }
 
 
@@ -507,10 +506,7 @@ async def _quickstart(output_dir: Path, num_repeats: int) -> dict[str, dict[str,
 def quickstart(output_dir: Path, num_repeats: int) -> None:
     """Start the quickstart servers, collect the example tasks, print the metrics, stop."""
     if not QUICKSTART_CONFIG.exists():
-        raise click.ClickException(
-            f"{QUICKSTART_CONFIG} not found: the quickstart runs from a checkout of gym-grpc "
-            f"installed with `pip install -e .`"
-        )
+        raise click.ClickException(f"{QUICKSTART_CONFIG} not found: this gym-grpc was installed without its servers")
     try:
         metrics = asyncio.run(_quickstart(output_dir, num_repeats))
     except (ConfigError, StartupError, errors.OutputError) as e:
@@ -543,7 +539,7 @@ def init_env_command(name: str, parent: Path) -> None:
     click.echo(
         f"next:\n"
         f"  gym-grpc test {target}\n"
-        f"  gym-grpc run configs/local_policy.yaml {target}/config.yaml\n"
+        f"  gym-grpc run {bundled.shown(bundled.config('local_policy.yaml'))} {target}/config.yaml\n"
         f"  gym-grpc collect --agent {name}_agent --input {target}/data/example.jsonl --output {name}.jsonl\n"
         f"  gym-grpc prepare-data {target}/config.yaml --mode example-validation"
     )

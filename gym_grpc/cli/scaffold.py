@@ -14,6 +14,7 @@ import os
 import re
 from pathlib import Path
 
+from gym_grpc import bundled
 from gym_grpc.data import rows
 from gym_grpc.data.dataset_stats import statistics, write_statistics
 from gym_grpc.resources import ResourcesServer
@@ -21,8 +22,10 @@ from gym_grpc.server.entrypoints import load_entrypoint
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
-#: The simple agent in a checkout of gym-grpc.
-SIMPLE_AGENT = Path(__file__).resolve().parents[2] / "servers" / "agents" / "simple_agent" / "agent.py"
+#: The simple agent: its file (in a checkout or the installed wheel), and its module,
+#: which an environment outside the checkout names (no path into a virtualenv).
+SIMPLE_AGENT = bundled.server_dir("agents", "simple_agent") / "agent.py"
+SIMPLE_AGENT_MODULE = "gym_grpc.bundled.servers.agents.simple_agent.agent"
 
 EXAMPLES = [("France", "Paris"), ("Japan", "Tokyo"), ("Kenya", "Nairobi"), ("Canada", "Ottawa"), ("Peru", "Lima")]
 
@@ -69,8 +72,8 @@ class {cls}(ResourcesServer):
 '''
 
 CONFIG = """# The {name} environment with the simple agent. Needs a model server named
-# policy_model: run it with configs/local_policy.yaml of gym-grpc, or the
-# config of your engine.
+# policy_model: run it with gym-grpc's configs/local_policy.yaml (the path
+# `gym-grpc init-env` printed), or the config of your engine.
 servers:
   {name}:
     entrypoint: server.py:{cls}
@@ -170,8 +173,8 @@ def init_env(name: str, parent: Path) -> Path:
         raise FileExistsError(f"{target} already exists; pick another name or remove it")
     cls = class_name(name)
     capitals = json.dumps({country.lower(): capital for country, capital in EXAMPLES})
-    inside_checkout = target.resolve().is_relative_to(SIMPLE_AGENT.parents[3])
-    agent = os.path.relpath(SIMPLE_AGENT, target.resolve()) if inside_checkout else str(SIMPLE_AGENT)
+    beside_agent = target.resolve().is_relative_to(SIMPLE_AGENT.parents[3])  # in the same checkout
+    agent = os.path.relpath(SIMPLE_AGENT, target.resolve()) if beside_agent else SIMPLE_AGENT_MODULE
     files = {
         "__init__.py": "",
         "server.py": SERVER.format(title=name.replace("_", " ").capitalize(), cls=cls, capitals=capitals),
