@@ -362,10 +362,7 @@ def reason_of(error: grpc.aio.AioRpcError, info: error_details_pb2.ErrorInfo | N
     info = info if info is not None else error_info_of(error)
     if info is None:
         return _REASON_OF_CODE.get(error.code(), Reason.UNCLASSIFIED)
-    try:
-        return Reason(info.reason)
-    except ValueError:
-        return Reason.UNCLASSIFIED
+    return Reason.__members__.get(info.reason, Reason.UNCLASSIFIED)  # each reason's value is its name
 
 
 def _details(error: grpc.aio.AioRpcError) -> list[any_pb2.Any]:

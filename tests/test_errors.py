@@ -35,6 +35,7 @@ def test_every_reason_is_documented_with_its_status_and_nothing_else_is():
     assert set(defined) - set(documented) == set(), "reasons missing from docs/errors.md"
     assert set(documented) - set(defined) == set(), "docs/errors.md lists reasons the code no longer has"
     assert documented == defined  # and each with the status the code gives it
+    assert all(reason.name == reason.value for reason in errors.Reason)  # reason_of looks reasons up by name
 
 
 def _error_classes() -> list[type]:

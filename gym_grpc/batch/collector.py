@@ -159,7 +159,7 @@ async def collect(registry: Registry, options: CollectOptions, *, log: TextIO = 
     async def produce(job: Job[_Task]) -> dict[str, Any]:
         return record.build(job.payload.row, await rollout(job), options.placeholder_reward)
 
-    batch = Batch(options.batch(count_rows(options.input, options.limit), options.num_repeats), log)
+    batch: Batch[_Task] = Batch(options.batch(count_rows(options.input, options.limit), options.num_repeats), log)
     try:
         summary = await batch.run(_jobs(options), produce)
     finally:

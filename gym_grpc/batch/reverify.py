@@ -175,5 +175,5 @@ async def reverify(
         return row
 
     layout = _scan(options.input)
-    batch = Batch(options.batch(layout.n_tasks, layout.repeats, total=layout.lines), log)
+    batch: Batch[_Rollout] = Batch(options.batch(layout.n_tasks, layout.repeats, total=layout.lines), log)
     return await batch.run(_jobs(options, layout), produce), changes

@@ -114,7 +114,7 @@ def read_tasks(path: Path, agents: list[str] | None = None) -> TaskFile:
                         )
             except ValueError as e:
                 if isinstance(e, rows.RowError):
-                    result.problems.append(Problem(path, number, e.field or "", e.detail))
+                    result.problems.append(Problem(path, number, e.field or "", e.detail or ""))
                 else:
                     result.problems.append(Problem(path, number, "", str(e)))
                 continue

@@ -194,8 +194,9 @@ class VLLMModel(EngineModelServer):
                 return await self._by_tokens(engine, params, body)
             return await self._by_chat(engine, params, body)
         except EngineError as e:
-            if e.status == 400 and any(marker in e.detail.lower() for marker in _CONTEXT_ERRORS):
-                return _context_full(params, self.config.model, e.detail)
+            detail = e.detail or ""
+            if e.status == 400 and any(marker in detail.lower() for marker in _CONTEXT_ERRORS):
+                return _context_full(params, self.config.model, detail)
             raise
 
     # --- token in, token out: /v1/completions ---------------------------------
