@@ -2,27 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from gym_grpc.server.serving import GymServer, Running, serve
-
-
-@pytest.fixture
-async def start() -> AsyncIterator[Callable[[GymServer], Awaitable[Running]]]:
-    """start(app) serves app on 127.0.0.1:0; everything started is stopped after the test."""
-    running: list[Running] = []
-
-    async def _start(app: GymServer) -> Running:
-        server = await serve(app, "127.0.0.1", 0)
-        running.append(server)
-        return server
-
-    yield _start
-    for server in reversed(running):
-        await server.stop(grace=0.5)
+# The testing kit's fixtures (`start`, `fake_engine`), as an environment's own tests enable them.
+pytest_plugins = ["gym_grpc.testing.plugin"]
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """Retries toward engines: per failure class, Retry-After, the budget, the startup wait, the counters.
 
-The engine is tests/fake_engine.py, a real aiohttp server speaking vLLM's wire
+The engine is gym_grpc/testing/fake_engine.py, a real aiohttp server speaking vLLM's wire
 format, behind the real vLLM model server."""
 
 import asyncio
@@ -18,16 +18,18 @@ from gym_grpc import errors
 from gym_grpc.batch.collector import CollectOptions, collect
 from gym_grpc.cli import status
 from gym_grpc.client.stubs import ModelClient
+from gym_grpc.data import rows
 from gym_grpc.engines.http import Engine, EngineError, EngineSettings
 from gym_grpc.engines.retries import retry_after_seconds
 from gym_grpc.rpc import transport
+from gym_grpc.testing.fake_engine import FakeEngine, Turn
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from gym_grpc.v1 import model_service_pb2 as model_pb
 from gym_grpc.v1 import responses_pb2 as r
 from servers.agents.simple_agent.agent import SimpleAgent
 from servers.models.vllm_model.server import VLLMModel
-from tests.fake_engine import FakeEngine, Turn
+from tests.corpus import nemo_gym_file
 from tests.support import Calculator, static_registry
 
 FAST = {"backoff_seconds": 0.01, "max_backoff_seconds": 0.05}
@@ -207,3 +209,18 @@ def test_retry_after_is_read_as_seconds_or_as_an_http_date():
     assert retry_after_seconds("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # in the past: at once
     later = format_datetime(datetime.now(UTC) + timedelta(hours=1), usegmt=True)
     assert 3500 < retry_after_seconds(later) <= 3600
+
+
+async def test_a_nemo_gym_rows_metadata_extra_body_seed_reaches_the_engine(start, fake_engine):
+    """NeMo Gym's `num_repeats_add_seed` writes each rollout's seed into metadata.extra_body (its evalplus rows)."""
+    line = nemo_gym_file("resources_servers/evalplus/data/example_rollouts.jsonl").splitlines()[0]
+    params = rows.task_from_row(json.loads(line)).responses_create_params
+    assert params.metadata["extra_body"] == '{"seed": 0}'
+    fake = await fake_engine([Turn(content="ok")])
+    _, model = await _model(start, fake.base_url, api_key="sk-test")
+    await model.create_response(params, "s")
+    sent = fake.requests[0]
+    assert "seed" in sent and sent["seed"] == 0
+    assert (sent["temperature"], sent["max_tokens"]) == (1.0, 16384)
+    assert "metadata" not in sent and "extra_body" not in sent
+    await model.registry.close()

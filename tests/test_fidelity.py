@@ -19,11 +19,11 @@ from hypothesis import strategies as st
 
 from gym_grpc.client.stubs import AgentClient, ModelClient
 from gym_grpc.data import record, rows
+from gym_grpc.testing.fake_engine import FakeEngine
 from gym_grpc.v1 import responses_pb2 as r
 from servers.agents.simple_agent.agent import SimpleAgent
 from servers.models.openai_model.server import OpenAIModel
 from tests.corpus import nemo_gym_lines
-from tests.fake_engine import FakeEngine
 from tests.support import Calculator, static_registry
 
 

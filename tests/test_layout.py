@@ -21,7 +21,8 @@ MAY_IMPORT = {
     "client": {"rpc", "server", "data"},
     "engines": {"rpc", "server", "data"},
     "batch": {"rpc", "server", "client", "data"},
-    "cli": {"rpc", "server", "client", "data", "batch", "engines"},
+    "testing": {"rpc", "server", "data"},
+    "cli": {"rpc", "server", "client", "data", "batch", "engines", "testing"},
 }
 
 

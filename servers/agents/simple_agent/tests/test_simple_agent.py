@@ -14,7 +14,8 @@ from gym_grpc.responses import assistant_message, final_text, new_id
 from gym_grpc.rpc import transport
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.server.serving import GymServer
-from gym_grpc.testing import AgentConformance
+from gym_grpc.testing import AgentConformance, Calculator, ScriptedModel, call, say, static_registry
+from gym_grpc.testing import calculator_task as task
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
 from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
 from gym_grpc.v1 import responses_pb2 as r
@@ -22,7 +23,6 @@ from gym_grpc.v1 import task_pb2
 from servers.agents.simple_agent.agent import SimpleAgent
 from servers.models.local_policy.server import LocalPolicyModel
 from servers.resources.weather.server import WeatherEnv
-from tests.support import Calculator, ScriptedModel, call, say, static_registry, task
 
 
 async def _rollout(start, model, *, max_steps=10, the_task=None):

@@ -5,11 +5,12 @@ import pytest
 from gym_grpc import errors
 from gym_grpc.client.stubs import AgentClient, ModelClient
 from gym_grpc.responses import final_text, user_message
+from gym_grpc.testing import Calculator, call, static_registry
+from gym_grpc.testing import calculator_task as task
+from gym_grpc.testing.fake_engine import FakeEngine, Turn
 from gym_grpc.v1 import responses_pb2 as r
 from servers.agents.simple_agent.agent import SimpleAgent
 from servers.models.openai_model.server import OpenAIModel
-from tests.fake_engine import FakeEngine, Turn
-from tests.support import Calculator, call, static_registry, task
 
 
 @pytest.fixture

@@ -10,12 +10,13 @@ import pytest
 from gym_grpc import errors
 from gym_grpc.client.stubs import AgentClient, ModelClient
 from gym_grpc.responses import final_text, function_calls, user_message
+from gym_grpc.testing import Calculator, static_registry
+from gym_grpc.testing import calculator_task as task
+from gym_grpc.testing.fake_engine import IM_END, IM_START, FakeEngine, Turn, encode
 from gym_grpc.v1 import responses_pb2 as r
 from servers.agents.simple_agent.agent import SimpleAgent
 from servers.models.vllm_model.server import VLLMModel
 from servers.models.vllm_model.tool_calls import Hermes
-from tests.fake_engine import IM_END, IM_START, FakeEngine, Turn, encode
-from tests.support import Calculator, static_registry, task
 
 
 @pytest.fixture

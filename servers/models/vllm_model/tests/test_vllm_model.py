@@ -15,14 +15,14 @@ from gym_grpc.client.stubs import AgentClient, ModelClient
 from gym_grpc.data import record, rows
 from gym_grpc.responses import final_text, function_calls, user_message
 from gym_grpc.server import validation
+from gym_grpc.testing import Calculator, static_registry
+from gym_grpc.testing import calculator_task as task
+from gym_grpc.testing.fake_engine import Turn
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
 from servers.agents.simple_agent.agent import SimpleAgent
 from servers.models.vllm_model import chat
 from servers.models.vllm_model.server import VLLMModel
-from tests.corpus import nemo_gym_file
-from tests.fake_engine import Turn
-from tests.support import Calculator, static_registry, task
 
 FAST_RETRIES = {"backoff_seconds": 0.01, "max_backoff_seconds": 0.05}
 
@@ -306,21 +306,6 @@ def test_an_answer_becomes_a_valid_response_and_rollout_row():
     row = record.scored({"responses_create_params": {"input": "hi"}}, task_pb2.Rollout(response=response))
     assert row["response"]["output"][0]["role"] == "assistant"
     assert row["response"]["output"][0]["content"][0]["text"] == "hi"
-
-
-async def test_a_nemo_gym_rows_metadata_extra_body_seed_reaches_the_engine(start, engine):
-    """NeMo Gym's `num_repeats_add_seed` writes each rollout's seed into metadata.extra_body (its evalplus rows)."""
-    line = nemo_gym_file("resources_servers/evalplus/data/example_rollouts.jsonl").splitlines()[0]
-    params = rows.task_from_row(json.loads(line)).responses_create_params
-    assert params.metadata["extra_body"] == '{"seed": 0}'
-    fake = await engine([Turn(content="ok")])
-    model = await _model(start, fake)
-    await model.create_response(params, "s")
-    sent = fake.requests[0]
-    assert "seed" in sent and sent["seed"] == 0
-    assert (sent["temperature"], sent["max_tokens"]) == (1.0, 16384)
-    assert "metadata" not in sent and "extra_body" not in sent
-    await model.registry.close()
 
 
 async def test_row_engine_options_merge_over_the_config_and_under_the_rows_own_fields(start, engine):

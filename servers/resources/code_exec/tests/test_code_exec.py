@@ -17,14 +17,13 @@ from gym_grpc.client.stubs import ResourcesClient
 from gym_grpc.data import rows
 from gym_grpc.responses import assistant_message
 from gym_grpc.rpc import transport
-from gym_grpc.testing import ResourcesConformance, example_rows
+from gym_grpc.testing import ResourcesConformance, example_rows, static_registry
 from gym_grpc.v1 import resources_service_pb2 as res_pb
 from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
 from gym_grpc.v1 import responses_pb2 as r
 from servers.resources.code_exec import checker
 from servers.resources.code_exec.checker import run_tests
 from servers.resources.code_exec.server import CodeExecEnv, extract_code
-from tests.support import static_registry
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "data" / "example.jsonl"
 

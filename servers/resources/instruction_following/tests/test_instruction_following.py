@@ -14,7 +14,7 @@ from gym_grpc.batch.collector import CollectOptions, collect
 from gym_grpc.client.stubs import ResourcesClient
 from gym_grpc.data import rows
 from gym_grpc.responses import assistant_message
-from gym_grpc.testing import ResourcesConformance, example_rows
+from gym_grpc.testing import ResourcesConformance, ScriptedModel, example_rows, say, static_registry
 from gym_grpc.v1 import responses_pb2 as r
 from servers.agents.simple_agent.agent import SimpleAgent
 from servers.resources.instruction_following.server import (
@@ -24,7 +24,6 @@ from servers.resources.instruction_following.server import (
     count_words,
     read_instructions,
 )
-from tests.support import ScriptedModel, say, static_registry
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "example.jsonl"
 

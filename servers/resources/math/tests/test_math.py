@@ -1,5 +1,7 @@
 """The math environment checks answers with math-verify, off the event loop."""
 
+from pathlib import Path
+
 import grpc
 import pytest
 
@@ -7,12 +9,11 @@ from gym_grpc import errors
 from gym_grpc.client.stubs import ResourcesClient
 from gym_grpc.data import rows
 from gym_grpc.responses import assistant_message
-from gym_grpc.testing import ResourcesConformance, example_rows
+from gym_grpc.testing import ResourcesConformance, example_rows, static_registry
 from gym_grpc.v1 import responses_pb2 as r
 from servers.resources.math.server import MathEnv
-from tests.support import REPO, static_registry
 
-EXAMPLES = REPO / "servers" / "resources" / "math" / "data" / "example.jsonl"
+EXAMPLES = Path(__file__).resolve().parents[1] / "data" / "example.jsonl"
 
 
 @pytest.fixture

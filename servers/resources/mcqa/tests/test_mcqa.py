@@ -10,10 +10,9 @@ from gym_grpc import errors
 from gym_grpc.client.stubs import ResourcesClient
 from gym_grpc.data import rows
 from gym_grpc.responses import assistant_message
-from gym_grpc.testing import ResourcesConformance, example_rows
+from gym_grpc.testing import ResourcesConformance, example_rows, static_registry
 from gym_grpc.v1 import responses_pb2 as r
 from servers.resources.mcqa.server import MCQAEnv, boxed, extract, letter_of, read_question
-from tests.support import static_registry
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "example.jsonl"
 

@@ -13,14 +13,13 @@ from gym_grpc.client.stubs import AgentClient, ResourcesClient
 from gym_grpc.data import rows
 from gym_grpc.responses import assistant_message
 from gym_grpc.rpc.transport import open_channel
-from gym_grpc.testing import ResourcesConformance, example_rows
+from gym_grpc.testing import ResourcesConformance, ScriptedModel, call, example_rows, say, static_registry
 from gym_grpc.v1 import resources_service_pb2 as res_pb
 from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
 from servers.agents.simple_agent.agent import SimpleAgent
 from servers.resources.session_state.server import CATALOG, Cart, ShoppingCartEnv, quantities, score
-from tests.support import ScriptedModel, call, say, static_registry
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "data" / "example.jsonl"
 

@@ -1,18 +1,18 @@
 """The weather environment: its tool, and what its verifier rewards."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from gym_grpc.client.stubs import ResourcesClient
 from gym_grpc.data import rows
 from gym_grpc.responses import assistant_message
-from gym_grpc.testing import ResourcesConformance, example_rows
+from gym_grpc.testing import ResourcesConformance, call, example_rows, static_registry
 from gym_grpc.v1 import responses_pb2 as r
 from servers.resources.weather.server import WeatherEnv, forecast
-from tests.support import REPO, call, static_registry
 
-EXAMPLES = REPO / "servers" / "resources" / "weather" / "data" / "example.jsonl"
+EXAMPLES = Path(__file__).resolve().parents[1] / "data" / "example.jsonl"
 
 
 @pytest.fixture

@@ -1,5 +1,8 @@
 """An OpenAI-compatible inference engine for tests: a real aiohttp HTTP server.
 
+    engine = FakeEngine([Turn(tool_calls=[("add", '{"a": 2, "b": 3}')]), Turn(content="5")])
+    base_url = await engine.start()     # http://127.0.0.1:PORT/v1; engine.stop() at the end
+
 It speaks the wire format of vLLM's `/v1/chat/completions` (with its token
 fields: `logprobs` + `return_tokens_as_token_ids` give "token_id:N" tokens,
 `return_token_ids` gives `prompt_token_ids` and `choices[].token_ids`,
