@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+import grpc
 
 from gym_grpc import bundled, errors
 from gym_grpc.batch.collector import CollectOptions, collect, parse_overrides
@@ -27,9 +28,11 @@ from gym_grpc.cli.datasets import MODES, DataError, Dataset, prepare, read_tasks
 from gym_grpc.cli.runner import Runner, StartupError, describe
 from gym_grpc.client.stubs import AdminClient
 from gym_grpc.data.jsonl import count_rows, failures_path
+from gym_grpc.data.rows import task_from_row
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.rpc.security import Security, TlsSettings
 from gym_grpc.server import open_files
+from gym_grpc.testing import checks as conformance_checks
 
 T = TypeVar("T")
 
@@ -543,6 +546,73 @@ def init_env_command(name: str, parent: Path) -> None:
         f"  gym-grpc collect --agent {name}_agent --input {target}/data/example.jsonl --output {name}.jsonl\n"
         f"  gym-grpc prepare-data {target}/config.yaml --mode example-validation"
     )
+
+
+def _conformance_row(value: str | None) -> dict[str, Any] | None:
+    """--row: a task row as JSON text, or the first row of a JSONL file."""
+    if value is None:
+        return None
+    text = value
+    if not value.lstrip().startswith("{"):
+        path = Path(value)
+        if not path.is_file():
+            raise click.BadParameter(f"{value}: neither a JSON object nor a file", param_hint="--row")
+        text = next((line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()), "")
+    try:
+        row = json.loads(text)
+        task_from_row(row)
+    except (ValueError, errors.GymError) as e:
+        raise click.BadParameter(str(e), param_hint="--row") from None
+    return row
+
+
+@main.command("conformance")
+@click.argument("address", metavar="HOST:PORT")
+@click.option(
+    "--row",
+    help="Task row to check with: JSON text, or a JSONL file whose first row is used. "
+    "Default: one user message and the server's tools.",
+)
+@click.option(
+    "--answer",
+    default=conformance_checks.DEFAULT_ANSWER,
+    show_default=True,
+    help="Text of the final assistant message the resources checks verify.",
+)
+@click.option(
+    "--role",
+    type=click.Choice(["resources", "agent"]),
+    help="Check as this role instead of the one the server reports.",
+)
+@_security_options
+def conformance_command(address: str, row: str | None, answer: str, role: str | None, security: Security) -> None:
+    """Run the conformance checks against the server at HOST:PORT, in any language.
+
+    The checks are those of gym_grpc.testing's ResourcesConformance or
+    AgentConformance, chosen by the role the server reports (AdminService
+    GetServerInfo, or the services reflection lists). Each check prints PASS,
+    FAIL with the reason, or SKIP; any failure exits 1."""
+    task_row = _conformance_row(row)
+
+    def report(outcome: conformance_checks.Outcome) -> None:
+        label = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP"}[outcome.status]
+        click.echo(f"{label}  {outcome.check}" + (f": {outcome.message}" if outcome.message else ""))
+
+    try:
+        done = asyncio.run(
+            conformance_checks.run_checks(
+                address, task_row, answer=answer, role=role, security=security, on_outcome=report
+            )
+        )
+    except grpc.aio.AioRpcError as e:
+        raise click.ClickException(f"{address}: {e.code().name}: {e.details()}") from None
+    except errors.GymError as e:
+        raise click.ClickException(f"{address}: {e.message}") from None
+    counts = {status: sum(o.status == status for o in done.outcomes) for status in ("passed", "failed", "skipped")}
+    who = f"{done.role} server {done.server!r}" if done.server else f"{done.role} server"
+    click.echo(f"{who} at {address}: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
+    if done.failed:
+        sys.exit(1)
 
 
 def _server_test_dirs(root: Path) -> list[Path]:
