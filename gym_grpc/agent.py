@@ -1,23 +1,41 @@
-"""The agent role: a server that runs rollouts, whole (Run) or step by step (RunStream)."""
+"""The agent role: a server that runs rollouts, whole (Run) or step by step (RunStream).
+
+`AgentServer` is the base: implement `run`. `ToolLoopAgent` is the usual
+agent, ready to serve or to extend: call the model, run the tools it called,
+feed the outputs back, until it answers; then verify. A custom agent
+subclasses it and overrides a hook (`first_request`, `call_model`,
+`call_tool`) instead of writing the loop again.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import grpc
+from pydantic import Field
 
 from gym_grpc import errors
+from gym_grpc.client.stubs import ModelClient, ResourcesClient, ToolResult
 from gym_grpc.data import jsonl, record, rows
+from gym_grpc.responses import function_calls, input_items, new_id, tool_error_output
 from gym_grpc.server import validation
-from gym_grpc.server.serving import GymServer, rpc_method
+from gym_grpc.server.serving import GymServer, ServerConfig, rpc_method
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
 from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
+from gym_grpc.v1 import model_service_pb2 as model_pb
 from gym_grpc.v1 import registry_service_pb2 as reg
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
+
+log = logging.getLogger("gym_grpc.agent")
+
+#: Seconds a session close may take; it runs even when the rollout failed.
+CLOSE_TIMEOUT = 5.0
 
 
 class RolloutEvents:
@@ -124,3 +142,154 @@ class _AgentServicer(agent_grpc.AgentServiceServicer):
             await asyncio.wait([rollout])
             if not rollout.cancelled():
                 rollout.exception()  # retrieved: a failure the client never saw is not logged as lost
+
+
+class ToolLoopConfig(ServerConfig):
+    model_server: str = Field(description="name of the model server to call")
+    resources_server: str = Field(description="name of the resources server (environment)")
+    max_steps: int = Field(10, ge=1, description="most model calls in one rollout")
+
+
+def _add_usage(total: r.Usage, usage: r.Usage) -> None:
+    total.input_tokens += usage.input_tokens
+    total.output_tokens += usage.output_tokens
+    total.total_tokens += usage.total_tokens
+    total.input_tokens_details.cached_tokens += usage.input_tokens_details.cached_tokens
+    total.input_tokens_details.cache_write_tokens += usage.input_tokens_details.cache_write_tokens
+    total.output_tokens_details.reasoning_tokens += usage.output_tokens_details.reasoning_tokens
+
+
+class ToolLoopAgent(AgentServer):
+    """The multi-turn tool loop.
+
+    Call the model; run every function call it made against the resources
+    server, in order, and feed the outputs back; repeat until the model answers
+    without calling a tool, its output is cut short, or `max_steps` model calls
+    were made. Then verify and close the session. (A stateless environment, as
+    DescribeTools says, gets no SeedSession and CloseSession.) A tool's failure
+    (unknown tool, arguments that are not JSON, an exception in the tool) goes
+    back to the model as the tool's output; only a failing server fails the rollout.
+
+    Hooks to override: `first_request` (edit the first model request),
+    `call_model` (one model call) and `call_tool` (one tool call).
+    """
+
+    Config = ToolLoopConfig
+    config: ToolLoopConfig
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.model = ModelClient(self.registry, self.config.model_server)
+        self.resources = ResourcesClient(self.registry, self.config.resources_server)
+        self._stateless: bool | None = None
+        self._describing = asyncio.Lock()
+
+    def references(self) -> dict[str, str]:
+        return {"model": self.config.model_server, "resources": self.config.resources_server}
+
+    # --- hooks ----------------------------------------------------------------------
+
+    def first_request(self, request: model_pb.CreateResponseRequest, task: task_pb2.Task) -> None:
+        """Hook: edit the first model request in place (a system message, sampling settings).
+        `request.params.input_items.items` is the conversation; later turns append to it."""
+
+    async def call_model(self, request: model_pb.CreateResponseRequest, step: int) -> r.Response:
+        """Hook: one model call, step 0, 1, ... up to max_steps - 1."""
+        return await self.model.send(request)
+
+    async def call_tool(self, session_id: str, call: r.FunctionCall, step: int) -> ToolResult:
+        """Hook: one tool call; an error ToolResult goes back to the model as the tool's output."""
+        return await self.resources.call_tool(session_id, call)
+
+    # --- the loop -------------------------------------------------------------------
+
+    async def _environment_is_stateless(self) -> bool:
+        """Asked once: a stateless environment needs no SeedSession and CloseSession."""
+        if self._stateless is None:
+            async with self._describing:
+                if self._stateless is None:
+                    self._stateless = (await self.resources.describe_tools()).stateless
+        return self._stateless
+
+    async def run(self, task: task_pb2.Task, events: RolloutEvents, *, verify: bool = True) -> task_pb2.Rollout:
+        started = time.monotonic()
+        session_id = uuid.uuid4().hex
+        stateful = not await self._environment_is_stateless()
+        if stateful:
+            await self.resources.seed_session(session_id, task)
+        try:
+            rollout = await self._rollout(session_id, task, events, verify)
+        finally:
+            if stateful:
+                try:
+                    await self.resources.close_session(session_id, timeout=CLOSE_TIMEOUT)
+                except errors.GymError as e:
+                    log.warning("could not close session %s: %s", session_id, e.message)
+        rollout.timings.total_seconds = time.monotonic() - started
+        return rollout
+
+    async def _rollout(
+        self, session_id: str, task: task_pb2.Task, events: RolloutEvents, verify: bool
+    ) -> task_pb2.Rollout:
+        # Built in place: the request is sent every turn and grows, and copying it,
+        # the final response or the timings again would cost per turn and per rollout.
+        request = model_pb.CreateResponseRequest(session_id=session_id)
+        params = request.params
+        params.CopyFrom(task.responses_create_params)
+        if params.WhichOneof("input") == "input_text":
+            params.input_items.items.extend(input_items(params))  # replaces the text
+        self.first_request(request, task)
+        conversation = params.input_items.items
+        rollout = task_pb2.Rollout(stop_reason=task_pb2.STOP_REASON_MAX_STEPS)
+        final, timings = rollout.response, rollout.timings
+        final.status = r.RESPONSE_STATUS_COMPLETED
+        step = 0
+        for step in range(self.config.max_steps):
+            began = time.monotonic()
+            response = await self.call_model(request, step)
+            seconds = time.monotonic() - began
+            timings.model_seconds += seconds
+            events.model_call(step, response, seconds)
+            if step == 0:
+                final.CopyFrom(response)  # the model's envelope: id, echoed parameters, keys we do not model
+            else:
+                final.model, final.status = response.model, response.status
+                _add_usage(final.usage, response.usage)
+                final.output.extend(response.output)
+            conversation.extend(response.output)
+            if response.status == r.RESPONSE_STATUS_INCOMPLETE:
+                final.incomplete_details.CopyFrom(response.incomplete_details)
+                rollout.stop_reason = task_pb2.STOP_REASON_INCOMPLETE
+                break
+            calls = function_calls(response)
+            if not calls:
+                rollout.stop_reason = task_pb2.STOP_REASON_FINAL_MESSAGE
+                break
+            for call in calls:
+                began = time.monotonic()
+                result = await self.call_tool(session_id, call, step)
+                seconds = time.monotonic() - began
+                timings.tools_seconds += seconds
+                output = r.FunctionCallOutput(
+                    id=new_id("fco"),
+                    call_id=call.call_id,
+                    output=tool_error_output(result.output) if result.error else result.output,
+                    status=r.ITEM_STATUS_COMPLETED,
+                )
+                events.tool_call(step, call, output, result.error, seconds)
+                item = r.Item(function_call_output=output)
+                final.output.append(item)
+                conversation.append(item)
+        rollout.model_calls = step + 1
+        if not verify:
+            rollout.verification_skipped = True
+            return rollout
+        began = time.monotonic()
+        verdict = await self.resources.verify(session_id, task, final)
+        timings.verify_seconds = time.monotonic() - began
+        fields_json = rows.json_text(verdict, "fields")  # passed on as text, never parsed here
+        events.verification(verdict.reward, fields_json, timings.verify_seconds, verdict.reward_components)
+        rollout.reward = verdict.reward
+        rollout.verifier_fields_json = fields_json
+        rollout.reward_components.update(verdict.reward_components)
+        return rollout
