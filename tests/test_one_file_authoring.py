@@ -1,0 +1,108 @@
+"""One-file authoring: examples/one_file_env.py and examples/one_file_agent.py, as docs/authoring.md shows them.
+
+Each is under 60 lines, passes the conformance kit in process, and runs in a
+real `gym-grpc run` where `gym-grpc conformance` passes it and `collect`
+earns rewards with the embedded model."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gym_grpc.client.stubs import AgentClient
+from gym_grpc.data.rows import task_from_row
+from gym_grpc.server.entrypoints import load_entrypoint
+from gym_grpc.testing import AgentConformance, ResourcesConformance, ScriptedModel, Servers, call, static_registry
+from gym_grpc.v1 import responses_pb2 as r
+from servers.models.local_policy.server import LocalPolicyModel
+from tests.support import REPO
+from tests.test_cli import _gym, _rows, _start_run
+
+EXAMPLES = REPO / "examples"
+ENV_FILE, AGENT_FILE = EXAMPLES / "one_file_env.py", EXAMPLES / "one_file_agent.py"
+TASKS = EXAMPLES / "one_file_tasks.jsonl"
+OppositesEnv = load_entrypoint(f"{ENV_FILE}:OppositesEnv")
+FirmAgent = load_entrypoint(f"{AGENT_FILE}:FirmAgent")
+ROW = json.loads(TASKS.read_text().splitlines()[0])
+
+
+@pytest.mark.parametrize("path", [ENV_FILE, AGENT_FILE], ids=["env", "agent"])
+def test_each_example_is_one_file_under_60_lines(path: Path):
+    assert len(path.read_text().splitlines()) < 60
+
+
+class TestOneFileEnvConformance(ResourcesConformance):
+    task_row = ROW
+    answer = "The opposite of hot is cold."
+
+    def server(self):
+        return OppositesEnv(name="opposites")
+
+
+class TestOneFileAgentConformance(AgentConformance):
+    task_row = ROW
+
+    def dependencies(self):
+        return {"policy_model": LocalPolicyModel(), "opposites": OppositesEnv()}
+
+    def agent(self, registry):
+        return FirmAgent({"model_server": "policy_model", "resources_server": "opposites"}, registry=registry)
+
+
+async def test_the_agent_sends_its_system_prompt_and_forbids_tools_on_its_last_step():
+    async with Servers() as servers:
+        model = ScriptedModel([[call("opposite", '{"word": "hot"}')]])  # calls a tool forever
+        deps = {"model": await servers.start(model), "env": await servers.start(OppositesEnv())}
+        config = {"model_server": "model", "resources_server": "env", "max_steps": 3, "system_prompt": "Be brief."}
+        agent = FirmAgent(config, registry=static_registry(**deps))
+        client = AgentClient(static_registry(agent=await servers.start(agent)), "agent")
+        rollout = await client.run(task_from_row(ROW), timeout=30)
+    assert rollout.model_calls == 3
+    first = model.requests[0].input_items.items[0].message
+    assert (first.role, first.text) == (r.ROLE_SYSTEM, "Be brief.")
+    modes = [request.tool_choice.mode for request in model.requests]
+    assert modes == [r.TOOL_CHOICE_MODE_UNSPECIFIED] * 2 + [r.TOOL_CHOICE_MODE_NONE]
+
+
+def test_the_pair_runs_in_gym_grpc_run_passes_conformance_and_earns_rewards(tmp_path):
+    run = _start_run(configs=(EXAMPLES / "one_file.yaml",))
+    try:
+        for name in ("opposites", "opposites_agent"):
+            done = _gym("conformance", run.servers[name], "--row", str(TASKS))
+            assert done.returncode == 0, done.stdout + done.stderr
+            assert "0 failed" in done.stdout
+        output = tmp_path / "out.jsonl"
+        args = [
+            "--registry",
+            run.registry,
+            "--agent",
+            "opposites_agent",
+            "--input",
+            str(TASKS),
+            "--output",
+            str(output),
+        ]
+        done = _gym("collect", *args, "--no-progress", "temperature=0")
+        assert done.returncode == 0, done.stderr
+    finally:
+        run.stop()
+    written = _rows(output)
+    assert len(written) == 3 and all(row["reward"] == 1.0 and row["used_tool"] for row in written)
+
+
+def test_the_env_file_serves_itself_and_gym_grpc_conformance_passes_it():
+    server = subprocess.Popen([sys.executable, str(ENV_FILE)], stdout=subprocess.PIPE, text=True)
+    try:
+        address = server.stdout.readline().strip()
+        assert address.startswith("127.0.0.1:"), address
+        done = _gym("conformance", address, "--row", str(TASKS))
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "resources server 'opposites'" in done.stdout
+    finally:
+        server.send_signal(signal.SIGINT)
+        assert server.wait(timeout=30) == 0
