@@ -1,31 +1,25 @@
 """`gym-grpc init-env NAME`: a new environment that runs and passes its tests as generated.
 
 It writes, under DIR/NAME: a server with one tool and a verify, a config
-that pairs it with the simple agent, five example tasks (their tool schemas
-taken from the server itself), statistics of them, and tests: the
-environment's own and the conformance kit.
+that pairs it with the tool-loop agent (gym_grpc.agent.ToolLoopAgent), five
+example tasks (their tool schemas taken from the server itself), statistics
+of them, and tests on the testing kit (gym_grpc.testing): the environment's
+own, a rollout with a scripted model over real gRPC, and the conformance suite.
 """
 
 from __future__ import annotations
 
 import json
 import keyword
-import os
 import re
 from pathlib import Path
 
-from gym_grpc import bundled
 from gym_grpc.data import rows
 from gym_grpc.data.dataset_stats import statistics, write_statistics
 from gym_grpc.resources import ResourcesServer
 from gym_grpc.server.entrypoints import load_entrypoint
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
-
-#: The simple agent: its file (in a checkout or the installed wheel), and its module,
-#: which an environment outside the checkout names (no path into a virtualenv).
-SIMPLE_AGENT = bundled.server_dir("agents", "simple_agent") / "agent.py"
-SIMPLE_AGENT_MODULE = "gym_grpc.bundled.servers.agents.simple_agent.agent"
 
 EXAMPLES = [("France", "Paris"), ("Japan", "Tokyo"), ("Kenya", "Nairobi"), ("Canada", "Ottawa"), ("Peru", "Lima")]
 
@@ -71,14 +65,14 @@ class {cls}(ResourcesServer):
         return Verification(reward=1.0 if answered else 0.0, fields={{"used_tool": used_tool}})
 '''
 
-CONFIG = """# The {name} environment with the simple agent. Needs a model server named
+CONFIG = """# The {name} environment with the tool-loop agent. Needs a model server named
 # policy_model: run it with gym-grpc's configs/local_policy.yaml (the path
 # `gym-grpc init-env` printed), or the config of your engine.
 servers:
   {name}:
     entrypoint: server.py:{cls}
   {name}_agent:
-    entrypoint: {agent}:SimpleAgent
+    entrypoint: gym_grpc.agent:ToolLoopAgent
     config:
       model_server: policy_model
       resources_server: {name}
@@ -89,18 +83,20 @@ servers:
         jsonl_fpath: data/example.jsonl
 """
 
-TESTS = '''"""The {name} environment: its tool, its verifier, its example data, and the protocol."""
+TESTS = '''"""The {name} environment: its tool, its verifier, its example data, a rollout, and the protocol."""
 
 import json
 from pathlib import Path
 
 import pytest
 
+from gym_grpc.agent import ToolLoopAgent
+from gym_grpc.client import AgentClient
 from gym_grpc.data import rows
 from gym_grpc.resources import Session
 from gym_grpc.responses import assistant_message
 from gym_grpc.server.entrypoints import load_entrypoint
-from gym_grpc.testing import ResourcesConformance, example_rows
+from gym_grpc.testing import ResourcesConformance, ScriptedModel, Servers, call, example_rows, say, static_registry
 from gym_grpc.v1 import responses_pb2 as r
 
 HERE = Path(__file__).resolve().parent.parent
@@ -133,6 +129,18 @@ async def test_a_wrong_answer_earns_nothing():
 
 def test_the_example_rows_are_tasks_that_offer_the_servers_tools():
     assert example_rows(HERE / "data" / "example.jsonl", Env) == EXAMPLES
+
+
+@pytest.mark.asyncio
+async def test_a_scripted_model_that_looks_the_capital_up_earns_the_reward():
+    turns = [[call("lookup_capital", '{{"country": "France"}}')], say("The capital is Paris.")]
+    async with Servers() as servers:  # each on 127.0.0.1, port 0; stopped at the end
+        model = await servers.start(ScriptedModel(turns))
+        env = await servers.start(Env())
+        config = {{"model_server": "model", "resources_server": "env"}}
+        agent = await servers.start(ToolLoopAgent(config, registry=static_registry(model=model, env=env)))
+        rollout = await AgentClient(static_registry(agent=agent), "agent").run(rows.task_from_row(EXAMPLES[0]))
+    assert rollout.reward == 1.0 and json.loads(rollout.verifier_fields_json) == {{"used_tool": True}}
 
 
 class Test{cls}Conformance(ResourcesConformance):
@@ -173,12 +181,10 @@ def init_env(name: str, parent: Path) -> Path:
         raise FileExistsError(f"{target} already exists; pick another name or remove it")
     cls = class_name(name)
     capitals = json.dumps({country.lower(): capital for country, capital in EXAMPLES})
-    beside_agent = target.resolve().is_relative_to(SIMPLE_AGENT.parents[3])  # in the same checkout
-    agent = os.path.relpath(SIMPLE_AGENT, target.resolve()) if beside_agent else SIMPLE_AGENT_MODULE
     files = {
         "__init__.py": "",
         "server.py": SERVER.format(title=name.replace("_", " ").capitalize(), cls=cls, capitals=capitals),
-        "config.yaml": CONFIG.format(name=name, cls=cls, agent=agent),
+        "config.yaml": CONFIG.format(name=name, cls=cls),
         "tests/__init__.py": "",
         f"tests/test_{name}.py": TESTS.format(name=name, cls=cls),
     }
