@@ -106,3 +106,17 @@ def test_the_env_file_serves_itself_and_gym_grpc_conformance_passes_it():
     finally:
         server.send_signal(signal.SIGINT)
         assert server.wait(timeout=30) == 0
+
+
+def test_docs_authoring_shows_the_example_files_as_they_are():
+    """Each Python block of docs/authoring.md that shows an example file is made of that file's lines."""
+    doc = (REPO / "docs" / "authoring.md").read_text()
+    blocks = doc.split("```python\n")[1:]
+    shown = {
+        path: next(b.split("```")[0] for b in blocks if f"class {cls}(" in b)
+        for path, cls in [(ENV_FILE, "OppositesEnv"), (AGENT_FILE, "FirmAgent")]
+    }
+    for path, block in shown.items():
+        lines = set(path.read_text().splitlines())
+        missing = [line for line in block.splitlines() if line.strip() and line not in lines]
+        assert missing == [], f"docs/authoring.md shows lines {path.name} does not have"
