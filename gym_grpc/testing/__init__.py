@@ -17,15 +17,39 @@ Only the conformance classes need pytest (and pytest-asyncio); the rest does not
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from gym_grpc.testing.checks import CheckFailed, CheckSkipped, Outcome, Report, run_checks
-from gym_grpc.testing.doubles import Calculator, ScriptedModel, calculator_task, call, say
-from gym_grpc.testing.fake_engine import FakeEngine
-from gym_grpc.testing.fake_engine import Turn as EngineTurn
-from gym_grpc.testing.servers import Servers, serving, static_registry
+if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr__ below
+    from gym_grpc.testing.checks import CheckFailed, CheckSkipped, Outcome, Report, run_checks
+    from gym_grpc.testing.conformance import AgentConformance, ResourcesConformance, example_rows
+    from gym_grpc.testing.doubles import Calculator, ScriptedModel, calculator_task, call, say
+    from gym_grpc.testing.fake_engine import FakeEngine
+    from gym_grpc.testing.fake_engine import Turn as EngineTurn
+    from gym_grpc.testing.servers import Servers, serving, static_registry
 
-_NEED_PYTEST = {"ResourcesConformance", "AgentConformance", "example_rows"}
+#: Where each name lives; a module loads on first use of one of its names, so that
+#: `gym-grpc conformance` needs neither pytest nor the fake engine's aiohttp app.
+_HOMES = {
+    "AgentConformance": "conformance",
+    "ResourcesConformance": "conformance",
+    "example_rows": "conformance",
+    "CheckFailed": "checks",
+    "CheckSkipped": "checks",
+    "Outcome": "checks",
+    "Report": "checks",
+    "run_checks": "checks",
+    "Calculator": "doubles",
+    "ScriptedModel": "doubles",
+    "calculator_task": "doubles",
+    "call": "doubles",
+    "say": "doubles",
+    "FakeEngine": "fake_engine",
+    "EngineTurn": "fake_engine",
+    "Servers": "servers",
+    "serving": "servers",
+    "static_registry": "servers",
+}
 
 __all__ = [
     "AgentConformance",
@@ -50,9 +74,12 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """The pytest classes load on first use, so that `gym-grpc conformance` runs without pytest."""
-    if name in _NEED_PYTEST:
-        from gym_grpc.testing import conformance
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f"{__name__}.{home}")
+    return getattr(module, "Turn" if name == "EngineTurn" else name)
 
-        return getattr(conformance, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOMES])

@@ -302,9 +302,14 @@ async def a_task_without_input_is_invalid(probe: Probe) -> None:
 
 Check = Callable[[Probe], Awaitable[None]]
 
+resources_health_and_reflection = _health_and_reflection(RESOURCES_SERVICE)
+resources_handshake = _handshake(reg.SERVER_ROLE_RESOURCES)
+agent_health_and_reflection = _health_and_reflection(AGENT_SERVICE)
+agent_handshake = _handshake(reg.SERVER_ROLE_AGENT)
+
 RESOURCES_CHECKS: list[Check] = [
-    _health_and_reflection(RESOURCES_SERVICE),
-    _handshake(reg.SERVER_ROLE_RESOURCES),
+    resources_health_and_reflection,
+    resources_handshake,
     its_tools_are_described_with_object_schemas,
     a_session_seeds_verifies_and_closes,
     an_unknown_tool_is_not_found,
@@ -316,8 +321,8 @@ RESOURCES_CHECKS: list[Check] = [
 ]
 
 AGENT_CHECKS: list[Check] = [
-    _health_and_reflection(AGENT_SERVICE),
-    _handshake(reg.SERVER_ROLE_AGENT),
+    agent_health_and_reflection,
+    agent_handshake,
     a_run_returns_a_verified_rollout,
     run_stream_ends_with_the_rollout,
     a_task_without_input_is_invalid,

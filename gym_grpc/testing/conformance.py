@@ -80,10 +80,10 @@ class ResourcesConformance:
                 yield running, Probe(channel, self.task_row, self.answer)
 
     async def test_it_serves_health_and_reflection(self, served: Any) -> None:
-        await _check(checks.RESOURCES_CHECKS[0], served[1])
+        await _check(checks.resources_health_and_reflection, served[1])
 
     async def test_it_answers_the_handshake(self, served: Any) -> None:
-        await _check(checks.RESOURCES_CHECKS[1], served[1])
+        await _check(checks.resources_handshake, served[1])
 
     async def test_its_tools_are_described_with_object_schemas(self, served: Any) -> None:
         await _check(checks.its_tools_are_described_with_object_schemas, served[1])
@@ -149,10 +149,10 @@ class AgentConformance:
                 await registry.close()
 
     async def test_it_serves_health_and_reflection(self, served: Probe) -> None:
-        await _check(checks.AGENT_CHECKS[0], served)
+        await _check(checks.agent_health_and_reflection, served)
 
     async def test_it_answers_the_handshake(self, served: Probe) -> None:
-        await _check(checks.AGENT_CHECKS[1], served)
+        await _check(checks.agent_handshake, served)
 
     async def test_a_run_returns_a_verified_rollout(self, served: Probe) -> None:
         await _check(checks.a_run_returns_a_verified_rollout, served)
