@@ -42,7 +42,8 @@ async def test_counters_count_calls_by_method_and_status(start):
     assert 0 < methods["CallTool"].p50_ms <= methods["CallTool"].p99_ms
     info = await admin.GetServerInfo(admin_pb.GetServerInfoRequest())
     assert info.name == "calc" and info.role == reg.SERVER_ROLE_RESOURCES and info.pid > 0
-    assert info.entrypoint == "gym_grpc.testing.doubles:Calculator" and len(info.config_hash) == 12 and not info.profiling
+    assert info.entrypoint == "gym_grpc.testing.doubles:Calculator"
+    assert len(info.config_hash) == 12 and not info.profiling
     await channel.close()
     await client.registry.close()
 
