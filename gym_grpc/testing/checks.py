@@ -135,7 +135,7 @@ def _health_and_reflection(service: str) -> Callable[[Probe], Awaitable[None]]:
     return it_serves_health_and_reflection
 
 
-def _handshake(role: int) -> Callable[[Probe], Awaitable[None]]:
+def _handshake(role: reg.ServerRole.ValueType) -> Callable[[Probe], Awaitable[None]]:
     async def it_answers_the_handshake(probe: Probe) -> None:
         info = await probe.info()
         expect(

@@ -177,7 +177,7 @@ class FakeEngine:
         if too_long is not None:
             return too_long
         turn = self._next_turn(body)
-        calls = [
+        calls: list[dict[str, Any]] = [
             {"id": f"chatcmpl-tool-{uuid.uuid4().hex[:8]}", "type": "function", "function": {"name": n, "arguments": a}}
             for n, a in turn.tool_calls
         ]

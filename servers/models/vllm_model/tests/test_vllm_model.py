@@ -12,7 +12,7 @@ import pytest
 
 from gym_grpc import errors
 from gym_grpc.client.stubs import AgentClient, ModelClient
-from gym_grpc.data import record, rows
+from gym_grpc.data import record
 from gym_grpc.responses import final_text, function_calls, user_message
 from gym_grpc.server import validation
 from gym_grpc.testing import Calculator, static_registry
