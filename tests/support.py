@@ -5,6 +5,7 @@ they are named here too, as the tests have always imported them."""
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 from gym_grpc.responses import input_items, message_text
@@ -46,3 +47,17 @@ class EchoModel(ScriptedModel):
             raise
         finally:
             self.active -= 1
+
+
+def collect_args(registry: str, agent: str, tasks: object, output: object) -> list[str]:
+    """The start of a `gym-grpc collect` command line: the registry, the agent, the input and the output."""
+    return ["collect", "--registry", registry, "--agent", agent, "--input", str(tasks), "--output", str(output)]
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie has ended)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"

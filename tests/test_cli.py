@@ -17,7 +17,7 @@ from typing import IO
 
 import pytest
 
-from tests.support import REPO
+from tests.support import REPO, collect_args
 
 BIN = Path(sys.executable).parent
 WEATHER = REPO / "servers" / "resources" / "weather" / "data" / "example.jsonl"
@@ -168,15 +168,7 @@ def test_grpcurl_runs_a_rollout_and_calls_a_tool(live):
 def test_collect_writes_rollouts_and_a_second_run_resumes(live, tmp_path):
     out = tmp_path / "rollouts.jsonl"
     args = [
-        "collect",
-        "--registry",
-        live["registry"],
-        "--agent",
-        "math_agent",
-        "--input",
-        str(MATH),
-        "--output",
-        str(out),
+        *collect_args(live["registry"], "math_agent", str(MATH), str(out)),
         "--num-repeats",
         "3",
         "--limit",
@@ -196,15 +188,7 @@ def test_collect_writes_rollouts_and_a_second_run_resumes(live, tmp_path):
 def test_collect_without_verifying_then_reverify(live, tmp_path):
     out, scored = tmp_path / "unverified.jsonl", tmp_path / "scored.jsonl"
     done = _gym(
-        "collect",
-        "--registry",
-        live["registry"],
-        "--agent",
-        "math_agent",
-        "--input",
-        str(MATH),
-        "--output",
-        str(out),
+        *collect_args(live["registry"], "math_agent", str(MATH), str(out)),
         "--skip-verify",
         "--no-progress",
         "--estimate",
@@ -233,15 +217,7 @@ def test_collect_reports_a_bad_row_by_line_and_collects_the_rest(live, tmp_path)
     tasks.write_bytes(text.encode() + b'{"bad": "\xff"}\n' + f"{deep}\n{good}\n".encode())
     out = tmp_path / "rollouts.jsonl"
     done = _gym(
-        "collect",
-        "--registry",
-        live["registry"],
-        "--agent",
-        "math_agent",
-        "--input",
-        str(tasks),
-        "--output",
-        str(out),
+        *collect_args(live["registry"], "math_agent", str(tasks), str(out)),
         "--no-progress",
     )
     assert done.returncode == 1
@@ -255,15 +231,7 @@ def test_collect_reports_a_bad_row_by_line_and_collects_the_rest(live, tmp_path)
 
 def test_collect_with_an_unknown_agent_names_the_known_ones(live, tmp_path):
     done = _gym(
-        "collect",
-        "--registry",
-        live["registry"],
-        "--agent",
-        "math_agnt",
-        "--input",
-        str(MATH),
-        "--output",
-        str(tmp_path / "out.jsonl"),
+        *collect_args(live["registry"], "math_agnt", str(MATH), str(tmp_path / "out.jsonl")),
     )
     assert done.returncode == 1
     assert "did you mean 'math_agent'" in done.stderr
@@ -303,15 +271,7 @@ def test_a_collector_killed_mid_run_resumes_with_every_key_exactly_once(tmp_path
         tasks.write_text("".join(MATH.read_text() for _ in range(10)))  # 60 tasks
         args = [
             _tool("gym-grpc"),
-            "collect",
-            "--registry",
-            run.registry,
-            "--agent",
-            "math_agent",
-            "--input",
-            str(tasks),
-            "--output",
-            str(out),
+            *collect_args(run.registry, "math_agent", str(tasks), str(out)),
             "--num-repeats",
             "4",
             "--max-in-flight",
@@ -423,15 +383,7 @@ def test_num_workers_serve_one_port_and_share_the_calls(tmp_path):
         tasks.write_text("".join(WEATHER.read_text() for _ in range(100)))
         out = tmp_path / "out.jsonl"
         done = _gym(
-            "collect",
-            "--registry",
-            run.registry,
-            "--agent",
-            "weather_agent",
-            "--input",
-            str(tasks),
-            "--output",
-            str(out),
+            *collect_args(run.registry, "weather_agent", str(tasks), str(out)),
             "--no-progress",
         )
         assert done.returncode == 0, done.stderr
@@ -461,15 +413,7 @@ def test_a_server_that_dies_is_shown_down_and_the_others_keep_serving(tmp_path):
         assert code == 1 and rows["weather"]["health"] == "down" and "pid" not in rows["weather"]
         assert all(row["health"] == "serving" for name, row in rows.items() if name != "weather")
         done = _gym(
-            "collect",
-            "--registry",
-            run.registry,
-            "--agent",
-            "math_agent",
-            "--input",
-            str(MATH),
-            "--output",
-            str(tmp_path / "out.jsonl"),
+            *collect_args(run.registry, "math_agent", str(MATH), str(tmp_path / "out.jsonl")),
             "--no-progress",
         )
         assert done.returncode == 0, done.stderr  # the math side still works

@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from gym_grpc.engines.local_vllm import installation
+from tests.support import alive
 
 FAKE_VLLM = Path(__file__).parent / "programs" / "fake_vllm.py"
 
@@ -58,14 +59,6 @@ class Shell:
 
     def started(self) -> list[int]:
         return [int(line) for line in self.pids.read_text().split()] if self.pids.exists() else []
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"  # a zombie has ended
 
 
 @pytest.fixture
@@ -123,7 +116,7 @@ def test_start_writes_env_yaml_keeping_the_users_keys_and_stop_ends_the_engine(s
 
     stopped = shell.run("engine", "stop")
     assert stopped.returncode == 0 and f"stopped vLLM (pid {server})" in stopped.stdout
-    assert not _alive(server) and not _alive(child)
+    assert not alive(server) and not alive(child)
     after = shell.run("engine", "status")
     assert after.returncode == 1 and after.stdout.startswith("not running")
     assert "nothing to stop" in shell.run("engine", "stop").stdout
@@ -202,7 +195,7 @@ def test_gym_grpc_engine_and_python_m_local_vllm_share_one_record(shell: Shell) 
     assert refused.returncode == 1 and "already running" in refused.stderr
     stopped = shell.run("engine", "stop")
     assert f"stopped vLLM (pid {engine['pid']})" in stopped.stdout
-    assert not any(_alive(pid) for pid in shell.started())
+    assert not any(alive(pid) for pid in shell.started())
 
 
 @pytest.mark.slow
@@ -218,10 +211,10 @@ def test_gym_grpc_engine_record_variable_keeps_a_second_engine_apart(shell: Shel
         assert second.returncode == 0, second.stderr
         first_server, _, second_server, _ = shell.started()
         assert apart.run("engine", "stop").returncode == 0
-        assert not _alive(second_server) and _alive(first_server)  # only its own engine was stopped
+        assert not alive(second_server) and alive(first_server)  # only its own engine was stopped
     finally:
         shell.run("engine", "stop")
-    assert not any(_alive(pid) for pid in shell.started())
+    assert not any(alive(pid) for pid in shell.started())
 
 
 def test_is_prepared_needs_both_the_virtualenv_and_the_model(shell: Shell) -> None:

@@ -21,7 +21,7 @@ from gym_grpc.rpc.registry import Registry
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
 from servers.agents.simple_agent.agent import SimpleAgent
-from tests.support import REPO, EchoModel, static_registry
+from tests.support import REPO, EchoModel, collect_args, static_registry
 from tests.test_cli import MATH, _gym, _rows, _start_run, _status, _tool
 
 
@@ -45,15 +45,7 @@ def test_a_server_killed_and_restarted_mid_collection_costs_at_most_its_calls_in
         tasks.write_text(MATH.read_text() * 20)  # 120 tasks: about 1.5 s at 8 in flight
         args = [
             _tool("gym-grpc"),
-            "collect",
-            "--registry",
-            run.registry,
-            "--agent",
-            "math_agent",
-            "--input",
-            str(tasks),
-            "--output",
-            str(out),
+            *collect_args(run.registry, "math_agent", str(tasks), str(out)),
             "--max-in-flight",
             "8",
             "--timeout",

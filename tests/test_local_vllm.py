@@ -29,6 +29,7 @@ from gym_grpc.engines.local_vllm import (
     stop,
 )
 from gym_grpc.engines.local_vllm import process as local_vllm_process
+from tests.support import alive
 
 FAKE_VLLM = Path(__file__).parent / "programs" / "fake_vllm.py"
 
@@ -53,14 +54,6 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
             os.kill(pid, signal.SIGKILL)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"  # a zombie has ended
-
-
 def _started(pids: Path) -> list[int]:
     return [int(line) for line in pids.read_text().split()] if pids.exists() else []
 
@@ -73,10 +66,10 @@ def test_start_returns_once_models_answers_and_stop_ends_its_children(fake: Any,
             assert json.loads(reply.read())["data"][0]["id"] == "fake"
         assert engine.base_url.startswith("http://127.0.0.1:") and engine.model == "fake"
         server, child = _started(pids)
-        assert engine.pid == server and _alive(child)
+        assert engine.pid == server and alive(child)
     finally:
         stop(engine.pid)
-    assert not _alive(server) and not _alive(child)
+    assert not alive(server) and not alive(child)
 
 
 def test_an_engine_that_dies_is_reported_with_the_end_of_its_log(fake: Any, tmp_path: Path) -> None:
@@ -90,7 +83,7 @@ def test_an_engine_that_never_answers_times_out_and_is_stopped(fake: Any, tmp_pa
     prepared, pids = fake("hang")
     with pytest.raises(EngineStartError, match=r"did not answer http://127\.0\.0\.1:\d+/v1/models within 2 s"):
         start(prepared, log_path=tmp_path / "vllm.log", ready_timeout=2)
-    assert _started(pids) and not any(_alive(pid) for pid in _started(pids))
+    assert _started(pids) and not any(alive(pid) for pid in _started(pids))
 
 
 @pytest.mark.slow
@@ -128,7 +121,7 @@ def test_stop_kills_an_engine_that_ignores_sigterm(fake: Any, tmp_path: Path) ->
     began = time.monotonic()
     stop(engine.pid, grace=0.5)
     assert time.monotonic() - began < 10
-    assert not any(_alive(pid) for pid in _started(pids))
+    assert not any(alive(pid) for pid in _started(pids))
 
 
 def test_prepare_builds_once_and_rebuilds_what_is_unfinished_or_from_another_spec(
@@ -176,4 +169,4 @@ def test_an_interrupted_start_leaves_no_engine_running(
     monkeypatch.setattr(local_vllm_process, "_answers", interrupted)
     with pytest.raises(KeyboardInterrupt):
         start(prepared, log_path=tmp_path / "vllm.log", ready_timeout=30)
-    assert _started(pids) and not any(_alive(pid) for pid in _started(pids))
+    assert _started(pids) and not any(alive(pid) for pid in _started(pids))

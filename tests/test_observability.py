@@ -17,7 +17,7 @@ from gym_grpc.v1 import model_service_pb2 as model_pb
 from gym_grpc.v1 import model_service_pb2_grpc as model_grpc
 from gym_grpc.v1 import registry_service_pb2 as reg
 from gym_grpc.v1 import responses_pb2 as r
-from tests.support import REPO, Calculator, EchoModel, static_registry, task
+from tests.support import REPO, Calculator, EchoModel, collect_args, static_registry, task
 from tests.test_cli import WEATHER, _grpcurl, _gym, _start_run
 
 
@@ -98,15 +98,7 @@ def test_profiling_writes_a_log_with_the_verifiers_call_count_and_the_admin_answ
         tasks = tmp_path / "tasks.jsonl"
         tasks.write_text(WEATHER.read_text() * 3)  # 15 rollouts
         done = _gym(
-            "collect",
-            "--registry",
-            run.registry,
-            "--agent",
-            "weather_agent",
-            "--input",
-            str(tasks),
-            "--output",
-            str(tmp_path / "out.jsonl"),
+            *collect_args(run.registry, "weather_agent", str(tasks), str(tmp_path / "out.jsonl")),
             "--no-progress",
         )
         assert done.returncode == 0, done.stderr

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from tests.support import collect_args
 from tests.test_cli import WEATHER, _rows, _start_run, _status, _tool
 
 
@@ -19,15 +20,7 @@ def _collect(run, out, repeats: int, max_in_flight: int, timeout: float, log) ->
     return subprocess.Popen(
         [
             _tool("gym-grpc"),
-            "collect",
-            "--registry",
-            run.registry,
-            "--agent",
-            "weather_agent",
-            "--input",
-            str(WEATHER),
-            "--output",
-            str(out),
+            *collect_args(run.registry, "weather_agent", str(WEATHER), str(out)),
             "--num-repeats",
             str(repeats),
             "--max-in-flight",
