@@ -8,6 +8,7 @@ import pytest
 
 from gym_grpc import errors
 from gym_grpc.client.stubs import ResourcesClient
+from gym_grpc.rpc import transport
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.server.serving import serve
 from gym_grpc.v1 import responses_pb2 as r
@@ -58,3 +59,23 @@ async def test_a_server_never_reached_fails_at_once_with_grpcs_reason():
         await ResourcesClient(registry, "calc", timeout=120).seed_session("s", task("x"))
     assert "Connection refused" in str(error.value)
     await registry.close()
+
+
+async def test_a_peer_that_answered_is_waited_for_even_if_its_ready_state_went_unseen(monkeypatch):
+    """The channel's state can go READY and away again before the connection's follower
+    task runs (seen once in a full-suite run): a call that got an answer still counts."""
+    monkeypatch.setattr(transport.Connection, "_follow_state", _sees_nothing)
+    server = await serve(Calculator(name="calc"))
+    registry = Registry(static={"calc": server.address}, unreachable_seconds=30)
+    client = ResourcesClient(registry, "calc")
+    try:
+        await client.seed_session("s", task("x"))
+        [connection] = await registry.connections("calc")
+        assert connection.wait  # the next call waits for this peer if it is gone
+    finally:
+        await registry.close()
+        await server.stop(grace=0)
+
+
+async def _sees_nothing(self) -> None:
+    await asyncio.Event().wait()

@@ -116,7 +116,7 @@ class _Client:
         if wait:
             connection.waiting(call)
         try:
-            return await call
+            reply = await call
         except grpc.aio.AioRpcError as e:
             if e.code() in passing:
                 return e
@@ -125,6 +125,8 @@ class _Client:
             if _cancelled_by(connection):
                 raise self._error(None, method, connection) from None
             raise
+        connection.answered()
+        return reply
 
 
 def _cancelled_by(connection: transport.Connection) -> bool:

@@ -146,6 +146,12 @@ class Connection:
         """Whether a call now should wait for the peer to be reachable."""
         return self.reached and not self.given_up
 
+    def answered(self) -> None:
+        """The peer answered a call. The state follower may not have seen READY (it
+        can change and change back before the follower runs), and a later call must
+        still wait for this peer if it goes away."""
+        self.reached = True
+
     def waiting(self, call: grpc.aio.Call) -> None:
         """`call` waits for the peer; it is cancelled if the peer is given up."""
         self._waiting.add(call)
