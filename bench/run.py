@@ -132,10 +132,10 @@ class InstantEngine:
 class Stack:
     """`gym-grpc run` of the bench config, with its registry address and server processes."""
 
-    def __init__(self, config: Path) -> None:
+    def __init__(self, config: Path, *overrides: str) -> None:
         started = time.monotonic()
         self.process = subprocess.Popen(
-            [_gym(), "run", str(config)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+            [_gym(), "run", str(config), *overrides], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
         )
         lines = []
         for line in self.process.stdout:
@@ -404,7 +404,7 @@ def bench_collector(tmp: Path, input_rows: int, limit: int, checkpoint: int) -> 
 def bench_startup(repeats: int) -> dict:
     seconds = []
     for _ in range(repeats):
-        stack = Stack(REPO / "configs/quickstart.yaml")
+        stack = Stack(REPO / "configs/quickstart.yaml", "registry.port=0")  # 50050 may be another run's
         seconds.append(stack.ready_seconds)
         stack.stop()
     return {
