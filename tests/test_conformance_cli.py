@@ -10,6 +10,7 @@ import asyncio
 
 import pytest
 
+from gym_grpc import errors
 from gym_grpc.agent import AgentServer
 from gym_grpc.resources import Session
 from gym_grpc.testing import Calculator, ScriptedModel, say, serving
@@ -79,6 +80,25 @@ async def test_a_small_session_cap_is_filled_and_checked():
         )
     assert code == 0, out + err
     assert "PASS  seeding past the session cap is resource exhausted" in out
+
+
+class NeedsAnExpectedAnswer(Calculator):
+    """An environment whose tasks must carry data of its own, as most do."""
+
+    async def seed_session(self, session: Session) -> None:
+        if "expected_answer" not in session.data:
+            raise errors.TaskDataError("expected_answer", "is required")
+        await super().seed_session(session)
+
+
+async def test_a_server_that_needs_task_data_fails_without_a_row_and_is_told_to_give_one():
+    async with serving(NeedsAnExpectedAnswer()) as env:
+        code, out, err = await _conformance(env.address)
+        assert code == 1 and "task.data.expected_answer: is required" in out, out + err
+        assert "give one of its task rows with --row" in out
+        row = '{"responses_create_params": {"input": "2+2"}, "expected_answer": "4"}'
+        code, out, err = await _conformance(env.address, "--row", row)
+    assert code == 0 and "--row" not in out, out + err
 
 
 class AnswersUnknownTools(Calculator):

@@ -611,6 +611,11 @@ def conformance_command(address: str, row: str | None, answer: str, role: str | 
     counts = {status: sum(o.status == status for o in done.outcomes) for status in ("passed", "failed", "skipped")}
     who = f"{done.role} server {done.server!r}" if done.server else f"{done.role} server"
     click.echo(f"{who} at {address}: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
+    if row is None and any(o.status == "failed" and "task.data." in o.message for o in done.outcomes):
+        click.echo(
+            "the default task carries no data of this environment's: give one of its task rows with "
+            "--row (JSON text, or a JSONL file such as its data/example.jsonl)"
+        )
     if done.failed:
         sys.exit(1)
 
