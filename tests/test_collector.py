@@ -6,17 +6,17 @@ import io
 import json
 import time
 
-import grpc
 import pytest
 
 from gym_grpc import errors
+from gym_grpc.batch import collector
 from gym_grpc.batch.collector import CollectOptions, collect
+from gym_grpc.cli.runner import RegistryServer
 from gym_grpc.client.stubs import ResourcesClient
 from gym_grpc.data.jsonl import failures_path
 from gym_grpc.responses import input_items, message_text
-from gym_grpc.rpc.registry import Registry, RegistryServicer
+from gym_grpc.rpc.registry import Registry
 from gym_grpc.v1 import registry_service_pb2 as reg
-from gym_grpc.v1 import registry_service_pb2_grpc as reg_grpc
 from servers.agents.simple_agent.agent import SimpleAgent
 from tests.support import Calculator, EchoModel, static_registry, task
 
@@ -323,34 +323,39 @@ async def _registry_service(start, env):
             registry=static_registry(model=model, calc=resources),
         )
     )
-    servicer = RegistryServicer()
-    servicer.add(reg.ServerInfo(name="calc", addresses=[resources.address]))
-    servicer.add(
+    registry_app = RegistryServer()
+    registry_app.servicer.add(reg.ServerInfo(name="calc", addresses=[resources.address]))
+    registry_app.servicer.add(
         reg.ServerInfo(name="agent", addresses=[agent.address], references={"model": "model", "resources": "calc"})
     )
-    server = grpc.aio.server()
-    reg_grpc.add_RegistryServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return server, Registry(f"127.0.0.1:{port}")
+    return Registry((await start(registry_app)).address)
 
 
 async def test_an_environments_own_metrics_join_its_agents_group(start, tmp_path):
-    server, registry = await _registry_service(start, GradingCalculator())
+    registry = await _registry_service(start, GradingCalculator())
     _write_tasks(tmp_path / "tasks.jsonl", ["one", "two", "three"])
     summary = await collect(registry, _options(tmp_path, num_repeats=2))
     metrics = summary.metrics["agent"]
     assert (metrics["results_seen"], metrics["tasks_seen"], metrics["tool_calls_seen_total"]) == (6, 3, 0)
     assert metrics["reward"] == 1.0  # the summary's own mean stands; the environment only adds
     await registry.close()
-    await server.stop(0)
 
 
 async def test_an_environment_that_cannot_aggregate_costs_a_warning_not_the_run(start, tmp_path):
-    server, registry = await _registry_service(start, BrokenAggregator())
+    registry = await _registry_service(start, BrokenAggregator())
     _write_tasks(tmp_path / "tasks.jsonl", ["one", "two"])
     summary = await collect(registry, _options(tmp_path))
     assert summary.done == 2 and summary.metrics["agent"]["reward"] == 1.0
     assert any(w.startswith("agent: no metrics from its environment") for w in summary.warnings), summary.warnings
     await registry.close()
-    await server.stop(0)
+
+
+async def test_results_too_large_for_one_message_are_not_sent_and_say_so(start, tmp_path, monkeypatch):
+    monkeypatch.setattr(collector, "AGGREGATE_LIMIT_BYTES", 10)  # less than one result
+    registry = await _registry_service(start, GradingCalculator())
+    _write_tasks(tmp_path / "tasks.jsonl", ["one", "two"])
+    summary = await collect(registry, _options(tmp_path))
+    assert "results_seen" not in summary.metrics["agent"]
+    about_it = [w for w in summary.warnings if "environment" in w]
+    assert about_it == ["agent: environment 'calc' not asked for its metrics: its results are more than 0 MiB"]
+    await registry.close()

@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from google.protobuf import json_format
-
 from gym_grpc import errors
 from gym_grpc.batch.jobs import BadInput, Batch, BatchSummary, Job, RunOptions
 from gym_grpc.client.stubs import AgentClient, ResourcesClient
@@ -178,37 +176,56 @@ async def _add_environment_metrics(registry: Registry, options: CollectOptions, 
     """Ask each agent's environment (ResourcesService.AggregateMetrics) for its own metrics over
     the output's verified rollouts, and add those the summary does not have to the agent's group.
 
-    An environment that cannot answer costs a warning, never the run."""
-    results: dict[str, list[task_pb2.VerificationResult]] = {group: [] for group in summary.metrics}
+    The output is read only when some agent has an environment, and an agent's results stop
+    being kept once they outgrow one message. An environment that cannot answer costs a
+    warning, never the run."""
+    environments: dict[str, str] = {}
+    for group in summary.metrics:
+        try:
+            resources = (await registry.info(group)).references.get("resources")
+        except errors.GymError as e:
+            summary.warnings.append(_no_metrics(group, e))
+            continue
+        if resources:
+            environments[group] = resources
+    if not environments:
+        return
+    results: dict[str, list[task_pb2.VerificationResult]] = {group: [] for group in environments}
+    sizes = dict.fromkeys(environments, 0)
     for row in jsonl.iter_rows(options.output):
         try:
             group = rows.agent_name(row, options.agent)
         except rows.RowError:
             continue
-        if group in results and not row.get("verification_skipped"):
-            results[group].append(record.verification(row))
+        if group not in results or row.get("verification_skipped"):
+            continue
+        result = record.verification(row)
+        sizes[group] += result.ByteSize()
+        if sizes[group] > AGGREGATE_LIMIT_BYTES:
+            del results[group]  # too large to send: keep nothing more of it
+            summary.warnings.append(
+                f"{group}: environment {environments[group]!r} not asked for its metrics: "
+                f"its results are more than {AGGREGATE_LIMIT_BYTES / 2**20:,.0f} MiB"
+            )
+            if not results:
+                return
+            continue
+        results[group].append(result)
     for group, verified in results.items():
         if not verified:
             continue
-        request_size = sum(result.ByteSize() for result in verified)
         try:
-            resources = (await registry.info(group)).references.get("resources")
-            if not resources:
-                continue
-            if request_size > AGGREGATE_LIMIT_BYTES:
-                summary.warnings.append(
-                    f"{group}: environment {resources!r} not asked for its metrics: "
-                    f"{len(verified):,} results are {request_size / 2**20:,.0f} MiB"
-                )
-                continue
-            metrics = await ResourcesClient(registry, resources).aggregate_metrics(verified)
-        except errors.OutOfFiles:  # explained once already, with the failures it cost
-            summary.warnings.append(f"{group}: no metrics from its environment: no file descriptor left to ask it")
-            continue
+            metrics = await ResourcesClient(registry, environments[group]).aggregate_metrics(verified)
         except errors.GymError as e:
-            summary.warnings.append(f"{group}: no metrics from its environment: {e.message}")
+            summary.warnings.append(_no_metrics(group, e))
             continue
         own = summary.metrics[group]
-        for name, value in json_format.MessageToDict(metrics).items():
+        for name, value in rows.struct_to_dict(metrics).items():
             if isinstance(value, bool | int | float) and name not in own:
                 own[name] = float(value)
+
+
+def _no_metrics(group: str, error: errors.GymError) -> str:
+    if isinstance(error, errors.OutOfFiles):  # explained once already, with the failures it cost
+        return f"{group}: no metrics from its environment: no file descriptor left to ask it"
+    return f"{group}: no metrics from its environment: {error.message}"
