@@ -21,47 +21,62 @@ def local_ray() -> Iterator[Any]:
     ray.shutdown()
 
 
+#: Suites that need something the default run does not start, each behind its option: without
+#: it their tests are deselected (never skipped), with it a skip fails the run.
+OPT_IN = {
+    "real_engine": "--real-engine",  # the local CPU vLLM (gym_grpc.engines.local_vllm)
+    "ray_cluster": "--ray-cluster",  # a Ray cluster of several real nodes on this machine (ray.cluster_utils)
+}
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--real-engine",
         action="store_true",
         help="run the tests marked real_engine against a local CPU vLLM (prepared and started by the tests)",
     )
+    parser.addoption(
+        "--ray-cluster",
+        action="store_true",
+        help="run the tests marked ray_cluster on a Ray cluster of several nodes started by the tests",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Without --real-engine, deselect (never skip) the real_engine tests; with it, insist there are some.
+    """Without its option, deselect (never skip) an opt-in suite's tests; with it, insist there are some.
 
-    Deselected tests show in pytest's summary line; a --real-engine run that
-    finds none fails, so a CI job that asks for the real engine cannot pass by
-    testing nothing.
+    Deselected tests show in pytest's summary line; a run that asks for a
+    suite and finds none fails, so a CI job that asks for the real engine
+    cannot pass by testing nothing.
     """
-    real = [item for item in items if item.get_closest_marker("real_engine")]
-    if config.getoption("--real-engine"):
-        if not real:
-            raise pytest.UsageError("--real-engine given but no test marked real_engine was collected")
-        return
-    if real:
-        config.hook.pytest_deselected(items=real)
-        items[:] = [item for item in items if not item.get_closest_marker("real_engine")]
+    for marker, option in OPT_IN.items():
+        marked = [item for item in items if item.get_closest_marker(marker)]
+        if config.getoption(option):
+            if not marked:
+                raise pytest.UsageError(f"{option} given but no test marked {marker} was collected")
+            continue
+        if marked:
+            config.hook.pytest_deselected(items=marked)
+            items[:] = [item for item in items if not item.get_closest_marker(marker)]
 
 
-_skipped_real_engine_tests: list[str] = []
+_skipped_opt_in_tests: list[str] = []
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if report.skipped and "real_engine" in report.keywords:
-        _skipped_real_engine_tests.append(report.nodeid)
+    if report.skipped and any(marker in report.keywords for marker in OPT_IN):
+        _skipped_opt_in_tests.append(report.nodeid)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """With --real-engine a skipped real_engine test fails the run: CI asked for the engine, so it must be tested."""
-    if session.config.getoption("--real-engine") and _skipped_real_engine_tests:
+    """A skipped opt-in test fails a run that asked for its suite: CI asked for it, so it must be tested."""
+    asked = [option for option in OPT_IN.values() if session.config.getoption(option)]
+    if asked and _skipped_opt_in_tests:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
             reporter.write_line(
-                f"--real-engine: {len(_skipped_real_engine_tests)} real_engine test(s) skipped, which fails the run: "
-                + ", ".join(_skipped_real_engine_tests),
+                f"{' '.join(asked)}: {len(_skipped_opt_in_tests)} test(s) skipped, which fails the run: "
+                + ", ".join(_skipped_opt_in_tests),
                 red=True,
             )
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

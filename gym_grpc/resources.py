@@ -439,7 +439,7 @@ class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
         finally:
             session.in_flight -= 1
         self.app._watch_idle_sessions()
-        return res_pb.SeedSessionResponse()
+        return res_pb.SeedSessionResponse(replica=self.app.replica)
 
     @rpc_method
     async def CallTool(self, request: res_pb.CallToolRequest, context: Any) -> res_pb.CallToolResponse:

@@ -41,6 +41,11 @@ def test_includes_and_file_entrypoints_resolve_relative_to_their_file(tmp_path):
         ("- not a mapping\n", [], "expected a mapping"),
         ("servers: {m: {entrypoint: a:B}\n", [], "not valid YAML"),
         ("include: [self.yaml]\n", [], "includes itself"),
+        ("servers: {m: {entrypoint: a:B, replicas: 3}}\n", [], "servers.m.replicas: 3 replicas need a Ray cluster"),
+        ("servers: {m: {entrypoint: a:B, num_workers: 2}}\n", ["ray.address=auto"], "under Ray each replica is one"),
+        ("servers: {m: {entrypoint: a:B, port: 8000}}\n", ["ray.address=auto"], "servers.m.port: under Ray"),
+        ("servers: {m: {entrypoint: a:B}}\nray: {placement: SPREAD}\n", [], "ray.placement: Extra inputs"),
+        ("servers: {m: {entrypoint: a:B}}\n", ["ray.placement_strategy=SPRED"], "ray.placement_strategy"),
     ],
 )
 def test_a_bad_config_names_what_is_wrong(tmp_path, text, overrides, message):
@@ -170,3 +175,13 @@ def test_set_env_values_creates_the_file_and_refuses_one_that_is_not_a_mapping(t
     with pytest.raises(ConfigError, match="expected a mapping"):
         set_env_values(listed, {"k": "v"})
     assert listed.read_text() == "- 1\n"
+
+
+def test_replicas_on_ray_validate_with_the_placement_defaults(tmp_path):
+    path = _write(tmp_path / "c.yaml", "servers:\n  m: {entrypoint: a:B, replicas: 4, num_cpus: 0.5}\n")
+    config = load_config([path], ["ray.address=10.0.0.1:6379"])
+    assert config.ray is not None
+    ray = config.ray
+    assert (ray.address, ray.placement_strategy, ray.max_restarts) == ("10.0.0.1:6379", "SPREAD", 3)
+    assert (config.servers["m"].replicas, config.servers["m"].num_cpus) == (4, 0.5)
+    assert load_config([_write(tmp_path / "d.yaml", "servers: {m: {entrypoint: a:B}}\n")], []).ray is None

@@ -52,3 +52,31 @@ async def test_a_name_not_found_is_asked_again_later(registry_service):
     assert list((await registry.info("late")).addresses) == ["127.0.0.1:2"]
     assert servicer.lookups == 2
     await registry.close()
+
+
+async def test_watch_sends_the_entry_then_each_change_and_ends_when_the_registry_closes(registry_service):
+    servicer, address = registry_service
+    servicer.add(reg.ServerInfo(name="env", addresses=["127.0.0.1:1"]))
+    channel = grpc.aio.insecure_channel(address)
+    stream = reg_grpc.RegistryServiceStub(channel).WatchServer(reg.WatchServerRequest(name="env"))
+    first = (await stream.read()).server
+    assert list(first.addresses) == ["127.0.0.1:1"] and first.generation == 1
+    servicer.add(reg.ServerInfo(name="env", addresses=["127.0.0.1:1"]))  # the same entry: nothing to send
+    servicer.add(reg.ServerInfo(name="env", addresses=["127.0.0.1:1", "127.0.0.1:2"]))
+    second = (await stream.read()).server
+    assert list(second.addresses) == ["127.0.0.1:1", "127.0.0.1:2"] and second.generation == 2
+    await servicer.close()
+    assert await stream.read() == grpc.aio.EOF
+    assert await stream.code() == grpc.StatusCode.OK
+    await channel.close()
+
+
+async def test_watching_an_unknown_server_is_not_found(registry_service):
+    servicer, address = registry_service
+    servicer.add(reg.ServerInfo(name="math", addresses=["127.0.0.1:1"]))
+    async with grpc.aio.insecure_channel(address) as channel:
+        stream = reg_grpc.RegistryServiceStub(channel).WatchServer(reg.WatchServerRequest(name="maht"))
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stream.read()
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "did you mean 'math'" in caught.value.details()

@@ -18,7 +18,7 @@ override is `dotted.key=value` with the value read as YAML
 (`servers.weather_agent.config.max_steps=3`).
 
 Top-level keys other than `registry`, `servers`, `security` (see
-security.py), `profiling_enabled` and `profiling_results_dirpath` are
+security.py), `ray` (see docs/scale-out.md), `profiling_enabled` and `profiling_results_dirpath` are
 variables, usually
 from env.yaml (`policy_base_url: http://gpu-node:8000/v1`). `${name}` in any
 string of the servers or the registry is replaced by the variable, or else by
@@ -83,6 +83,8 @@ class ServerSpec(BaseModel):
     port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
     num_workers: int = Field(1, ge=1, description="processes serving the port together (SO_REUSEPORT)")
     restart: bool = Field(False, description="start a process of this server again, on its port, when it dies")
+    replicas: int = Field(1, ge=1, description="instances of this server across a Ray cluster (needs --ray)")
+    num_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves for each replica (with --ray)")
     config: dict[str, Any] = Field(default_factory=dict, description="the server class's own settings")
     datasets: list[DatasetSpec] = Field(default_factory=list, description="its data, for prepare-data")
 
@@ -104,6 +106,23 @@ class RegistrySpec(BaseModel):
     port: int = Field(50050, ge=0, le=65535)
 
 
+PlacementStrategy = Literal["SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK"]
+
+
+class RaySpec(BaseModel):
+    """Where and how `gym-grpc run` places the servers on a Ray cluster (see docs/scale-out.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    address: str = Field(
+        "auto", description='the cluster: "auto" (the one this machine joined), "local" (start one here) or HOST:PORT'
+    )
+    placement_strategy: PlacementStrategy = Field(
+        "SPREAD", description="how the replicas of one server are spread over the nodes (a Ray placement group's)"
+    )
+    max_restarts: int = Field(3, ge=0, description="times Ray starts a replica again after its process or node died")
+
+
 class GymConfig(BaseModel):
     """A whole configuration: the registry and the servers, by name."""
 
@@ -111,9 +130,24 @@ class GymConfig(BaseModel):
 
     registry: RegistrySpec = RegistrySpec()
     servers: dict[str, ServerSpec] = Field(default_factory=dict)
+    ray: RaySpec | None = Field(None, description="run the servers on a Ray cluster instead of this machine")
     security: Security = Security()
     profiling_enabled: bool = Field(False, description="run yappi in every server and write a log at stop")
     profiling_results_dirpath: str | None = Field(None, description="where the profile logs go")
+
+    @model_validator(mode="after")
+    def _replicas_need_ray(self) -> GymConfig:
+        for name, spec in self.servers.items():
+            if self.ray is None and spec.replicas > 1:
+                raise ValueError(
+                    f"servers.{name}.replicas: {spec.replicas} replicas need a Ray cluster (gym-grpc run --ray "
+                    "auto|local|HOST:PORT); on one machine, num_workers: N serves one port from N processes"
+                )
+            if self.ray is not None and spec.num_workers > 1:
+                raise ValueError(f"servers.{name}.num_workers: under Ray each replica is one process; use replicas")
+            if self.ray is not None and spec.port:
+                raise ValueError(f"servers.{name}.port: under Ray each replica binds a free port on its node")
+        return self
 
     @model_validator(mode="after")
     def _profiling_needs_a_directory(self) -> GymConfig:
@@ -195,7 +229,7 @@ def apply_override(data: dict[str, Any], override: str) -> None:
 _SECRET_NAME = re.compile(r"(^|_)(key|token|secret|password)$", re.I)
 MASK = "***"
 _VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
-_SECTIONS = ("registry", "servers", "security", "profiling_enabled", "profiling_results_dirpath")
+_SECTIONS = ("registry", "servers", "security", "ray", "profiling_enabled", "profiling_results_dirpath")
 
 
 def _secret_text(name: str, value: Any) -> str | None:

@@ -25,6 +25,8 @@ from gym_grpc.batch.reverify import ReverifyOptions, reverify
 from gym_grpc.cli import hub, status
 from gym_grpc.cli.config import ConfigError, GymConfig, dump_config, load_config, load_env, set_env_values
 from gym_grpc.cli.datasets import MODES, DataError, Dataset, prepare, read_tasks
+from gym_grpc.cli.ray_runner import RayRunner
+from gym_grpc.cli.ray_runner import describe as describe_ray
 from gym_grpc.cli.runner import Runner, StartupError, describe
 from gym_grpc.client.stubs import AdminClient
 from gym_grpc.data.jsonl import count_rows, failures_path
@@ -67,7 +69,7 @@ _env_file_option = click.option(
 )
 
 
-async def _serve_until_stopped(runner: Runner) -> int:
+async def _serve_until_stopped(runner: Runner | RayRunner) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -80,6 +82,12 @@ async def _serve_until_stopped(runner: Runner) -> int:
 
 async def _run(config: GymConfig, grace: float) -> int:
     started = time.monotonic()
+    if config.ray is not None:
+        ray_runner = RayRunner(config, grace=grace)
+        await ray_runner.start()
+        click.echo(describe_ray(ray_runner, started))
+        click.echo("Ctrl-C stops every replica.", err=True)
+        return await _serve_until_stopped(ray_runner)
     runner = Runner(config, grace=grace)
     await runner.start()
     click.echo(describe(runner, started))
@@ -90,10 +98,19 @@ async def _run(config: GymConfig, grace: float) -> int:
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.argument("args", nargs=-1)
 @click.option("--grace", type=float, default=10.0, show_default=True, help="Seconds in-flight calls get at stop.")
+@click.option(
+    "--ray",
+    "ray_address",
+    metavar="ADDRESS",
+    help='Run the servers as replicas on a Ray cluster: "auto" (the cluster this machine joined), '
+    '"local" (start one here) or HOST:PORT. Same as the config\'s ray.address.',
+)
 @_env_file_option
-def run(args: tuple[str, ...], grace: float, env_file: Path | None) -> None:
+def run(args: tuple[str, ...], grace: float, ray_address: str | None, env_file: Path | None) -> None:
     """Start the servers of CONFIG files (then KEY=VALUE overrides) and serve the registry."""
     files, overrides = _split_args(args)
+    if ray_address is not None:
+        overrides = [*overrides, f"ray.address={ray_address}"]
     try:
         config = load_config(files, overrides, env_file=env_file)
         sys.exit(asyncio.run(_run(config, grace)))

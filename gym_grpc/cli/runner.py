@@ -68,6 +68,17 @@ class RegistryServer(GymServer):
         return [REGISTRY_SERVICE]
 
 
+def check_references(infos: dict[str, reg.ServerInfo]) -> None:
+    """StartupError when a server calls a server that is not in the configuration."""
+    for info in infos.values():
+        for role, target in info.references.items():
+            if target not in infos:
+                raise StartupError(
+                    f"server {info.name!r} calls {role} server {target!r}, which is not in the "
+                    f"configuration: {closest(target, list(infos))}"
+                )
+
+
 @dataclass
 class ServerProcesses:
     """The worker processes of one server and what they reported."""
@@ -128,13 +139,7 @@ class Runner:
 
     async def _start_servers(self) -> None:
         await asyncio.gather(*(self._start_server(s) for s in self.servers.values()))
-        for s in self.servers.values():
-            for role, target in s.info.references.items():
-                if target not in self.servers:
-                    raise StartupError(
-                        f"server {s.name!r} calls {role} server {target!r}, which is not in the "
-                        f"configuration: {closest(target, list(self.servers))}"
-                    )
+        check_references({s.name: s.info for s in self.servers.values()})
         for s in self.servers.values():
             self.registry.app.servicer.add(s.info)  # type: ignore[union-attr]
 
@@ -157,6 +162,7 @@ class Runner:
             name=server.name,
             role=report["role"],
             addresses=[address],
+            replicas=[reg.Replica(address=address)],
             entrypoint=spec.entrypoint,
             references=report["references"],
             workers=spec.num_workers,
@@ -309,6 +315,7 @@ class Runner:
             if process.stdin is not None:
                 process.stdin.close()
         if self.registry is not None:
+            await self.registry.app.servicer.close()  # type: ignore[attr-defined]
             await self.registry.stop(grace=1.0)
 
 

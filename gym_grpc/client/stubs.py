@@ -44,17 +44,16 @@ class _Client:
         self.registry = registry
         self.name = name
         self.timeout = timeout
-        self._peers: list[tuple[Any, transport.Connection]] = []
         self._next = 0
         self._handshake: asyncio.Future[None] | None = None
 
     async def _peer(self) -> tuple[Any, transport.Connection]:
-        """A stub and its connection for the next call: calls go round the server's connections."""
-        if not self._peers:
-            connections = await self.registry.connections(self.name)
-            self._peers = [(self._stub_class(c.channel), c) for c in connections]
-        self._next = (self._next + 1) % len(self._peers)
-        return self._peers[self._next]
+        """A stub and its connection for the next call: calls go round the server's
+        connections (gRPC balances each one's calls over the replicas)."""
+        connections = await self.registry.connections(self.name)
+        self._next = (self._next + 1) % len(connections)
+        connection = connections[self._next]
+        return connection.stub(self._stub_class), connection
 
     async def server_info(self) -> admin_pb.GetServerInfoResponse:
         """The server's AdminService.GetServerInfo: what it is, its protocol version, its capabilities."""
@@ -82,16 +81,26 @@ class _Client:
             raise
         protocol.check(info, f"{self._kind} {self.name!r}")
 
-    def _error(
+    async def _error(
         self, error: grpc.aio.AioRpcError | None, method: str, connection: transport.Connection
     ) -> errors.GymError:
         where = f"{self._kind} {self.name!r} {method}"
+        metadata = {"callee": self.name, "callee_method": method}
+        if connection.replica:
+            where += f" on replica {connection.address}"
+            metadata["replica"] = connection.address
+        elif "," in connection.address and _lost_peer(error):
+            # gRPC does not say which replica took a call; the ones that stopped answering did.
+            down = await self.registry.unreachable(connection.address.split(","))
+            if down:
+                where += f" (replica {', '.join(down)} not answering)"
+                metadata["replica"] = ",".join(down)
         if error is None:  # cancelled by the connection: the peer was given up
             return errors.Unavailable(
                 f"{where}: UNAVAILABLE: {connection.address} unreachable for {connection.unreachable_seconds:g} s",
-                metadata={"callee": self.name, "callee_method": method},
+                metadata=metadata,
             )
-        return errors.from_rpc_error(error, where, {"callee": self.name, "callee_method": method})
+        return errors.from_rpc_error(error, where, metadata)
 
     async def _call(
         self,
@@ -102,12 +111,17 @@ class _Client:
         detached: bool = False,
         passing: frozenset[grpc.StatusCode] = frozenset(),
         admin: bool = False,
+        connection: transport.Connection | None = None,
     ) -> Any:
         """Call `method` (of the server's AdminService when `admin`). `detached` calls ignore
-        the caller's deadline (for cleanup); a failure with a code in `passing` is returned, not raised."""
-        stub, connection = await self._peer()
+        the caller's deadline (for cleanup); a failure with a code in `passing` is returned, not raised.
+        Given the `connection`, the call goes there (a session's replica), not round the server's."""
+        if connection is None:
+            stub, connection = await self._peer()
+        else:
+            stub = connection.stub(self._stub_class)
         if admin:
-            stub = admin_grpc.AdminServiceStub(connection.channel)
+            stub = connection.stub(admin_grpc.AdminServiceStub)
         timeout = timeout if timeout is not None else self.timeout
         wait = connection.wait
         call = getattr(stub, method)(
@@ -120,13 +134,22 @@ class _Client:
         except grpc.aio.AioRpcError as e:
             if e.code() in passing:
                 return e
-            raise self._error(e, method, connection) from None
+            raise await self._error(e, method, connection) from None
         except asyncio.CancelledError:
             if _cancelled_by(connection):
-                raise self._error(None, method, connection) from None
+                raise await self._error(None, method, connection) from None
             raise
         connection.answered()
         return reply
+
+
+def _lost_peer(error: grpc.aio.AioRpcError | None) -> bool:
+    """Whether a call failed because its peer went away: given up on (None), or
+    UNAVAILABLE from gRPC itself. A server's own UNAVAILABLE (a server it calls is
+    down) carries our ErrorInfo: that replica answered."""
+    if error is None:
+        return True
+    return error.code() == grpc.StatusCode.UNAVAILABLE and errors.error_info_of(error) is None
 
 
 def _cancelled_by(connection: transport.Connection) -> bool:
@@ -174,8 +197,21 @@ class ResourcesClient(_Client):
     _stub_class = res_grpc.ResourcesServiceStub
     _kind = "resources server"
 
+    def __init__(self, registry: Registry, name: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+        super().__init__(registry, name, timeout=timeout)
+        self._sessions: dict[str, str] = {}  # session id -> the address of the replica holding it
+
+    def _session(self, session_id: str) -> transport.Connection | None:
+        """Where a session's calls go: the replica that holds it, else round the server's replicas."""
+        replica = self._sessions.get(session_id)
+        return None if replica is None else self.registry.replica(replica)
+
     async def seed_session(self, session_id: str, task: task_pb2.Task) -> None:
-        await self._call("SeedSession", res_pb.SeedSessionRequest(session_id=session_id, task=task))
+        """Open a session. When the server has replicas, its later calls go to the one
+        that opened it (SeedSessionResponse.replica) until close_session."""
+        reply = await self._call("SeedSession", res_pb.SeedSessionRequest(session_id=session_id, task=task))
+        if reply.replica:
+            self._sessions[session_id] = reply.replica
 
     async def call_tool(self, session_id: str, call: r.FunctionCall) -> ToolResult:
         """Run a tool call. Mistakes of the model (unknown tool, bad arguments)
@@ -184,7 +220,9 @@ class ResourcesClient(_Client):
         request = res_pb.CallToolRequest(
             session_id=session_id, name=call.name, arguments=call.arguments, call_id=call.call_id
         )
-        reply = await self._call("CallTool", request, passing=errors.TOOL_ERROR_CODES)
+        reply = await self._call(
+            "CallTool", request, passing=errors.TOOL_ERROR_CODES, connection=self._session(session_id)
+        )
         if isinstance(reply, grpc.aio.AioRpcError):
             reason = errors.reason_of(reply)
             return ToolResult(output=reply.details() or reply.code().name, error=True, reason=str(reason))
@@ -193,12 +231,17 @@ class ResourcesClient(_Client):
         return ToolResult(output=reply.output)
 
     async def verify(self, session_id: str, task: task_pb2.Task, response: r.Response) -> res_pb.VerifyResponse:
-        return await self._call("Verify", res_pb.VerifyRequest(session_id=session_id, task=task, response=response))
+        request = res_pb.VerifyRequest(session_id=session_id, task=task, response=response)
+        return await self._call("Verify", request, connection=self._session(session_id))
 
     async def close_session(self, session_id: str, timeout: float | None = None) -> None:
         """Close a session. Cleanup: runs with its own timeout even when the
         caller's deadline has passed."""
-        await self._call("CloseSession", res_pb.CloseSessionRequest(session_id=session_id), timeout, detached=True)
+        request = res_pb.CloseSessionRequest(session_id=session_id)
+        try:
+            await self._call("CloseSession", request, timeout, detached=True, connection=self._session(session_id))
+        finally:
+            self._sessions.pop(session_id, None)
 
     async def aggregate_metrics(self, results: list[task_pb2.VerificationResult]) -> struct_pb2.Struct:
         reply = await self._call("AggregateMetrics", res_pb.AggregateMetricsRequest(results=results))
@@ -241,10 +284,10 @@ class AgentClient(_Client):
             async for event in call:
                 yield event
         except grpc.aio.AioRpcError as e:
-            raise self._error(e, "RunStream", connection) from None
+            raise await self._error(e, "RunStream", connection) from None
         except asyncio.CancelledError:
             if _cancelled_by(connection):
-                raise self._error(None, "RunStream", connection) from None
+                raise await self._error(None, "RunStream", connection) from None
             raise
         finally:
             call.cancel()

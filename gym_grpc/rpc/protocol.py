@@ -19,7 +19,9 @@ from gym_grpc.v1 import admin_service_pb2 as admin_pb
 #: Version of the gym protocol this package speaks: (major, minor). The major
 #: version is the package's (gym.v1); the minor grows with each addition.
 #: 1.1: CallToolResponse.is_error (a tool that raised is answered OK, not ABORTED).
-VERSION = (1, 1)
+#: 1.2: replicas: ServerInfo.replicas and RegistryService.WatchServer;
+#:      SeedSessionResponse.replica (session affinity).
+VERSION = (1, 2)
 
 
 def version() -> admin_pb.ProtocolVersion:

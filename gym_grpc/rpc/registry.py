@@ -11,14 +11,31 @@ from __future__ import annotations
 import asyncio
 import builtins
 import difflib
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gym_grpc import errors
 from gym_grpc.rpc import transport
 from gym_grpc.rpc.security import Security
 from gym_grpc.v1 import registry_service_pb2 as reg
 from gym_grpc.v1 import registry_service_pb2_grpc as reg_grpc
+
+log = logging.getLogger("gym_grpc.registry")
+
+#: Seconds before asking a registry that could not be watched again; doubles up to the max.
+WATCH_RETRY_FIRST_SECONDS = 0.5
+WATCH_RETRY_MAX_SECONDS = 5.0
+
+#: Seconds a replica has to answer a health check when a call to its server failed.
+PROBE_SECONDS = 1.0
+
+#: Seconds the calls in flight on a channel replaced by a newer one get to finish.
+RETIRE_GRACE_SECONDS = 600.0
 
 REGISTRY_SERVICE = reg.DESCRIPTOR.services_by_name["RegistryService"].full_name
 
@@ -36,13 +53,35 @@ def closest(name: str, known: list[str]) -> str:
 
 
 class RegistryServicer(reg_grpc.RegistryServiceServicer):
-    """The registry service over an in-memory table of servers."""
+    """The registry service over an in-memory table of servers.
+
+    The runner that owns it calls `add` for each server it started and again
+    whenever a server's replicas change; watchers (WatchServer) get each new
+    entry."""
 
     def __init__(self) -> None:
         self.servers: dict[str, reg.ServerInfo] = {}
+        self._changed = asyncio.Condition()
+        self._closed = False
 
     def add(self, info: reg.ServerInfo) -> None:
-        self.servers[info.name] = info
+        """Put a server's entry in the table (replacing the one of that name) and tell its watchers."""
+        old = self.servers.get(info.name)
+        if old is not None and old.SerializeToString(deterministic=True) == _with_generation(
+            info, old.generation
+        ).SerializeToString(deterministic=True):
+            return
+        self.servers[info.name] = _with_generation(info, (old.generation + 1) if old is not None else 1)
+        asyncio.ensure_future(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def close(self) -> None:
+        """End every WatchServer stream (the registry is stopping)."""
+        self._closed = True
+        await self._notify()
 
     async def ListServers(
         self, request: reg.ListServersRequest, context: grpc.aio.ServicerContext
@@ -52,18 +91,46 @@ class RegistryServicer(reg_grpc.RegistryServiceServicer):
     async def GetServer(
         self, request: reg.GetServerRequest, context: grpc.aio.ServicerContext
     ) -> reg.GetServerResponse:
-        info = self.servers.get(request.name)
-        if not request.name:
+        return reg.GetServerResponse(server=await self._entry(request.name, context))
+
+    async def WatchServer(
+        self, request: reg.WatchServerRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[reg.WatchServerResponse]:
+        info = await self._entry(request.name, context)
+        while not self._closed:
+            yield reg.WatchServerResponse(server=info)
+            async with self._changed:
+                await self._changed.wait_for(functools.partial(self._changed_since, request.name, info.generation))
+            info = self.servers[request.name]
+
+    def _changed_since(self, name: str, generation: int) -> bool:
+        return self._closed or self.servers[name].generation != generation
+
+    async def _entry(self, name: str, context: grpc.aio.ServicerContext) -> reg.ServerInfo:
+        if not name:
             await context.abort_with_status(errors.InvalidArgument("name: is required", field="name").to_status())
+        info = self.servers.get(name)
         if info is None:
             error = errors.NotFound(
-                f"no server named {request.name!r}: {closest(request.name, list(self.servers))}",
+                f"no server named {name!r}: {closest(name, list(self.servers))}",
                 field="name",
                 reason=errors.Reason.SERVER_NOT_FOUND,
-                metadata={"server": request.name},
+                metadata={"server": name},
             )
             await context.abort_with_status(error.to_status())
-        return reg.GetServerResponse(server=info)
+        assert info is not None  # abort_with_status raised
+        return info
+
+
+def _forget(retiring: set[transport.Connection], connection: transport.Connection, _: object) -> None:
+    retiring.discard(connection)
+
+
+def _with_generation(info: reg.ServerInfo, generation: int) -> reg.ServerInfo:
+    copy = reg.ServerInfo()
+    copy.CopyFrom(info)
+    copy.generation = generation
+    return copy
 
 
 class Registry:
@@ -90,6 +157,11 @@ class Registry:
         self._static = dict(static or {})
         self._infos: dict[str, asyncio.Future[reg.ServerInfo]] = {}
         self._connections: dict[str, list[transport.Connection]] = {}
+        self._opened: dict[str, reg.ServerInfo] = {}  # the entry each pool was opened for
+        self._watches: dict[str, asyncio.Future[None]] = {}
+        self._replicas: dict[str, transport.Connection] = {}
+        self._retiring: set[transport.Connection] = set()
+        self._probes: dict[str, tuple[float, asyncio.Future[bool]]] = {}
         self._registry_channel: grpc.aio.Channel | None = None
         self._lock = asyncio.Lock()
 
@@ -137,30 +209,117 @@ class Registry:
         return list(reply.servers)
 
     async def connections(self, name: str) -> builtins.list[transport.Connection]:
-        """The connections to server `name`, opened on first use: one per address, or
-        several per address when worker processes share it."""
+        """The connections to server `name`, opened on first use: one channel over
+        its replicas (several when worker processes share a replica's port), which
+        gRPC balances. Through a registry service, the entry is then followed
+        (WatchServer): when replicas come or go, new calls use a new channel over
+        the live ones and calls in flight finish on the old one."""
         pool = self._connections.get(name)
-        if pool is not None:
-            return pool
-        async with self._lock:  # thousands of first calls must not open thousands of channels
-            pool = self._connections.get(name)
-            if pool is None:
-                info = await self.info(name)
-                if not info.addresses:
-                    raise errors.Unavailable(f"server {name!r} has no address", metadata={"server": name})
-                per_address = transport.CONNECTIONS_PER_WORKER * info.workers if info.workers > 1 else 1
-                pool = [
-                    transport.Connection(transport.open_channel(a, i, self.security), a, self.unreachable_seconds)
-                    for a in info.addresses
-                    for i in range(per_address)
-                ]
-                self._connections[name] = pool
+        if pool is None:
+            async with self._lock:  # thousands of first calls must not open thousands of channels
+                pool = self._connections.get(name)
+                if pool is None:
+                    info = await self.info(name)
+                    pool = self._connections[name] = self._open(info)
+                    self._opened[name] = info
+                    if self.address is not None and name not in self._static:
+                        self._watches[name] = asyncio.ensure_future(self._watch(name, info))
+        if not pool:
+            raise errors.Unavailable(
+                f"server {name!r} has no live replica (see gym-grpc status)", metadata={"server": name}
+            )
         return pool
+
+    def _open(self, info: reg.ServerInfo) -> builtins.list[transport.Connection]:
+        addresses = list(info.addresses)
+        if not addresses:
+            return []
+        channels = transport.CONNECTIONS_PER_WORKER * info.workers if info.workers > 1 else 1
+        where = ",".join(addresses)
+        return [
+            transport.Connection(transport.open_channel(addresses, i, self.security), where, self.unreachable_seconds)
+            for i in range(channels)
+        ]
+
+    def replica(self, address: str) -> transport.Connection:
+        """A connection to one replica, for the calls of a session it holds (see
+        SeedSessionResponse.replica). Such calls do not wait for a replica that
+        cannot be reached: its sessions went with it."""
+        connection = self._replicas.get(address)
+        if connection is None:
+            channel = transport.open_channel(address, security=self.security)
+            connection = self._replicas[address] = transport.Connection(
+                channel, address, self.unreachable_seconds, replica=True
+            )
+        return connection
+
+    async def unreachable(self, addresses: builtins.list[str]) -> builtins.list[str]:
+        """Which of these replica addresses do not answer a health check now (within
+        PROBE_SECONDS). Asked when a call over several replicas failed UNAVAILABLE, to
+        name the replica that went away; the calls that fail together share one probe."""
+        now = time.monotonic()
+        probes = []
+        for address in addresses:
+            probe = self._probes.get(address)
+            if probe is None or probe[0] < now - PROBE_SECONDS:
+                probe = self._probes[address] = (now, asyncio.ensure_future(self._answers(address)))
+            probes.append(probe[1])
+        answers = await asyncio.gather(*(asyncio.shield(p) for p in probes))
+        return [address for address, answered in zip(addresses, answers, strict=True) if not answered]
+
+    async def _answers(self, address: str) -> bool:
+        stub = self.replica(address).stub(health_pb2_grpc.HealthStub)
+        try:
+            await stub.Check(health_pb2.HealthCheckRequest(), timeout=PROBE_SECONDS)
+        except grpc.aio.AioRpcError:
+            return False
+        return True
+
+    async def _watch(self, name: str, info: reg.ServerInfo) -> None:
+        """Follow `name`'s entry until closed; a lost registry is asked again, with backoff."""
+        delay = WATCH_RETRY_FIRST_SECONDS
+        while True:
+            try:
+                async for reply in self._stub().WatchServer(reg.WatchServerRequest(name=name)):
+                    delay = WATCH_RETRY_FIRST_SECONDS
+                    self._update(reply.server)
+            except grpc.aio.AioRpcError as e:
+                if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED):
+                    return  # the server left the registry, or a registry that cannot be watched
+                log.debug("watching %r through registry %s: %s", name, self.address, e.details())
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, WATCH_RETRY_MAX_SECONDS)
+
+    def _update(self, info: reg.ServerInfo) -> None:
+        """Take a new entry of a server: a new channel when its replicas changed."""
+        name = info.name
+        settled: asyncio.Future[reg.ServerInfo] = asyncio.get_running_loop().create_future()
+        settled.set_result(info)
+        self._infos[name] = settled
+        old = self._opened.get(name)
+        if old is not None and old.addresses == info.addresses and old.workers == info.workers:
+            return
+        log.info("server %r now on %s", name, ", ".join(info.addresses) or "no live replica")
+        retired = self._connections.get(name, [])
+        self._connections[name] = self._open(info)
+        self._opened[name] = info
+        gone = set(old.addresses if old is not None else []) - set(info.addresses)
+        retired += [self._replicas.pop(a) for a in gone if a in self._replicas]
+        for connection in retired:
+            self._retiring.add(connection)
+            task = asyncio.ensure_future(connection.close(grace=RETIRE_GRACE_SECONDS))
+            task.add_done_callback(functools.partial(_forget, self._retiring, connection))
 
     async def close(self) -> None:
         """Close every channel this registry opened."""
+        for watch in self._watches.values():
+            watch.cancel()
+        self._watches.clear()
         connections = [connection for pool in self._connections.values() for connection in pool]
+        connections += [*self._replicas.values(), *self._retiring]
         self._connections.clear()
+        self._replicas.clear()
+        self._retiring.clear()
         for connection in connections:
             await connection.close()
         if self._registry_channel is not None:

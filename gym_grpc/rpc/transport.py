@@ -20,11 +20,18 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import ipaddress
+import json
+import socket
 import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import grpc
 
 from gym_grpc.rpc.security import Security
+
+S = TypeVar("S")
 
 #: Largest message a server or client sends or accepts, in bytes.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -78,6 +85,14 @@ _RECONNECT_OPTIONS: list[tuple[str, int]] = [
 #: Connections a client opens to each worker process of a multi-process server.
 CONNECTIONS_PER_WORKER = 8
 
+# A channel over several replicas: gRPC's round_robin spreads calls over the
+# replicas whose connection is ready, and client-side health checking (the
+# grpc.health.v1 Watch every gym-grpc server serves) takes a replica out of the
+# rotation while it is NOT_SERVING (stopping) and puts it back when it serves.
+_BALANCED_SERVICE_CONFIG = json.dumps(
+    {"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": ""}}
+)
+
 
 def server_options(*, reuse_port: bool = False) -> list[tuple[str, int]]:
     """Server options; `reuse_port` lets the worker processes of one server share its port."""
@@ -89,15 +104,23 @@ def server_options(*, reuse_port: bool = False) -> list[tuple[str, int]]:
     ]
 
 
-def open_channel(address: str, index: int = 0, security: Security | None = None) -> grpc.aio.Channel:
+def open_channel(address: str | list[str], index: int = 0, security: Security | None = None) -> grpc.aio.Channel:
     """An asyncio channel to `address` ("host:port") with our options, over TLS and
-    with the bearer token when `security` says so.
+    with the bearer token when `security` says so. Given several addresses (the
+    replicas of a server), one channel balanced over them (round_robin, with
+    client-side health checking).
 
     Channels with the same arguments share one connection; a distinct `index`
     gives a channel its own, which is how a client reaches several worker
     processes behind one port (the kernel spreads connections, not calls).
     """
     options: list[tuple[str, str | int]] = [*_common_options(), *_RECONNECT_OPTIONS]
+    if isinstance(address, list):
+        if len(address) == 1:
+            address = address[0]
+        else:
+            address = balanced_target(address)
+            options.append(("grpc.service_config", _BALANCED_SERVICE_CONFIG))
     if index:
         options.append(("grpc.gym_channel_index", index))
     if security is None:
@@ -108,6 +131,26 @@ def open_channel(address: str, index: int = 0, security: Security | None = None)
     if credentials is None:
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
     return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
+
+
+def balanced_target(addresses: list[str]) -> str:
+    """A gRPC target naming several "host:port" addresses at once ("ipv4:a:1,b:2"),
+    the form whose addresses a load-balancing policy spreads calls over. Host
+    names are resolved here (gRPC's own resolver takes one name per target)."""
+    resolved = []
+    for address in addresses:
+        host, _, port = address.rpartition(":")
+        host = host.strip("[]")
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            ip = ipaddress.ip_address(socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0][4][0])
+        resolved.append((ip, int(port)))
+    if all(ip.version == 4 for ip, _ in resolved):
+        return "ipv4:" + ",".join(f"{ip}:{port}" for ip, port in resolved)
+    if all(ip.version == 6 for ip, _ in resolved):
+        return "ipv6:" + ",".join(f"[{ip}]:{port}" for ip, port in resolved)
+    raise ValueError(f"replicas on both IPv4 and IPv6 addresses cannot share a channel: {', '.join(addresses)}")
 
 
 #: Seconds a peer we reached before may stay unreachable before the calls
@@ -128,10 +171,21 @@ class Connection:
     address or TLS setting is an error to show, not to wait out.
     """
 
-    def __init__(self, channel: grpc.aio.Channel, address: str, unreachable_seconds: float = UNREACHABLE_SECONDS):
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        address: str,
+        unreachable_seconds: float = UNREACHABLE_SECONDS,
+        *,
+        replica: bool = False,
+    ):
         self.channel = channel
         self.address = address
         self.unreachable_seconds = unreachable_seconds
+        #: A channel to one replica that holds sessions (see `Registry.replica`): never
+        #: waited for, because a replica that went away took its sessions with it.
+        self.replica = replica
+        self._stubs: dict[Callable[[grpc.aio.Channel], Any], Any] = {}
         #: The peer answered at least once.
         self.reached = False
         #: The peer has been unreachable for longer than `unreachable_seconds`.
@@ -144,7 +198,14 @@ class Connection:
     @property
     def wait(self) -> bool:
         """Whether a call now should wait for the peer to be reachable."""
-        return self.reached and not self.given_up
+        return self.reached and not self.given_up and not self.replica
+
+    def stub(self, stub_class: Callable[[grpc.aio.Channel], S]) -> S:
+        """A generated stub of `stub_class` over this channel (made once)."""
+        stub = self._stubs.get(stub_class)
+        if stub is None:
+            stub = self._stubs[stub_class] = stub_class(self.channel)
+        return stub
 
     def answered(self) -> None:
         """The peer answered a call. The state follower may not have seen READY (it
@@ -177,11 +238,12 @@ class Connection:
         for call in list(self._waiting):
             call.cancel()
 
-    async def close(self) -> None:
+    async def close(self, grace: float | None = None) -> None:
+        """Close the channel; with a `grace`, calls in flight get that long to finish."""
         self._follow.cancel()
         if self._give_up is not None:
             self._give_up.cancel()
-        await self.channel.close()
+        await self.channel.close(grace)
 
 
 # --- deadline propagation ----------------------------------------------------

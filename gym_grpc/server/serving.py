@@ -75,6 +75,10 @@ class GymServer:
         self.profiler = Profiler()
         #: What it runs, for AdminService.GetServerInfo (the worker sets the configured string).
         self.entrypoint = f"{type(self).__module__}:{type(self).__qualname__}"
+        #: When it is one of several replicas of a server, its address as the registry lists
+        #: it: a resources server's sessions are pinned to it (SeedSessionResponse.replica).
+        #: Empty for a single server.
+        self.replica = ""
 
     def references(self) -> dict[str, str]:
         """Names of the servers this one calls, by role (for the registry)."""

@@ -79,6 +79,8 @@ class ServerInfo(_message.Message):
     ENTRYPOINT_FIELD_NUMBER: _builtins.int
     REFERENCES_FIELD_NUMBER: _builtins.int
     WORKERS_FIELD_NUMBER: _builtins.int
+    REPLICAS_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name of the server in the configuration, such as "weather_agent"."""
     role: Global___ServerRole.ValueType
@@ -90,14 +92,29 @@ class ServerInfo(_message.Message):
     the port and the kernel spreads connections, not calls, among them: a
     client opens several connections to such an address.
     """
+    generation: _builtins.int
+    """Changes each time the entry changes (a replica added, lost or moved), so
+    that a watcher can tell a new entry from the one it has.
+    """
     @_builtins.property
     def addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Addresses ("host:port") where it serves; several when it has replicas."""
+        """Addresses ("host:port") where it serves, one per live replica (the
+        addresses of `replicas`, in the same order). Callers spread calls over
+        them (gRPC's round_robin with client-side health checking).
+        """
 
     @_builtins.property
     def references(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Names of the servers it calls, by role: for an agent
         {"model": "policy_model", "resources": "weather"}.
+        """
+
+    @_builtins.property
+    def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___Replica]:
+        """Its replicas: each an instance of the server on its own port, maybe on
+        another machine (`replicas: N` under `gym-grpc run --ray`). Only the live
+        ones are listed: a replica whose process died is removed until it is
+        started again. A single local server is one replica.
         """
 
     def __init__(
@@ -109,14 +126,54 @@ class ServerInfo(_message.Message):
         entrypoint: _builtins.str = ...,
         references: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         workers: _builtins.int = ...,
+        replicas: _abc.Iterable[Global___Replica] | None = ...,
+        generation: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "entrypoint", b"entrypoint", "name", b"name", "references", b"references", "role", b"role", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "entrypoint", b"entrypoint", "generation", b"generation", "name", b"name", "references", b"references", "replicas", b"replicas", "role", b"role", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ServerInfo: _TypeAlias = ServerInfo  # noqa: Y015
+
+@_typing.final
+class Replica(_message.Message):
+    """One instance of a server."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    NODE_FIELD_NUMBER: _builtins.int
+    RESTARTS_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
+    address: _builtins.str
+    """Address ("host:port") where it serves."""
+    node: _builtins.str
+    """Machine it runs on: the Ray node id under `gym-grpc run --ray`, else empty
+    (the runner's own machine).
+    """
+    restarts: _builtins.int
+    """Times it was started again after its process died, by the runner or by Ray."""
+    index: _builtins.int
+    """Index of the replica among its server's, from 0; stays the same across
+    restarts, so logs and metrics can follow one replica as it moves.
+    """
+    def __init__(
+        self,
+        *,
+        address: _builtins.str = ...,
+        node: _builtins.str = ...,
+        restarts: _builtins.int = ...,
+        index: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "index", b"index", "node", b"node", "restarts", b"restarts"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Replica: _TypeAlias = Replica  # noqa: Y015
 
 @_typing.final
 class ListServersRequest(_message.Message):
@@ -204,3 +261,49 @@ class GetServerResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetServerResponse: _TypeAlias = GetServerResponse  # noqa: Y015
+
+@_typing.final
+class WatchServerRequest(_message.Message):
+    """Request of RegistryService.WatchServer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Name of the server."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchServerRequest: _TypeAlias = WatchServerRequest  # noqa: Y015
+
+@_typing.final
+class WatchServerResponse(_message.Message):
+    """One message of RegistryService.WatchServer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SERVER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def server(self) -> Global___ServerInfo:
+        """The server's entry as it is now."""
+
+    def __init__(
+        self,
+        *,
+        server: Global___ServerInfo | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["server", b"server"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["server", b"server"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchServerResponse: _TypeAlias = WatchServerResponse  # noqa: Y015

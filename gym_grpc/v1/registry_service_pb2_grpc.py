@@ -45,6 +45,11 @@ class RegistryServiceStub:
                 request_serializer=gym_dot_v1_dot_registry__service__pb2.GetServerRequest.SerializeToString,
                 response_deserializer=gym_dot_v1_dot_registry__service__pb2.GetServerResponse.FromString,
                 _registered_method=True)
+        self.WatchServer = channel.unary_stream(
+                '/gym.v1.RegistryService/WatchServer',
+                request_serializer=gym_dot_v1_dot_registry__service__pb2.WatchServerRequest.SerializeToString,
+                response_deserializer=gym_dot_v1_dot_registry__service__pb2.WatchServerResponse.FromString,
+                _registered_method=True)
 
 
 class RegistryServiceServicer:
@@ -65,6 +70,16 @@ class RegistryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchServer(self, request, context):
+        """Follow one server's entry: the current entry at once, then the entry
+        each time it changes (its replicas come, go or move), until the caller
+        cancels or the registry stops. Clients use it to keep their connections
+        on the live replicas. NOT_FOUND as GetServer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +92,11 @@ def add_RegistryServiceServicer_to_server(servicer, server):
                     servicer.GetServer,
                     request_deserializer=gym_dot_v1_dot_registry__service__pb2.GetServerRequest.FromString,
                     response_serializer=gym_dot_v1_dot_registry__service__pb2.GetServerResponse.SerializeToString,
+            ),
+            'WatchServer': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchServer,
+                    request_deserializer=gym_dot_v1_dot_registry__service__pb2.WatchServerRequest.FromString,
+                    response_serializer=gym_dot_v1_dot_registry__service__pb2.WatchServerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +154,33 @@ class RegistryService:
             '/gym.v1.RegistryService/GetServer',
             gym_dot_v1_dot_registry__service__pb2.GetServerRequest.SerializeToString,
             gym_dot_v1_dot_registry__service__pb2.GetServerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchServer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/gym.v1.RegistryService/WatchServer',
+            gym_dot_v1_dot_registry__service__pb2.WatchServerRequest.SerializeToString,
+            gym_dot_v1_dot_registry__service__pb2.WatchServerResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -37,6 +37,12 @@ class RegistryServiceStub:
     """List every server."""
     GetServer: _grpc.UnaryUnaryMultiCallable[_registry_service_pb2.GetServerRequest, _registry_service_pb2.GetServerResponse]
     """Look one server up by name. NOT_FOUND names the closest known name."""
+    WatchServer: _grpc.UnaryStreamMultiCallable[_registry_service_pb2.WatchServerRequest, _registry_service_pb2.WatchServerResponse]
+    """Follow one server's entry: the current entry at once, then the entry
+    each time it changes (its replicas come, go or move), until the caller
+    cancels or the registry stops. Clients use it to keep their connections
+    on the live replicas. NOT_FOUND as GetServer.
+    """
 
 @_typing.type_check_only
 class RegistryServiceAsyncStub(RegistryServiceStub):
@@ -47,6 +53,12 @@ class RegistryServiceAsyncStub(RegistryServiceStub):
     """List every server."""
     GetServer: _aio.UnaryUnaryMultiCallable[_registry_service_pb2.GetServerRequest, _registry_service_pb2.GetServerResponse]  # type: ignore[assignment]
     """Look one server up by name. NOT_FOUND names the closest known name."""
+    WatchServer: _aio.UnaryStreamMultiCallable[_registry_service_pb2.WatchServerRequest, _registry_service_pb2.WatchServerResponse]  # type: ignore[assignment]
+    """Follow one server's entry: the current entry at once, then the entry
+    each time it changes (its replicas come, go or move), until the caller
+    cancels or the registry stops. Clients use it to keep their connections
+    on the live replicas. NOT_FOUND as GetServer.
+    """
 
 class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
     """The registry that `gym-grpc run` serves."""
@@ -66,5 +78,17 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_registry_service_pb2.GetServerResponse, _abc.Awaitable[_registry_service_pb2.GetServerResponse]]:
         """Look one server up by name. NOT_FOUND names the closest known name."""
+
+    @_abc_1.abstractmethod
+    def WatchServer(
+        self,
+        request: _registry_service_pb2.WatchServerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_registry_service_pb2.WatchServerResponse], _abc.AsyncIterator[_registry_service_pb2.WatchServerResponse]]:
+        """Follow one server's entry: the current entry at once, then the entry
+        each time it changes (its replicas come, go or move), until the caller
+        cancels or the registry stops. Clients use it to keep their connections
+        on the live replicas. NOT_FOUND as GetServer.
+        """
 
 def add_RegistryServiceServicer_to_server(servicer: RegistryServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

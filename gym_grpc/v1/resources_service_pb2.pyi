@@ -60,12 +60,26 @@ class SeedSessionResponse(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    REPLICA_FIELD_NUMBER: _builtins.int
+    replica: _builtins.str
+    """Session affinity. When the server runs as several replicas (see the
+    registry's ServerInfo.replicas), the address ("host:port") of the replica
+    that opened the session and holds its state. SeedSession itself may go to
+    any replica; the caller must send the session's later calls (CallTool,
+    Verify, CloseSession) to this address, not through its load balancer.
+    If that replica is gone, those calls fail with UNAVAILABLE naming it:
+    the session's state is lost with it, and the rollout is retried from the
+    start, not resumed elsewhere. Empty when the server is a single instance
+    or holds no state per session: any address will do.
+    """
     def __init__(
         self,
+        *,
+        replica: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["replica", b"replica"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

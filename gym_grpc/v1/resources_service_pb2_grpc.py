@@ -31,6 +31,11 @@ class ResourcesServiceStub:
     with the same session_id (a stateless environment, see DescribeTools,
     needs no SeedSession and CloseSession).
 
+    Replicas. A server may run as several replicas behind one name; a session
+    lives in the replica that opened it. SeedSession goes to any replica and
+    answers with that replica's address (SeedSessionResponse.replica); every
+    later call of the session goes to that address.
+
     Errors. Every gym.v1 service fails a call with a google.rpc.Status whose
     details hold a google.rpc.ErrorInfo (domain "gym-grpc.dev", `reason` a
     stable UPPER_SNAKE code to branch on, `metadata` such as the tool or the
@@ -102,6 +107,11 @@ class ResourcesServiceServicer:
     it: SeedSession, any number of CallTool, Verify, then CloseSession, all
     with the same session_id (a stateless environment, see DescribeTools,
     needs no SeedSession and CloseSession).
+
+    Replicas. A server may run as several replicas behind one name; a session
+    lives in the replica that opened it. SeedSession goes to any replica and
+    answers with that replica's address (SeedSessionResponse.replica); every
+    later call of the session goes to that address.
 
     Errors. Every gym.v1 service fails a call with a google.rpc.Status whose
     details hold a google.rpc.ErrorInfo (domain "gym-grpc.dev", `reason` a
@@ -224,6 +234,11 @@ class ResourcesService:
     it: SeedSession, any number of CallTool, Verify, then CloseSession, all
     with the same session_id (a stateless environment, see DescribeTools,
     needs no SeedSession and CloseSession).
+
+    Replicas. A server may run as several replicas behind one name; a session
+    lives in the replica that opened it. SeedSession goes to any replica and
+    answers with that replica's address (SeedSessionResponse.replica); every
+    later call of the session goes to that address.
 
     Errors. Every gym.v1 service fails a call with a google.rpc.Status whose
     details hold a google.rpc.ErrorInfo (domain "gym-grpc.dev", `reason` a

@@ -32,6 +32,11 @@ class ResourcesServiceStub:
     with the same session_id (a stateless environment, see DescribeTools,
     needs no SeedSession and CloseSession).
 
+    Replicas. A server may run as several replicas behind one name; a session
+    lives in the replica that opened it. SeedSession goes to any replica and
+    answers with that replica's address (SeedSessionResponse.replica); every
+    later call of the session goes to that address.
+
     Errors. Every gym.v1 service fails a call with a google.rpc.Status whose
     details hold a google.rpc.ErrorInfo (domain "gym-grpc.dev", `reason` a
     stable UPPER_SNAKE code to branch on, `metadata` such as the tool or the
@@ -91,6 +96,11 @@ class ResourcesServiceAsyncStub(ResourcesServiceStub):
     with the same session_id (a stateless environment, see DescribeTools,
     needs no SeedSession and CloseSession).
 
+    Replicas. A server may run as several replicas behind one name; a session
+    lives in the replica that opened it. SeedSession goes to any replica and
+    answers with that replica's address (SeedSessionResponse.replica); every
+    later call of the session goes to that address.
+
     Errors. Every gym.v1 service fails a call with a google.rpc.Status whose
     details hold a google.rpc.ErrorInfo (domain "gym-grpc.dev", `reason` a
     stable UPPER_SNAKE code to branch on, `metadata` such as the tool or the
@@ -145,6 +155,11 @@ class ResourcesServiceServicer(metaclass=_abc_1.ABCMeta):
     it: SeedSession, any number of CallTool, Verify, then CloseSession, all
     with the same session_id (a stateless environment, see DescribeTools,
     needs no SeedSession and CloseSession).
+
+    Replicas. A server may run as several replicas behind one name; a session
+    lives in the replica that opened it. SeedSession goes to any replica and
+    answers with that replica's address (SeedSessionResponse.replica); every
+    later call of the session goes to that address.
 
     Errors. Every gym.v1 service fails a call with a google.rpc.Status whose
     details hold a google.rpc.ErrorInfo (domain "gym-grpc.dev", `reason` a

@@ -1,0 +1,383 @@
+"""`gym-grpc run --ray`: the servers of a configuration as replicas on a Ray cluster.
+
+Ray does the placement, the restarts and the node membership; this module
+only asks it. Each server gets a placement group of `replicas` bundles (of
+`num_cpus` each), laid out by `ray.placement_strategy`, and one actor per
+bundle. An actor is a replica: it serves the server in its own process, on a
+free port of its node, exactly as a local worker does (the CPU pool of a
+verifier included). Ray starts an actor whose process or node died again, up
+to `ray.max_restarts` times, in its bundle, which Ray moves to a live node.
+
+The runner is the Ray driver. It serves the registry and polls every replica
+(an actor call that starts the server when a restarted actor has not yet):
+the registry lists the replicas that answer, and callers follow it (see
+`Registry.connections`). A replica that does not answer is taken out of the
+registry at once; the calls in flight on it fail UNAVAILABLE naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gym_grpc.cli.config import ConfigError, GymConfig, ServerSpec
+from gym_grpc.cli.runner import RegistryServer, StartupError, check_references
+from gym_grpc.rpc.registry import SERVER_ROLES
+from gym_grpc.server.serving import DEFAULT_GRACE_SECONDS, Running, serve
+from gym_grpc.v1 import registry_service_pb2 as reg
+
+log = logging.getLogger("gym_grpc.cli.ray_runner")
+
+#: Seconds between two polls of the replicas.
+POLL_SECONDS = 1.0
+
+#: Seconds a replica has to answer a poll before it is taken out of the registry.
+POLL_TIMEOUT_SECONDS = 10.0
+
+#: Seconds the cluster has to find room for a server's replicas.
+PLACEMENT_TIMEOUT_SECONDS = 60.0
+
+_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+class ReplicaServer:
+    """One replica as a Ray actor: serves the server in the actor's process.
+
+    `start` is idempotent: the runner calls it to start the server and then, at
+    every poll, to learn where it serves; after Ray restarted the actor (a new
+    process, maybe on another node) the next poll starts the server again."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.running: Running | None = None
+        self.node = ""
+
+    async def start(self) -> dict[str, Any]:
+        if self.running is None:
+            self.running = await self._serve()
+        return {
+            "address": self.running.app.replica,
+            "node": self.node,
+            "pid": os.getpid(),
+            "role": self.running.app.role,
+            "references": self.running.app.references(),
+        }
+
+    async def _serve(self) -> Running:
+        import ray
+
+        from gym_grpc.rpc.registry import Registry
+        from gym_grpc.rpc.security import Security
+        from gym_grpc.server import open_files
+        from gym_grpc.server.entrypoints import load_entrypoint
+        from gym_grpc.server.profiling import Profiler
+
+        spec = self.spec
+        label = f"{spec['name']}#{spec['index']}"
+        logging.basicConfig(
+            stream=sys.stderr, level=spec["log_level"], format=f"%(asctime)s [{label}] %(levelname)s %(message)s"
+        )
+        open_files.raise_limit(f"replica {label}")
+        security = Security.model_validate(spec["security"])
+        cls = load_entrypoint(spec["entrypoint"])
+        app = cls(spec["config"], name=spec["name"], registry=Registry(spec["registry"], security=security))
+        app.entrypoint = spec["entrypoint"]
+        if spec["profiling_dir"]:
+            app.profiler = Profiler(spec["profiling_dir"], label)
+        self.node = ray.get_runtime_context().get_node_id()
+        running = await serve(app, "0.0.0.0", 0, security=security)
+        app.replica = f"{ray.util.get_node_ip_address()}:{running.port}"
+        return running
+
+    async def stop(self, grace: float) -> None:
+        if self.running is not None:
+            await self.running.stop(grace)
+
+
+@dataclass
+class Replica:
+    """What the runner knows of one replica."""
+
+    index: int
+    actor: Any
+    #: The actor's last answer (address, node, pid), or None while it does not answer.
+    seen: dict[str, Any] | None = None
+    pid: int = 0
+    restarts: int = 0
+    #: Ray gave up on it (max_restarts reached).
+    lost: bool = False
+
+
+@dataclass
+class RayServer:
+    """The replicas of one server."""
+
+    name: str
+    spec: ServerSpec
+    group: Any = None
+    replicas: list[Replica] = field(default_factory=list)
+    info: reg.ServerInfo = field(default_factory=reg.ServerInfo)
+
+
+class RayRunner:
+    """Starts, watches and stops the replicas of one configuration on a Ray cluster."""
+
+    def __init__(
+        self,
+        config: GymConfig,
+        *,
+        grace: float = DEFAULT_GRACE_SECONDS,
+        startup_timeout: float = 120.0,
+        log_level: str = "INFO",
+    ) -> None:
+        assert config.ray is not None, "a RayRunner needs the config's ray block"
+        self.config = config
+        self.ray_spec = config.ray
+        self.grace = grace
+        self.startup_timeout = startup_timeout
+        self.log_level = log_level
+        self.servers: dict[str, RayServer] = {}
+        self.registry: Running | None = None
+        self._joined = False  # we called ray.init, so we call ray.shutdown
+
+    @property
+    def registry_address(self) -> str:
+        if self.registry is None:
+            raise RuntimeError("the runner is not started")
+        return self.registry.address
+
+    async def start(self) -> None:
+        """Join the cluster, serve the registry, place and start every replica; return once all serve."""
+        if not self.config.servers:
+            raise ConfigError("the configuration has no servers")
+        ray = _import_ray()
+        if not ray.is_initialized():
+            address = None if self.ray_spec.address == "local" else self.ray_spec.address
+            try:
+                ray.init(address=address, log_to_driver=True, include_dashboard=False)
+            except ConnectionError as e:
+                raise StartupError(f"cannot join the Ray cluster at {self.ray_spec.address!r}: {e}") from None
+            self._joined = True
+        try:
+            await self._serve_registry(ray)
+            await asyncio.wait_for(self._start_servers(), self.startup_timeout)
+        except TimeoutError:
+            await self.stop()
+            pending = [s.name for s in self.servers.values() if not s.info.addresses]
+            raise StartupError(f"servers not ready after {self.startup_timeout:.0f} s: {', '.join(pending)}") from None
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _serve_registry(self, ray: Any) -> None:
+        spec = self.config.registry
+        # Replicas on other nodes must reach it: a loopback host becomes every interface.
+        host = "0.0.0.0" if spec.host in _LOOPBACK else spec.host
+        try:
+            self.registry = await serve(RegistryServer(), host, spec.port, security=self.config.security)
+        except (OSError, RuntimeError) as e:
+            raise StartupError(
+                f"cannot serve the registry on {host}:{spec.port} ({e}); pick another port with registry.port=PORT"
+            ) from None
+        self.registry.host = ray.util.get_node_ip_address() if host == "0.0.0.0" else host
+
+    async def _start_servers(self) -> None:
+        self.servers = {name: RayServer(name, spec) for name, spec in self.config.servers.items()}
+        await asyncio.gather(*(self._place(s) for s in self.servers.values()))
+        await asyncio.gather(*(self._poll(s, first=True) for s in self.servers.values()))
+        infos = {s.name: s.info for s in self.servers.values()}
+        check_references(infos)
+        for info in infos.values():
+            self._servicer().add(info)
+
+    async def _place(self, server: RayServer) -> None:
+        """Reserve the server's bundles, then start one actor in each."""
+        ray = _import_ray()
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        spec = server.spec
+        bundles = [{"CPU": spec.num_cpus} for _ in range(spec.replicas)]
+        server.group = placement_group(bundles, strategy=self.ray_spec.placement_strategy, name=f"gym-{server.name}")
+        try:
+            await asyncio.wait_for(server.group.ready(), PLACEMENT_TIMEOUT_SECONDS)
+        except TimeoutError:
+            resources = ray.available_resources().get("CPU", 0.0)
+            raise StartupError(
+                f"server {server.name!r}: Ray found no room for {spec.replicas} replicas of {spec.num_cpus:g} CPU "
+                f"({self.ray_spec.placement_strategy}) in {PLACEMENT_TIMEOUT_SECONDS:.0f} s; the cluster has "
+                f"{resources:g} CPUs free and {len(ray.nodes())} nodes. Lower servers.{server.name}.replicas or "
+                f".num_cpus, or use placement_strategy SPREAD"
+            ) from None
+        actor_class = ray.remote(ReplicaServer)
+        for index in range(spec.replicas):
+            actor = actor_class.options(
+                name=f"gym-{server.name}-{index}",
+                num_cpus=spec.num_cpus,
+                max_restarts=self.ray_spec.max_restarts,
+                max_task_retries=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(server.group, placement_group_bundle_index=index),
+                # gRPC's fork handlers abort children forked while gRPC is busy (see gym_grpc/__init__.py);
+                # Ray's worker imports grpc before gym_grpc can turn them off.
+                runtime_env={"env_vars": {"GRPC_ENABLE_FORK_SUPPORT": "false"}},
+            ).remote(self._replica_spec(server, index))
+            server.replicas.append(Replica(index=index, actor=actor))
+
+    def _replica_spec(self, server: RayServer, index: int) -> dict[str, Any]:
+        spec = server.spec
+        return {
+            "name": server.name,
+            "index": index,
+            "entrypoint": spec.entrypoint,
+            "config": spec.config,
+            "registry": self.registry_address,
+            "security": self.config.security.model_dump(),
+            "log_level": self.log_level,
+            "profiling_dir": self.config.profiling_results_dirpath if self.config.profiling_enabled else None,
+        }
+
+    async def _poll(self, server: RayServer, first: bool = False) -> bool:
+        """Ask every replica of a server where it serves (starting it if needed) and
+        update its registry entry; whether any replica died since the last poll."""
+        ray = _import_ray()
+        timeout = self.startup_timeout if first else POLL_TIMEOUT_SECONDS
+        answers = await asyncio.gather(
+            *(asyncio.wait_for(_answer(r.actor.start.remote()), timeout) for r in server.replicas if not r.lost),
+            return_exceptions=True,
+        )
+        died = False
+        for replica, answer in zip([r for r in server.replicas if not r.lost], answers, strict=True):
+            label = f"{server.name}#{replica.index}"
+            if isinstance(answer, dict):
+                if replica.pid and answer["pid"] != replica.pid:
+                    replica.restarts += 1
+                    died = True
+                    log.warning(
+                        "replica %s restarted by Ray (%d of %d) on node %s at %s",
+                        label,
+                        replica.restarts,
+                        self.ray_spec.max_restarts,
+                        answer["node"][:12],
+                        answer["address"],
+                    )
+                replica.pid, replica.seen = answer["pid"], answer
+                continue
+            if first:
+                raise StartupError(f"replica {label} could not start: {_why(answer)}")
+            if replica.seen is not None:
+                died = True
+                log.error("replica %s at %s is down: %s", label, replica.seen["address"], _why(answer))
+            replica.seen = None
+            if isinstance(answer, ray.exceptions.ActorDiedError):
+                replica.lost = True
+                log.error("replica %s is lost for good (Ray gave up after %d restarts)", label, replica.restarts)
+        self._update(server)
+        return died
+
+    def _update(self, server: RayServer) -> None:
+        live = [r for r in server.replicas if r.seen is not None]
+        first = live[0].seen if live else {}
+        server.info = reg.ServerInfo(
+            name=server.name,
+            role=first.get("role", server.info.role),  # type: ignore[union-attr]
+            addresses=[r.seen["address"] for r in live],  # type: ignore[index]
+            replicas=[
+                reg.Replica(address=r.seen["address"], node=r.seen["node"], restarts=r.restarts, index=r.index)  # type: ignore[index]
+                for r in live
+            ],
+            entrypoint=server.spec.entrypoint,
+            references=first.get("references", dict(server.info.references)),  # type: ignore[union-attr]
+        )
+        if self.registry is not None and server.name in self._servicer().servers:
+            self._servicer().add(server.info)
+
+    def _servicer(self) -> Any:
+        assert self.registry is not None
+        return self.registry.app.servicer  # type: ignore[attr-defined]
+
+    def processes(self) -> list[tuple[str, int]]:
+        """(server name, pid) of every replica that answers."""
+        return [(s.name, r.pid) for s in self.servers.values() for r in s.replicas if r.seen is not None]
+
+    async def watch(self, stop: asyncio.Event) -> int:
+        """Poll the replicas until `stop` is set; 1 when any replica died (Ray restarts
+        it, up to max_restarts), 0 otherwise; returns early when every replica is lost."""
+        code = 0
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), POLL_SECONDS)
+            except TimeoutError:
+                pass
+            if stop.is_set():
+                break
+            died = await asyncio.gather(*(self._poll(s) for s in self.servers.values()))
+            code = 1 if any(died) else code
+            if all(r.lost for s in self.servers.values() for r in s.replicas):
+                log.error("every replica is lost")
+                break
+        return code
+
+    async def stop(self) -> None:
+        """Stop every replica (its in-flight calls get the grace period), end the actors and
+        their placement groups, stop the registry, and leave the cluster if we joined it."""
+        ray = _import_ray()
+        replicas = [r for s in self.servers.values() for r in s.replicas if not r.lost]
+        if replicas:
+            await asyncio.wait(
+                [asyncio.ensure_future(_answer(r.actor.stop.remote(self.grace))) for r in replicas],
+                timeout=self.grace + 5,
+            )
+        for replica in replicas:
+            ray.kill(replica.actor, no_restart=True)
+        from ray.util.placement_group import remove_placement_group
+
+        for server in self.servers.values():
+            if server.group is not None:
+                remove_placement_group(server.group)
+        if self.registry is not None:
+            await self._servicer().close()
+            await self.registry.stop(grace=1.0)
+        if self._joined:
+            ray.shutdown()
+            self._joined = False
+
+
+async def _answer(ref: Any) -> Any:
+    return await ref
+
+
+def _why(error: BaseException) -> str:
+    if isinstance(error, TimeoutError):
+        return "no answer in time"
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[-1] if text else ''}"
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("--ray needs Ray: pip install 'gym-grpc[ray]'") from None
+    return ray
+
+
+def describe(runner: RayRunner, started: float) -> str:
+    """A table of the running replicas, for the terminal."""
+    lines = [f"registry   {runner.registry_address}"]
+    for s in runner.servers.values():
+        refs = ", ".join(f"{k}={v}" for k, v in sorted(s.info.references.items()))
+        role = SERVER_ROLES.get(s.info.role, "?")
+        for r in s.info.replicas:
+            lines.append(f"{role:<10} {s.name + '#' + str(r.index):<24} {r.address:<22} node {r.node[:12]}  {refs}")
+    count = sum(len(s.info.replicas) for s in runner.servers.values())
+    nodes = len({r.node for s in runner.servers.values() for r in s.info.replicas})
+    lines.append(
+        f"{len(runner.servers)} servers healthy in {time.monotonic() - started:.1f} s "
+        f"({count} replicas on {nodes} Ray nodes)"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,188 @@
+"""`gym-grpc run --ray` on a three-node Ray cluster: replicas spread over the nodes,
+calls balanced over them, sessions pinned to their replica under load, and a node
+lost in the middle of a collection. Everything is real: the raylets, the actors,
+the servers in them, `gym-grpc run` and `gym-grpc collect` as processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gym_grpc.rpc import transport
+from gym_grpc.rpc.registry import Registry
+from gym_grpc.v1 import admin_service_pb2 as admin_pb
+from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
+from gym_grpc.v1 import registry_service_pb2 as reg
+from tests.ray_cluster.conftest import AGENT, NODES, TASKS, kill_node, start_ray_run, stop
+from tests.test_cli import _tool
+
+pytestmark = [pytest.mark.ray_cluster, pytest.mark.slow]
+
+TASK_ROWS = len(TASKS.read_text().splitlines())
+
+
+def collect_command(registry: str, output: Path, repeats: int, *extra: str) -> list[str]:
+    return [
+        _tool("gym-grpc"),
+        "collect",
+        "--registry",
+        registry,
+        "--agent",
+        AGENT,
+        "--input",
+        str(TASKS),
+        "--output",
+        str(output),
+        "--num-repeats",
+        str(repeats),
+        "--no-progress",
+        *extra,
+    ]
+
+
+def rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def keys(path: Path) -> list[tuple[int, int]]:
+    return [(row["_ng_task_index"], row["_ng_rollout_index"]) for row in rows(path)]
+
+
+async def entries(registry: str) -> dict[str, reg.ServerInfo]:
+    client = Registry(registry)
+    try:
+        return {info.name: info for info in await client.list()}
+    finally:
+        await client.close()
+
+
+async def calls_per_replica(info: reg.ServerInfo) -> list[dict[str, int]]:
+    """Each replica's finished calls by method, from its own AdminService counters."""
+    counts = []
+    for replica in info.replicas:
+        channel = transport.open_channel(replica.address)
+        try:
+            reply = await admin_grpc.AdminServiceStub(channel).GetCounters(admin_pb.GetCountersRequest(), timeout=10)
+        finally:
+            await channel.close()
+        counts.append({m.method: sum(m.calls_by_status.values()) for m in reply.methods})
+    return counts
+
+
+def test_replicas_spread_over_the_nodes_share_the_calls_and_keep_their_sessions(cluster, tmp_path):
+    run = start_ray_run(cluster, tmp_path)
+    try:
+        servers = asyncio.run(entries(run.registry))
+        for name, replicas in [("policy_model", 2), ("session_state", 3), (AGENT, 3)]:
+            info = servers[name]
+            assert len(info.replicas) == replicas, info
+            assert len({r.node for r in info.replicas}) == replicas  # SPREAD: one per node
+            assert list(info.addresses) == [r.address for r in info.replicas]
+        assert len({r.node for info in servers.values() for r in info.replicas}) == NODES
+
+        repeats = 60  # 300 rollouts, all in flight at once: sessions on three replicas under load
+        output = tmp_path / "rollouts.jsonl"
+        command = collect_command(run.registry, output, repeats)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
+        total = TASK_ROWS * repeats
+        assert sorted(keys(output)) == [(t, r) for t in range(TASK_ROWS) for r in range(repeats)]
+
+        agents = asyncio.run(calls_per_replica(servers[AGENT]))
+        environments = asyncio.run(calls_per_replica(servers["session_state"]))
+        models = asyncio.run(calls_per_replica(servers["policy_model"]))
+        print("Run per agent replica:", [c["Run"] for c in agents])
+        print("SeedSession per environment replica:", [c["SeedSession"] for c in environments])
+        print("CreateResponse per model replica:", [c["CreateResponse"] for c in models])
+        # round_robin over the replicas: every one takes a fair share (an exact third per
+        # connection; the collector's several connections start at different replicas).
+        for counts, method in [(agents, "Run"), (environments, "SeedSession"), (models, "CreateResponse")]:
+            shares = [c.get(method, 0) for c in counts]
+            assert min(shares) >= sum(shares) / len(shares) / 2, (method, shares)
+        assert sum(c["Run"] for c in agents) == total
+        # Affinity: a session's calls all reach the replica that opened it. A call sent
+        # elsewhere would fail (that replica has no such session), so every replica
+        # closed and verified exactly the sessions it opened, and no call failed.
+        for counts in environments:
+            assert counts["SeedSession"] == counts["Verify"] == counts["CloseSession"], counts
+            assert counts["CallTool"] >= counts["SeedSession"], counts
+        assert sum(c["SeedSession"] for c in environments) == total
+    finally:
+        assert stop(run) == 0, run.log()
+
+
+def _wait(predicate: Any, seconds: float, what: str) -> Any:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    pytest.fail(f"not within {seconds:.0f} s: {what}")
+
+
+def test_a_node_lost_mid_collection_costs_its_rollouts_only_and_a_rerun_completes_every_key_once(cluster, tmp_path):
+    """The last test of the module: it leaves the cluster a node short."""
+    run = start_ray_run(cluster, tmp_path, 0.2)
+    try:
+        before = asyncio.run(entries(run.registry))
+        # A worker node (the head holds the GCS) with an agent and an environment replica on it.
+        victim = next(
+            node
+            for node in cluster.worker_nodes
+            if any(r.node == node.node_id for r in before[AGENT].replicas)
+            and any(r.node == node.node_id for r in before["session_state"].replicas)
+        )
+        lost = {r.address for info in before.values() for r in info.replicas if r.node == victim.node_id}
+
+        repeats = 80  # 400 rollouts of ~0.5 s, 60 at a time: plenty in flight when the node goes
+        output = tmp_path / "rollouts.jsonl"
+        command = collect_command(run.registry, output, repeats, "--max-in-flight", "60")
+        collect = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _wait(lambda: len(rows(output)) >= 60 or collect.poll() is not None, 120, "60 rollouts collected")
+        assert collect.poll() is None, "the collection ended before the node could be lost"
+        kill_node(cluster, victim)
+        _, stderr = collect.communicate(timeout=600)
+        done = keys(output)
+        failures = rows(output.with_suffix(".failures.jsonl"))
+        print(f"node lost mid-run: {len(done)} rollouts completed, {len(failures)} lost with the node")
+        print("errors:", Counter(f["error"]["message"] for f in failures).most_common())
+        total = TASK_ROWS * repeats
+        assert failures, stderr
+        assert len(done) + len(failures) == total, stderr
+        assert len(set(done)) == len(done)
+        for failure in failures:
+            error = json.dumps(failure)
+            assert "UNAVAILABLE" in error, failure
+            assert any(address in error for address in lost), failure  # names the replica that was lost
+
+        # Ray starts the lost replicas again on the nodes left; the registry lists them.
+        def replaced() -> dict[str, reg.ServerInfo] | None:
+            now = asyncio.run(entries(run.registry))
+            counts = {name: len(info.replicas) for name, info in now.items()}
+            on_victim = [r for info in now.values() for r in info.replicas if r.node == victim.node_id]
+            full = counts == {name: len(info.replicas) for name, info in before.items()}
+            return now if full and not on_victim else None
+
+        after = _wait(replaced, 120, "every lost replica started again on another node")
+        restarted = [r for info in after.values() for r in info.replicas if r.restarts]
+        assert len(restarted) == len(lost), after
+        assert not lost & {r.address for info in after.values() for r in info.replicas}
+
+        rerun = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        assert rerun.returncode == 0, rerun.stderr
+        assert f"{len(done)} already done" in rerun.stderr
+        final = keys(output)
+        assert len(final) == len(set(final)) == total
+        assert Counter(final) == Counter((t, r) for t in range(TASK_ROWS) for r in range(repeats))
+    finally:
+        code = stop(run)
+    assert code == 1  # a replica died during the run, as the local runner reports a dead server
+    assert "restarted by Ray" in run.log()

@@ -1,0 +1,271 @@
+"""Replicas on one machine, without Ray: calls spread over a server's replicas by gRPC's
+round_robin, a session's calls pinned to the replica that opened it, a replica that stops
+serving taken out of the rotation by client-side health checking, clients that follow the
+registry as replicas come and go, and a call lost with its replica that names it.
+
+Replicas here are servers on loopback, in this process or (where a replica must die as a
+process does) in their own processes; the registry is the real registry service."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from gym_grpc import errors
+from gym_grpc.client.stubs import ModelClient, ResourcesClient
+from gym_grpc.rpc import transport
+from gym_grpc.rpc.registry import Registry
+from gym_grpc.server.serving import Running
+from gym_grpc.testing import Calculator, Servers, say
+from gym_grpc.v1 import admin_service_pb2 as admin_pb
+from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
+from gym_grpc.v1 import registry_service_pb2 as reg
+from gym_grpc.v1 import responses_pb2 as r
+from tests.support import REPO, EchoModel, task
+
+
+def entry(name: str, *replicas: Running) -> reg.ServerInfo:
+    """The registry's entry of a server with these replicas, as `gym-grpc run --ray` writes it."""
+    return reg.ServerInfo(
+        name=name,
+        addresses=[s.address for s in replicas],
+        replicas=[reg.Replica(address=s.address, index=i) for i, s in enumerate(replicas)],
+    )
+
+
+async def start_registry(servers: Servers) -> Running:
+    from gym_grpc.cli.runner import RegistryServer
+
+    return await servers.start(RegistryServer())
+
+
+def params(text: str) -> r.CreateParams:
+    p = r.CreateParams()
+    p.input_items.items.add().message.CopyFrom(r.Message(role=r.ROLE_USER, text=text))
+    return p
+
+
+def calls(replica: Running, method: str) -> int:
+    """Calls of `method` the replica answered OK."""
+    counters = replica.app.counters.methods.get(method)
+    return 0 if counters is None else counters.by_status["OK"]
+
+
+async def eventually(predicate, what: str, seconds: float = 20.0) -> None:
+    """Wait for a condition another task brings about."""
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {seconds:.0f} s: {what}")
+        await asyncio.sleep(0.01)
+
+
+async def test_calls_spread_over_every_replica_of_a_server():
+    async with Servers() as servers:
+        registry_server = await start_registry(servers)
+        replicas = [await servers.start(EchoModel(delay=0)) for _ in range(3)]
+        registry_server.app.servicer.add(entry("model", *replicas))
+        registry = Registry(registry_server.address)
+        client = ModelClient(registry, "model")
+        try:
+            for i in range(300):
+                await client.create_response(params(f"hello {i}"))
+        finally:
+            await registry.close()
+        counts = [len(replica.app.requests) for replica in replicas]
+        assert sum(counts) == 300
+        # round_robin turns over the replicas that are ready; all three are within the first calls.
+        assert min(counts) >= 90, counts
+
+
+async def test_a_sessions_calls_reach_the_replica_that_opened_it():
+    async with Servers() as servers:
+        registry_server = await start_registry(servers)
+        replicas = [await servers.start(Calculator()) for _ in range(3)]
+        for replica in replicas:
+            replica.app.replica = replica.address
+        registry_server.app.servicer.add(entry("calc", *replicas))
+        registry = Registry(registry_server.address)
+        client = ResourcesClient(registry, "calc")
+
+        async def rollout(i: int) -> float:
+            session = f"s{i}"
+            await client.seed_session(session, task("add", expected_answer=3))
+            for _ in range(3):  # each call would fail on a replica without the session
+                result = await client.call_tool(session, r.FunctionCall(name="add", arguments='{"a": 1, "b": 2}'))
+                assert not result.error, result
+            response = r.Response(output=say("3"))
+            verified = await client.verify(session, task("add", expected_answer=3), response)
+            await client.close_session(session)
+            return json.loads(verified.fields_json)["tool_calls_seen"]
+
+        try:
+            seen = await asyncio.gather(*(rollout(i) for i in range(60)))
+        finally:
+            await registry.close()
+        assert seen == [3] * 60  # every session kept its own count: one replica held it throughout
+        for replica in replicas:
+            opened = calls(replica, "SeedSession")
+            assert opened > 0
+            assert calls(replica, "CallTool") == 3 * opened
+            assert calls(replica, "Verify") == calls(replica, "CloseSession") == opened
+            assert not replica.app.sessions  # all closed where they were opened
+        assert not client._sessions  # and forgotten by the client
+
+
+async def test_a_replica_that_stops_serving_is_taken_out_of_the_rotation():
+    async with Servers() as servers:
+        registry_server = await start_registry(servers)
+        replicas = [await servers.start(EchoModel(delay=0)) for _ in range(2)]
+        registry_server.app.servicer.add(entry("model", *replicas))
+        registry = Registry(registry_server.address)
+        client = ModelClient(registry, "model")
+        leaving = replicas[0].app.requests
+
+        async def calls_until(done, what: str) -> None:
+            """Keep calling until `done()`: the health update travels over a Watch stream."""
+            deadline = time.monotonic() + 20
+            while not done():
+                assert time.monotonic() < deadline, what
+                await client.create_response(params("which?"))
+
+        try:
+            await calls_until(lambda: all(r.app.requests for r in replicas), "calls on both replicas")
+            await replicas[0].health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            seen = [len(leaving)]  # calls it had; 50 calls in a row without one more means it is out
+
+            def out_of_rotation() -> bool:
+                seen.append(len(leaving))
+                return len(seen) > 50 and seen[-51] == seen[-1]
+
+            await calls_until(out_of_rotation, "the replica that stopped serving still gets calls")
+            await replicas[0].health.set("", health_pb2.HealthCheckResponse.SERVING)
+            back = len(leaving)
+            await calls_until(lambda: len(leaving) > back, "no calls on the replica serving again")
+        finally:
+            await registry.close()
+
+
+async def test_clients_follow_the_registry_as_replicas_come_and_go():
+    async with Servers() as servers:
+        registry_server = await start_registry(servers)
+        first = await servers.start(EchoModel(delay=0))
+        second = await servers.start(EchoModel(delay=0))
+        servicer = registry_server.app.servicer
+        servicer.add(entry("model", first))
+        registry = Registry(registry_server.address)
+        client = ModelClient(registry, "model")
+        try:
+            await client.create_response(params("one"))
+            assert len(first.app.requests) == 1
+
+            servicer.add(entry("model", first, second))  # a replica joins
+
+            async def reaches(replica: Running) -> None:
+                while not replica.app.requests:
+                    await client.create_response(params("which?"))
+
+            await asyncio.wait_for(reaches(second), 20)
+
+            first.app.delay = second.app.delay = 1.0
+            slow = [asyncio.ensure_future(client.create_response(params("slow"))) for _ in range(2)]
+            await eventually(lambda: first.app.active == second.app.active == 1, "a slow call on each replica")
+            second.app.delay = 0
+            servicer.add(entry("model", second))  # the first replica leaves the registry
+
+            async def followed() -> bool:
+                return list((await registry.info("model")).addresses) == [second.address]
+
+            deadline = time.monotonic() + 20
+            while not await followed():
+                assert time.monotonic() < deadline, "the client did not follow the registry"
+                await asyncio.sleep(0.01)
+            count = len(first.app.requests)
+            for i in range(20):
+                await client.create_response(params(f"after {i}"))
+            assert len(first.app.requests) == count  # new calls go to the replicas listed now
+            for call in slow:
+                assert (await call).output  # the call in flight on the old channel finished there
+        finally:
+            await registry.close()
+
+
+def _start_replica_process(latency: float) -> tuple[subprocess.Popen, str]:
+    """A local-policy model server in its own process, as `gym-grpc run` starts one; its address."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gym_grpc.server.worker"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    spec = {
+        "name": "model",
+        "entrypoint": f"{REPO}/servers/models/local_policy/server.py:LocalPolicyModel",
+        "host": "127.0.0.1",
+        "port": 0,
+        "config": {"latency_seconds": latency},
+        "registry": "127.0.0.1:1",
+        "grace": 1.0,
+    }
+    assert process.stdin is not None and process.stdout is not None
+    process.stdin.write(json.dumps(spec) + "\n")
+    process.stdin.flush()
+    report = json.loads(process.stdout.readline())
+    return process, f"127.0.0.1:{report['port']}"
+
+
+async def _in_flight(address: str) -> None:
+    """Return once the server at `address` has a CreateResponse call in flight."""
+    channel = transport.open_channel(address)
+    stub = admin_grpc.AdminServiceStub(channel)
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            counters = await stub.GetCounters(admin_pb.GetCountersRequest(), timeout=5)
+            if any(m.method == "CreateResponse" and m.in_flight for m in counters.methods):
+                return
+            await asyncio.sleep(0.01)
+        pytest.fail(f"no call reached {address}")
+    finally:
+        await channel.close()
+
+
+@pytest.mark.slow
+async def test_a_call_lost_with_its_replica_fails_unavailable_naming_it():
+    processes = [_start_replica_process(latency=5.0) for _ in range(2)]
+    (doomed, doomed_address), (_, survivor_address) = processes
+    try:
+        async with Servers() as servers:
+            registry_server = await start_registry(servers)
+            info = reg.ServerInfo(name="model", addresses=[doomed_address, survivor_address])
+            registry_server.app.servicer.add(info)
+            registry = Registry(registry_server.address)
+            client = ModelClient(registry, "model")
+            try:
+                for _ in range(4):
+                    await client.server_info()  # both replicas connected and answering
+                rollouts = [asyncio.ensure_future(client.create_response(params(f"{i}"))) for i in range(4)]
+                await _in_flight(doomed_address)  # calls in the doomed replica, waiting out its latency
+                doomed.send_signal(signal.SIGKILL)
+                results = await asyncio.gather(*rollouts, return_exceptions=True)
+            finally:
+                await registry.close()
+        lost = [e for e in results if isinstance(e, errors.GymError)]
+        assert 0 < len(lost) < len(results), results
+        for error in lost:
+            assert error.code == grpc.StatusCode.UNAVAILABLE
+            assert f"(replica {doomed_address} not answering)" in error.message, error.message
+            assert survivor_address not in error.message
+    finally:
+        for process, _ in processes:
+            process.kill()
+            process.wait()
