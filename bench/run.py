@@ -14,6 +14,10 @@ What it measures, each in real processes on loopback:
   (e) http_engine_16k  16,384 weather rollouts in flight through each HTTP model server (vllm:
                        Chat Completions, openai: Responses) to an engine that answers after 2 s,
                        then 10 s, with --cpu-hogs busy processes loading the machine meanwhile
+  (f) replicas         the weather workload on a Ray cluster of three nodes on this machine
+                       (ray.cluster_utils), with 1, 2 and 4 replicas of each server, beside
+                       the same servers without Ray; calls per replica; and the registry
+                       pushing one change to 2,000 watchers (bench/registry_fanout.py)
       startup          `gym-grpc run` of the quickstart, from start to every server healthy
 CPU per rollout is the CPU time of every process (servers and collector) divided by the rollouts.
 """
@@ -146,7 +150,8 @@ class Stack:
             raise RuntimeError("gym-grpc run failed:\n" + "".join(lines))
         self.ready_seconds = time.monotonic() - started
         self.registry = re.search(r"^registry\s+(\S+)", lines[0]).group(1)
-        self.servers = {m.group(2): m.group(3) for m in (re.match(r"(\w+)\s+(\w+)\s+(\S+)", x) for x in lines[1:-1])}
+        # "role name address ...": under --ray one line per replica, named "name#index"
+        self.servers = {m.group(2): m.group(3) for m in (re.match(r"(\S+)\s+(\S+)\s+(\S+)", x) for x in lines[1:-1])}
         ps = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.process.pid)], capture_output=True, text=True)
         self.pids = [int(p) for p in ps.stdout.split()]
 
@@ -401,6 +406,152 @@ def bench_collector(tmp: Path, input_rows: int, limit: int, checkpoint: int) -> 
     }
 
 
+def _replicas_config(directory: Path, replicas: int) -> Path:
+    """The weather workload with `replicas` replicas of each server (0: no Ray, one process each)."""
+    agent = f"{REPO}/servers/agents/simple_agent/agent.py:SimpleAgent"
+    servers = {
+        "policy_model": {"entrypoint": f"{REPO}/servers/models/local_policy/server.py:LocalPolicyModel"},
+        "weather": {"entrypoint": f"{REPO}/servers/resources/weather/server.py:WeatherEnv"},
+        "weather_agent": {
+            "entrypoint": agent,
+            "config": {"model_server": "policy_model", "resources_server": "weather"},
+        },
+    }
+    if replicas:
+        for spec in servers.values():
+            spec.update(replicas=replicas, num_cpus=0.25)
+    path = directory / f"replicas_{replicas}.yaml"
+    path.write_text(json.dumps({"registry": {"port": 0}, "servers": servers}))
+    return path
+
+
+def _descendants(pids: list[int]) -> list[int]:
+    """`pids` and every process they started, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], list(pids)
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def _cpu_of(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        try:
+            total += _cpu_seconds(pid)
+        except (OSError, IndexError):
+            pass  # gone
+    return total
+
+
+def _replicas(registry: str) -> dict[str, list[tuple[int, dict[str, int]]]]:
+    """Every replica of every server: its pid and its finished calls by method (its own counters)."""
+    import asyncio
+
+    from gym_grpc.rpc import transport
+    from gym_grpc.rpc.registry import Registry
+    from gym_grpc.v1 import admin_service_pb2 as admin_pb
+    from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
+
+    async def ask() -> dict[str, list[tuple[int, dict[str, int]]]]:
+        client = Registry(registry)
+        try:
+            infos = await client.list()
+        finally:
+            await client.close()
+        found: dict[str, list[tuple[int, dict[str, int]]]] = {}
+        for info in infos:
+            for address in info.addresses:
+                async with transport.open_channel(address) as channel:
+                    stub = admin_grpc.AdminServiceStub(channel)
+                    pid = (await stub.GetServerInfo(admin_pb.GetServerInfoRequest(), timeout=10)).pid
+                    counters = await stub.GetCounters(admin_pb.GetCountersRequest(), timeout=10)
+                calls = {m.method: sum(m.calls_by_status.values()) for m in counters.methods}
+                found.setdefault(info.name, []).append((pid, calls))
+        return found
+
+    return asyncio.run(ask())
+
+
+def bench_replicas(tmp: Path, counts: list[int], rollouts: int, window: int, watchers: int) -> dict:
+    from ray.cluster_utils import Cluster
+
+    nodes, node_cpus = 3, 4
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": node_cpus, "include_dashboard": False})
+    for _ in range(nodes - 1):
+        cluster.add_node(num_cpus=node_cpus)
+    cluster.wait_for_nodes()
+    ray_pids = [p.process.pid for node in cluster.list_all_nodes() for ps in node.all_processes.values() for p in ps]
+    tasks = _tasks(tmp, "weather", WEATHER_ROWS, rollouts)
+    runs = []
+    try:
+        for replicas in [0, *counts]:
+            ray = ["--ray", cluster.address] if replicas else []
+            stack = Stack(_replicas_config(tmp, replicas), *ray)
+            try:
+                servers = {name: [pid for pid, _ in found] for name, found in _replicas(stack.registry).items()}
+                processes = _descendants([stack.process.pid, *(ray_pids if replicas else [])])
+                before = {name: _cpu_of(pids) for name, pids in servers.items()}
+                cpu_before = _cpu_of(processes)
+                run = collect(stack, "weather_agent", tasks, tmp / "replicas.jsonl", window)
+                cpu = _cpu_of(processes) - cpu_before + run.collector_cpu
+                by_server = {name: _cpu_of(pids) - before[name] for name, pids in servers.items()}
+                row = _row(run, cpu, replicas=replicas, in_flight=window)
+                done = max(run.rollouts, 1)
+                row["cpu_ms_per_rollout_by_process"] = {
+                    **{name: round(1000 * seconds / done, 3) for name, seconds in by_server.items()},
+                    "collector": round(1000 * run.collector_cpu / done, 3),
+                    "runner and Ray": round(1000 * (cpu - sum(by_server.values()) - run.collector_cpu) / done, 3),
+                }
+                row["ready_seconds"] = round(stack.ready_seconds, 2)
+                calls = _replicas(stack.registry)
+                row["agent_runs_per_replica"] = [c.get("Run", 0) for _, c in calls["weather_agent"]]
+                row["model_calls_per_replica"] = [c.get("CreateResponse", 0) for _, c in calls["policy_model"]]
+                runs.append(row)
+                print(f"  replicas {replicas or 'none (no Ray)'}: {row}", file=sys.stderr)
+            finally:
+                stack.stop()
+    finally:
+        cluster.shutdown()
+    fanout = subprocess.run(
+        [sys.executable, str(REPO / "bench/registry_fanout.py"), str(watchers)], capture_output=True, text=True
+    )
+    if fanout.returncode:
+        raise RuntimeError(f"registry_fanout failed:\n{fanout.stderr}")
+    return {"nodes": nodes, "node_cpus": node_cpus, "runs": runs, "registry_fanout": json.loads(fanout.stdout)}
+
+
+def table_replicas(result: dict) -> str:
+    lines = [
+        "| replicas of each server | rollouts/s | CPU ms/rollout, all processes | of which model, weather, agent, "
+        "collector, runner and Ray | ready in | Run per agent replica | CreateResponse per model replica |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in result["runs"]:
+        split = row["cpu_ms_per_rollout_by_process"]
+        parts = [split[k] for k in ("policy_model", "weather", "weather_agent", "collector", "runner and Ray")]
+        lines.append(
+            f"| {row['replicas'] or 'none: one process each, no Ray'} | {row['rollouts_per_second']:,} "
+            f"({row['failed']} failed) | {row['cpu_ms_per_rollout']} | {' / '.join(map(str, parts))} "
+            f"| {row['ready_seconds']} s | {row['agent_runs_per_replica']} | {row['model_calls_per_replica']} |"
+        )
+    fan = result["registry_fanout"]
+    lines.append(
+        f"\nRegistry: one change reached {fan['watchers']:,} watchers in {fan['seconds_to_reach_all']} s, "
+        f"{fan['cpu_ms_per_watcher']} ms CPU per watcher (registry and watchers in one process)."
+    )
+    return "\n".join(lines)
+
+
 def bench_startup(repeats: int) -> dict:
     seconds = []
     for _ in range(repeats):
@@ -504,13 +655,19 @@ def _save(args: argparse.Namespace, results: dict, name: str) -> None:
     print(f"results: {path}", file=sys.stderr)
 
 
+def _bench_replicas(tmp: Path, sizes: dict) -> dict:
+    return bench_replicas(tmp, sizes["replicas"], sizes["replica_rollouts"], 1024, sizes["watchers"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="small sizes, for CI")
     parser.add_argument("--name", default=platform.node() or "local", help="results file name")
     parser.add_argument("--cpu-hogs", type=int, default=4, help="busy processes loading the machine during (e)")
     parser.add_argument(
-        "--only", choices=["http_engine_16k"], help="run only this scenario; results go to <name>-<scenario>.json"
+        "--only",
+        choices=["http_engine_16k", "replicas"],
+        help="run only this scenario; results go to <name>-<scenario>.json",
     )
     args = parser.parse_args()
     if args.smoke:
@@ -526,6 +683,9 @@ def main() -> None:
             latency=0.5,
             http_in_flight=512,
             http_latencies=[0.5],
+            replicas=[2],
+            replica_rollouts=300,
+            watchers=200,
         )
     else:
         sizes = dict(
@@ -540,8 +700,18 @@ def main() -> None:
             latency=2.0,
             http_in_flight=16384,
             http_latencies=[2.0, 10.0],
+            replicas=[1, 2, 4],
+            replica_rollouts=5_000,
+            watchers=2_000,
         )
     results: dict = {}
+    if args.only == "replicas":
+        with tempfile.TemporaryDirectory() as directory:
+            result = _bench_replicas(Path(directory), sizes)
+        results[args.only] = result
+        _save(args, results, f"{args.name}-{args.only}")
+        print(table_replicas(result))
+        sys.exit(1 if any(row["failed"] for row in result["runs"]) else 0)
     if args.only:
         with tempfile.TemporaryDirectory() as directory:
             rows = bench_http_engine(Path(directory), sizes["http_in_flight"], sizes["http_latencies"], args.cpu_hogs)
@@ -566,11 +736,15 @@ def main() -> None:
         results["http_engine_16k"] = bench_http_engine(
             tmp, sizes["http_in_flight"], sizes["http_latencies"], args.cpu_hogs
         )
+        print("(f) replicas on a Ray cluster of three nodes ...", file=sys.stderr)
+        results["replicas"] = _bench_replicas(tmp, sizes)
         print("startup ...", file=sys.stderr)
         results["startup"] = bench_startup(3)
     _save(args, results, args.name)
     print(table(results))
+    print(table_replicas(results["replicas"]))
     rows = [*results["single_turn"], results["single_tool_call"], results["single_tool_call_vllm"]]
+    rows += results["replicas"]["runs"]
     failures = [row for row in rows if row["failed"]] + [
         row for row in [results["latency_16k"], *results["http_engine_16k"]] if row["errors"]
     ]
