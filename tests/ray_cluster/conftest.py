@@ -37,9 +37,15 @@ CONFIG = """\
 include:
   - {repo}/configs/local_policy.yaml
   - {repo}/servers/resources/session_state/config.yaml
+  - {repo}/servers/resources/math/config.yaml
 ray:
   max_restarts: 2
 servers:
+  math:
+    replicas: 2
+    num_cpus: 0.25
+  math_agent:
+    num_cpus: 0.25
   policy_model:
     replicas: 2
     num_cpus: 0.25
@@ -53,6 +59,7 @@ servers:
 """
 
 TASKS = REPO / "servers" / "resources" / "session_state" / "data" / "example.jsonl"
+MATH_TASKS = REPO / "servers" / "resources" / "math" / "data" / "example.jsonl"
 AGENT = "session_state_agent"
 
 

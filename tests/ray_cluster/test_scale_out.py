@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import time
 from collections import Counter
@@ -15,12 +17,13 @@ from typing import Any
 
 import pytest
 
+from gym_grpc.client.training import GymClient
 from gym_grpc.rpc import transport
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from gym_grpc.v1 import registry_service_pb2 as reg
-from tests.ray_cluster.conftest import AGENT, NODES, TASKS, kill_node, start_ray_run, stop
+from tests.ray_cluster.conftest import AGENT, MATH_TASKS, NODES, TASKS, kill_node, start_ray_run, stop
 from tests.test_cli import _tool
 
 pytestmark = [pytest.mark.ray_cluster, pytest.mark.slow]
@@ -80,12 +83,13 @@ def test_replicas_spread_over_the_nodes_share_the_calls_and_keep_their_sessions(
     run = start_ray_run(cluster, tmp_path)
     try:
         servers = asyncio.run(entries(run.registry))
-        for name, replicas in [("policy_model", 2), ("session_state", 3), (AGENT, 3)]:
+        for name, replicas in [("policy_model", 2), ("session_state", 3), (AGENT, 3), ("math", 2)]:
             info = servers[name]
             assert len(info.replicas) == replicas, info
             assert len({r.node for r in info.replicas}) == replicas  # SPREAD: one per node
             assert list(info.addresses) == [r.address for r in info.replicas]
         assert len({r.node for info in servers.values() for r in info.replicas}) == NODES
+        assert len(servers["math_agent"].replicas) == 1
 
         repeats = 60  # 300 rollouts, all in flight at once: sessions on three replicas under load
         output = tmp_path / "rollouts.jsonl"
@@ -114,8 +118,60 @@ def test_replicas_spread_over_the_nodes_share_the_calls_and_keep_their_sessions(
             assert counts["SeedSession"] == counts["Verify"] == counts["CloseSession"], counts
             assert counts["CallTool"] >= counts["SeedSession"], counts
         assert sum(c["SeedSession"] for c in environments) == total
+
+        # A trainer through the client library: math problems, checked by math-verify in the
+        # verify pool each math replica runs inside its actor.
+        rows = [json.loads(line) for line in MATH_TASKS.read_text().splitlines()]
+        results = asyncio.run(_through_the_client_library(run.registry, rows))
+        assert all(result.ok for result in results), [result.failure for result in results]
+        assert [result.reward for result in results] == [1.0] * len(rows)
+        math_verifies = [c.get("Verify", 0) for c in asyncio.run(calls_per_replica(servers["math"]))]
+        assert sum(math_verifies) == len(rows) and min(math_verifies) > 0, math_verifies
     finally:
         assert stop(run) == 0, run.log()
+
+
+async def _through_the_client_library(registry: str, rows: list[dict[str, Any]]) -> list[Any]:
+    async with GymClient("math_agent", registry) as gym:
+        return list(
+            await asyncio.gather(
+                *(
+                    gym.run({**row, "responses_create_params": {**row["responses_create_params"], "temperature": 0}})
+                    for row in rows
+                )
+            )
+        )
+
+
+def test_a_replica_lost_for_good_leaves_the_registry_and_the_others_serve(cluster, tmp_path):
+    run = start_ray_run(cluster, tmp_path, 0.0, "ray.max_restarts=0")
+    try:
+        before = asyncio.run(entries(run.registry))["session_state"]
+        doomed = before.replicas[0]
+        pid = asyncio.run(_pid(doomed.address))
+        os.kill(pid, signal.SIGKILL)
+
+        def dropped() -> reg.ServerInfo | None:
+            info = asyncio.run(entries(run.registry))["session_state"]
+            return info if len(info.replicas) == len(before.replicas) - 1 else None
+
+        after = _wait(dropped, 60, "the dead replica taken out of the registry")
+        assert doomed.address not in after.addresses
+        output = tmp_path / "rollouts.jsonl"
+        done = subprocess.run(collect_command(run.registry, output, 20), capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
+        assert len(keys(output)) == TASK_ROWS * 20
+        assert len(asyncio.run(entries(run.registry))["session_state"].replicas) == len(before.replicas) - 1
+    finally:
+        code = stop(run)
+    assert code == 1
+    assert "session_state#0 is lost for good (Ray gave up after 0 restarts)" in run.log()
+
+
+async def _pid(address: str) -> int:
+    async with transport.open_channel(address) as channel:
+        info = await admin_grpc.AdminServiceStub(channel).GetServerInfo(admin_pb.GetServerInfoRequest(), timeout=10)
+    return info.pid
 
 
 def _wait(predicate: Any, seconds: float, what: str) -> Any:
