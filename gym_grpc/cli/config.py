@@ -121,6 +121,9 @@ class RaySpec(BaseModel):
         "SPREAD", description="how the replicas of one server are spread over the nodes (a Ray placement group's)"
     )
     max_restarts: int = Field(3, ge=0, description="times Ray starts a replica again after its process or node died")
+    poll_seconds: float = Field(
+        1.0, gt=0, description="how often the runner asks every replica where it serves (about 1 ms of CPU each)"
+    )
 
 
 class GymConfig(BaseModel):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import sys
 import time
@@ -32,9 +33,6 @@ from gym_grpc.server.serving import DEFAULT_GRACE_SECONDS, Running, serve
 from gym_grpc.v1 import registry_service_pb2 as reg
 
 log = logging.getLogger("gym_grpc.cli.ray_runner")
-
-#: Seconds between two polls of the replicas.
-POLL_SECONDS = 1.0
 
 #: Seconds a replica has to answer a poll before it is taken out of the registry.
 POLL_TIMEOUT_SECONDS = 10.0
@@ -157,9 +155,15 @@ class RayRunner:
             raise ConfigError("the configuration has no servers")
         ray = _import_ray()
         if not ray.is_initialized():
-            address = None if self.ray_spec.address == "local" else self.ray_spec.address
+            options: dict[str, Any] = {"address": self.ray_spec.address}
+            if self.ray_spec.address == "local":
+                # A Ray of our own on this machine: as many logical CPUs as the replicas ask
+                # for, when that is more than the machine has (they share its cores, as
+                # `gym-grpc run` without Ray has its processes share them).
+                wanted = sum(spec.replicas * spec.num_cpus for spec in self.config.servers.values())
+                options = {"address": "local", "num_cpus": max(os.cpu_count() or 1, math.ceil(wanted))}
             try:
-                ray.init(address=address, log_to_driver=True, include_dashboard=False)
+                ray.init(**options, log_to_driver=True, include_dashboard=False)
             except ConnectionError as e:
                 raise StartupError(f"cannot join the Ray cluster at {self.ray_spec.address!r}: {e}") from None
             self._joined = True
@@ -310,7 +314,7 @@ class RayRunner:
         code = 0
         while not stop.is_set():
             try:
-                await asyncio.wait_for(stop.wait(), POLL_SECONDS)
+                await asyncio.wait_for(stop.wait(), self.ray_spec.poll_seconds)
             except TimeoutError:
                 pass
             if stop.is_set():
@@ -378,6 +382,6 @@ def describe(runner: RayRunner, started: float) -> str:
     nodes = len({r.node for s in runner.servers.values() for r in s.info.replicas})
     lines.append(
         f"{len(runner.servers)} servers healthy in {time.monotonic() - started:.1f} s "
-        f"({count} replicas on {nodes} Ray nodes)"
+        f"({count} replicas on {nodes} Ray node{'s' if nodes != 1 else ''})"
     )
     return "\n".join(lines)
