@@ -250,12 +250,12 @@ class RayRunner:
         update its registry entry; whether any replica died since the last poll."""
         ray = _import_ray()
         timeout = self.startup_timeout if first else POLL_TIMEOUT_SECONDS
+        polled = [r for r in server.replicas if not r.lost]
         answers = await asyncio.gather(
-            *(asyncio.wait_for(_answer(r.actor.start.remote()), timeout) for r in server.replicas if not r.lost),
-            return_exceptions=True,
+            *(asyncio.wait_for(_answer(r.actor.start.remote()), timeout) for r in polled), return_exceptions=True
         )
         died = False
-        for replica, answer in zip([r for r in server.replicas if not r.lost], answers, strict=True):
+        for replica, answer in zip(polled, answers, strict=True):
             label = f"{server.name}#{replica.index}"
             if isinstance(answer, dict):
                 if replica.pid and answer["pid"] != replica.pid:
@@ -358,6 +358,9 @@ async def _answer(ref: Any) -> Any:
 def _why(error: BaseException) -> str:
     if isinstance(error, TimeoutError):
         return "no answer in time"
+    cause = getattr(error, "cause", None)  # a RayTaskError holds what the actor raised
+    if isinstance(cause, BaseException):
+        return str(cause) if isinstance(cause, ConfigError) else f"{type(cause).__name__}: {cause}"
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[-1] if text else ''}"
 

@@ -67,11 +67,11 @@ class RegistryServicer(reg_grpc.RegistryServiceServicer):
     def add(self, info: reg.ServerInfo) -> None:
         """Put a server's entry in the table (replacing the one of that name) and tell its watchers."""
         old = self.servers.get(info.name)
-        if old is not None and old.SerializeToString(deterministic=True) == _with_generation(
-            info, old.generation
-        ).SerializeToString(deterministic=True):
+        entry = _with_generation(info, old.generation if old is not None else 0)
+        if entry == old:
             return
-        self.servers[info.name] = _with_generation(info, (old.generation + 1) if old is not None else 1)
+        entry.generation += 1
+        self.servers[info.name] = entry
         asyncio.ensure_future(self._notify())
 
     async def _notify(self) -> None:
@@ -223,7 +223,7 @@ class Registry:
                     pool = self._connections[name] = self._open(info)
                     self._opened[name] = info
                     if self.address is not None and name not in self._static:
-                        self._watches[name] = asyncio.ensure_future(self._watch(name, info))
+                        self._watches[name] = asyncio.ensure_future(self._watch(name))
         if not pool:
             raise errors.Unavailable(
                 f"server {name!r} has no live replica (see gym-grpc status)", metadata={"server": name}
@@ -275,7 +275,7 @@ class Registry:
             return False
         return True
 
-    async def _watch(self, name: str, info: reg.ServerInfo) -> None:
+    async def _watch(self, name: str) -> None:
         """Follow `name`'s entry until closed; a lost registry is asked again, with backoff."""
         delay = WATCH_RETRY_FIRST_SECONDS
         while True:

@@ -174,6 +174,18 @@ async def _pid(address: str) -> int:
     return info.pid
 
 
+def test_a_replica_that_cannot_start_stops_the_run_with_its_reason(cluster, tmp_path):
+    config = tmp_path / "typo.yaml"
+    config.write_text(
+        f"servers:\n  weather:\n    entrypoint: {TASKS.parents[2]}/weather/server.py:WeatherEnvv\n    replicas: 2\n"
+    )
+    command = [_tool("gym-grpc"), "run", str(config), "--ray", cluster.address, "registry.port=0"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert "Error: replica weather#" in done.stderr
+    assert "could not start: entrypoint" in done.stderr and "no GymServer subclass 'WeatherEnvv'" in done.stderr
+
+
 def _wait(predicate: Any, seconds: float, what: str) -> Any:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
