@@ -20,7 +20,7 @@ from gym_grpc.v1 import admin_service_pb2 as admin_pb
 #: version is the package's (gym.v1); the minor grows with each addition.
 #: 1.1: CallToolResponse.is_error (a tool that raised is answered OK, not ABORTED).
 #: 1.2: replicas: ServerInfo.replicas and RegistryService.WatchServer;
-#:      SeedSessionResponse.replica (session affinity).
+#:      SeedSessionResponse.replica (session affinity); GetServerInfoResponse.instance_id.
 VERSION = (1, 2)
 
 

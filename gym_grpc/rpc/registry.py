@@ -22,6 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gym_grpc import errors
 from gym_grpc.rpc import transport
 from gym_grpc.rpc.security import Security
+from gym_grpc.v1 import admin_service_pb2 as admin_pb
+from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from gym_grpc.v1 import registry_service_pb2 as reg
 from gym_grpc.v1 import registry_service_pb2_grpc as reg_grpc
 
@@ -33,6 +35,9 @@ WATCH_RETRY_MAX_SECONDS = 5.0
 
 #: Seconds a replica has to answer a health check when a call to its server failed.
 PROBE_SECONDS = 1.0
+
+#: Seconds a new channel over several replicas has to reach them all before it is used.
+CONNECT_SECONDS = 5.0
 
 #: Seconds the calls in flight on a channel replaced by a newer one get to finish.
 RETIRE_GRACE_SECONDS = 600.0
@@ -220,7 +225,9 @@ class Registry:
                 pool = self._connections.get(name)
                 if pool is None:
                     info = await self.info(name)
-                    pool = self._connections[name] = self._open(info)
+                    pool = self._open(info)
+                    await self._spread(pool, len(info.addresses))
+                    self._connections[name] = pool
                     self._opened[name] = info
                     if self.address is not None and name not in self._static:
                         self._watches[name] = asyncio.ensure_future(self._watch(name))
@@ -229,6 +236,31 @@ class Registry:
                 f"server {name!r} has no live replica (see gym-grpc status)", metadata={"server": name}
             )
         return pool
+
+    async def _spread(self, pool: builtins.list[transport.Connection], replicas: int) -> None:
+        """Return once calls on a new channel reach every replica (within CONNECT_SECONDS).
+
+        round_robin spreads calls over the replicas whose connection is ready and
+        healthy; a new channel's first calls would all go to the replica that got
+        there first (a collector's whole first window of rollouts, thousands). So
+        the channel is asked who answers (AdminService.GetServerInfo's instance_id)
+        until every replica has. Best effort: a replica that is not there in time
+        gets calls once it is."""
+        if replicas < 2:
+            return
+        stub = pool[0].stub(admin_grpc.AdminServiceStub)
+        seen: set[str] = set()
+        deadline = time.monotonic() + CONNECT_SECONDS
+        while len(seen) < replicas and time.monotonic() < deadline:
+            try:
+                info = await stub.GetServerInfo(
+                    admin_pb.GetServerInfoRequest(), timeout=deadline - time.monotonic(), wait_for_ready=True
+                )
+            except grpc.aio.AioRpcError:
+                return  # not a gym-grpc server, or not answering: the calls will say
+            if not info.instance_id:
+                return  # a server before protocol 1.2 cannot say
+            seen.add(info.instance_id)
 
     def _open(self, info: reg.ServerInfo) -> builtins.list[transport.Connection]:
         addresses = list(info.addresses)
@@ -282,7 +314,7 @@ class Registry:
             try:
                 async for reply in self._stub().WatchServer(reg.WatchServerRequest(name=name)):
                     delay = WATCH_RETRY_FIRST_SECONDS
-                    self._update(reply.server)
+                    await self._update(reply.server)
             except grpc.aio.AioRpcError as e:
                 if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED):
                     return  # the server left the registry, or a registry that cannot be watched
@@ -290,8 +322,9 @@ class Registry:
             await asyncio.sleep(delay)
             delay = min(delay * 2, WATCH_RETRY_MAX_SECONDS)
 
-    def _update(self, info: reg.ServerInfo) -> None:
-        """Take a new entry of a server: a new channel when its replicas changed."""
+    async def _update(self, info: reg.ServerInfo) -> None:
+        """Take a new entry of a server: a new channel when its replicas changed
+        (the old one serves until the new one has connected)."""
         name = info.name
         settled: asyncio.Future[reg.ServerInfo] = asyncio.get_running_loop().create_future()
         settled.set_result(info)
@@ -300,8 +333,10 @@ class Registry:
         if old is not None and old.addresses == info.addresses and old.workers == info.workers:
             return
         log.info("server %r now on %s", name, ", ".join(info.addresses) or "no live replica")
+        pool = self._open(info)
+        await self._spread(pool, len(info.addresses))
         retired = self._connections.get(name, [])
-        self._connections[name] = self._open(info)
+        self._connections[name] = pool
         self._opened[name] = info
         gone = set(old.addresses if old is not None else []) - set(info.addresses)
         retired += [self._replicas.pop(a) for a in gone if a in self._replicas]

@@ -37,6 +37,8 @@ class Administered(Protocol):
     @property
     def entrypoint(self) -> str: ...
     @property
+    def instance_id(self) -> str: ...
+    @property
     def config(self) -> BaseModel: ...
     @property
     def counters(self) -> Counters: ...
@@ -68,6 +70,7 @@ class AdminServicer(admin_grpc.AdminServiceServicer):
             uptime_seconds=app.counters.uptime(),
             config_hash=config_hash(app),
             pid=os.getpid(),
+            instance_id=app.instance_id,
             entrypoint=app.entrypoint,
             profiling=app.profiler.running,
             open_files_limit=open_files.limit(),

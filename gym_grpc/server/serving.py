@@ -16,6 +16,7 @@ import inspect
 import logging
 import signal
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any, ClassVar, NoReturn, TypeVar
 
@@ -75,6 +76,8 @@ class GymServer:
         self.profiler = Profiler()
         #: What it runs, for AdminService.GetServerInfo (the worker sets the configured string).
         self.entrypoint = f"{type(self).__module__}:{type(self).__qualname__}"
+        #: Random id of this instance (AdminService.GetServerInfo.instance_id).
+        self.instance_id = uuid.uuid4().hex
         #: When it is one of several replicas of a server, its address as the registry lists
         #: it: a resources server's sessions are pinned to it (SeedSessionResponse.replica).
         #: Empty for a single server.

@@ -59,6 +59,7 @@ class GetServerInfoResponse(_message.Message):
     PROTOCOL_FIELD_NUMBER: _builtins.int
     SERVICES_FIELD_NUMBER: _builtins.int
     CAPABILITIES_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name of the server in its configuration."""
     role: _registry_service_pb2.ServerRole.ValueType
@@ -83,6 +84,11 @@ class GetServerInfoResponse(_message.Message):
     """
     open_files: _builtins.int
     """Descriptors the process holds open now; 0 where its system does not say."""
+    instance_id: _builtins.str
+    """Random id of this server instance, drawn when it starts: tells apart the
+    replicas behind one balanced channel, and a restarted server from the one
+    before it (protocol 1.2).
+    """
     @_builtins.property
     def protocol(self) -> Global___ProtocolVersion:
         """Version of the gym protocol the server speaks. A client compares the
@@ -119,10 +125,11 @@ class GetServerInfoResponse(_message.Message):
         protocol: Global___ProtocolVersion | None = ...,
         services: _abc.Iterable[Global___ServedService] | None = ...,
         capabilities: Global___Capabilities | None = ...,
+        instance_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "protocol", b"protocol"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "config_hash", b"config_hash", "entrypoint", b"entrypoint", "name", b"name", "open_files", b"open_files", "open_files_limit", b"open_files_limit", "pid", b"pid", "profiling", b"profiling", "protocol", b"protocol", "role", b"role", "services", b"services", "uptime_seconds", b"uptime_seconds", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "config_hash", b"config_hash", "entrypoint", b"entrypoint", "instance_id", b"instance_id", "name", b"name", "open_files", b"open_files", "open_files_limit", b"open_files_limit", "pid", b"pid", "profiling", b"profiling", "protocol", b"protocol", "role", b"role", "services", b"services", "uptime_seconds", b"uptime_seconds", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

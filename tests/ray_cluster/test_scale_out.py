@@ -105,8 +105,7 @@ def test_replicas_spread_over_the_nodes_share_the_calls_and_keep_their_sessions(
         print("Run per agent replica:", [c["Run"] for c in agents])
         print("SeedSession per environment replica:", [c["SeedSession"] for c in environments])
         print("CreateResponse per model replica:", [c["CreateResponse"] for c in models])
-        # round_robin over the replicas: every one takes a fair share (an exact third per
-        # connection; the collector's several connections start at different replicas).
+        # round_robin over the replicas: every one takes a fair share.
         for counts, method in [(agents, "Run"), (environments, "SeedSession"), (models, "CreateResponse")]:
             shares = [c.get(method, 0) for c in counts]
             assert min(shares) >= sum(shares) / len(shares) / 2, (method, shares)
