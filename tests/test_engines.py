@@ -224,3 +224,36 @@ async def test_a_nemo_gym_rows_metadata_extra_body_seed_reaches_the_engine(start
     assert (sent["temperature"], sent["max_tokens"]) == (1.0, 16384)
     assert "metadata" not in sent and "extra_body" not in sent
     await model.registry.close()
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        (b'{"id": "x", "logprob": -0.5}', {"id": "x", "logprob": -0.5}),
+        # What orjson refuses and Python's json reads: engines get liberal parsing.
+        (b'{"logprob": NaN, "floor": -Infinity}', None),
+    ],
+)
+async def test_an_engine_answer_is_read_as_json_reads_it(body, expected):
+    from aiohttp import web
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.Response(body=body, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    engine = Engine(f"http://127.0.0.1:{port}/v1", EngineSettings(base_url=[f"http://127.0.0.1:{port}/v1"], model="m"))
+    try:
+        got = await engine.post("/chat/completions", {"messages": [], "logit_bias": {1: 2.0}})
+    finally:
+        await engine.close()
+        await runner.cleanup()
+    if expected is None:
+        assert got["logprob"] != got["logprob"] and got["floor"] == float("-inf")  # NaN, -inf
+    else:
+        assert got == expected

@@ -31,6 +31,7 @@ from gym_grpc.cli.runner import Runner, StartupError, describe
 from gym_grpc.client.stubs import AdminClient
 from gym_grpc.data.jsonl import count_rows, failures_path
 from gym_grpc.data.rows import task_from_row
+from gym_grpc.rpc import event_loop
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.rpc.security import Security, TlsSettings
 from gym_grpc.server import open_files
@@ -178,7 +179,7 @@ def _reward_range(ctx: click.Context, param: click.Parameter, value: str) -> tup
 def _interruptible(coroutine: Awaitable[T], output: Path) -> T:
     """Run a batch; Ctrl-C or an output that cannot be written (a full disk) is one line and exit 1."""
     try:
-        return asyncio.run(coroutine)  # type: ignore[arg-type]
+        return event_loop.run(coroutine)  # type: ignore[arg-type]
     except KeyboardInterrupt:
         raise click.ClickException(
             f"interrupted; every finished rollout is in {output}: run the same command again to resume"

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 
 import aiohttp
 import grpc
+import orjson
 from pydantic import Field, field_validator
 
 from gym_grpc import errors
@@ -134,7 +135,7 @@ class Engine:
         Raises EngineError for an HTTP error not worth retrying, and a GymError
         (UNAVAILABLE, DEADLINE_EXCEEDED) when retries, budget or deadline run out."""
         url = f"{self.base_url.removesuffix('/v1') if from_root else self.base_url}{path}"
-        payload = json.dumps(body).encode()
+        payload = orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS)
         retries = Retries(self.settings, f"engine {url}")
         if self._first_request is None:
             self._first_request = time.monotonic()
@@ -207,14 +208,25 @@ class Engine:
                 raise _Retryable(reply.status, _error_message(reply.status, body), reply.headers.get("Retry-After"))
             if reply.status >= 400:
                 raise EngineError(reply.status, _error_message(reply.status, body), url)
-            try:
-                return json.loads(body)
-            except ValueError:
-                raise EngineError(reply.status, f"answer is not JSON: {body[:200]!r}", url) from None
+            return _parse(body, reply.status, url)
 
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+def _parse(body: bytes, status: int, url: str) -> dict[str, Any]:
+    """An engine's JSON answer: orjson (several times faster than json on answers
+    with thousands of log-probs), or json for what orjson refuses and Python's
+    json takes (NaN, Infinity): engines get liberal parsing."""
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        return json.loads(body)
+    except ValueError:
+        raise EngineError(status, f"answer is not JSON: {body[:200]!r}", url) from None
 
 
 class _Retryable(Exception):

@@ -17,6 +17,7 @@ import sys
 from typing import Any, TextIO
 
 from gym_grpc.errors import ConfigError
+from gym_grpc.rpc import event_loop
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.rpc.security import Security
 from gym_grpc.server import open_files
@@ -87,7 +88,7 @@ def main() -> None:
         app.entrypoint = spec["entrypoint"]
         if spec.get("profiling_dir"):
             app.profiler = Profiler(spec["profiling_dir"], spec.get("log_name", name))
-        asyncio.run(_serve(app, spec, security))
+        event_loop.run(_serve(app, spec, security))
     except ConfigError as e:
         _report({"error": str(e)})
         sys.exit(2)

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 from typing import Any, Literal
 
 from pydantic import Field
@@ -108,6 +109,10 @@ def _carriers(items: list[r.Item]) -> list[token_prompts.Carrier | None]:
     return carriers
 
 
+#: How vLLM names a token in its log-probs when asked to (return_tokens_as_token_ids).
+_TOKEN_ID = "token_id:"
+
+
 def _checked_ids(
     engine: Engine, token_ids: list[int] | None, tokens: list[str] | None, values: list[float] | None
 ) -> tuple[list[int], list[float]]:
@@ -115,15 +120,16 @@ def _checked_ids(
     the log-prob tokens as "token_id:N"), checked against each other."""
     from_logprobs = None
     if tokens is not None:
-        from_logprobs = []
-        for position, token in enumerate(tokens):
-            if not token.startswith("token_id:"):
-                raise errors.GymError(
-                    f"engine {engine.base_url}: log-prob token {position} is {token!r}, not 'token_id:N' "
-                    "(is return_tokens_as_token_ids supported?)",
-                    reason=errors.Reason.ENGINE_FAILED,
-                )
-            from_logprobs.append(int(token.removeprefix("token_id:")))
+        # One pass in C per step (a real answer has thousands of tokens); the position
+        # of a bad token is looked for only when there is one.
+        if not all(map(operator.methodcaller("startswith", _TOKEN_ID), tokens)):
+            position, token = next((i, t) for i, t in enumerate(tokens) if not t.startswith(_TOKEN_ID))
+            raise errors.GymError(
+                f"engine {engine.base_url}: log-prob token {position} is {token!r}, not 'token_id:N' "
+                "(is return_tokens_as_token_ids supported?)",
+                reason=errors.Reason.ENGINE_FAILED,
+            )
+        from_logprobs = list(map(int, map(operator.itemgetter(slice(len(_TOKEN_ID), None)), tokens)))
     if token_ids is not None and from_logprobs is not None and list(token_ids) != from_logprobs:
         raise errors.GymError(
             f"engine {engine.base_url}: the generated ids in token_ids and in the log-probs disagree "
@@ -142,7 +148,7 @@ def _checked_ids(
             f"engine {engine.base_url}: {len(values)} log-probs for {len(generated)} generated tokens",
             reason=errors.Reason.ENGINE_FAILED,
         )
-    return generated, [float(v) for v in values]
+    return generated, list(map(float, values))
 
 
 def _attach(response: r.Response, prompt: list[int], generated: list[int], log_probs: list[float]) -> None:
@@ -319,8 +325,8 @@ class VLLMModel(EngineModelServer):
         generated, log_probs = _checked_ids(
             engine,
             choice.get("token_ids"),
-            None if entries is None else [str(e.get("token", "")) for e in entries],
-            None if entries is None else [e["logprob"] for e in entries],
+            None if entries is None else list(map(str, map(operator.methodcaller("get", "token", ""), entries))),
+            None if entries is None else list(map(operator.itemgetter("logprob"), entries)),
         )
         prompt = answer.get("prompt_token_ids")
         if prompt is None:
