@@ -16,7 +16,8 @@ def local_ray() -> Iterator[Any]:
     """A local Ray for the whole session (it takes seconds to start); Ray is in the test extras."""
     import ray
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    # address="local": a Ray of the tests' own, not another one running on this machine.
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 

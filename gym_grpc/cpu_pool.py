@@ -117,7 +117,9 @@ class CpuPool:
             ) from None
         self._owns_ray = not ray.is_initialized()
         if self.ray_address == "local":
-            ray.init(num_cpus=self.workers, include_dashboard=False, ignore_reinit_error=True)
+            # address="local": a Ray of our own, even when another runs on this machine
+            # (a bare ray.init() would join that one, and refuse num_cpus).
+            ray.init(address="local", num_cpus=self.workers, include_dashboard=False, ignore_reinit_error=True)
         else:
             try:
                 ray.init(address=self.ray_address, ignore_reinit_error=True)

@@ -29,8 +29,10 @@ class Inverted(ResourcesServer):
 
 
 class SlowVerifier(ResourcesServer):
+    # Slower than any other stage can be on a loaded machine: CI ran this beside other
+    # work at a load average of 30-50 and the model stage's median passed 50 ms.
     async def verify(self, session: Session, response: r.Response) -> float:
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)
         return 1.0
 
 
@@ -145,7 +147,7 @@ async def test_a_slow_verifier_is_named_the_slowest_stage(start, tmp_path):
     registry, _ = await _math_stack(start, SlowVerifier(name="math"))
     summary = await collect(registry, _collect_options(tmp_path, "out.jsonl"), log=io.StringIO())
     stage, median, p95 = summary.run.slowest_stage()
-    assert stage == "verify" and 0.05 <= median <= p95
+    assert stage == "verify" and 1.0 <= median <= p95
     assert any(line.startswith("slowest stage: verify (median") for line in summary.run.lines(summary.seconds, 0))
     await registry.close()
 
