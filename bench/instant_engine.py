@@ -7,7 +7,11 @@ It serves `/v1/chat/completions` in vLLM's wire format, token fields included
 (byte-level ids, one log-prob per generated token), and `/v1/responses` in
 the Responses format: with tools and no tool output yet it calls the first
 tool with the capitalised words of the last user message as its first
-argument; after a tool output it answers with it. With a latency, every
+argument; after a tool output it answers with it. A user message that asks
+for "[N tool calls]" gets the tool called again until N tool outputs are in
+the conversation (N + 1 model calls per rollout, deterministically). A
+question "What is A + B?" with no tools is answered as \\boxed{\\frac{2(A+B)}{2}},
+so that checking it is real work for math-verify. With a latency, every
 answer waits that long, as a busy engine would.
 """
 
@@ -38,6 +42,23 @@ def _prompt(messages: list[dict]) -> list[int]:
 
 
 LATENCY = 0.0
+TOOL_CALLS = re.compile(r"\[(\d+) tool calls?\]")
+SUM = re.compile(r"(\d+) \+ (\d+)")
+
+
+def _tool_calls_wanted(user: object) -> int:
+    """How many tool outputs the conversation needs before the answer: "[N tool calls]", else 1."""
+    match = TOOL_CALLS.search(str(user))
+    return int(match.group(1)) if match else 1
+
+
+def _plain_answer(user: object) -> str:
+    """The answer to a question without tools: a sum in LaTeX that math-verify must simplify."""
+    match = SUM.search(str(user))
+    if match is None:
+        return "I do not know."
+    total = int(match.group(1)) + int(match.group(2))
+    return f"Adding them up gives \\boxed{{\\frac{{{2 * total}}}{{2}}}}."
 
 
 def _tool_arguments(tool: dict, user: object) -> str:
@@ -52,12 +73,13 @@ async def chat(request: web.Request) -> web.Response:
     await asyncio.sleep(LATENCY)
     messages = body["messages"]
     last = messages[-1]
+    user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+    outputs = sum(1 for m in messages if m["role"] == "tool")
     calls = []
-    if last["role"] == "tool":
+    if last["role"] == "tool" and outputs >= _tool_calls_wanted(user):
         content = f"According to the tool: {last['content']}"
     elif body.get("tools"):
         tool = body["tools"][0]["function"]
-        user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
         calls = [
             {
                 "id": f"call_{uuid.uuid4().hex[:12]}",
@@ -67,7 +89,7 @@ async def chat(request: web.Request) -> web.Response:
         ]
         content = ""
     else:
-        content = "I do not know."
+        content = _plain_answer(user)
     generated = _ids(content + "".join(c["function"]["arguments"] for c in calls)) + [257]
     prompt = _prompt(messages)
     choice: dict = {
@@ -100,7 +122,9 @@ async def responses(request: web.Request) -> web.Response:
     await asyncio.sleep(LATENCY)
     items = body["input"] if isinstance(body["input"], list) else [{"role": "user", "content": body["input"]}]
     last = items[-1]
-    if last.get("type") == "function_call_output":
+    user = next((i.get("content") for i in reversed(items) if i.get("role") == "user"), "")
+    outputs = sum(1 for i in items if i.get("type") == "function_call_output")
+    if last.get("type") == "function_call_output" and outputs >= _tool_calls_wanted(user):
         output = {
             "type": "message",
             "id": f"msg_{uuid.uuid4().hex}",
@@ -110,7 +134,6 @@ async def responses(request: web.Request) -> web.Response:
         }
     elif body.get("tools"):
         tool = body["tools"][0]
-        user = next((i.get("content") for i in reversed(items) if i.get("role") == "user"), "")
         output = {
             "type": "function_call",
             "id": f"fc_{uuid.uuid4().hex}",
@@ -125,7 +148,7 @@ async def responses(request: web.Request) -> web.Response:
             "id": f"msg_{uuid.uuid4().hex}",
             "role": "assistant",
             "status": "completed",
-            "content": [{"type": "output_text", "text": "I do not know.", "annotations": []}],
+            "content": [{"type": "output_text", "text": _plain_answer(user), "annotations": []}],
         }
     return web.json_response(
         {
