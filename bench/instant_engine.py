@@ -13,6 +13,10 @@ the conversation (N + 1 model calls per rollout, deterministically). A
 question "What is A + B?" with no tools is answered as \\boxed{\\frac{2(A+B)}{2}},
 so that checking it is real work for math-verify. With a latency, every
 answer waits that long, as a busy engine would.
+
+`GET /bench/stats` tells how many model calls it answered since the last
+`POST /bench/reset`, and the wall-clock time (time.time()) of the first and the
+last: a benchmark times two stacks the same way from outside them.
 """
 
 from __future__ import annotations
@@ -42,6 +46,25 @@ def _prompt(messages: list[dict]) -> list[int]:
 
 
 LATENCY = 0.0
+STATS: dict = {"calls": 0, "first": None, "last": None}
+
+
+def _count() -> None:
+    now = time.time()
+    STATS["calls"] += 1
+    STATS["first"] = STATS["first"] or now
+    STATS["last"] = now
+
+
+async def stats(request: web.Request) -> web.Response:
+    return web.json_response(STATS)
+
+
+async def reset(request: web.Request) -> web.Response:
+    STATS.update(calls=0, first=None, last=None)
+    return web.json_response(STATS)
+
+
 TOOL_CALLS = re.compile(r"\[(\d+) tool calls?\]")
 SUM = re.compile(r"(\d+) \+ (\d+)")
 
@@ -70,6 +93,7 @@ def _tool_arguments(tool: dict, user: object) -> str:
 
 async def chat(request: web.Request) -> web.Response:
     body = await request.json()
+    _count()
     await asyncio.sleep(LATENCY)
     messages = body["messages"]
     last = messages[-1]
@@ -119,6 +143,7 @@ async def chat(request: web.Request) -> web.Response:
 
 async def responses(request: web.Request) -> web.Response:
     body = await request.json()
+    _count()
     await asyncio.sleep(LATENCY)
     items = body["input"] if isinstance(body["input"], list) else [{"role": "user", "content": body["input"]}]
     last = items[-1]
@@ -167,6 +192,8 @@ async def main(port_file: str) -> None:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/responses", responses)
+    app.router.add_get("/bench/stats", stats)
+    app.router.add_post("/bench/reset", reset)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, backlog=8192)

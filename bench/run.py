@@ -19,6 +19,9 @@ What it measures, each in real processes on loopback:
                        the same servers without Ray; calls per replica; and the registry
                        pushing one change to 2,000 watchers (bench/registry_fanout.py)
       startup          `gym-grpc run` of the quickstart, from start to every server healthy
+  --peer nemo-gym      (or --only peer) gym-grpc beside the real NeMo Gym 0.7.0 on one engine: the
+                       weather, multi-turn and math workloads at 64, 1,024 and 4,096 in flight
+                       (bench/nemo_gym_peer.py; results in <name>-peer-nemo-gym.json)
 CPU per rollout is the CPU time of every process (servers and collector) divided by the rollouts.
 """
 
@@ -670,6 +673,29 @@ def _bench_replicas(tmp: Path, sizes: dict) -> dict:
     )
 
 
+def _peer(args: argparse.Namespace) -> None:
+    """gym-grpc beside NeMo Gym (bench/nemo_gym_peer.py): each workload at each window, both stacks."""
+    import nemo_gym_peer
+
+    if args.smoke:
+        windows, sizes = [4, 16], {4: 24, 16: 48}
+    else:
+        windows, sizes = [64, 1024, 4096], {64: 1000, 1024: 2048, 4096: 4096}
+    workloads = args.workloads.split(",")
+    unknown = set(workloads) - set(nemo_gym_peer.WORKLOADS)
+    if unknown:
+        sys.exit(f"unknown workloads {sorted(unknown)}: choose from {nemo_gym_peer.WORKLOADS}")
+    with tempfile.TemporaryDirectory() as directory:
+        result = nemo_gym_peer.bench_peer(Path(directory), windows, sizes, workloads)
+    result["rollouts_per_window"] = {str(w): sizes[w] for w in windows}
+    _save(args, {"peer_nemo_gym": result}, f"{args.name}-peer-nemo-gym")
+    print(nemo_gym_peer.table(result))
+    runs = [(w["workload"], r) for w in result["workloads"] for r in w["runs"]]
+    failed = [(name, r["in_flight"]) for name, r in runs if r["gym_grpc"]["failed"] or r["nemo_gym"]["failed"]]
+    if failed:
+        sys.exit(f"rollouts failed in {failed}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="small sizes, for CI")
@@ -677,10 +703,19 @@ def main() -> None:
     parser.add_argument("--cpu-hogs", type=int, default=4, help="busy processes loading the machine during (e)")
     parser.add_argument(
         "--only",
-        choices=["http_engine_16k", "replicas"],
+        choices=["http_engine_16k", "replicas", "peer"],
         help="run only this scenario; results go to <name>-<scenario>.json",
     )
+    parser.add_argument(
+        "--peer", choices=["nemo-gym"], help="run only the side-by-side benchmark against this peer (as --only peer)"
+    )
+    parser.add_argument(
+        "--workloads", default="weather,multi_turn,math", help="with --peer: which workloads, comma-separated"
+    )
     args = parser.parse_args()
+    if args.peer or args.only == "peer":
+        _peer(args)
+        return
     if args.smoke:
         sizes = dict(
             raw=2000,
