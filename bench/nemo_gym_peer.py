@@ -400,21 +400,25 @@ def bench_workload(tmp: Path, engine: bench.InstantEngine, workload: str, window
     return {"workload": workload, "ready_seconds": ready, "idle": idle, "runs": rows}
 
 
-def bench_peer(tmp: Path, windows: list[int], sizes: dict, workloads: list[str]) -> dict:
-    installed = install()
-    engine = bench.InstantEngine(tmp)
-    load_before = os.getloadavg()
-    try:
-        results = [bench_workload(tmp, engine, w, windows, sizes) for w in workloads]
-    finally:
-        engine.stop()
-    return {
-        "nemo_gym_install": installed,
+def bench_peer(tmp: Path, windows: list[int], sizes: dict, workloads: list[str], save=None) -> dict:
+    """Every workload through both stacks; `save` gets the results so far after each one."""
+    result = {
+        "nemo_gym_install": install(),
         "engine": "bench/instant_engine.py, one process for both stacks, no latency",
         "model_server": "vllm_model of each, Chat Completions with token ids",
-        "load_average": {"before": [round(x, 1) for x in load_before], "after": [round(x, 1) for x in os.getloadavg()]},
-        "workloads": results,
+        "load_average": {"before": [round(x, 1) for x in os.getloadavg()]},
+        "workloads": [],
     }
+    engine = bench.InstantEngine(tmp)
+    try:
+        for workload in workloads:
+            result["workloads"].append(bench_workload(tmp, engine, workload, windows, sizes))
+            result["load_average"]["after"] = [round(x, 1) for x in os.getloadavg()]
+            if save is not None:
+                save(result)
+    finally:
+        engine.stop()
+    return result
 
 
 def table(result: dict) -> str:

@@ -680,15 +680,20 @@ def _peer(args: argparse.Namespace) -> None:
     if args.smoke:
         windows, sizes = [4, 16], {4: 24, 16: 48}
     else:
-        windows, sizes = [64, 1024, 4096], {64: 1000, 1024: 2048, 4096: 4096}
+        # As many rollouts as in flight (8x at 64): NeMo Gym does tens of rollouts/s here, so more
+        # would take the run past an hour.
+        windows, sizes = [64, 1024, 4096], {64: 512, 1024: 1024, 4096: 4096}
     workloads = args.workloads.split(",")
     unknown = set(workloads) - set(nemo_gym_peer.WORKLOADS)
     if unknown:
         sys.exit(f"unknown workloads {sorted(unknown)}: choose from {nemo_gym_peer.WORKLOADS}")
+
+    def save(result: dict) -> None:  # after each workload, so that a late failure keeps the rest
+        result["rollouts_per_window"] = {str(w): sizes[w] for w in windows}
+        _save(args, {"peer_nemo_gym": result}, f"{args.name}-peer-nemo-gym")
+
     with tempfile.TemporaryDirectory() as directory:
-        result = nemo_gym_peer.bench_peer(Path(directory), windows, sizes, workloads)
-    result["rollouts_per_window"] = {str(w): sizes[w] for w in windows}
-    _save(args, {"peer_nemo_gym": result}, f"{args.name}-peer-nemo-gym")
+        result = nemo_gym_peer.bench_peer(Path(directory), windows, sizes, workloads, save)
     print(nemo_gym_peer.table(result))
     runs = [(w["workload"], r) for w in result["workloads"] for r in w["runs"]]
     failed = [(name, r["in_flight"]) for name, r in runs if r["gym_grpc"]["failed"] or r["nemo_gym"]["failed"]]
