@@ -683,6 +683,9 @@ def _peer(args: argparse.Namespace) -> None:
         # As many rollouts as in flight (8x at 64): NeMo Gym does tens of rollouts/s here, so more
         # would take the run past an hour.
         windows, sizes = [64, 1024, 4096], {64: 512, 1024: 1024, 4096: 4096}
+    if args.peer_windows:
+        windows = [int(w) for w in args.peer_windows.split(",")]
+        sizes = {w: sizes.get(w, w) for w in windows}
     workloads = args.workloads.split(",")
     unknown = set(workloads) - set(nemo_gym_peer.WORKLOADS)
     if unknown:
@@ -717,6 +720,7 @@ def main() -> None:
     parser.add_argument(
         "--workloads", default="weather,multi_turn,math", help="with --peer: which workloads, comma-separated"
     )
+    parser.add_argument("--peer-windows", help="with --peer: rollouts in flight, comma-separated (64,1024,4096)")
     args = parser.parse_args()
     if args.peer or args.only == "peer":
         _peer(args)
