@@ -302,7 +302,12 @@ def _measure(
     started = time.time()
     with (cwd / "collector.log").open("w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env)
-        _, status, usage = os.wait4(process.pid, 0)
+        try:
+            _, status, usage = os.wait4(process.pid, 0)
+        except BaseException:  # interrupted: the collector goes too
+            process.kill()
+            process.wait()
+            raise
     ended = time.time()
     cpu = stack.cpu() - before + usage.ru_utime + usage.ru_stime
     stats = _engine(engine, "/bench/stats")
