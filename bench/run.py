@@ -409,6 +409,92 @@ def bench_collector(tmp: Path, input_rows: int, limit: int, checkpoint: int) -> 
     }
 
 
+def bench_collector_growth(tmp: Path, rollouts: int, step: int, window: int = 4096) -> dict:
+    """One `gym-grpc collect` of `rollouts` single-turn rollouts, watched while it runs: at
+    every `step` rollouts written, the collector's RSS (/proc/PID/status VmRSS), its CPU
+    and the wall time of that step. Constant RSS after the first steps is the claim."""
+    tasks = tmp / f"growth_{rollouts}.jsonl"
+    with tasks.open("w") as f:
+        line = json.dumps(SINGLE_TURN_ROW) + "\n"
+        for _ in range(rollouts):
+            f.write(line)
+    stack = Stack(_write_config(tmp, 0.0))
+    out = tmp / "growth_out.jsonl"
+    out.unlink(missing_ok=True)
+    out.touch()
+    args = [_gym(), "collect", "--registry", stack.registry, "--agent", "single_turn_agent"]
+    args += ["--input", str(tasks), "--output", str(out), "--max-in-flight", str(window), "--no-progress"]
+    steps: list[dict] = []
+    try:
+        server_cpu = stack.cpu()
+        with tempfile.TemporaryFile() as err, out.open("rb") as written:
+            started = time.monotonic()
+            process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=err)
+            rows = 0
+            last = {"rollouts": 0, "seconds": 0.0, "cpu": 0.0, "server_cpu": server_cpu}
+            while True:
+                finished = process.poll() is not None
+                rows += written.read().count(b"\n")
+                while rows >= last["rollouts"] + step or (finished and rows > last["rollouts"]):
+                    now = time.monotonic() - started
+                    cpu = _cpu_seconds(process.pid) if not finished else last["cpu"]
+                    rss = _memory_mb(process.pid, "VmRSS") if not finished else None
+                    mark = min(rows, last["rollouts"] + step)
+                    servers = stack.cpu()
+                    n = mark - last["rollouts"]
+                    steps.append(
+                        {
+                            "rollouts": mark,
+                            "rss_mb": None if rss is None else round(rss, 1),
+                            "seconds": round(now, 2),
+                            "step_seconds": round(now - last["seconds"], 2),
+                            "collector_cpu_ms_per_rollout": None
+                            if finished
+                            else round(1000 * (cpu - last["cpu"]) / n, 3),
+                            "servers_cpu_ms_per_rollout": round(1000 * (servers - last["server_cpu"]) / n, 3),
+                        }
+                    )
+                    last = {"rollouts": mark, "seconds": now, "cpu": cpu, "server_cpu": servers}
+                if finished:
+                    break
+                time.sleep(0.1)
+            err.seek(0)
+            stderr = err.read().decode()
+    finally:
+        stack.stop()
+    match = re.search(r"(\d+) rollouts collected, (\d+) failed.* in ([\d.]+) s", stderr)
+    if process.returncode != 0 or match is None:
+        raise RuntimeError(f"collect failed ({process.returncode}):\n{stderr[-4000:]}")
+    full = [s for s in steps if s["rss_mb"] is not None and s["rollouts"] % step == 0]
+    measured = [s for s in full if s["collector_cpu_ms_per_rollout"] is not None]
+    return {
+        "rollouts": int(match.group(1)),
+        "failed": int(match.group(2)),
+        "window": window,
+        "step": step,
+        "collector_seconds": float(match.group(3)),
+        "load_average_1m_at_end": round(os.getloadavg()[0], 2),
+        "rss_mb_first_step": full[0]["rss_mb"] if full else None,
+        "rss_mb_last_step": full[-1]["rss_mb"] if full else None,
+        "rss_mb_max": max((s["rss_mb"] for s in full), default=None),
+        "collector_cpu_ms_per_rollout": round(statistics.mean(s["collector_cpu_ms_per_rollout"] for s in measured), 3)
+        if measured
+        else None,
+        "steps": steps,
+    }
+
+
+def table_growth(result: dict) -> str:
+    lines = ["| rollouts | collector RSS MB | s for this step | collector CPU ms/rollout | servers CPU ms/rollout |"]
+    lines.append("|---|---|---|---|---|")
+    for s in result["steps"]:
+        lines.append(
+            f"| {s['rollouts']:,} | {s['rss_mb']} | {s['step_seconds']} | {s['collector_cpu_ms_per_rollout']} "
+            f"| {s['servers_cpu_ms_per_rollout']} |"
+        )
+    return "\n".join(lines)
+
+
 def _replicas_config(directory: Path, replicas: int) -> Path:
     """The weather workload with `replicas` replicas of each server (0: no Ray, one process each)."""
     agent = f"{REPO}/servers/agents/simple_agent/agent.py:SimpleAgent"
@@ -711,7 +797,7 @@ def main() -> None:
     parser.add_argument("--cpu-hogs", type=int, default=4, help="busy processes loading the machine during (e)")
     parser.add_argument(
         "--only",
-        choices=["http_engine_16k", "replicas", "peer"],
+        choices=["collector_1m", "http_engine_16k", "replicas", "peer"],
         help="run only this scenario; results go to <name>-<scenario>.json",
     )
     parser.add_argument(
@@ -721,6 +807,10 @@ def main() -> None:
         "--workloads", default="weather,multi_turn,math", help="with --peer: which workloads, comma-separated"
     )
     parser.add_argument("--peer-windows", help="with --peer: rollouts in flight, comma-separated (64,1024,4096)")
+    parser.add_argument(
+        "--collector-rollouts", type=int, help="rollouts of the collector growth run (d); default 1,000,000"
+    )
+    parser.add_argument("--collector-step", type=int, help="rollouts between two samples of that run; default 100,000")
     args = parser.parse_args()
     if args.peer or args.only == "peer":
         _peer(args)
@@ -734,6 +824,8 @@ def main() -> None:
             latency_in_flight=512,
             input_rows=20_000,
             limit=2_000,
+            growth_rollouts=20_000,
+            growth_step=5_000,
             checkpoint=500,
             latency=0.5,
             http_in_flight=512,
@@ -752,6 +844,8 @@ def main() -> None:
             latency_in_flight=16384,
             input_rows=1_000_000,
             limit=50_000,
+            growth_rollouts=1_000_000,
+            growth_step=100_000,
             checkpoint=10_000,
             latency=2.0,
             http_in_flight=16384,
@@ -761,7 +855,18 @@ def main() -> None:
             replica_repeats=3,
             watchers=2_000,
         )
+    if args.collector_rollouts:
+        sizes["growth_rollouts"] = args.collector_rollouts
+    if args.collector_step:
+        sizes["growth_step"] = args.collector_step
     results: dict = {}
+    if args.only == "collector_1m":
+        with tempfile.TemporaryDirectory() as directory:
+            result = bench_collector_growth(Path(directory), sizes["growth_rollouts"], sizes["growth_step"])
+        results["collector_1m_growth"] = result
+        _save(args, results, f"{args.name}-{args.only}")
+        print(table_growth(result))
+        sys.exit(1 if result["failed"] else 0)
     if args.only == "replicas":
         with tempfile.TemporaryDirectory() as directory:
             result = _bench_replicas(Path(directory), sizes)
@@ -789,6 +894,7 @@ def main() -> None:
         results["latency_16k"] = bench_latency(tmp, sizes["latency_in_flight"], sizes["latency"], peak)
         print("(d) collector memory on a large input ...", file=sys.stderr)
         results["collector_1m"] = bench_collector(tmp, sizes["input_rows"], sizes["limit"], sizes["checkpoint"])
+        results["collector_1m_growth"] = bench_collector_growth(tmp, sizes["growth_rollouts"], sizes["growth_step"])
         print("(e) many in flight through the HTTP model servers to a slow engine, machine loaded ...", file=sys.stderr)
         results["http_engine_16k"] = bench_http_engine(
             tmp, sizes["http_in_flight"], sizes["http_latencies"], args.cpu_hogs
@@ -799,8 +905,10 @@ def main() -> None:
         results["startup"] = bench_startup(3)
     _save(args, results, args.name)
     print(table(results))
+    print(table_growth(results["collector_1m_growth"]))
     print(table_replicas(results["replicas"]))
     rows = [*results["single_turn"], results["single_tool_call"], results["single_tool_call_vllm"]]
+    rows.append(results["collector_1m_growth"])
     rows += results["replicas"]["runs"]
     failures = [row for row in rows if row["failed"]] + [
         row for row in [results["latency_16k"], *results["http_engine_16k"]] if row["errors"]
