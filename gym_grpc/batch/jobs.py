@@ -281,7 +281,7 @@ class Batch(Generic[P]):
                     self._bad_input(job)
                     continue
                 self.groups.set(job.task_index, job.group)
-                if done[job.task_index * options.repeats + job.repeat_index]:
+                if job.task_index * options.repeats + job.repeat_index in done:
                     self.summary.skipped += 1
                     self.bar.update(1)
                     continue

@@ -7,7 +7,9 @@ per group (agent), the mean of every numeric field the rollouts produced
 repeats, and warnings for the usual signs of a broken verifier or data set.
 
 `RunStats` follows the rows this run wrote: rollouts/s, tokens/s from the
-responses' usage, and the median and p95 of each stage's time.
+responses' usage, and the median and p95 of each stage's time. It keeps the
+same few kilobytes whatever the number of rollouts: the stage times go to
+histograms with 1% wide buckets (`Quantiles`), not a list of every time.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def summarise_file(
     """Metrics and warnings per group over every rollout of `path` whose task is in `groups`."""
     n_tasks = len(groups.group_of)
     rewards = array("d", [math.nan]) * (n_tasks * repeats)
-    seen = bytearray(n_tasks * repeats)
+    seen = jsonl.KeyBits(n_tasks * repeats)
     means: dict[int, Means] = {}
     empty: dict[int, int] = {}
     unverified: dict[int, int] = {}
@@ -81,10 +83,10 @@ def summarise_file(
         group = groups.group_of[slot // repeats]
         if group < 0:  # the task row is not usable now; its old rollouts are not counted
             continue
-        if seen[slot]:
+        if slot in seen:
             duplicates += 1
             continue
-        seen[slot] = 1
+        seen.add(slot)
         produced: dict[str, float] = {}
         for name in row.get("verifier_fields") or ():
             _numbers(name, row.get(name), produced)
@@ -156,6 +158,72 @@ def _group_metrics(rewards: array, group_of: array, group: int, repeats: int, th
     }
 
 
+class Quantiles:
+    """Quantiles of non-negative numbers (seconds), exact up to `EXACT` values, then to within
+    half a bucket (0.5%) in constant memory.
+
+    The first `EXACT` values are kept as they are. Past that, every value goes to a bucket
+    [LOW * RATIO**(i - 1), LOW * RATIO**i), and a quantile is the middle of its bucket, clamped
+    to the smallest and largest value seen. Values up to LOW (zero among them) share bucket 0,
+    values above the top the last one: 4,000 buckets from 1 ns reach ~2e8 s. At most ~64 KB
+    however many values are added."""
+
+    EXACT = 4096
+    LOW = 1e-9
+    RATIO = 1.01
+    BUCKETS = 4000
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.low = math.inf
+        self.high = -math.inf
+        self._exact: array | None = array("d")
+        self._buckets = array("Q", bytes(8 * self.BUCKETS))
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        self.low = min(self.low, value)
+        self.high = max(self.high, value)
+        if self._exact is None:
+            self._bucket(value)
+        elif len(self._exact) < self.EXACT:
+            self._exact.append(value)
+        else:
+            for kept in self._exact:
+                self._bucket(kept)
+            self._bucket(value)
+            self._exact = None
+
+    def _bucket(self, value: float) -> None:
+        i = math.ceil(math.log(value / self.LOW) / math.log(self.RATIO)) if value > self.LOW else 0
+        self._buckets[min(i, self.BUCKETS - 1)] += 1
+
+    def __len__(self) -> int:
+        return self.count
+
+    def median(self) -> float:
+        """The median (the mean of the two middle values of an even count while exact)."""
+        if self._exact is not None and self._exact:
+            return statistics.median(self._exact)
+        return self.quantile(0.5)
+
+    def quantile(self, q: float) -> float:
+        """The value of rank ceil(q * count) (1-based, at least 1); nan when empty."""
+        if not self.count:
+            return math.nan
+        rank = max(1, math.ceil(q * self.count))
+        if self._exact is not None:
+            return sorted(self._exact)[min(rank, self.count) - 1]
+        if rank == 1 or rank >= self.count:
+            return self.low if rank == 1 else self.high
+        i = seen = 0
+        while seen + self._buckets[i] < rank:
+            seen += self._buckets[i]
+            i += 1
+        middle = self.LOW * self.RATIO ** (i - 0.5) if i else 0.0
+        return min(max(middle, self.low), self.high)
+
+
 class RunStats:
     """Throughput and stage times of the rows one run wrote."""
 
@@ -164,7 +232,7 @@ class RunStats:
         self.input_tokens = 0
         self.output_tokens = 0
         self.reward = Means()
-        self.stages = {stage: array("d") for stage in STAGES}
+        self.stages = {stage: Quantiles() for stage in STAGES}
 
     def add(self, row: dict[str, Any]) -> None:
         self.rollouts += 1
@@ -176,16 +244,14 @@ class RunStats:
         timings = row.get("timings") or {}
         for stage in STAGES:
             if isinstance(timings.get(stage), int | float):
-                self.stages[stage].append(float(timings[stage]))
+                self.stages[stage].add(float(timings[stage]))
 
     def slowest_stage(self) -> tuple[str, float, float] | None:
         """(stage, median s, p95 s) of the stage with the largest median time."""
         found = []
         for stage, values in self.stages.items():
-            if values:
-                ordered = sorted(values)
-                p95 = ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
-                found.append((statistics.median(ordered), stage, p95))
+            if values.count:
+                found.append((values.median(), stage, values.quantile(0.95)))
         if not found:
             return None
         median, stage, p95 = max(found)

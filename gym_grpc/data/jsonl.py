@@ -8,7 +8,8 @@ aggregate the other's files.
 Output is only ever appended, one whole line per rollout (`Appender`); a
 collector killed mid-write can leave a torn last line, which `repair_tail`
 cuts off before anything is appended again. Which keys a file holds is kept
-as one byte per key slot, so resuming a large output stays small.
+as one bit per key slot (`KeyBits`: 125 KB for a million keys), so resuming a
+large output stays small.
 """
 
 from __future__ import annotations
@@ -131,11 +132,31 @@ def repair_tail(path: Path) -> None:
         f.truncate(0)
 
 
-def done_keys(path: Path, n_tasks: int, repeats: int) -> bytearray:
-    """One byte per key slot: 1 when the file already holds that rollout."""
-    done = bytearray(n_tasks * repeats)
+class KeyBits:
+    """A set of key slots in [0, size), one bit each."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._bits = bytearray((size + 7) // 8)
+
+    def add(self, slot: int) -> None:
+        if not 0 <= slot < self.size:
+            raise IndexError(f"slot {slot} outside [0, {self.size})")
+        self._bits[slot >> 3] |= 1 << (slot & 7)
+
+    def __contains__(self, slot: int) -> bool:
+        return 0 <= slot < self.size and bool(self._bits[slot >> 3] & (1 << (slot & 7)))
+
+    def __len__(self) -> int:
+        """How many slots are in the set."""
+        return sum(byte.bit_count() for byte in self._bits)
+
+
+def done_keys(path: Path, n_tasks: int, repeats: int) -> KeyBits:
+    """The key slots (task_index * repeats + repeat_index) whose rollout the file already holds."""
+    done = KeyBits(n_tasks * repeats)
     for row in iter_rows(path):
         slot = record.key_slot(row, n_tasks, repeats)
         if slot is not None:
-            done[slot] = 1
+            done.add(slot)
     return done

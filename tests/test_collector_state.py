@@ -1,0 +1,103 @@
+"""What the collector keeps while it runs: compact per key, constant per rollout, and still exact
+where the features need it (resume by key, stage quantiles, the environment's own metrics)."""
+
+import math
+import random
+
+import pytest
+
+from gym_grpc.batch.collector import PackedResults
+from gym_grpc.batch.summary import Quantiles, RunStats
+from gym_grpc.data import jsonl, record
+from gym_grpc.v1 import task_pb2
+
+
+def test_key_bits_hold_exactly_the_slots_added():
+    bits = jsonl.KeyBits(1001)
+    added = {0, 7, 8, 9, 500, 1000}
+    for slot in added:
+        bits.add(slot)
+    bits.add(7)  # twice is once
+    assert {slot for slot in range(1001) if slot in bits} == added
+    assert len(bits) == len(added)
+    assert -1 not in bits and 1001 not in bits
+    with pytest.raises(IndexError):
+        bits.add(1001)
+
+
+def test_done_keys_are_the_keys_of_the_file_under_either_name(tmp_path):
+    out = tmp_path / "out.jsonl"
+    rows = [{"task_index": 2, "repeat_index": 1}, {"_ng_task_index": 0, "_ng_rollout_index": 0}]
+    rows += [{"task_index": 9, "repeat_index": 0}, {"no": "key"}]  # outside the input; none
+    out.write_text("".join(f"{jsonl.json.dumps(row)}\n" for row in rows))
+    done = jsonl.done_keys(out, n_tasks=3, repeats=2)
+    assert [slot for slot in range(6) if slot in done] == [0, 5]
+
+
+@pytest.mark.parametrize("spread", [0.001, 10.0])
+def test_quantiles_are_within_half_a_percent_of_the_exact_ones(spread):
+    rng = random.Random(18)
+    values = [rng.expovariate(1 / spread) for _ in range(20_001)] + [0.0] * 50
+    quantiles = Quantiles()
+    for value in values:
+        quantiles.add(value)
+    ordered = sorted(values)
+    assert quantiles.count == len(values)
+    for q in (0.5, 0.95, 0.99):
+        exact = ordered[math.ceil(q * len(ordered)) - 1]
+        assert quantiles.quantile(q) == pytest.approx(exact, rel=0.005)
+    assert (quantiles.quantile(0.0), quantiles.quantile(1.0)) == (0.0, ordered[-1])
+
+
+def test_quantiles_of_one_value_are_that_value_and_of_none_nan():
+    quantiles = Quantiles()
+    assert math.isnan(quantiles.quantile(0.5))
+    quantiles.add(0.25)
+    assert quantiles.quantile(0.5) == quantiles.quantile(0.95) == 0.25
+
+
+def test_quantiles_are_exact_up_to_the_values_they_keep():
+    values = [i / 1000 for i in range(Quantiles.EXACT, 0, -1)]
+    quantiles = Quantiles()
+    for value in values:
+        quantiles.add(value)
+    ordered = sorted(values)
+    assert quantiles.median() == (ordered[len(values) // 2 - 1] + ordered[len(values) // 2]) / 2
+    assert quantiles.quantile(0.95) == ordered[math.ceil(0.95 * len(values)) - 1]
+
+
+def test_the_slowest_stage_is_named_with_its_median_and_p95():
+    stats = RunStats()
+    for i in range(1, 101):
+        stats.add({"timings": {"model": i / 1000, "tools": 0.0, "verify": 0.01}})
+    stage, median, p95 = stats.slowest_stage()
+    assert stage == "model"
+    assert (median, p95) == (0.0505, 0.095)
+
+
+def test_packed_results_give_back_every_result_in_order():
+    results = [
+        task_pb2.VerificationResult(task_index=i, reward=i / 7, fields_json='{"n": %d}' % i if i % 2 else "")
+        for i in range(1000)
+    ]
+    results[3].reward_components["format"] = 0.5
+    results.append(task_pb2.VerificationResult())  # all defaults: zero bytes serialized
+    packed = PackedResults()
+    for result in results:
+        packed.append(result)
+    assert len(packed) == len(results)
+    assert packed.size == sum(result.ByteSize() for result in results)
+    assert list(packed) == results
+
+
+def test_a_record_verification_packs_and_comes_back_whole():
+    row = {"task_index": 4, "reward": 0.5, "verifier_fields": ["hits"], "hits": 3, "reward_components": {"a": 1}}
+    packed = PackedResults()
+    packed.append(record.verification(row))
+    (back,) = packed
+    assert (back.task_index, back.reward, back.fields_json, dict(back.reward_components)) == (
+        4,
+        0.5,
+        '{"hits":3}',
+        {"a": 1.0},
+    )
