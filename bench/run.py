@@ -432,8 +432,13 @@ def bench_collector_growth(tmp: Path, rollouts: int, step: int, window: int = 40
             process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=err)
             rows = 0
             last = {"rollouts": 0, "seconds": 0.0, "cpu": 0.0, "server_cpu": server_cpu}
+            usage = None
             while True:
-                finished = process.poll() is not None
+                # wait4, not poll: it gives the finished collector's CPU time and peak RSS
+                pid, status, exited = os.wait4(process.pid, os.WNOHANG)
+                finished = pid != 0
+                if finished:
+                    process.returncode, usage = os.waitstatus_to_exitcode(status), exited
                 rows += written.read().count(b"\n")
                 while rows >= last["rollouts"] + step or (finished and rows > last["rollouts"]):
                     now = time.monotonic() - started
@@ -452,18 +457,21 @@ def bench_collector_growth(tmp: Path, rollouts: int, step: int, window: int = 40
                             if finished
                             else round(1000 * (cpu - last["cpu"]) / n, 3),
                             "servers_cpu_ms_per_rollout": round(1000 * (servers - last["server_cpu"]) / n, 3),
+                            "load_average_1m": round(os.getloadavg()[0], 1),
                         }
                     )
+                    print(f"(d) {json.dumps(steps[-1])}", file=sys.stderr, flush=True)
                     last = {"rollouts": mark, "seconds": now, "cpu": cpu, "server_cpu": servers}
                 if finished:
                     break
                 time.sleep(0.1)
+            ended = time.monotonic() - started
             err.seek(0)
             stderr = err.read().decode()
     finally:
         stack.stop()
     match = re.search(r"(\d+) rollouts collected, (\d+) failed.* in ([\d.]+) s", stderr)
-    if process.returncode != 0 or match is None:
+    if process.returncode != 0 or match is None or usage is None:
         raise RuntimeError(f"collect failed ({process.returncode}):\n{stderr[-4000:]}")
     full = [s for s in steps if s["rss_mb"] is not None and s["rollouts"] % step == 0]
     measured = [s for s in full if s["collector_cpu_ms_per_rollout"] is not None]
@@ -473,6 +481,10 @@ def bench_collector_growth(tmp: Path, rollouts: int, step: int, window: int = 40
         "window": window,
         "step": step,
         "collector_seconds": float(match.group(3)),
+        # From the last row written to the collector's exit: the summary of the whole output.
+        "seconds_after_last_row": round(ended - last["seconds"], 2),
+        "collector_cpu_seconds": round(usage.ru_utime + usage.ru_stime, 2),
+        "collector_peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
         "load_average_1m_at_end": round(os.getloadavg()[0], 2),
         "rss_mb_first_step": full[0]["rss_mb"] if full else None,
         "rss_mb_last_step": full[-1]["rss_mb"] if full else None,
