@@ -101,3 +101,39 @@ def test_a_record_verification_packs_and_comes_back_whole():
         '{"hits":3}',
         {"a": 1.0},
     )
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        {"text": "é ☃ \u2028 \"q\" \\ \n\t\x00", "n": [0, -1, 2**63 - 1], "f": [0.1, 1e-05, 1e16, -0.0, 1.0]},
+        {"nested": {"a": [{"b": None}]}, "empty": {}, "list": [], "flag": True},
+        {"nan": math.nan, "inf": [math.inf, -math.inf]},  # orjson would write null: json writes them
+        {"big": 2**70, "neg": -(2**80)},  # beyond orjson's 64 bits
+        {"text": "null is a word"},
+    ],
+)
+def test_a_dumped_line_reads_back_as_the_row_json_writes(row):
+    line = jsonl.dump_line(row)
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    back = jsonl.json.loads(line)
+    assert jsonl.json.dumps(back, sort_keys=True) == jsonl.json.dumps(row, sort_keys=True)
+    assert list(back) == list(row)  # key order kept
+
+
+def test_rows_appended_read_back_whole(tmp_path):
+    path = tmp_path / "out.jsonl"
+    out = jsonl.Appender(path)
+    rows = [{"task_index": i, "reward": i / 3, "nan": math.nan if i == 2 else 0.0} for i in range(5)]
+    for row in rows:
+        out.append(row)
+    out.close()
+    back = list(jsonl.iter_rows(path))
+    assert [r["reward"] for r in back] == [r["reward"] for r in rows] and math.isnan(back[2]["nan"])
+
+
+def test_fast_loads_reads_what_json_reads_or_falls_back_to_it():
+    assert jsonl.loads_fast('{"a": [1, 2.5, null, true], "b": "é"}') == {"a": [1, 2.5, None, True], "b": "é"}
+    assert math.isnan(jsonl.loads_fast('{"r": NaN}')["r"])
+    with pytest.raises(ValueError):
+        jsonl.loads_fast('{"torn": ')

@@ -17,9 +17,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 from gym_grpc import errors
 from gym_grpc.data import json_input, record
@@ -57,6 +59,22 @@ def parse_line(raw: bytes) -> Any:
         raise ValueError(f"{e}, the most every gym.v1 peer can carry") from None
 
 
+def dump_line(row: Any) -> bytes:
+    """One JSONL line, compact, UTF-8, with its newline.
+
+    orjson (several times faster than json) unless the row holds what it would write
+    differently: orjson writes NaN and Infinity as null, where json writes them as
+    they are, so a line with a null in it is written by json (rows rarely hold one);
+    and orjson refuses an integer beyond 64 bits or a key that is not a string."""
+    try:
+        line = orjson.dumps(row, option=orjson.OPT_APPEND_NEWLINE)
+    except TypeError:  # orjson.JSONEncodeError is one
+        line = b"null"
+    if b"null" not in line:
+        return line
+    return (json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
+
+
 class Appender:
     """Appends rows to a JSONL file, each line written whole or not at all.
 
@@ -71,7 +89,7 @@ class Appender:
         self._size = os.fstat(self._fd).st_size
 
     def append(self, row: dict[str, Any]) -> None:
-        line = memoryview((json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8"))
+        line = memoryview(dump_line(row))
         try:
             written = 0
             while written < len(line):
@@ -98,14 +116,23 @@ def count_rows(path: Path, limit: int | None = None) -> int:
     return count if limit is None else min(count, limit)
 
 
-def iter_rows(path: Path) -> Iterator[dict[str, Any]]:
+def loads_fast(text: str) -> Any:
+    """JSON text as orjson reads it (several times faster), else as json does: for reading
+    numbers for metrics only, as orjson reads an integer beyond 64 bits as a float."""
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:  # NaN, Infinity, or too deep for orjson: json says which
+        return json.loads(text)
+
+
+def iter_rows(path: Path, loads: Callable[[str], Any] = json.loads) -> Iterator[dict[str, Any]]:
     """The complete JSON-object rows of a file, one at a time (others are passed over)."""
     if not path.exists():
         return
     with path.open(encoding="utf-8", errors="replace") as f:
         for line in f:
             try:
-                row = json.loads(line)
+                row = loads(line)
             except (json.JSONDecodeError, RecursionError):  # a line nested too deep for the parser
                 continue
             if isinstance(row, dict):
