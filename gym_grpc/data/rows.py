@@ -303,17 +303,37 @@ def _read_into(message: ProtoMessage, obj: JSON, path: str, specs: list[Spec], e
         message.extra_json = dumps(extra)  # type: ignore[attr-defined]
 
 
+#: What `_write_from` reads of each spec, per (message type, spec list): looked up once, not per row.
+_Plan = tuple[tuple[str, str, str, Any, bool, bool], ...]
+_PLANS: dict[tuple[Any, int], tuple[list[Spec], _Plan]] = {}
+
+
+def _plan(message: ProtoMessage, specs: list[Spec]) -> _Plan:
+    """The plan of `specs` for `message`'s type. Spec lists are module constants; the
+    list is kept with its plan, so that its id cannot be another list's later."""
+    descriptor = message.DESCRIPTOR
+    cached = _PLANS.get((descriptor, id(specs)))
+    if cached is not None and cached[0] is specs:
+        return cached[1]
+    fields = descriptor.fields_by_name
+    plan = tuple(
+        (key, attr, kind if isinstance(kind, str) else kind[0], kind, required, fields[attr].has_presence)
+        for key, attr, kind, required in specs
+    )
+    if len(_PLANS) < 1024:  # the module's spec lists are far fewer; a list built per call is not kept
+        _PLANS[descriptor, id(specs)] = (specs, plan)
+    return plan
+
+
 def _write_from(message: ProtoMessage, specs: list[Spec], out: JSON) -> JSON:
     """`out` plus the typed fields of `message` by `specs`, then its extra_json."""
-    fields = message.DESCRIPTOR.fields_by_name
-    for key, attr, kind, required in specs:
-        tag = kind if isinstance(kind, str) else kind[0]
+    for key, attr, tag, kind, required, presence in _plan(message, specs):
         value = getattr(message, attr)
         if tag in ("list", "ids", "floats"):
             if value:
                 out[key] = [kind[2](v) for v in value] if tag == "list" else list(value)
             continue
-        if fields[attr].has_presence:
+        if presence:
             if not message.HasField(attr):
                 continue
         elif not (value or required):
@@ -484,6 +504,7 @@ _ITEM_SPECS: dict[str, list[Spec]] = {
     "mcp_call": _MCP_CALL,
 }
 _TOKEN_KEYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+_ITEM_SPECS_NO_TOKENS = {kind: [s for s in specs if s[0] not in _TOKEN_KEYS] for kind, specs in _ITEM_SPECS.items()}
 
 
 def item_from_json(value: Any, path: str = "item") -> r.Item:
@@ -549,10 +570,7 @@ def item_to_json(item: r.Item, training: bool = True) -> JSON:
             out["output"] = [_content_part_to_json(p) for p in inner.output_parts.items]
         else:
             out["output"] = inner.output
-    specs = _ITEM_SPECS[kind]
-    if not training:
-        specs = [s for s in specs if s[0] not in _TOKEN_KEYS]
-    out = _write_from(inner, specs, out)
+    out = _write_from(inner, (_ITEM_SPECS if training else _ITEM_SPECS_NO_TOKENS)[kind], out)
     if kind == "message":
         out.setdefault("role", "user")  # a message built in code without a role
     return out
