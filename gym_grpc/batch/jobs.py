@@ -191,6 +191,8 @@ class Batch(Generic[P]):
 
     def _progress(self) -> None:
         assert self.bar is not None
+        if not self.options.progress:  # no bar to show it on
+            return
         run = self.summary.run
         elapsed = max(time.monotonic() - self._started, 1e-9)
         postfix = {"tok/s": f"{(run.input_tokens + run.output_tokens) / elapsed:,.0f}"}

@@ -76,7 +76,7 @@ def summarise_file(
     outside: dict[int, list[float]] = {}
     duplicates = 0
     low, high = reward_range
-    for row in jsonl.iter_rows(path):
+    for row in jsonl.iter_rows(path, loads=jsonl.loads_fast):
         slot = record.key_slot(row, n_tasks, repeats)
         if slot is None:
             continue
@@ -182,8 +182,10 @@ class Quantiles:
 
     def add(self, value: float) -> None:
         self.count += 1
-        self.low = min(self.low, value)
-        self.high = max(self.high, value)
+        if value < self.low:
+            self.low = value
+        if value > self.high:
+            self.high = value
         if self._exact is None:
             self._bucket(value)
         elif len(self._exact) < self.EXACT:
@@ -195,8 +197,8 @@ class Quantiles:
             self._exact = None
 
     def _bucket(self, value: float) -> None:
-        i = math.ceil(math.log(value / self.LOW) / math.log(self.RATIO)) if value > self.LOW else 0
-        self._buckets[min(i, self.BUCKETS - 1)] += 1
+        i = math.ceil((math.log(value) - _LOG_LOW) * _PER_LOG_RATIO) if value > self.LOW else 0
+        self._buckets[i if i < self.BUCKETS else self.BUCKETS - 1] += 1
 
     def __len__(self) -> int:
         return self.count
@@ -222,6 +224,10 @@ class Quantiles:
             i += 1
         middle = self.LOW * self.RATIO ** (i - 0.5) if i else 0.0
         return min(max(middle, self.low), self.high)
+
+
+_LOG_LOW = math.log(Quantiles.LOW)
+_PER_LOG_RATIO = 1 / math.log(Quantiles.RATIO)
 
 
 class RunStats:
