@@ -11,6 +11,8 @@ What it measures, each in real processes on loopback:
   (c) latency_16k      16,384 rollouts in flight against a model with 2 s of latency
   (d) collector_1m     the collector on a 1,000,000-row input (--limit 10,000, then resumed to
                        --limit 50,000), and the servers' memory, idle, after each
+                       and one collect of 1,000,000 rollouts, its RSS and time at every 100,000
+                       (--only collector_1m runs just that)
   (e) http_engine_16k  16,384 weather rollouts in flight through each HTTP model server (vllm:
                        Chat Completions, openai: Responses) to an engine that answers after 2 s,
                        then 10 s, with --cpu-hogs busy processes loading the machine meanwhile
