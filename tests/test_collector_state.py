@@ -106,7 +106,7 @@ def test_a_record_verification_packs_and_comes_back_whole():
 @pytest.mark.parametrize(
     "row",
     [
-        {"text": "é ☃ \u2028 \"q\" \\ \n\t\x00", "n": [0, -1, 2**63 - 1], "f": [0.1, 1e-05, 1e16, -0.0, 1.0]},
+        {"text": 'é ☃ \u2028 "q" \\ \n\t\x00', "n": [0, -1, 2**63 - 1], "f": [0.1, 1e-05, 1e16, -0.0, 1.0]},
         {"nested": {"a": [{"b": None}]}, "empty": {}, "list": [], "flag": True},
         {"nan": math.nan, "inf": [math.inf, -math.inf]},  # orjson would write null: json writes them
         {"big": 2**70, "neg": -(2**80)},  # beyond orjson's 64 bits
@@ -137,3 +137,23 @@ def test_fast_loads_reads_what_json_reads_or_falls_back_to_it():
     assert math.isnan(jsonl.loads_fast('{"r": NaN}')["r"])
     with pytest.raises(ValueError):
         jsonl.loads_fast('{"torn": ')
+
+
+def test_a_built_record_is_the_scored_row_then_the_runs_fields():
+    from gym_grpc.data import rows
+
+    response = rows.response_from_json(
+        {"id": "r", "output": [{"type": "message", "role": "assistant", "content": "42"}], "object": "response"}
+    )
+    rollout = task_pb2.Rollout(response=response, reward=0.5, model_calls=2, verifier_fields_json='{"hits": 3}')
+    rollout.reward_components["format"] = 1.0
+    rollout.timings.model_seconds = 0.25
+    task_row = {"responses_create_params": {"input": "q"}, "reward": "theirs", "hits": 0, "expected": "42"}
+    built = record.build(task_row, rollout)
+    assert list(built.items())[: len(record.scored(task_row, rollout))] == list(
+        record.scored(task_row, rollout).items()
+    )
+    assert built["reward"] == 0.5 and built["hits"] == 3 and built["verifier_fields"] == ["hits"]
+    assert built["reward_components"] == {"format": 1.0} and built["model_calls"] == 2
+    assert built["timings"] == {"model": 0.25, "tools": 0.0, "verify": 0.0, "total": 0.0}
+    assert list(built)[:2] == ["responses_create_params", "reward"]  # a task key keeps its place

@@ -44,8 +44,17 @@ STOP_REASONS = {
 
 
 def build(task_row: JSON, rollout: task_pb2.Rollout, placeholder_reward: float = 0.0) -> JSON:
-    """The rollout row (without its key): the task row and what the rollout produced."""
-    row = scored(task_row, rollout)
+    """The rollout row (without its key): the task row and what the rollout produced.
+
+    `scored`'s row, plus the run's fields, built in one dict rather than copied twice."""
+    row = dict(task_row)
+    row["response"] = rows.response_to_json(rollout.response)
+    row["reward"] = rollout.reward
+    fields = rows.json_field(rollout, "verifier_fields")
+    row.update(fields)
+    row["verifier_fields"] = sorted(fields)
+    if rollout.reward_components:
+        row["reward_components"] = dict(rollout.reward_components)
     if rollout.verification_skipped:
         row["reward"] = placeholder_reward
         row["verification_skipped"] = True
