@@ -135,6 +135,9 @@ def test_rows_appended_read_back_whole(tmp_path):
 def test_fast_loads_reads_what_json_reads_or_falls_back_to_it():
     assert jsonl.loads_fast('{"a": [1, 2.5, null, true], "b": "é"}') == {"a": [1, 2.5, None, True], "b": "é"}
     assert math.isnan(jsonl.loads_fast('{"r": NaN}')["r"])
+    big = jsonl.loads_fast('{"big": 123456789012345678901234567890, "near": 18446744073709551615}')
+    assert big == {"big": 123456789012345678901234567890, "near": 2**64 - 1}
+    assert isinstance(big["big"], int)
     with pytest.raises(ValueError):
         jsonl.loads_fast('{"torn": ')
 

@@ -76,7 +76,7 @@ def summarise_file(
     outside: dict[int, list[float]] = {}
     duplicates = 0
     low, high = reward_range
-    for row in jsonl.iter_rows(path, loads=jsonl.loads_fast):
+    for row in jsonl.iter_rows(path):
         slot = record.key_slot(row, n_tasks, repeats)
         if slot is None:
             continue
