@@ -232,7 +232,7 @@ class PackedResults:
 
     def __init__(self) -> None:
         self._data = bytearray()
-        self._ends = array("Q")
+        self._ends = array("I")  # 4 bytes an end: a group stops being kept past AGGREGATE_LIMIT_BYTES
 
     @property
     def size(self) -> int:
