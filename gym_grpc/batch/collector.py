@@ -18,7 +18,7 @@ from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO, cast
+from typing import Any, TextIO
 
 from gym_grpc import errors
 from gym_grpc.batch.jobs import BadInput, Batch, BatchSummary, Job, RunOptions
@@ -215,8 +215,7 @@ async def _add_environment_metrics(registry: Registry, options: CollectOptions, 
         try:
             # One message at a time out of the packed bytes, into the request: a list of a
             # million messages would cost ~500 bytes each, the request itself ~80.
-            messages = cast(list[task_pb2.VerificationResult], iter(verified))
-            metrics = await ResourcesClient(registry, environments[group]).aggregate_metrics(messages)
+            metrics = await ResourcesClient(registry, environments[group]).aggregate_metrics(iter(verified))
         except errors.GymError as e:
             summary.warnings.append(_no_metrics(group, e))
             continue

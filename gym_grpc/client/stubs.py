@@ -11,7 +11,7 @@ pause or a restart costs time, not the rollout.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -243,7 +243,7 @@ class ResourcesClient(_Client):
         finally:
             self._sessions.pop(session_id, None)
 
-    async def aggregate_metrics(self, results: list[task_pb2.VerificationResult]) -> struct_pb2.Struct:
+    async def aggregate_metrics(self, results: Iterable[task_pb2.VerificationResult]) -> struct_pb2.Struct:
         reply = await self._call("AggregateMetrics", res_pb.AggregateMetricsRequest(results=results))
         return reply.metrics
 
