@@ -304,10 +304,6 @@ class RayRunner:
         assert self.registry is not None
         return self.registry.app.servicer  # type: ignore[attr-defined]
 
-    def processes(self) -> list[tuple[str, int]]:
-        """(server name, pid) of every replica that answers."""
-        return [(s.name, r.pid) for s in self.servers.values() for r in s.replicas if r.seen is not None]
-
     async def watch(self, stop: asyncio.Event) -> int:
         """Poll the replicas until `stop` is set; 1 when any replica died (Ray restarts
         it, up to max_restarts), 0 otherwise; returns early when every replica is lost."""
