@@ -51,6 +51,24 @@ class CpuPoolConfig(ResourcesConfig):
     )
 
 
+def _end(pool: ProcessPoolExecutor) -> None:
+    """Stop a pool now: cancel what waits, stop its workers (a check still running is
+    abandoned: its caller is gone or its worker died) and wait for its manager thread.
+
+    A pool left to wind down on its own (shutdown without waiting) races CPython
+    3.11's exit hook when the process exits soon after: "OSError: [Errno 9] Bad
+    file descriptor" in concurrent.futures' _python_exit, seen at a server's stop."""
+    workers = list(
+        (getattr(pool, "_processes", None) or {}).values()
+    )  # CPython's own, read before shutdown clears them
+    manager = getattr(pool, "_executor_manager_thread", None)
+    pool.shutdown(wait=False, cancel_futures=True)
+    for worker in workers:
+        worker.kill()
+    if manager is not None:
+        manager.join(timeout=30)
+
+
 class CpuPool:
     """A process pool, or Ray, behind one `await pool.run(fn, *args)`."""
 
@@ -79,7 +97,7 @@ class CpuPool:
 
     def close(self) -> None:
         if self._processes is not None:
-            self._processes.shutdown(wait=False, cancel_futures=True)
+            _end(self._processes)
         if self._owns_ray:
             import ray
 
@@ -101,7 +119,7 @@ class CpuPool:
             if self._processes is processes:
                 log.warning("%s: a check worker died; starting a new pool", self.name)
                 self._processes = self._new_processes()
-                processes.shutdown(wait=False, cancel_futures=True)
+                _end(processes)
             return await loop.run_in_executor(self._processes, call)
 
     def _new_processes(self) -> ProcessPoolExecutor:

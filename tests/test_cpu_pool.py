@@ -55,3 +55,39 @@ async def test_on_ray_a_check_gives_the_same_result_and_leaves_a_ray_it_joined(l
     assert value == 49 and pid != os.getpid()
     pool.close()
     assert local_ray.is_initialized()  # it joined the session's Ray, so it does not stop it
+
+
+CLOSE_WITH_A_CHECK_RUNNING = """
+import asyncio, os, sys, time
+from gym_grpc.cpu_pool import CpuPool
+
+async def main():
+    pool = CpuPool("exit", workers=2)
+    await pool.start()
+    print(await pool.run(os.getpid), flush=True)  # a worker's pid
+    running = asyncio.ensure_future(pool.run(time.sleep, 60))
+    await asyncio.sleep(0.5)  # the sleep is in a worker
+    started = time.monotonic()
+    pool.close()
+    print(round(time.monotonic() - started, 1), flush=True)
+    running.cancel()
+
+asyncio.run(main())
+"""
+
+
+def test_close_stops_the_workers_at_once_and_the_process_exits_cleanly():
+    """A server stops with a check still running: close() must not wait for it, and the
+    process must exit without the traceback CPython 3.11 prints when a pool is left
+    winding down at exit (OSError: Bad file descriptor in concurrent.futures)."""
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-c", CLOSE_WITH_A_CHECK_RUNNING], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    worker, seconds = done.stdout.split()
+    assert float(seconds) < 30  # not the 60 s the check would take
+    assert "Traceback" not in done.stderr and "Error" not in done.stderr, done.stderr
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(worker), 0)  # the workers are gone with the pool
