@@ -45,6 +45,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import run as bench
 
@@ -341,51 +342,45 @@ def bench_workload(tmp: Path, engine: bench.InstantEngine, workload: str, window
     task_files = {}
     for window in windows:
         count = sizes[window]
-        path = tmp / f"peer_{workload}_{count}.jsonl"
-        path.write_text("".join(json.dumps(row) + "\n" for row in task_rows(workload, count)))
-        task_files[window] = (path, count)
+        task_files[window] = (bench._tasks(tmp, f"peer_{workload}", task_rows(workload, count), count), count)
+
+    def each_window(stack: Any, name: str, command_for: Any, env: dict[str, str] | None = None) -> None:
+        """Collect every window's tasks through one started stack (stopped after), as `name`."""
+        try:
+            ready[name] = round(stack.ready_seconds, 2)
+            processes, rss = _tree_memory(stack.process.pid)
+            idle[name] = {"processes": processes, "rss_mb": rss}
+            for window in windows:
+                tasks, count = task_files[window]
+                out = tmp / f"peer_out_{name}.jsonl"
+                command = command_for(tasks, out, window)
+                row = {"in_flight": window, **_measure(engine, stack, command, out, count, tmp, env)}
+                if row["exit_code"] and not row["rollouts"]:
+                    raise RuntimeError(f"{name} collect failed:\n{_log_tail(tmp / 'collector.log')}")
+                runs[name].append(row)
+                print(f"    {row}", file=sys.stderr)
+        finally:
+            stack.stop()
 
     print(f"  {workload}: gym-grpc ...", file=sys.stderr)
     stack = GymGrpcStack(_gym_grpc_config(tmp, workload, engine.url))
-    try:
-        ready["gym_grpc"] = round(stack.ready_seconds, 2)
-        processes, rss = _tree_memory(stack.process.pid)
-        idle["gym_grpc"] = {"processes": processes, "rss_mb": rss}
-        for window in windows:
-            tasks, count = task_files[window]
-            out = tmp / "peer_out_gym_grpc.jsonl"
-            command = [bench._gym(), "collect", "--registry", stack.registry, "--agent", "agent"]
-            command += ["--input", str(tasks), "--output", str(out), "--max-in-flight", str(window), "--no-progress"]
-            command += ["--timeout", "1800"]
-            row = {"in_flight": window, **_measure(engine, stack, command, out, count, tmp)}
-            if row["exit_code"] and not row["rollouts"]:
-                raise RuntimeError(f"gym-grpc collect failed:\n{_log_tail(tmp / 'collector.log')}")
-            runs["gym_grpc"].append(row)
-            print(f"    {row}", file=sys.stderr)
-    finally:
-        stack.stop()
+    each_window(
+        stack,
+        "gym_grpc",
+        lambda tasks, out, window: bench.collect_args(stack.registry, "agent", tasks, out, window, "--timeout", "1800"),
+    )
 
     print(f"  {workload}: NeMo Gym ...", file=sys.stderr)
     configs = ["model.yaml", "math.yaml" if workload == "math" else "weather.yaml"]
     agent = "math_agent" if workload == "math" else "weather_agent"
     nemo = NemoGymStack(tmp, configs, engine.url, tmp / f"nemo_gym_{workload}.log")
-    try:
-        ready["nemo_gym"] = round(nemo.ready_seconds, 2)
-        processes, rss = _tree_memory(nemo.process.pid)
-        idle["nemo_gym"] = {"processes": processes, "rss_mb": rss}
-        for window in windows:
-            tasks, count = task_files[window]
-            out = tmp / "peer_out_nemo_gym.jsonl"
-            command = [str(VENV / "bin" / "gym"), "eval", "run", "--no-serve", *nemo.overrides]
-            command += [f"+agent_name={agent}", f"+input_jsonl_fpath={tasks}", f"+output_jsonl_fpath={out}"]
-            command += [f"+num_samples_in_parallel={window}", "+disable_health_check=true"]
-            row = {"in_flight": window, **_measure(engine, nemo, command, out, count, tmp, nemo_gym_env(tmp))}
-            if row["exit_code"] and not row["rollouts"]:
-                raise RuntimeError(f"NeMo Gym collect failed:\n{_log_tail(tmp / 'collector.log')}")
-            runs["nemo_gym"].append(row)
-            print(f"    {row}", file=sys.stderr)
-    finally:
-        nemo.stop()
+
+    def nemo_gym_collect(tasks: Path, out: Path, window: int) -> list[str]:
+        command = [str(VENV / "bin" / "gym"), "eval", "run", "--no-serve", *nemo.overrides]
+        command += [f"+agent_name={agent}", f"+input_jsonl_fpath={tasks}", f"+output_jsonl_fpath={out}"]
+        return command + [f"+num_samples_in_parallel={window}", "+disable_health_check=true"]
+
+    each_window(nemo, "nemo_gym", nemo_gym_collect, nemo_gym_env(tmp))
 
     rows = []
     for ours, theirs in zip(runs["gym_grpc"], runs["nemo_gym"], strict=True):

@@ -216,34 +216,27 @@ def collect(
     `keep` resumes into an existing output instead of starting afresh."""
     if not keep:
         out.unlink(missing_ok=True)
-    args = [
-        _gym(),
-        "collect",
-        "--registry",
-        stack.registry,
-        "--agent",
-        agent,
-        "--input",
-        str(tasks),
-        "--output",
-        str(out),
-        "--max-in-flight",
-        str(window),
-        "--no-progress",
-        *extra,
-    ]
-    run = run_measured(args)
+    run = run_measured(collect_args(stack.registry, agent, tasks, out, window, *extra))
     match = re.search(r"(\d+) rollouts collected, (\d+) failed.* in ([\d.]+) s", run.stderr)
     if match is None:
         raise RuntimeError(f"collect failed:\n{run.stderr}")
     return Collection(int(match.group(1)), int(match.group(2)), float(match.group(3)), run.cpu_seconds, run.peak_mb)
 
 
+def collect_args(registry: str, agent: str, tasks: Path, out: Path, window: int, *extra: str) -> list[str]:
+    """The `gym-grpc collect` command line of a benchmark run (extra: more options)."""
+    args = [_gym(), "collect", "--registry", registry, "--agent", agent, "--input", str(tasks), "--output", str(out)]
+    return [*args, "--max-in-flight", str(window), "--no-progress", *extra]
+
+
 def _tasks(directory: Path, name: str, rows: list[dict], count: int) -> Path:
+    """A JSONL of `count` task rows, `rows` over and over (written once, a line at a time)."""
     path = directory / f"{name}_{count}.jsonl"
     if not path.exists():
-        lines = [json.dumps(rows[i % len(rows)]) + "\n" for i in range(count)]
-        path.write_text("".join(lines))
+        lines = [json.dumps(row) + "\n" for row in rows]
+        with path.open("w") as f:
+            for i in range(count):
+                f.write(lines[i % len(lines)])
     return path
 
 
@@ -383,11 +376,7 @@ def bench_http_engine(tmp: Path, in_flight: int, latencies: list[float], cpu_hog
 def bench_collector(tmp: Path, input_rows: int, limit: int, checkpoint: int) -> dict:
     """Collect the first `checkpoint` rows of a large input, then resume the same
     command up to `limit`; the servers' memory is read, idle, after each."""
-    tasks = tmp / f"million_{input_rows}.jsonl"
-    with tasks.open("w") as f:
-        line = json.dumps(SINGLE_TURN_ROW) + "\n"
-        for _ in range(input_rows):
-            f.write(line)
+    tasks = _tasks(tmp, "million", [SINGLE_TURN_ROW], input_rows)
     stack = Stack(_write_config(tmp, 0.0))
     out = tmp / "million_out.jsonl"
     try:
@@ -415,17 +404,12 @@ def bench_collector_growth(tmp: Path, rollouts: int, step: int, window: int = 40
     """One `gym-grpc collect` of `rollouts` single-turn rollouts, watched while it runs: at
     every `step` rollouts written, the collector's RSS (/proc/PID/status VmRSS), its CPU
     and the wall time of that step. Constant RSS after the first steps is the claim."""
-    tasks = tmp / f"growth_{rollouts}.jsonl"
-    with tasks.open("w") as f:
-        line = json.dumps(SINGLE_TURN_ROW) + "\n"
-        for _ in range(rollouts):
-            f.write(line)
+    tasks = _tasks(tmp, "growth", [SINGLE_TURN_ROW], rollouts)
     stack = Stack(_write_config(tmp, 0.0))
     out = tmp / "growth_out.jsonl"
     out.unlink(missing_ok=True)
     out.touch()
-    args = [_gym(), "collect", "--registry", stack.registry, "--agent", "single_turn_agent"]
-    args += ["--input", str(tasks), "--output", str(out), "--max-in-flight", str(window), "--no-progress"]
+    args = collect_args(stack.registry, "single_turn_agent", tasks, out, window)
     steps: list[dict] = []
     try:
         server_cpu = stack.cpu()

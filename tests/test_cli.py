@@ -95,7 +95,8 @@ def _start_run(*overrides: str, configs: tuple[Path, ...] = (), open_files: tupl
         stderr.seek(0)
         pytest.fail("gym-grpc run stopped before it was ready:\n" + "".join(lines) + stderr.read())
     registry = re.search(r"^registry\s+(\S+)", lines[0]).group(1)
-    servers = {m.group(2): m.group(3) for m in (re.match(r"(\w+)\s+(\w+)\s+(\S+)", x) for x in lines[1:-1])}
+    # "role name address ...": under --ray one line per replica, named "name#index"
+    servers = {m.group(2): m.group(3) for m in (re.match(r"(\S+)\s+(\S+)\s+(\S+)", x) for x in lines[1:-1])}
     return Run(process, lines, registry, servers, stderr)
 
 

@@ -48,6 +48,15 @@ async def start_registry(servers: Servers) -> Running:
     return await servers.start(RegistryServer())
 
 
+async def replicated(servers: Servers, name: str, apps: list) -> tuple[list[Running], Registry]:
+    """`apps` served as the replicas of server `name` behind a real registry service, and a
+    client's Registry of that service."""
+    registry_server = await start_registry(servers)
+    replicas = [await servers.start(app) for app in apps]
+    registry_server.app.servicer.add(entry(name, *replicas))
+    return replicas, Registry(registry_server.address)
+
+
 def params(text: str) -> r.CreateParams:
     p = r.CreateParams()
     p.input_items.items.add().message.CopyFrom(r.Message(role=r.ROLE_USER, text=text))
@@ -71,10 +80,7 @@ async def eventually(predicate, what: str, seconds: float = 20.0) -> None:
 
 async def test_calls_spread_over_every_replica_of_a_server():
     async with Servers() as servers:
-        registry_server = await start_registry(servers)
-        replicas = [await servers.start(EchoModel(delay=0)) for _ in range(3)]
-        registry_server.app.servicer.add(entry("model", *replicas))
-        registry = Registry(registry_server.address)
+        replicas, registry = await replicated(servers, "model", [EchoModel(delay=0) for _ in range(3)])
         client = ModelClient(registry, "model")
         try:
             for i in range(300):
@@ -90,10 +96,7 @@ async def test_the_first_burst_of_calls_is_spread_too():
     """round_robin alone would send a new channel's first calls to the replica that connected
     first: a collector's whole first window. The client waits until every replica answers."""
     async with Servers() as servers:
-        registry_server = await start_registry(servers)
-        replicas = [await servers.start(EchoModel(delay=0.05)) for _ in range(3)]
-        registry_server.app.servicer.add(entry("model", *replicas))
-        registry = Registry(registry_server.address)
+        replicas, registry = await replicated(servers, "model", [EchoModel(delay=0.05) for _ in range(3)])
         client = ModelClient(registry, "model")
         try:
             await asyncio.gather(*(client.create_response(params(f"{i}")) for i in range(300)))
@@ -106,12 +109,9 @@ async def test_the_first_burst_of_calls_is_spread_too():
 
 async def test_a_sessions_calls_reach_the_replica_that_opened_it():
     async with Servers() as servers:
-        registry_server = await start_registry(servers)
-        replicas = [await servers.start(Calculator()) for _ in range(3)]
+        replicas, registry = await replicated(servers, "calc", [Calculator() for _ in range(3)])
         for replica in replicas:
             replica.app.replica = replica.address
-        registry_server.app.servicer.add(entry("calc", *replicas))
-        registry = Registry(registry_server.address)
         client = ResourcesClient(registry, "calc")
 
         async def rollout(i: int) -> float:
@@ -141,10 +141,7 @@ async def test_a_sessions_calls_reach_the_replica_that_opened_it():
 
 async def test_a_replica_that_stops_serving_is_taken_out_of_the_rotation():
     async with Servers() as servers:
-        registry_server = await start_registry(servers)
-        replicas = [await servers.start(EchoModel(delay=0)) for _ in range(2)]
-        registry_server.app.servicer.add(entry("model", *replicas))
-        registry = Registry(registry_server.address)
+        replicas, registry = await replicated(servers, "model", [EchoModel(delay=0) for _ in range(2)])
         client = ModelClient(registry, "model")
         leaving = replicas[0].app.requests
 

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gym_grpc.cli.config import ConfigError, GymConfig, ServerSpec
-from gym_grpc.cli.runner import RegistryServer, StartupError, check_references
+from gym_grpc.cli.runner import RegistryHost, StartupError
 from gym_grpc.rpc.registry import SERVER_ROLES
-from gym_grpc.server.serving import DEFAULT_GRACE_SECONDS, Running, serve
+from gym_grpc.server.serving import Running, serve
 from gym_grpc.v1 import registry_service_pb2 as reg
 
 log = logging.getLogger("gym_grpc.cli.ray_runner")
@@ -122,37 +122,19 @@ class RayServer:
     info: reg.ServerInfo = field(default_factory=reg.ServerInfo)
 
 
-class RayRunner:
+class RayRunner(RegistryHost):
     """Starts, watches and stops the replicas of one configuration on a Ray cluster."""
 
-    def __init__(
-        self,
-        config: GymConfig,
-        *,
-        grace: float = DEFAULT_GRACE_SECONDS,
-        startup_timeout: float = 120.0,
-        log_level: str = "INFO",
-    ) -> None:
-        assert config.ray is not None, "a RayRunner needs the config's ray block"
-        self.config = config
-        self.ray_spec = config.ray
-        self.grace = grace
-        self.startup_timeout = startup_timeout
-        self.log_level = log_level
-        self.servers: dict[str, RayServer] = {}
-        self.registry: Running | None = None
-        self._joined = False  # we called ray.init, so we call ray.shutdown
+    servers: dict[str, RayServer]
 
-    @property
-    def registry_address(self) -> str:
-        if self.registry is None:
-            raise RuntimeError("the runner is not started")
-        return self.registry.address
+    def __init__(self, config: GymConfig, **options: Any) -> None:
+        super().__init__(config, **options)
+        assert config.ray is not None, "a RayRunner needs the config's ray block"
+        self.ray_spec = config.ray
+        self._joined = False  # we called ray.init, so we call ray.shutdown
 
     async def start(self) -> None:
         """Join the cluster, serve the registry, place and start every replica; return once all serve."""
-        if not self.config.servers:
-            raise ConfigError("the configuration has no servers")
         ray = _import_ray()
         if not ray.is_initialized():
             options: dict[str, Any] = {"address": self.ray_spec.address}
@@ -167,37 +149,19 @@ class RayRunner:
             except ConnectionError as e:
                 raise StartupError(f"cannot join the Ray cluster at {self.ray_spec.address!r}: {e}") from None
             self._joined = True
-        try:
-            await self._serve_registry(ray)
-            await asyncio.wait_for(self._start_servers(), self.startup_timeout)
-        except TimeoutError:
-            await self.stop()
-            pending = [s.name for s in self.servers.values() if not s.info.addresses]
-            raise StartupError(f"servers not ready after {self.startup_timeout:.0f} s: {', '.join(pending)}") from None
-        except BaseException:
-            await self.stop()
-            raise
+        await self._within_startup_timeout(self._start_servers(ray))
 
-    async def _serve_registry(self, ray: Any) -> None:
-        spec = self.config.registry
-        # Replicas on other nodes must reach it: a loopback host becomes every interface.
-        host = "0.0.0.0" if spec.host in _LOOPBACK else spec.host
-        try:
-            self.registry = await serve(RegistryServer(), host, spec.port, security=self.config.security)
-        except (OSError, RuntimeError) as e:
-            raise StartupError(
-                f"cannot serve the registry on {host}:{spec.port} ({e}); pick another port with registry.port=PORT"
-            ) from None
-        self.registry.host = ray.util.get_node_ip_address() if host == "0.0.0.0" else host
-
-    async def _start_servers(self) -> None:
+    async def _start_servers(self, ray: Any) -> None:
+        # Replicas on other nodes must reach the registry: a loopback host becomes every interface.
+        host = self.config.registry.host
+        await self._serve_registry("0.0.0.0" if host in _LOOPBACK else host)
+        assert self.registry is not None
+        if host in _LOOPBACK:
+            self.registry.host = ray.util.get_node_ip_address()
         self.servers = {name: RayServer(name, spec) for name, spec in self.config.servers.items()}
         await asyncio.gather(*(self._place(s) for s in self.servers.values()))
         await asyncio.gather(*(self._poll(s, first=True) for s in self.servers.values()))
-        infos = {s.name: s.info for s in self.servers.values()}
-        check_references(infos)
-        for info in infos.values():
-            self._servicer().add(info)
+        self._list()
 
     async def _place(self, server: RayServer) -> None:
         """Reserve the server's bundles, then start one actor in each."""
@@ -297,12 +261,8 @@ class RayRunner:
             entrypoint=server.spec.entrypoint,
             references=first.get("references", dict(server.info.references)),  # type: ignore[union-attr]
         )
-        if self.registry is not None and server.name in self._servicer().servers:
-            self._servicer().add(server.info)
-
-    def _servicer(self) -> Any:
-        assert self.registry is not None
-        return self.registry.app.servicer  # type: ignore[attr-defined]
+        if self.registry is not None and server.name in self.servicer.servers:
+            self.servicer.add(server.info)
 
     async def watch(self, stop: asyncio.Event) -> int:
         """Poll the replicas until `stop` is set; 1 when any replica died (Ray restarts
@@ -339,9 +299,7 @@ class RayRunner:
         for server in self.servers.values():
             if server.group is not None:
                 remove_placement_group(server.group)
-        if self.registry is not None:
-            await self._servicer().close()
-            await self.registry.stop(grace=1.0)
+        await self._stop_registry()
         if self._joined:
             ray.shutdown()
             self._joined = False

@@ -20,7 +20,9 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -90,8 +92,18 @@ class ServerProcesses:
     log: ServerLog = field(default_factory=ServerLog)
 
 
-class Runner:
-    """Starts, lists and stops the servers of one configuration."""
+class Started(Protocol):
+    """A server as a runner keeps it: its name and its registry entry."""
+
+    name: str
+    info: reg.ServerInfo
+
+
+class RegistryHost:
+    """What every runner does around its servers: serve the registry, start within
+    the time-out (and stop what started when that fails), stop the registry."""
+
+    servers: Mapping[str, Started]
 
     def __init__(
         self,
@@ -101,11 +113,13 @@ class Runner:
         startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
         log_level: str = "INFO",
     ) -> None:
+        if not config.servers:
+            raise ConfigError("the configuration has no servers")
         self.config = config
         self.grace = grace
         self.startup_timeout = startup_timeout
         self.log_level = log_level
-        self.servers: dict[str, ServerProcesses] = {}
+        self.servers = {}
         self.registry: Running | None = None
 
     @property
@@ -114,21 +128,26 @@ class Runner:
             raise RuntimeError("the runner is not started")
         return self.registry.address
 
-    async def start(self) -> None:
-        """Start the registry and every server; return once all are healthy."""
-        if not self.config.servers:
-            raise ConfigError("the configuration has no servers")
-        spec = self.config.registry
+    @property
+    def servicer(self) -> RegistryServicer:
+        """The registry's table, which the runner keeps up to date."""
+        assert self.registry is not None, "the runner is not started"
+        return self.registry.app.servicer  # type: ignore[attr-defined]
+
+    async def _serve_registry(self, host: str) -> None:
+        port = self.config.registry.port
         try:
-            self.registry = await serve(RegistryServer(), spec.host, spec.port, security=self.config.security)
+            self.registry = await serve(RegistryServer(), host, port, security=self.config.security)
         except (OSError, RuntimeError) as e:
             raise StartupError(
-                f"cannot serve the registry on {spec.host}:{spec.port} ({e}); is another `gym-grpc run` "
+                f"cannot serve the registry on {host}:{port} ({e}); is another `gym-grpc run` "
                 f"using it? Pick another port with registry.port=PORT (0: any free port)"
             ) from None
-        self.servers = {name: ServerProcesses(name, spec) for name, spec in self.config.servers.items()}
+
+    async def _within_startup_timeout(self, starting: Awaitable[None]) -> None:
+        """Await `starting`; past the time-out, or when it fails, stop what started."""
         try:
-            await asyncio.wait_for(self._start_servers(), self.startup_timeout)
+            await asyncio.wait_for(starting, self.startup_timeout)
         except TimeoutError:
             await self.stop()
             pending = [s.name for s in self.servers.values() if not s.info.addresses]
@@ -137,11 +156,36 @@ class Runner:
             await self.stop()
             raise
 
+    def _list(self) -> None:
+        """Check that every server calls servers of the configuration, then list them all."""
+        infos = {s.name: s.info for s in self.servers.values()}
+        check_references(infos)
+        for info in infos.values():
+            self.servicer.add(info)
+
+    async def stop(self) -> None:
+        await self._stop_registry()
+
+    async def _stop_registry(self) -> None:
+        if self.registry is not None:
+            await self.servicer.close()
+            await self.registry.stop(grace=1.0)
+
+
+class Runner(RegistryHost):
+    """Starts, lists and stops the servers of one configuration."""
+
+    servers: dict[str, ServerProcesses]
+
+    async def start(self) -> None:
+        """Start the registry and every server; return once all are healthy."""
+        await self._serve_registry(self.config.registry.host)
+        self.servers = {name: ServerProcesses(name, spec) for name, spec in self.config.servers.items()}
+        await self._within_startup_timeout(self._start_servers())
+
     async def _start_servers(self) -> None:
         await asyncio.gather(*(self._start_server(s) for s in self.servers.values()))
-        check_references({s.name: s.info for s in self.servers.values()})
-        for s in self.servers.values():
-            self.registry.app.servicer.add(s.info)  # type: ignore[union-attr]
+        self._list()
 
     async def _start_server(self, server: ServerProcesses) -> None:
         """Start a server's first worker, then the others on the port it bound."""
@@ -314,9 +358,7 @@ class Runner:
             _kill_group(process)
             if process.stdin is not None:
                 process.stdin.close()
-        if self.registry is not None:
-            await self.registry.app.servicer.close()  # type: ignore[attr-defined]
-            await self.registry.stop(grace=1.0)
+        await self._stop_registry()
 
 
 async def _end(process: asyncio.subprocess.Process) -> None:

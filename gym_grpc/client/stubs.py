@@ -50,7 +50,8 @@ class _Client:
     async def _peer(self) -> tuple[Any, transport.Connection]:
         """A stub and its connection for the next call: calls go round the server's
         connections (gRPC balances each one's calls over the replicas)."""
-        connections = await self.registry.connections(self.name)
+        # The open connections without an await on every call; the first call opens them.
+        connections = self.registry.opened(self.name) or await self.registry.connections(self.name)
         self._next = (self._next + 1) % len(connections)
         connection = connections[self._next]
         return connection.stub(self._stub_class), connection

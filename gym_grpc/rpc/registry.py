@@ -262,6 +262,10 @@ class Registry:
                 return  # a server before protocol 1.2 cannot say
             seen.add(info.instance_id)
 
+    def opened(self, name: str) -> builtins.list[transport.Connection] | None:
+        """The connections to server `name` if they are open (nothing is looked up or awaited)."""
+        return self._connections.get(name)
+
     def _open(self, info: reg.ServerInfo) -> builtins.list[transport.Connection]:
         addresses = list(info.addresses)
         if not addresses:

@@ -9,10 +9,7 @@ the head also runs the GCS. The runner is started as a user would, as a
 from __future__ import annotations
 
 import os
-import re
 import signal
-import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests.support import REPO
-from tests.test_cli import Run, _tool
+from tests.test_cli import Run, _start_run
 
 #: CPUs of each node. The replicas ask for a quarter CPU each (see CONFIG), so
 #: that all of them fit on two nodes when the third is lost.
@@ -82,26 +79,7 @@ def start_ray_run(cluster: Any, directory: Path, latency: float = 0.0, *override
     """`gym-grpc run CONFIG --ray ADDRESS registry.port=0` until it says the servers are healthy."""
     config = directory / "scale_out.yaml"
     config.write_text(CONFIG.format(repo=REPO, latency=latency))
-    stderr = tempfile.NamedTemporaryFile("w+", prefix="gym-grpc-ray-run-", suffix=".log")
-    process = subprocess.Popen(
-        [_tool("gym-grpc"), "run", str(config), "--ray", cluster.address, "registry.port=0", *overrides],
-        stdout=subprocess.PIPE,
-        stderr=stderr,
-        text=True,
-    )
-    lines = []
-    assert process.stdout is not None
-    for line in process.stdout:
-        lines.append(line)
-        if "servers healthy" in line:
-            break
-    else:
-        process.wait(timeout=60)
-        stderr.seek(0)
-        pytest.fail("gym-grpc run --ray stopped before it was ready:\n" + "".join(lines) + stderr.read())
-    match = re.search(r"^registry\s+(\S+)", lines[0])
-    assert match, lines
-    return Run(process, lines, match.group(1), {}, stderr)
+    return _start_run("--ray", cluster.address, *overrides, configs=(config,))
 
 
 def stop(run: Run) -> int:
