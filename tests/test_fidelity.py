@@ -295,7 +295,9 @@ def test_unknown_keys_anywhere_in_a_response_survive(data):
     objects = _objects(answer)
     for _ in range(data.draw(st.integers(1, 4))):
         target = data.draw(st.sampled_from(objects))
-        key = data.draw(st.text(min_size=1, max_size=8))
+        # Unknown for sure: a bare random name can be one the schema knows ("content" on a
+        # reasoning item, drawn in a soak run), whose value is then rightly checked.
+        key = "x-" + data.draw(st.text(min_size=1, max_size=8))
         if key not in target:
             target[key] = data.draw(_json)
     assert difference(answer, rows.response_to_json(rows.response_from_json(answer))) is None
