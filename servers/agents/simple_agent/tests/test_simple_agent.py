@@ -172,9 +172,10 @@ async def test_the_callers_deadline_reaches_the_model_server(start):
     assert seen_timeouts and seen_timeouts[0] is not None and seen_timeouts[0] < 1.5  # not the 600 s default
     await asyncio.wait_for(cancelled.wait(), 5)  # the model's work was cancelled, not left running
     assert time.monotonic() - began < 10
-    for _ in range(100):  # the agent closes the session after the caller gave up
-        if not env.app.sessions:
-            break
+    # The agent closes the session after the caller gave up, within its close time-out (5 s);
+    # waited for well past it: on a loaded machine the close itself can take seconds.
+    deadline = time.monotonic() + 30
+    while env.app.sessions and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert env.app.sessions == {}
 
