@@ -35,3 +35,19 @@ def test_run_returns_what_the_coroutine_returns():
         return 42
 
     assert event_loop.run(answer()) == 42
+
+
+def test_run_collects_cycles_less_often_and_freezes_what_start_up_made():
+    probe = (
+        "import gc, json; from gym_grpc.rpc import event_loop\n"
+        "before = gc.get_threshold()[0]\n"
+        "async def inside():\n"
+        "    return [gc.get_threshold()[0], gc.get_freeze_count()]\n"
+        "print(json.dumps([before, *event_loop.run(inside())]))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    before, threshold, frozen = json.loads(done.stdout)
+    assert before == 700  # CPython's default, changed only by run
+    assert threshold == event_loop.GC_YOUNG_THRESHOLD
+    assert frozen > 1000  # the modules imported before the loop started

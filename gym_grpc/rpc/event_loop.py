@@ -1,4 +1,5 @@
-"""The event loop every gym-grpc process runs on: uvloop when it is installed, else asyncio's.
+"""The event loop every gym-grpc process runs on: uvloop when it is installed, else asyncio's,
+and the garbage collector's settings for a long-running server.
 
 uvloop (libuv) runs asyncio's callbacks, timers and sockets in C; grpc.aio
 works on it, and so does aiohttp. A server process spends much of its CPU
@@ -10,6 +11,7 @@ loop out when something misbehaves).
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -31,8 +33,23 @@ def name() -> str:
     return "uvloop"
 
 
+#: Allocations between two young-generation collections (CPython's default is 700).
+GC_YOUNG_THRESHOLD = 20_000
+
+
+def _tune_gc() -> None:
+    """Collect cycles less often. A server allocates and frees several objects per
+    call (messages, futures, call objects), and CPython's default of a collection
+    every 700 net allocations spent ~10% of a busy server's CPU walking them. The
+    objects made at start-up (modules, configs) are frozen out of every collection."""
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
+
+
 def run(coroutine: Coroutine[Any, Any, T]) -> T:
     """asyncio.run on the chosen loop."""
+    _tune_gc()
     if name() == "uvloop":
         import uvloop
 
