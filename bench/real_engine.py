@@ -110,25 +110,6 @@ def model_counters(address: str) -> dict:
     return asyncio.run(ask())
 
 
-def server_pids(addresses: dict[str, str]) -> dict[int, str]:
-    """The PID of each server of `gym-grpc run`, by name (AdminService.GetServerInfo)."""
-    from gym_grpc.rpc import transport
-    from gym_grpc.v1 import admin_service_pb2 as admin_pb
-    from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
-
-    async def ask() -> dict[int, str]:
-        pids = {}
-        for name, address in addresses.items():
-            async with transport.open_channel(address) as channel:
-                info = await admin_grpc.AdminServiceStub(channel).GetServerInfo(
-                    admin_pb.GetServerInfoRequest(), timeout=10
-                )
-            pids[info.pid] = name
-        return pids
-
-    return asyncio.run(ask())
-
-
 def tito_available() -> bool:
     """Whether this checkout's vllm_model has the token-in-token-out switch."""
     from servers.models.vllm_model.server import VLLMModelConfig
@@ -277,7 +258,7 @@ def collect_path(stack, engine_pid: int | None, tmp: Path, path: str, tasks: Pat
     load_after = os.getloadavg()
     result = analyse(out, events)
     result["model_server_counters"] = model_counters(stack.servers[f"{path}_model"])
-    names = {**server_pids(stack.servers), stack.process.pid: "gym-grpc run (supervisor, registry)"}
+    names = {**bench_run.server_names(stack), stack.process.pid: "gym-grpc run (supervisor, registry)"}
     servers_cpu = _delta(stack_before, stack_after)
     gym_cpu = servers_cpu + run.collector_cpu
     engine_cpu = _delta(engine_before, engine_after) if engine_pid else None

@@ -30,6 +30,7 @@ CPU per rollout is the CPU time of every process (servers and collector) divided
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
@@ -169,6 +170,25 @@ class Stack:
     def stop(self) -> None:
         self.process.send_signal(signal.SIGINT)
         self.process.wait(timeout=60)
+
+
+def server_names(stack: Stack) -> dict[int, str]:
+    """The PID of each server of `gym-grpc run`, by name (AdminService.GetServerInfo)."""
+    from gym_grpc.rpc import transport
+    from gym_grpc.v1 import admin_service_pb2 as admin_pb
+    from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
+
+    async def ask() -> dict[int, str]:
+        pids = {}
+        for name, address in stack.servers.items():
+            async with transport.open_channel(address) as channel:
+                info = await admin_grpc.AdminServiceStub(channel).GetServerInfo(
+                    admin_pb.GetServerInfoRequest(), timeout=10
+                )
+            pids[info.pid] = name
+        return pids
+
+    return asyncio.run(ask())
 
 
 @dataclass
@@ -795,7 +815,7 @@ def main() -> None:
     parser.add_argument("--cpu-hogs", type=int, default=4, help="busy processes loading the machine during (e)")
     parser.add_argument(
         "--only",
-        choices=["collector_1m", "http_engine_16k", "replicas", "peer"],
+        choices=["collector_1m", "http_engine_16k", "replicas", "peer", "cpu_split"],
         help="run only this scenario; results go to <name>-<scenario>.json",
     )
     parser.add_argument(
@@ -832,6 +852,8 @@ def main() -> None:
             replica_rollouts=300,
             replica_repeats=1,
             watchers=200,
+            split_rollouts=300,
+            split_repeats=1,
         )
     else:
         sizes = dict(
@@ -852,6 +874,8 @@ def main() -> None:
             replica_rollouts=5_000,
             replica_repeats=3,
             watchers=2_000,
+            split_rollouts=10_000,
+            split_repeats=3,
         )
     if args.collector_rollouts:
         sizes["growth_rollouts"] = args.collector_rollouts
@@ -865,6 +889,18 @@ def main() -> None:
         _save(args, results, f"{args.name}-{args.only}")
         print(table_growth(result))
         sys.exit(1 if result["failed"] else 0)
+    if args.only == "cpu_split":
+        import cpu_split
+
+        with tempfile.TemporaryDirectory() as directory:
+            profiles = None if args.smoke else REPO / "bench" / "results" / f"{args.name}-cpu_split-profiles"
+            result = cpu_split.bench_cpu_split(
+                Path(directory), sizes["split_rollouts"], 1024, sizes["split_repeats"], sizes["raw"], profiles
+            )
+        results[args.only] = result
+        _save(args, results, f"{args.name}-{args.only}")
+        print(cpu_split.table(result))
+        sys.exit(1 if any(run["failed"] for run in result["runs"]) else 0)
     if args.only == "replicas":
         with tempfile.TemporaryDirectory() as directory:
             result = _bench_replicas(Path(directory), sizes)

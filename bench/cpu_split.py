@@ -1,0 +1,104 @@
+"""Where the CPU of one rollout goes, on the HTTP-engine path, against the raw gRPC floor.
+
+`python bench/run.py --only cpu_split` runs it. The weather workload of the peer
+benchmark (vllm_model on Chat Completions with token ids, in front of
+instant_engine.py; the simple agent; the weather environment; `gym-grpc collect` as
+its own process) is collected `repeats` times; each time, the CPU of every process
+(from /proc, and the collector's from wait4) over the collection, per rollout. The
+raw floor is raw_echo.py's CPU per unary call (client + server) in the same run, so
+"raw-call equivalents" = CPU per rollout / CPU per raw call. A last collection runs
+with `profiling_enabled` (yappi in every server, CPU clock) and its logs are kept next
+to the results: yappi slows the servers about twofold, so read them for shares, not
+for times.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+from pathlib import Path
+
+import nemo_gym_peer
+import run as bench
+
+#: A rollout of the weather workload makes these calls (the collector's Run, two
+#: CreateResponse, one CallTool, one Verify; the environment is stateless).
+GRPC_CALLS, HTTP_CALLS = 5, 2
+
+
+def _one(tmp: Path, engine: bench.InstantEngine, tasks: Path, window: int, *overrides: str) -> dict:
+    stack = bench.Stack(nemo_gym_peer._gym_grpc_config(tmp, "weather", engine.url), *overrides)
+    try:
+        names = bench.server_names(stack)
+        bench.collect(stack, "agent", tasks, tmp / "warm.jsonl", window, "--limit", "1000")
+        before = {pid: bench._cpu_seconds(pid) for pid in stack.pids}
+        engine_before = engine.cpu()
+        run = bench.collect(stack, "agent", tasks, tmp / "out.jsonl", window)
+        per_process = {names[pid]: bench._cpu_seconds(pid) - before[pid] for pid in stack.pids}
+        engine_cpu = engine.cpu() - engine_before
+    finally:
+        stack.stop()
+    per_process["collector"] = run.collector_cpu
+    ms = {name: round(1000 * cpu / run.rollouts, 3) for name, cpu in per_process.items()}
+    return {
+        "rollouts": run.rollouts,
+        "failed": run.failed,
+        "rollouts_per_second": round(run.rollouts / run.seconds, 1),
+        "cpu_ms_per_rollout": round(sum(ms.values()), 3),
+        "by_process_ms": ms,
+        "engine_cpu_ms_per_rollout": round(1000 * engine_cpu / run.rollouts, 3),
+    }
+
+
+def bench_cpu_split(tmp: Path, rollouts: int, window: int, repeats: int, raw_calls: int, profiles: Path | None) -> dict:
+    raw = bench.bench_raw(raw_calls, [256])[0]
+    tasks = tmp / "cpu_split_tasks.jsonl"
+    tasks.write_text("".join(json.dumps(row) + "\n" for row in nemo_gym_peer.task_rows("weather", rollouts)))
+    engine = bench.InstantEngine(tmp)
+    try:
+        runs = [_one(tmp, engine, tasks, window) for _ in range(repeats)]
+        profiled = None
+        if profiles is not None:
+            logs = tmp / "profiles"
+            shutil.rmtree(logs, ignore_errors=True)
+            profiled = _one(tmp, engine, tasks, window, "profiling_enabled=true", f"profiling_results_dirpath={logs}")
+            profiles.mkdir(parents=True, exist_ok=True)
+            for log in sorted(logs.glob("*.log")):
+                lines = log.read_text().splitlines()
+                (profiles / log.name).write_text("\n".join(lines[:80]) + "\n")  # the header and the top 79
+    finally:
+        engine.stop()
+    median = statistics.median(r["cpu_ms_per_rollout"] for r in runs)
+    processes = list(runs[0]["by_process_ms"])
+    return {
+        "workload": "weather: vllm_model (Chat Completions, token ids) -> instant_engine.py, simple agent, weather",
+        "grpc_calls_per_rollout": GRPC_CALLS,
+        "http_calls_per_rollout": HTTP_CALLS,
+        "in_flight": window,
+        "raw": raw,
+        "runs": runs,
+        "median_cpu_ms_per_rollout": median,
+        "median_by_process_ms": {p: statistics.median(r["by_process_ms"][p] for r in runs) for p in processes},
+        "raw_call_equivalents": round(median / raw["cpu_ms_per_call"], 2),
+        "profiled": profiled,
+        "profiles": str(profiles.relative_to(bench.REPO)) if profiles is not None else None,
+    }
+
+
+def table(result: dict) -> str:
+    raw = result["raw"]
+    lines = [
+        f"raw grpc.aio unary, rollout-sized payload, {raw['in_flight']} in flight: {raw['cpu_ms_per_call']} ms CPU "
+        "per call",
+        "",
+        "| process | CPU ms per rollout (median) |",
+        "|---|---|",
+    ]
+    for name, ms in result["median_by_process_ms"].items():
+        lines.append(f"| {name} | {ms} |")
+    lines.append(
+        f"| **all** | **{result['median_cpu_ms_per_rollout']}** = {result['raw_call_equivalents']} raw calls "
+        f"({result['grpc_calls_per_rollout']} gRPC + {result['http_calls_per_rollout']} HTTP calls per rollout) |"
+    )
+    return "\n".join(lines)
