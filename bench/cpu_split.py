@@ -6,7 +6,9 @@ instant_engine.py; the simple agent; the weather environment; `gym-grpc collect`
 its own process) is collected `repeats` times; each time, the CPU of every process
 (from /proc, and the collector's from wait4) over the collection, per rollout. The
 raw floor is raw_echo.py's CPU per unary call (client + server) in the same run, so
-"raw-call equivalents" = CPU per rollout / CPU per raw call. A last collection runs
+"raw-call equivalents" = CPU per rollout / CPU per raw call (rollout-sized payload). The
+same with a small payload, times the rollout's five gRPC calls, is what its calls alone
+would cost with no framework at all. A last collection runs
 with `profiling_enabled` (yappi in every server, CPU clock) and its logs are kept next
 to the results: yappi slows the servers about twofold, so read them for shares, not
 for times.
@@ -53,6 +55,7 @@ def _one(tmp: Path, engine: bench.InstantEngine, tasks: Path, window: int, *over
 
 def bench_cpu_split(tmp: Path, rollouts: int, window: int, repeats: int, raw_calls: int, profiles: Path | None) -> dict:
     raw = bench.bench_raw(raw_calls, [256])[0]
+    small = bench.bench_raw(raw_calls, [256], "small")[0]
     tasks = tmp / "cpu_split_tasks.jsonl"
     tasks.write_text("".join(json.dumps(row) + "\n" for row in nemo_gym_peer.task_rows("weather", rollouts)))
     engine = bench.InstantEngine(tmp)
@@ -77,6 +80,8 @@ def bench_cpu_split(tmp: Path, rollouts: int, window: int, repeats: int, raw_cal
         "http_calls_per_rollout": HTTP_CALLS,
         "in_flight": window,
         "raw": raw,
+        "raw_small": small,
+        "floor_of_its_grpc_calls_ms": round(GRPC_CALLS * small["cpu_ms_per_call"], 3),
         "runs": runs,
         "median_cpu_ms_per_rollout": median,
         "median_by_process_ms": {p: statistics.median(r["by_process_ms"][p] for r in runs) for p in processes},
@@ -90,7 +95,8 @@ def table(result: dict) -> str:
     raw = result["raw"]
     lines = [
         f"raw grpc.aio unary, rollout-sized payload, {raw['in_flight']} in flight: {raw['cpu_ms_per_call']} ms CPU "
-        "per call",
+        f"per call; with a small payload: {result['raw_small']['cpu_ms_per_call']} ms, so the rollout's "
+        f"{result['grpc_calls_per_rollout']} gRPC calls cost {result['floor_of_its_grpc_calls_ms']} ms at the floor",
         "",
         "| process | CPU ms per rollout (median) |",
         "|---|---|",

@@ -260,11 +260,12 @@ def _tasks(directory: Path, name: str, rows: list[dict], count: int) -> Path:
     return path
 
 
-def bench_raw(calls: int, windows: list[int]) -> list[dict]:
+def bench_raw(calls: int, windows: list[int], payload: str = "rollout") -> list[dict]:
+    """raw_echo.py: unary calls/s and CPU per call (client + server) at each window."""
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         port_file = Path(tmp) / "port"
-        server = subprocess.Popen([sys.executable, str(REPO / "bench/raw_echo.py"), "server", str(port_file)])
+        server = subprocess.Popen([sys.executable, str(REPO / "bench/raw_echo.py"), "server", str(port_file), payload])
         try:
             while not port_file.exists() or not port_file.read_text():
                 time.sleep(0.05)
@@ -272,7 +273,15 @@ def bench_raw(calls: int, windows: list[int]) -> list[dict]:
             for window in windows:
                 cpu_before = _cpu_seconds(server.pid)
                 client = run_measured(
-                    [sys.executable, str(REPO / "bench/raw_echo.py"), "client", address, str(calls), str(window)]
+                    [
+                        sys.executable,
+                        str(REPO / "bench/raw_echo.py"),
+                        "client",
+                        address,
+                        str(calls),
+                        str(window),
+                        payload,
+                    ]
                 )
                 run = json.loads(client.stdout)
                 cpu = client.cpu_seconds + _cpu_seconds(server.pid) - cpu_before
