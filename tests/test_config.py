@@ -1,5 +1,7 @@
 """Configs: files merged in order, includes, overrides, relative entrypoints, clear errors."""
 
+import re
+
 import pytest
 import yaml
 
@@ -101,11 +103,40 @@ def test_env_yaml_supplies_variables_that_servers_interpolate(tmp_path, monkeypa
     assert spec.config == {"base_url": "http://gpu:8000/v1", "api_key": "sk-secret", "port": 8000, "user": "me"}
 
 
-def test_an_unknown_variable_names_where_it_is_used(tmp_path):
-    config = _write(tmp_path / "c.yaml", "servers:\n  m:\n    entrypoint: a:B\n    config: {url: '${nowhere}'}\n")
+def test_every_unknown_variable_is_named_at_once_with_where_it_is_used(tmp_path):
+    text = (
+        "servers:\n  m:\n    entrypoint: a:B\n    config: {url: '${nowhere}', key: '${absent}', again: '${nowhere}'}\n"
+    )
+    config = _write(tmp_path / "c.yaml", text)
     with pytest.raises(ConfigError) as error:
         load_config([config], env_file=_write(tmp_path / "secrets.yaml", "other: 1\n"))
-    assert "servers.m.config.url: unknown variable ${nowhere}" in str(error.value)
+    assert str(error.value) == (
+        "unknown variables (set them in env.yaml or in the environment): ${absent} in servers.m.config.key; "
+        "${nowhere} in servers.m.config.url, servers.m.config.again"
+    )
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("profiling_enable=true", "'profiling_enable' is no setting, and no ${profiling_enable} uses it; did you mean"),
+        (
+            "servers.mathagent.config.max_steps=4",
+            "no server 'mathagent' in the configuration; did you mean 'math_agent'",
+        ),
+    ],
+)
+def test_a_mistyped_override_is_refused_with_a_suggestion(tmp_path, override, message):
+    config = _write(tmp_path / "c.yaml", "servers:\n  math_agent: {entrypoint: a:B}\n")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config([config], [override], env_file=_write(tmp_path / "env.yaml", "{}\n"))
+
+
+def test_a_command_line_variable_that_a_server_uses_is_taken(tmp_path):
+    config = _write(tmp_path / "c.yaml", "servers:\n  m: {entrypoint: a:B, config: {url: '${base}'}}\n")
+    env = _write(tmp_path / "env.yaml", "{}\n")
+    spec = load_config([config], ["base=http://x/v1", "servers.n.entrypoint=c:D"], env_file=env).servers
+    assert spec["m"].config == {"url": "http://x/v1"} and spec["n"].entrypoint == "c:D"
 
 
 @pytest.mark.parametrize("name", ["vllm.yaml", "openai.yaml"])
@@ -121,11 +152,29 @@ def test_the_engine_configs_validate_with_the_env_yaml_keys(tmp_path, name):
     assert config.servers["math_agent"].config["model_server"] == "policy_model"
 
 
+#: A server whose config block takes any keys, for the tests of the dump.
+FREE_SERVER = """
+from pydantic import ConfigDict
+
+from gym_grpc.model import ModelServer
+from gym_grpc.server.serving import ServerConfig
+
+
+class AnyConfig(ServerConfig):
+    model_config = ConfigDict(extra="allow")
+
+
+class Free(ModelServer):
+    Config = AnyConfig
+"""
+
+
 def test_dump_config_masks_every_secret_variable_wherever_it_is_interpolated(tmp_path, monkeypatch):
+    _write(tmp_path / "free_server.py", FREE_SERVER)
     config = _write(
         tmp_path / "model.yaml",
         "team_secret: s3cret-from-yaml\n"
-        "servers:\n  m:\n    entrypoint: a:B\n    config:\n"
+        "servers:\n  m:\n    entrypoint: free_server.py:Free\n    config:\n"
         "      api_key: ${OPENAI_API_KEY}\n"
         "      base_url: https://user:${DB_PASSWORD}@gpu:8000/v1\n"
         "      headers: {Authorization: 'Bearer ${HF_TOKEN}', X-Team: '${team_secret}', X-Run: '${run_token}'}\n"
@@ -185,3 +234,18 @@ def test_replicas_on_ray_validate_with_the_placement_defaults(tmp_path):
     assert (ray.address, ray.placement_strategy, ray.max_restarts) == ("10.0.0.1:6379", "SPREAD", 3)
     assert (config.servers["m"].replicas, config.servers["m"].num_cpus) == (4, 0.5)
     assert load_config([_write(tmp_path / "d.yaml", "servers: {m: {entrypoint: a:B}}\n")], []).ray is None
+
+
+def test_dump_config_checks_every_server_config_block_as_a_server_process_does():
+    quickstart = REPO / "configs" / "quickstart.yaml"
+    overrides = ["servers.math_agent.config.max_step=4", "servers.weather_agent.config.max_steps=0"]
+    with pytest.raises(ConfigError) as error:
+        dump_config([quickstart], overrides)
+    message = str(error.value)
+    assert "server 'math_agent': config.max_step: Extra inputs are not permitted (did you mean 'max_steps'?)" in message
+    assert "server 'weather_agent': config.max_steps: Input should be greater than or equal to 1" in message
+    from servers.agents.simple_agent.agent import SimpleAgent
+
+    config = {"model_server": "m", "resources_server": "r", "max_step": 4}
+    with pytest.raises(ConfigError, match=re.escape("config.max_step: Extra inputs are not permitted (did you mean")):
+        SimpleAgent(config, name="math_agent")  # what the server process of `gym-grpc run` says

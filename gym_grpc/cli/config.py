@@ -28,6 +28,7 @@ the variable's type.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from collections.abc import Sequence
@@ -227,6 +228,50 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     node[parts[-1]] = value
 
 
+def _near(name: str, names: Sequence[str]) -> str:
+    """ " did you mean X?" for the closest of `names`, or nothing."""
+    close = difflib.get_close_matches(name, list(names), n=1, cutoff=0.75)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _check_override_target(data: dict[str, Any], override: str) -> None:
+    """An override of `servers.NAME.<anything but entrypoint>` names a server of the files: a
+    mistyped NAME would otherwise start a new server, refused for its missing entrypoint."""
+    parts = override.partition("=")[0].split(".")
+    if len(parts) < 3 or parts[0] != "servers" or parts[2] == "entrypoint":
+        return
+    servers = data.get("servers")
+    names = list(servers) if isinstance(servers, dict) else []
+    if parts[1] not in names:
+        raise ConfigError(f"override {override!r}: no server {parts[1]!r} in the configuration{_near(parts[1], names)}")
+
+
+def _check_command_line_variables(overrides: Sequence[str], used: set[str]) -> None:
+    """A top-level KEY=VALUE on the command line that is no setting must be a variable that
+    something uses: otherwise it is a typo (`profiling_enable=true`) that would do nothing."""
+    for override in overrides:
+        key = override.partition("=")[0]
+        if "." not in key and key not in _SECTIONS and key not in used:
+            raise ConfigError(
+                f"override {override!r}: {key!r} is no setting, and no ${{{key}}} uses it{_near(key, _SECTIONS)}"
+            )
+
+
+def _references(value: Any, where: str = "") -> dict[str, list[str]]:
+    """Every `${name}` in the strings of `value`, with the dotted paths where it appears."""
+    found: dict[str, list[str]] = {}
+    if isinstance(value, dict | list):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, child in items:
+            path = f"{where}[{key}]" if isinstance(value, list) else (f"{where}.{key}" if where else str(key))
+            for name, places in _references(child, path).items():
+                found.setdefault(name, []).extend(places)
+    elif isinstance(value, str):
+        for name in _VARIABLE.findall(value):
+            found.setdefault(name, []).append(where)
+    return found
+
+
 #: Names of settings and variables (env.yaml keys, `${NAME}` environment variables) whose values
 #: are secrets: api_key, token, hf_token, OPENAI_API_KEY, DB_PASSWORD, ...
 _SECRET_NAME = re.compile(r"(^|_)(key|token|secret|password)$", re.I)
@@ -255,14 +300,12 @@ def _interpolate(value: Any, variables: dict[str, Any], where: str, secrets: set
     if not isinstance(value, str) or "${" not in value:
         return value
 
-    def lookup(name: str) -> Any:
+    def lookup(name: str) -> Any:  # every name is known: _load checked them all first
         if name in variables:
             return variables[name]
-        if name in os.environ:
-            if text := _secret_text(name, os.environ[name]):
-                secrets.add(text)
-            return os.environ[name]
-        raise ConfigError(f"{where}: unknown variable ${{{name}}}; set it in env.yaml or in the environment")
+        if text := _secret_text(name, os.environ[name]):
+            secrets.add(text)
+        return os.environ[name]
 
     whole = _VARIABLE.fullmatch(value)
     if whole:
@@ -287,13 +330,21 @@ def _load(
         merge(data, _load_file(Path(path)))
     merge(data, load_env(env_file))
     for override in overrides:
+        _check_override_target(data, override)
         apply_override(data, override)
     variables = {k: v for k, v in data.items() if k not in _SECTIONS}
     for name, value in variables.items():
         if isinstance(value, dict | list):
             raise ConfigError(f"{name}: a top-level key that is not a setting is a variable, so a scalar")
     secrets = {text for name, value in variables.items() if (text := _secret_text(name, value))}
-    sections = {k: _interpolate(data[k], variables, k, secrets) for k in _SECTIONS if k in data}
+    sections = {k: data[k] for k in _SECTIONS if k in data}
+    references = _references(sections)
+    _check_command_line_variables(overrides, set(references))
+    missing = sorted((n, w) for n, w in references.items() if n not in variables and n not in os.environ)
+    if missing:
+        listed = "; ".join(f"${{{name}}} in {', '.join(where)}" for name, where in missing)
+        raise ConfigError(f"unknown variables (set them in env.yaml or in the environment): {listed}")
+    sections = {k: _interpolate(v, variables, k, secrets) for k, v in sections.items()}
     try:
         return GymConfig.model_validate(sections), secrets
     except ValidationError as e:
@@ -323,16 +374,34 @@ def _mask(value: Any, secrets: list[str], key: str = "") -> Any:
     return value
 
 
+def check_servers(config: GymConfig) -> None:
+    """Each server's entrypoint loads and its `config:` block fits the class's Config, with the
+    check each server process of `gym-grpc run` makes as it starts (so the same messages).
+    Every problem is reported at once. It imports the servers' modules."""
+    from gym_grpc.server.entrypoints import load_entrypoint
+
+    problems = []
+    for name, spec in config.servers.items():
+        try:
+            load_entrypoint(spec.entrypoint).checked_config(spec.config, name)
+        except ConfigError as e:
+            problems.append(str(e) if str(e).startswith("server ") else f"server {name!r}: {e}")
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
 def dump_config(
     paths: Sequence[str | Path], overrides: Sequence[str] = (), *, env_file: str | Path | None = None
 ) -> str:
-    """The merged configuration as YAML, with secrets masked.
+    """The merged configuration as YAML, with secrets masked, once every server's config
+    block has been checked against its class (check_servers).
 
     One rule decides what a secret is: a name like a key, token, secret or password.
     Every value of a setting so named is masked. So is the value of every variable so
     named (a top-level key of a config, env.yaml or an override, or an environment
     variable used as `${NAME}`), wherever it appears: inside a URL or a header too."""
     config, secrets = _load(paths, overrides, env_file)
+    check_servers(config)
     longest_first = sorted(secrets, key=len, reverse=True)  # a secret that holds another is masked whole
     return yaml.safe_dump(_mask(config.model_dump(mode="json"), longest_first), sort_keys=False)
 

@@ -11,6 +11,7 @@ in-flight calls get a grace period to finish.
 from __future__ import annotations
 
 import asyncio
+import difflib
 import functools
 import inspect
 import logging
@@ -64,13 +65,7 @@ class GymServer:
         registry: Registry | None = None,
     ) -> None:
         self.name = name or type(self).__name__
-        if isinstance(config, ServerConfig):
-            self.config = config
-        else:
-            try:
-                self.config = self.Config.model_validate(config or {})
-            except ValidationError as e:
-                raise ConfigError(_describe_validation(self.name, e)) from None
+        self.config = config if isinstance(config, ServerConfig) else self.checked_config(config, self.name)
         self.registry = registry or Registry()
         self.counters = Counters()
         self.profiler = Profiler()
@@ -82,6 +77,15 @@ class GymServer:
         #: it: a resources server's sessions are pinned to it (SeedSessionResponse.replica).
         #: Empty for a single server.
         self.replica = ""
+
+    @classmethod
+    def checked_config(cls, config: dict[str, Any] | None, name: str) -> ServerConfig:
+        """The `config:` block of server `name` as this class's Config; ConfigError naming
+        each wrong key (with the nearest known one for a mistyped key) when it does not fit."""
+        try:
+            return cls.Config.model_validate(config or {})
+        except ValidationError as e:
+            raise ConfigError(_describe_validation(name, e, cls.Config)) from None
 
     def references(self) -> dict[str, str]:
         """Names of the servers this one calls, by role (for the registry)."""
@@ -104,11 +108,15 @@ class GymServer:
         await self.registry.close()
 
 
-def _describe_validation(name: str, error: ValidationError) -> str:
+def _describe_validation(name: str, error: ValidationError, model: type[BaseModel]) -> str:
     problems = []
     for e in error.errors():
         where = ".".join(str(p) for p in e["loc"]) or "(config)"
-        problems.append(f"config.{where}: {e['msg']}")
+        problem = f"config.{where}: {e['msg']}"
+        if e["type"] == "extra_forbidden" and len(e["loc"]) == 1:
+            near = difflib.get_close_matches(str(e["loc"][0]), list(model.model_fields), n=1, cutoff=0.75)
+            problem += f" (did you mean {near[0]!r}?)" if near else ""
+        problems.append(problem)
     return f"server {name!r}: " + "; ".join(problems)
 
 
