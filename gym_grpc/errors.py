@@ -85,6 +85,7 @@ class Reason(StrEnum):
     # Never sent: the command line and Python callers
     CONFIG_INVALID = "CONFIG_INVALID", None
     OUTPUT_NOT_WRITABLE = "OUTPUT_NOT_WRITABLE", None
+    RUN_MISMATCH = "RUN_MISMATCH", None
     ROLLOUT_FAILED = "ROLLOUT_FAILED", None
     DATASET_INVALID = "DATASET_INVALID", None
     HUB_FAILED = "HUB_FAILED", None

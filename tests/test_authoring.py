@@ -140,7 +140,8 @@ def test_prepare_data_validates_the_repositorys_examples(tmp_path):
 
 
 def test_prepare_data_collates_train_and_validation_with_repeats(tmp_path):
-    done = _prepare(str(MATH_CONFIG), "--mode", "train-preparation", "--output-dir", "out", cwd=tmp_path)
+    # NeMo Gym's spelling of the mode (train_preparation) works as ours does
+    done = _prepare(str(MATH_CONFIG), "--mode", "train_preparation", "--output-dir", "out", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     train = _rows(tmp_path / "out" / "train.jsonl")
     source = _rows(MATH_CONFIG.parent / "data" / "train.jsonl")

@@ -1,5 +1,6 @@
 """The `gym-grpc` command as a user runs it: real processes, real ports, grpcurl."""
 
+import functools
 import json
 import os
 import re
@@ -79,7 +80,7 @@ def _start_run(*overrides: str, configs: tuple[Path, ...] = (), open_files: tupl
     configs = configs or (REPO / "configs" / "quickstart.yaml",)
     stderr = tempfile.NamedTemporaryFile("w+", prefix="gym-grpc-run-", suffix=".log")
     process = subprocess.Popen(
-        [_tool("gym-grpc"), "run", *map(str, configs), "registry.port=0", *overrides],
+        [_tool("gym-grpc"), "run", *map(str, configs), "--registry", "127.0.0.1:0", *overrides],
         stdout=subprocess.PIPE,
         stderr=stderr,
         text=True,
@@ -186,6 +187,45 @@ def test_collect_writes_rollouts_and_a_second_run_resumes(live, tmp_path):
     assert len(_rows(out)) == 12
 
 
+def test_collect_into_the_output_of_another_run_is_refused_and_says_what_differs(live, tmp_path):
+    out = tmp_path / "rollouts.jsonl"
+
+    def weather(*extra: str) -> subprocess.CompletedProcess:
+        args = collect_args(live["registry"], "weather_agent", str(WEATHER), str(out))
+        return _gym(*args, "--limit", "2", "--no-progress", *extra)
+
+    first = weather()
+    assert first.returncode == 0, first.stderr
+    written = out.read_text()
+    math = _gym(*collect_args(live["registry"], "math_agent", str(MATH), str(out)), "--limit", "2", "--no-progress")
+    assert math.returncode == 1
+    assert "holds rollouts of another run" in math.stderr and "the input rows differ" in math.stderr
+    assert '--agent was "weather_agent", is "math_agent" now' in math.stderr
+    hotter = weather("temperature=0.9")
+    assert hotter.returncode == 1
+    assert 'the overrides was {}, is {"temperature": 0.9} now' in hotter.stderr
+    assert out.read_text() == written  # nothing of the refused runs was written
+    again = weather("--limit", "3")  # the same run, extended: resumes
+    assert again.returncode == 0, again.stderr
+    assert "2 already done" in again.stderr and len(_rows(out)) == 3
+    forced = weather("temperature=0.9", "--force")
+    assert forced.returncode == 0, forced.stderr
+    recorded = json.loads((tmp_path / "rollouts.run.json").read_text())
+    assert recorded["overrides"] == {"temperature": 0.9} and recorded["agent"] == "weather_agent"
+
+
+def test_a_mistyped_option_is_refused_with_a_suggestion_not_taken_as_an_override_or_a_path(tmp_path):
+    out = str(tmp_path / "out.jsonl")
+    collect = _gym("collect", "--input", str(WEATHER), "--output", out, "--num-repeat", "4")
+    assert collect.returncode == 2
+    assert "No such option '--num-repeat'. Did you mean '--num-repeats'?" in collect.stderr
+    run = _gym("run", str(REPO / "configs" / "quickstart.yaml"), "--registy", "127.0.0.1:1")
+    assert run.returncode == 2 and "No such option '--registy'. Did you mean '--registry'?" in run.stderr
+    dump = _gym("dump-config", str(REPO / "configs" / "quickstart.yaml"), "--env-fil", "x")
+    assert dump.returncode == 2 and "Did you mean '--env-file'?" in dump.stderr
+    assert not Path(out).exists()
+
+
 def test_collect_without_verifying_then_reverify(live, tmp_path):
     out, scored = tmp_path / "unverified.jsonl", tmp_path / "scored.jsonl"
     done = _gym(
@@ -205,7 +245,7 @@ def test_collect_without_verifying_then_reverify(live, tmp_path):
     assert "6 rollouts re-verified" in done.stderr and "no row had a verified reward before" in done.stderr
     metrics = json.loads(done.stdout)["math_agent"]
     assert metrics["rollouts"] == 6 and 0 <= metrics["reward"] <= 1 and "unverified" not in metrics
-    again = _gym("reverify", str(scored), "--out", str(tmp_path / "again.jsonl"), "--registry", live["registry"])
+    again = _gym("reverify", str(scored), "--output", str(tmp_path / "again.jsonl"), "--registry", live["registry"])
     assert "0 of 6 rewards changed" in again.stderr  # the same verifier agrees with itself
 
 
@@ -224,6 +264,8 @@ def test_collect_reports_a_bad_row_by_line_and_collects_the_rest(live, tmp_path)
     assert done.returncode == 1
     assert f"{tasks}:2: responses_create_params.input[0].role" in done.stderr  # the first is told at once
     assert f"bad rows in {tasks}: 4\n" in done.stderr  # and how many in all
+    assert "4 input rows could not be used" in done.stderr and "running again will not change that" in done.stderr
+    assert "retry them" not in done.stderr  # no rollout failed: a re-run would change nothing
     failures = {row["line"]: row["error"]["message"] for row in _rows(tmp_path / "rollouts.failures.jsonl")}
     assert sorted(failures) == [2, 3, 5, 6] and failures[3].startswith("not JSON") and "not UTF-8" in failures[5]
     assert failures[6].startswith("nested deeper than 32 levels")
@@ -291,6 +333,34 @@ def test_a_collector_killed_mid_run_resumes_with_every_key_exactly_once(tmp_path
         keys = [(row["task_index"], row["repeat_index"]) for row in _rows(out)]
         assert sorted(keys) == [(t, k) for t in range(60) for k in range(4)]
         assert json.loads(again.stdout)["math_agent"]["rollouts"] == 240
+    finally:
+        run.stop()
+
+
+@pytest.mark.slow
+def test_sigint_stops_a_background_collect_with_130_and_says_how_to_resume(tmp_path):
+    """The collector starts with SIGINT ignored, as a shell starts a background job (`&`).
+    240 rollouts, 8 at a time, 0.2 s each: the run lasts 6 s, and is stopped after 20."""
+    run = _start_run("servers.policy_model.config.latency_seconds=0.2")
+    try:
+        tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
+        tasks.write_text("".join(MATH.read_text() for _ in range(10)))
+        args = [_tool("gym-grpc"), *collect_args(run.registry, "math_agent", str(tasks), str(out)), "--no-progress"]
+        ignoring = functools.partial(signal.signal, signal.SIGINT, signal.SIG_IGN)
+        collector = subprocess.Popen(
+            [*args, "--num-repeats", "4", "--max-in-flight", "8"],
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=ignoring,
+        )
+        while not out.exists() or len(out.read_bytes().splitlines()) < 20:
+            time.sleep(0.02)
+        collector.send_signal(signal.SIGINT)
+        _, stderr = collector.communicate(timeout=60)
+        assert collector.returncode == 130, stderr
+        held = len(out.read_text().splitlines())
+        assert held < 240
+        assert f"interrupted; {held:,} rows are in {out}" in stderr and "run the same command again" in stderr
     finally:
         run.stop()
 

@@ -160,3 +160,15 @@ def test_a_built_record_is_the_scored_row_then_the_runs_fields():
     assert built["reward_components"] == {"format": 1.0} and built["model_calls"] == 2
     assert built["timings"] == {"model": 0.25, "tools": 0.0, "verify": 0.0, "total": 0.0}
     assert list(built)[:2] == ["responses_create_params", "reward"]  # a task key keeps its place
+
+
+def test_the_run_lines_give_attempted_and_succeeded_rates_small_ones_readable():
+    stats = RunStats()
+    for _ in range(45):
+        stats.add({"response": {"usage": {"input_tokens": 100, "output_tokens": 20}}, "reward": 1.0})
+    # 45 of 200 rollouts succeeded in 100 s: 0.45 rollouts/s succeeded, 2 attempted
+    line = stats.lines(100.0, 0, failed=155)[0]
+    assert line.startswith("0.45 rollouts/s succeeded, 2 attempted (155 of 200 failed); tokens/s: 45.0 input, 9 output")
+    assert stats.lines(100.0, 0, tokens=False)[0] == "0.45 rollouts/s"
+    assert stats.lines(10_000.0, 0)[0].startswith("0.0045 rollouts/s;")
+    assert RunStats().lines(5.0, 10, failed=3) == ["0 rollouts/s succeeded, 0.6 attempted (3 of 3 failed)"]

@@ -12,7 +12,6 @@ rollouts are not verified: `reward` is a placeholder and
 
 from __future__ import annotations
 
-import json
 import sys
 from array import array
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gym_grpc import errors
+from gym_grpc.batch import fingerprint, overrides
 from gym_grpc.batch.jobs import BadInput, Batch, BatchSummary, Job, RunOptions
 from gym_grpc.client.stubs import AgentClient, ResourcesClient
 from gym_grpc.data import jsonl, record, rows
@@ -47,33 +47,8 @@ class CollectOptions(RunOptions):
     #: Do not verify; write `placeholder_reward` and `verification_skipped: true`.
     skip_verify: bool = False
     placeholder_reward: float = 0.0
-
-
-def parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    """`key=value` pairs (value read as JSON, else taken as text) as a dict by dotted key."""
-    overrides = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"override {pair!r}: expected key=value, such as temperature=0.7")
-        try:
-            overrides[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            overrides[key] = raw
-    return overrides
-
-
-def apply_overrides(params: dict[str, Any], overrides: dict[str, Any]) -> None:
-    """Set each dotted key of `overrides` in a responses_create_params dict."""
-    for key, value in overrides.items():
-        *parents, last = key.split(".")
-        node = params
-        for part in parents:
-            child = node.get(part)
-            if not isinstance(child, dict):
-                child = node[part] = {}
-            node = child
-        node[last] = value
+    #: Add to an output that holds rollouts of another run (see batch/fingerprint.py).
+    force: bool = False
 
 
 @dataclass(frozen=True)
@@ -95,7 +70,7 @@ def _jobs(options: CollectOptions) -> Iterator[Job[_Task] | BadInput]:
             try:
                 row = jsonl.parse_line(raw)
                 if isinstance(row, dict) and isinstance(row.get(rows.PARAMS_KEY), dict) and options.overrides:
-                    apply_overrides(row[rows.PARAMS_KEY], options.overrides)
+                    overrides.apply(row[rows.PARAMS_KEY], options.overrides)
                 task = rows.task_from_row(row)
                 agent = rows.agent_name(row, options.agent, " and no --agent was given")
             except ValueError as e:
@@ -134,6 +109,15 @@ async def collect(registry: Registry, options: CollectOptions, *, log: TextIO = 
     """Collect rollouts as `options` says; return what was done."""
     if options.num_repeats < 1:
         raise ValueError("num_repeats must be at least 1")
+    run = fingerprint.of_run(
+        options.input,
+        agent=options.agent,
+        overrides=options.overrides,
+        num_repeats=options.num_repeats,
+        skip_verify=options.skip_verify,
+        placeholder_reward=options.placeholder_reward,
+    )
+    fingerprint.check_and_record(options.output, run, force=options.force)
     clients: dict[str, AgentClient] = {}
     events = jsonl.Appender(options.events) if options.events is not None else None
 

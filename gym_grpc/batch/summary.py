@@ -263,24 +263,40 @@ class RunStats:
         median, stage, p95 = max(found)
         return stage, median, p95
 
-    def lines(self, seconds: float, estimate_for: int) -> list[str]:
-        """Human lines: rollouts/s and tokens/s, the slowest stage, how long more would take."""
-        if not self.rollouts or seconds <= 0:
+    def lines(self, seconds: float, estimate_for: int, *, failed: int = 0, tokens: bool = True) -> list[str]:
+        """Human lines: rollouts/s (succeeded, and attempted when some `failed`), tokens/s
+        (unless not `tokens`: a re-verification generates none), the slowest stage, and how
+        long more would take."""
+        attempted = self.rollouts + failed
+        if not attempted or seconds <= 0:
             return []
         rate = self.rollouts / seconds
-        total = self.input_tokens + self.output_tokens
-        lines = [
-            f"{rate:.1f} rollouts/s; tokens/s: {self.input_tokens / seconds:,.0f} input, "
-            f"{self.output_tokens / seconds:,.0f} output, {total / seconds:,.0f} total "
-            f"({self.input_tokens:,} + {self.output_tokens:,} tokens)"
-        ]
+        line = f"{_rate(rate)} rollouts/s"
+        if failed:
+            line += f" succeeded, {_rate(attempted / seconds)} attempted ({failed:,} of {attempted:,} failed)"
+        if tokens and self.rollouts:
+            total = self.input_tokens + self.output_tokens
+            line += (
+                f"; tokens/s: {_rate(self.input_tokens / seconds)} input, {_rate(self.output_tokens / seconds)} "
+                f"output, {_rate(total / seconds)} total ({self.input_tokens:,} + {self.output_tokens:,} tokens)"
+            )
+        lines = [line]
         slowest = self.slowest_stage()
         if slowest is not None:
             stage, median, p95 = slowest
             lines.append(f"slowest stage: {stage} (median {1000 * median:.1f} ms, p95 {1000 * p95:.1f} ms per rollout)")
-        if estimate_for:
+        if estimate_for and rate > 0:
             lines.append(f"at this rate {estimate_for:,} more rollouts take {_duration(estimate_for / rate)}")
         return lines
+
+
+def _rate(per_second: float) -> str:
+    """A rate with enough digits to be read when small: 2,150, 35.5, 0.524, 0.00731."""
+    if per_second >= 100:
+        return f"{per_second:,.0f}"
+    if per_second >= 10:
+        return f"{per_second:.1f}"
+    return f"{per_second:.3g}"
 
 
 def _duration(seconds: float) -> str:

@@ -46,6 +46,8 @@ from gym_grpc.v1 import task_pb2
 
 Mode = Literal["example-validation", "train-preparation"]
 MODES: dict[str, tuple[str, ...]] = {"example-validation": ("example",), "train-preparation": ("train", "validation")}
+#: NeMo Gym's spellings of the modes (`ng_prepare_data +mode=example_validation`).
+MODE_SPELLINGS = {"example_validation": "example-validation", "train_preparation": "train-preparation"}
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import functools
 import importlib.util
 import json
@@ -19,12 +20,15 @@ import click
 import grpc
 
 from gym_grpc import bundled, errors
-from gym_grpc.batch.collector import CollectOptions, collect, parse_overrides
+from gym_grpc.batch import fingerprint
+from gym_grpc.batch.collector import CollectOptions, collect
 from gym_grpc.batch.jobs import BatchSummary
+from gym_grpc.batch.overrides import NEMO_OPTIONS, OverrideError
+from gym_grpc.batch.overrides import parse as parse_overrides
 from gym_grpc.batch.reverify import ReverifyOptions, reverify
 from gym_grpc.cli import hub, status
 from gym_grpc.cli.config import ConfigError, GymConfig, dump_config, load_config, load_env, set_env_values
-from gym_grpc.cli.datasets import MODES, DataError, Dataset, prepare, read_tasks
+from gym_grpc.cli.datasets import MODE_SPELLINGS, MODES, DataError, Dataset, prepare, read_tasks
 from gym_grpc.cli.ray_runner import RayRunner
 from gym_grpc.cli.ray_runner import describe as describe_ray
 from gym_grpc.cli.runner import Runner, StartupError, describe
@@ -96,8 +100,19 @@ async def _run(config: GymConfig, grace: float) -> int:
     return await _serve_until_stopped(runner)
 
 
+def _no_unknown_options(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple[str, ...]:
+    """Refuse a mistyped option among the free arguments (configs, KEY=VALUE overrides),
+    with click's did-you-mean: `--num-repeat 4` must not become an override or a path."""
+    for value in values:
+        if value.startswith("-") and value != "-":
+            name = value.split("=", 1)[0]
+            known = [opt for p in ctx.command.params for opt in (*p.opts, *p.secondary_opts) if opt.startswith("-")]
+            raise click.NoSuchOption(name, possibilities=difflib.get_close_matches(name, known), ctx=ctx)
+    return values
+
+
 @main.command(context_settings={"ignore_unknown_options": True})
-@click.argument("args", nargs=-1)
+@click.argument("args", nargs=-1, metavar="CONFIG... [KEY=VALUE]...", callback=_no_unknown_options)
 @click.option("--grace", type=float, default=10.0, show_default=True, help="Seconds in-flight calls get at stop.")
 @click.option(
     "--ray",
@@ -106,12 +121,25 @@ async def _run(config: GymConfig, grace: float) -> int:
     help='Run the servers as replicas on a Ray cluster: "auto" (the cluster this machine joined), '
     '"local" (start one here) or HOST:PORT. Same as the config\'s ray.address.',
 )
+@click.option(
+    "--registry",
+    "registry_address",
+    metavar="HOST:PORT",
+    help="Serve the registry here (what clients give as --registry). Same as registry.host and registry.port.",
+)
 @_env_file_option
-def run(args: tuple[str, ...], grace: float, ray_address: str | None, env_file: Path | None) -> None:
+def run(
+    args: tuple[str, ...], grace: float, ray_address: str | None, registry_address: str | None, env_file: Path | None
+) -> None:
     """Start the servers of CONFIG files (then KEY=VALUE overrides) and serve the registry."""
     files, overrides = _split_args(args)
     if ray_address is not None:
         overrides = [*overrides, f"ray.address={ray_address}"]
+    if registry_address is not None:
+        host, _, port = registry_address.rpartition(":")
+        if not host or not port.isdigit():
+            raise click.BadParameter(f"expected HOST:PORT, got {registry_address!r}", param_hint="--registry")
+        overrides = [*overrides, f"registry.host={host}", f"registry.port={port}"]
     try:
         config = load_config(files, overrides, env_file=env_file)
         sys.exit(asyncio.run(_run(config, grace)))
@@ -120,7 +148,7 @@ def run(args: tuple[str, ...], grace: float, ray_address: str | None, env_file: 
 
 
 @main.command("dump-config", context_settings={"ignore_unknown_options": True})
-@click.argument("args", nargs=-1)
+@click.argument("args", nargs=-1, metavar="CONFIG... [KEY=VALUE]...", callback=_no_unknown_options)
 @_env_file_option
 def dump_config_command(args: tuple[str, ...], env_file: Path | None) -> None:
     """Print the merged configuration of CONFIG files and KEY=VALUE overrides, secrets masked."""
@@ -131,7 +159,10 @@ def dump_config_command(args: tuple[str, ...], env_file: Path | None) -> None:
         raise click.ClickException(str(e)) from None
 
 
-def _print_summary(summary: BatchSummary, output: Path, what: str, estimate_for: int = 0) -> None:
+def _print_summary(
+    summary: BatchSummary, output: Path, what: str, estimate_for: int = 0, *, fingerprinted: bool = False
+) -> None:
+    """The end-of-run lines; `fingerprinted` when a changed re-run needs --force (collect)."""
     click.echo(
         f"{summary.done} rollouts {what}, {summary.failed} failed, {summary.skipped} already done, "
         f"{summary.bad_rows} bad rows, in {summary.seconds:.2f} s -> {output}",
@@ -139,10 +170,18 @@ def _print_summary(summary: BatchSummary, output: Path, what: str, estimate_for:
     )
     for kind, count in summary.failure_counts.items():
         click.echo(f"{kind}: {count:,}", err=True)
-    for line in summary.run.lines(summary.seconds, estimate_for):
+    lines = summary.run.lines(summary.seconds, estimate_for, failed=summary.failed, tokens=what != "re-verified")
+    for line in lines:
         click.echo(line, err=True)
-    if summary.failed or summary.bad_rows:
+    if summary.failed:
         click.echo(f"failures are in {failures_path(output)}; run the same command again to retry them", err=True)
+    if summary.bad_rows:
+        click.echo(
+            f"{summary.bad_rows:,} input rows could not be used (each is in {failures_path(output)} with its line "
+            "and field); running again will not change that: fix the rows, or give what they lack (--agent)"
+            + (", and add --force since the run is then another" if fingerprinted else ""),
+            err=True,
+        )
     for warning in summary.warnings:
         click.echo(f"warning: {warning}", err=True)
 
@@ -177,13 +216,21 @@ def _reward_range(ctx: click.Context, param: click.Parameter, value: str) -> tup
 
 
 def _interruptible(coroutine: Awaitable[T], output: Path) -> T:
-    """Run a batch; Ctrl-C or an output that cannot be written (a full disk) is one line and exit 1."""
+    """Run a batch. Ctrl-C (SIGINT) says how many rows the output holds and exits 130;
+    an output that cannot be written (a full disk) is one line and exit 1."""
+    # A shell starts a background job with SIGINT ignored, and Python keeps it so:
+    # `kill -INT` must stop a collection wherever it runs.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return event_loop.run(coroutine)  # type: ignore[arg-type]
     except KeyboardInterrupt:
-        raise click.ClickException(
-            f"interrupted; every finished rollout is in {output}: run the same command again to resume"
-        ) from None
+        held = count_rows(output) if output.exists() else 0
+        click.echo(
+            f"interrupted; {held:,} rows are in {output}, every finished rollout among them: "
+            "run the same command again to resume",
+            err=True,
+        )
+        sys.exit(130)
     except OSError as e:
         if not open_files.ran_out(e):
             raise
@@ -272,7 +319,7 @@ _progress_option = click.option("--no-progress", is_flag=True, help="No progress
 
 
 @main.command("collect", context_settings={"ignore_unknown_options": True})
-@click.argument("overrides", nargs=-1)
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...", callback=_no_unknown_options)
 @click.option(
     "--input",
     "input_path",
@@ -307,6 +354,11 @@ _progress_option = click.option("--no-progress", is_flag=True, help="No progress
 @click.option(
     "--placeholder-reward", type=float, default=0.0, show_default=True, help="The reward written with --skip-verify."
 )
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Resume into an OUTPUT that holds rollouts of another run (other input, agent, overrides, repeats).",
+)
 @_range_option
 @_threshold_option
 @click.option(
@@ -332,6 +384,7 @@ def collect_command(
     events: Path | None,
     skip_verify: bool,
     placeholder_reward: float,
+    force: bool,
     reward_range: tuple[float, float],
     pass_threshold: float,
     estimate_for: int,
@@ -342,12 +395,25 @@ def collect_command(
 
     OVERRIDES are KEY=VALUE pairs that replace the rows' responses_create_params
     values, such as temperature=0.6 or reasoning.effort=high (VALUE is read as JSON,
-    else as text).
+    else as text), checked before the first rollout. NeMo Gym's spellings work too:
+    +responses_create_params.temperature=0.6, +num_repeats=4, +limit=10.
+
+    Running the same command again resumes: keys already in OUTPUT are skipped.
+    OUTPUT.run.json records what defines the run (input rows, agent, overrides,
+    repeats, verification); another run into the same OUTPUT is refused unless --force.
     """
     try:
         parsed = parse_overrides(list(overrides))
-    except ValueError as e:
+    except OverrideError as e:
         raise click.UsageError(str(e)) from None
+    ctx = click.get_current_context()
+    for key, value in parsed.options.items():
+        if ctx.get_parameter_source(key) is not click.core.ParameterSource.DEFAULT:
+            raise click.UsageError(f"+{key}={value} and {NEMO_OPTIONS[key]} are both given: keep one")
+    num_repeats = parsed.options.get("num_repeats", num_repeats)
+    limit = parsed.options.get("limit", limit)
+    for warning in parsed.warnings:
+        click.echo(f"warning: {warning}", err=True)
     options = CollectOptions(
         input=input_path,
         output=output,
@@ -356,18 +422,22 @@ def collect_command(
         num_repeats=num_repeats,
         max_in_flight=max_in_flight,
         timeout=timeout,
-        overrides=parsed,
+        overrides=parsed.params,
         events=events,
         skip_verify=skip_verify,
         placeholder_reward=placeholder_reward,
+        force=force,
         reward_range=reward_range,
         pass_threshold=pass_threshold,
         progress=not no_progress,
     )
-    summary = _interruptible(
-        _with_registry(registry, agent, lambda reg: collect(reg, options), security, rows=input_path), output
-    )
-    _print_summary(summary, output, "collected", estimate_for)
+    try:
+        summary = _interruptible(
+            _with_registry(registry, agent, lambda reg: collect(reg, options), security, rows=input_path), output
+        )
+    except fingerprint.RunMismatch as e:
+        raise click.ClickException(str(e)) from None
+    _print_summary(summary, output, "collected", estimate_for, fingerprinted=True)
     click.echo(json.dumps(summary.metrics, indent=2))
     if summary.failed or summary.bad_rows:
         sys.exit(1)
@@ -376,6 +446,7 @@ def collect_command(
 @main.command("reverify")
 @click.argument("input_path", metavar="IN.jsonl", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option(
+    "--output",
     "--out",
     "output",
     required=True,
@@ -795,9 +866,14 @@ def _hub_settings(env_file: Path | None) -> hub.HubSettings:
 
 
 @main.command("prepare-data", context_settings={"ignore_unknown_options": True})
-@click.argument("args", nargs=-1)
+@click.argument("args", nargs=-1, metavar="CONFIG... [KEY=VALUE]...", callback=_no_unknown_options)
 @click.option(
-    "--mode", type=click.Choice(list(MODES)), required=True, help="Which datasets: example, or train and validation."
+    "--mode",
+    type=click.Choice([*MODES, *MODE_SPELLINGS]),
+    required=True,
+    callback=lambda ctx, param, value: MODE_SPELLINGS.get(value, value),
+    help="Which datasets: example, or train and validation (NeMo Gym's example_validation and "
+    "train_preparation work too).",
 )
 @click.option(
     "--output-dir",

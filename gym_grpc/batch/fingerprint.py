@@ -1,0 +1,96 @@
+"""What defines a collection, recorded next to its output: a re-run resumes only the same run.
+
+`gym-grpc collect` skips the keys an output already holds, so a second command
+into the same output resumes the first. That is only right when it is the same
+run: the same input rows, agent, overrides, repeats and verification. Otherwise
+the output would mix rollouts of two runs (weather rows counted as done math
+rows, temperature 0.6 rows beside 1.0 rows). The first run writes
+`<output stem>.run.json`; a later run with another fingerprint is refused unless
+forced, and `--limit` is not part of it (raising it is how a run is extended).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from gym_grpc import errors
+
+#: Keys compared between runs, in the order a mismatch names them.
+_COMPARED = ("input_sha256", "agent", "overrides", "num_repeats", "skip_verify", "placeholder_reward")
+_LABELS = {
+    "input_sha256": "the input rows",
+    "agent": "--agent",
+    "overrides": "the overrides",
+    "num_repeats": "--num-repeats",
+    "skip_verify": "--skip-verify",
+    "placeholder_reward": "--placeholder-reward",
+}
+
+
+class RunMismatch(errors.FrameworkError):
+    """The output holds rollouts of another run; resuming into it would mix the two."""
+
+    reason = errors.Reason.RUN_MISMATCH
+
+
+def path_for(output: Path) -> Path:
+    """The fingerprint of an output file: `<stem>.run.json` next to it."""
+    return output.with_name(f"{output.stem}.run.json")
+
+
+def of_run(
+    input_path: Path,
+    *,
+    agent: str | None,
+    overrides: dict[str, Any],
+    num_repeats: int,
+    skip_verify: bool,
+    placeholder_reward: float,
+) -> dict[str, Any]:
+    """The fingerprint of a collection: the compared keys, and the input's path for people."""
+    with input_path.open("rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    return {
+        "input": str(input_path),
+        "input_sha256": digest,
+        "agent": agent,
+        "overrides": overrides,
+        "num_repeats": num_repeats,
+        "skip_verify": skip_verify,
+        "placeholder_reward": placeholder_reward if skip_verify else None,
+    }
+
+
+def check_and_record(output: Path, fingerprint: dict[str, Any], *, force: bool = False) -> None:
+    """Record `fingerprint` for `output`. Raise RunMismatch when the output already holds
+    rollouts of a run with another fingerprint, unless `force` (then the new one is recorded).
+
+    An output with rows but no fingerprint (written by an older gym-grpc, or by hand) is
+    taken as this run's: there is nothing to compare with."""
+    record = path_for(output)
+    if not force and record.exists() and output.exists() and output.stat().st_size:
+        try:
+            earlier = json.loads(record.read_text())
+        except (OSError, ValueError) as e:
+            raise RunMismatch(f"cannot read {record}: {e}; remove it to resume into {output}") from None
+        differences = [
+            _difference(key, earlier.get(key), fingerprint[key])
+            for key in _COMPARED
+            if earlier.get(key) != fingerprint[key]
+        ]
+        if differences:
+            raise RunMismatch(
+                f"{output} holds rollouts of another run ({record}): " + "; ".join(differences) + ". "
+                "Write to a new --output, or pass --force to resume into it anyway (the keys it holds are skipped)"
+            )
+    output.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(fingerprint, indent=2) + "\n")
+
+
+def _difference(key: str, before: Any, now: Any) -> str:
+    if key == "input_sha256":
+        return f"the input rows differ (sha256 {str(before)[:12]}... then, {now[:12]}... now)"
+    return f"{_LABELS[key]} was {json.dumps(before)}, is {json.dumps(now)} now"

@@ -1,0 +1,47 @@
+"""The run fingerprint next to a collect output: same run resumes, another run is refused."""
+
+import json
+
+import pytest
+
+from gym_grpc.batch import fingerprint
+
+
+def _run(tmp_path, rows: str = '{"x": 1}\n', **changes):
+    source = tmp_path / "tasks.jsonl"
+    source.write_text(rows)
+    settings = {"agent": "a", "overrides": {}, "num_repeats": 1, "skip_verify": False, "placeholder_reward": 0.0}
+    return fingerprint.of_run(source, **{**settings, **changes})
+
+
+def test_an_output_written_before_fingerprints_existed_is_taken_as_this_run(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"task_index": 0}\n')
+    fingerprint.check_and_record(out, _run(tmp_path))
+    assert json.loads(fingerprint.path_for(out).read_text())["agent"] == "a"
+
+
+def test_an_empty_output_takes_any_run(tmp_path):
+    out = tmp_path / "out.jsonl"
+    fingerprint.check_and_record(out, _run(tmp_path))
+    out.write_text("")  # the first run wrote nothing
+    fingerprint.check_and_record(out, _run(tmp_path, num_repeats=4))
+    assert json.loads(fingerprint.path_for(out).read_text())["num_repeats"] == 4
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ({"rows": '{"x": 2}\n'}, "the input rows differ"),
+        ({"num_repeats": 4}, "--num-repeats was 1, is 4 now"),
+        ({"skip_verify": True}, "--skip-verify was false, is true now"),
+    ],
+)
+def test_another_run_into_an_output_with_rows_is_refused_naming_the_difference(tmp_path, change, said):
+    out = tmp_path / "out.jsonl"
+    fingerprint.check_and_record(out, _run(tmp_path))
+    out.write_text('{"task_index": 0}\n')
+    with pytest.raises(fingerprint.RunMismatch, match=said):
+        fingerprint.check_and_record(out, _run(tmp_path, **change))
+    fingerprint.check_and_record(out, _run(tmp_path, **change), force=True)  # forced: recorded
+    fingerprint.check_and_record(out, _run(tmp_path, **change))
