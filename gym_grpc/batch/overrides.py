@@ -72,7 +72,7 @@ NEMO_OPTIONS = {"num_repeats": "--num-repeats", "limit": "--limit"}
 TEMPERATURE_RANGE = (0.0, 2.0)
 
 
-class OverrideError(ValueError):
+class OverrideError(errors.ConfigError):
     """An override the command cannot use; the message names it."""
 
 
