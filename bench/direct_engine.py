@@ -219,18 +219,9 @@ def medians(rounds: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    m = report["machine"]
     w = report["workload"]
     lines = [
-        f"# gym-grpc against a direct script on a real engine: {report['name']}",
-        "",
-        f"`{report['command']}`",
-        "",
-        f"{report['date']}; {m['cores']} cores, {m['cpu']}, {m['memory_gib']} GiB; Python {m['python']}, "
-        f"grpcio {m['grpcio']}; gym-grpc {m['gym_grpc_commit']}; vLLM {m.get('vllm', '?')} CPU, "
-        f"{m.get('model', '?')}. Load average (1, 5, 15 min) at start {report['load_average_start']}, "
-        f"at end {report['load_average_end']}.",
-        "",
+        *real_engine.markdown_head("gym-grpc against a direct script on a real engine", report),
         f"Workload: multi_step refund, simple agent, max_steps {w['max_steps']}, token in token out, temperature "
         f"1.0 with a seed per task, tool_choice required, max_output_tokens {w['max_output_tokens']}, "
         f"{w['concurrency']} rollouts in flight, {w['rollouts']} rollouts per round, {w['recorded_requests']} "
@@ -326,20 +317,8 @@ def main() -> None:
         local_vllm.stop(engine.pid)
     g, d = medians(report["gym_grpc"]), medians(report["direct"])
     report = {
-        "name": args.name,
-        "command": " ".join(["python", "bench/direct_engine.py", *sys.argv[1:]]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "machine": machine,
-        "load_average_start": load_start,
-        "load_average_end": [round(x, 2) for x in os.getloadavg()],
-        "workload": {
-            "environment": "multi_step",
-            "rollouts": args.rollouts,
-            "concurrency": args.concurrency,
-            "max_steps": args.max_steps,
-            "max_output_tokens": args.max_output_tokens,
-            "recorded_requests": sum(len(turns) for turns in rollouts),
-        },
+        **real_engine.report_head("bench/direct_engine.py", args, machine, load_start),
+        "workload": {**real_engine.workload(args), "recorded_requests": sum(len(turns) for turns in rollouts)},
         **report,
         "median": {"gym_grpc": g, "direct": d},
         "ratio": {key: round(g[key] / d[key], 4) for key in ("rollouts_per_second", "generated_tokens_per_second")},

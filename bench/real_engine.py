@@ -328,10 +328,11 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def markdown(report: dict) -> str:
+def markdown_head(title: str, report: dict) -> list[str]:
+    """The title, command, date and machine lines of a real-engine benchmark's markdown."""
     m = report["machine"]
-    lines = [
-        f"# gym-grpc on a real engine: {report['name']}",
+    return [
+        f"# {title}: {report['name']}",
         "",
         f"`{report['command']}`",
         "",
@@ -340,6 +341,12 @@ def markdown(report: dict) -> str:
         f"{m.get('model', '?')}. Load average (1, 5, 15 min) at start {report['load_average_start']}, "
         f"at end {report['load_average_end']}.",
         "",
+    ]
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        *markdown_head("gym-grpc on a real engine", report),
         f"Workload: servers/resources/multi_step (refund: find_user, list_orders, refund_order), simple agent "
         f"with max_steps {report['workload']['max_steps']}, temperature 1.0, tool_choice required, "
         "parallel_tool_calls false, "
@@ -374,6 +381,29 @@ NOTES = [
     "server, engine core, worker). The collection records --events, which costs the agent and the "
     "collector CPU that a plain collection does not spend: the gym-grpc share is an upper bound.",
 ]
+
+
+def report_head(script: str, args: argparse.Namespace, machine: dict, load_start: list[float]) -> dict:
+    """What every results file of a real-engine benchmark starts with: the command, the date, the machine."""
+    return {
+        "name": args.name,
+        "command": " ".join(["python", script, *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "machine": machine,
+        "load_average_start": load_start,
+        "load_average_end": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def workload(args: argparse.Namespace) -> dict:
+    """The multi_step workload's settings that every real-engine benchmark takes from its arguments."""
+    return {
+        "environment": "multi_step",
+        "rollouts": args.rollouts,
+        "concurrency": args.concurrency,
+        "max_steps": args.max_steps,
+        "max_output_tokens": args.max_output_tokens,
+    }
 
 
 def main() -> None:
@@ -427,18 +457,9 @@ def main() -> None:
         if engine is not None:
             local_vllm.stop(engine.pid)
     report = {
-        "name": args.name,
-        "command": " ".join(["python", "bench/real_engine.py", *sys.argv[1:]]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "machine": machine,
-        "load_average_start": load_start,
-        "load_average_end": [round(x, 2) for x in os.getloadavg()],
+        **report_head("bench/real_engine.py", args, machine, load_start),
         "workload": {
-            "environment": "multi_step",
-            "rollouts": args.rollouts,
-            "concurrency": args.concurrency,
-            "max_steps": args.max_steps,
-            "max_output_tokens": args.max_output_tokens,
+            **workload(args),
             "temperature": 1.0,
             "tool_choice": "required",
             "parallel_tool_calls": False,
