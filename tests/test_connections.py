@@ -4,6 +4,7 @@ a server never reached fails at once."""
 
 import asyncio
 
+import grpc
 import pytest
 
 from gym_grpc import errors
@@ -17,6 +18,16 @@ from tests.support import Calculator, task
 ADD = r.FunctionCall(name="add", arguments='{"a": 2, "b": 3}')
 
 
+async def _until_the_channel_sees_the_server_gone(channel) -> None:
+    """A call sent in the instant between a server's stop and the client noticing it goes
+    out on the dying connection and fails (gRPC: "Stream removed"); a call made once the
+    channel has left READY waits for the server."""
+    state = channel.get_state()
+    while state == grpc.ChannelConnectivity.READY:
+        await channel.wait_for_state_change(state)
+        state = channel.get_state()
+
+
 async def test_a_call_waits_for_a_server_restarted_on_its_port_and_succeeds():
     server = await serve(Calculator(name="calc"))
     registry = Registry(static={"calc": server.address}, unreachable_seconds=30)
@@ -24,6 +35,8 @@ async def test_a_call_waits_for_a_server_restarted_on_its_port_and_succeeds():
     try:
         await client.seed_session("s", task("x"))
         await server.stop(grace=0)
+        for connection in await registry.connections("calc"):
+            await asyncio.wait_for(_until_the_channel_sees_the_server_gone(connection.channel), 30)
         waiting = asyncio.ensure_future(client.seed_session("t", task("y")))
         await asyncio.sleep(1.0)
         assert not waiting.done()  # waiting for the server, not failed
@@ -42,6 +55,8 @@ async def test_a_server_gone_longer_than_the_limit_fails_waiting_and_later_calls
     try:
         await client.seed_session("s", task("x"))
         await server.stop(grace=0)
+        for connection in await registry.connections("calc"):
+            await asyncio.wait_for(_until_the_channel_sees_the_server_gone(connection.channel), 30)
         with pytest.raises(errors.Unavailable) as waited:  # not DeadlineExceeded: the limit ended the wait
             await client.seed_session("t", task("y"))
         expected = f"resources server 'calc' SeedSession: UNAVAILABLE: {server.address} unreachable for 1 s"
