@@ -143,13 +143,14 @@ async def collect(registry: Registry, options: CollectOptions, *, log: TextIO = 
         return record.build(job.payload.row, await rollout(job), options.placeholder_reward)
 
     batch: Batch[_Task] = Batch(options.batch(count_rows(options.input, options.limit), options.num_repeats), log)
+    verified = _Verified()
     try:
-        summary = await batch.run(_jobs(options), produce)
+        summary = await batch.run(_jobs(options), produce, visit=None if options.skip_verify else verified.add)
     finally:
         if events is not None:
             events.close()
     if not options.skip_verify:
-        await _add_environment_metrics(registry, options, summary)
+        await _add_environment_metrics(registry, summary, verified)
     return summary
 
 
@@ -157,13 +158,29 @@ async def collect(registry: Registry, options: CollectOptions, *, log: TextIO = 
 AGGREGATE_LIMIT_BYTES = transport.MAX_MESSAGE_BYTES // 2
 
 
-async def _add_environment_metrics(registry: Registry, options: CollectOptions, summary: BatchSummary) -> None:
+class _Verified:
+    """Each agent's verified results, gathered as the end-of-run summary reads the output
+    (one pass over it for both): what its environment's AggregateMetrics is sent. An
+    agent's results stop being kept once they outgrow one message."""
+
+    def __init__(self) -> None:
+        self.groups: dict[str, PackedResults] = {}
+        self.too_large: set[str] = set()
+
+    def add(self, group: str, row: dict[str, Any]) -> None:
+        if group in self.too_large or row.get("verification_skipped"):
+            return
+        packed = self.groups.setdefault(group, PackedResults())
+        packed.append(record.verification(row))
+        if packed.size > AGGREGATE_LIMIT_BYTES:
+            del self.groups[group]  # too large to send: keep nothing more of it
+            self.too_large.add(group)
+
+
+async def _add_environment_metrics(registry: Registry, summary: BatchSummary, verified: _Verified) -> None:
     """Ask each agent's environment (ResourcesService.AggregateMetrics) for its own metrics over
     the output's verified rollouts, and add those the summary does not have to the agent's group.
-
-    The output is read only when some agent has an environment, and an agent's results stop
-    being kept once they outgrow one message. An environment that cannot answer costs a
-    warning, never the run."""
+    An environment that cannot answer costs a warning, never the run."""
     environments: dict[str, str] = {}
     for group in summary.metrics:
         try:
@@ -173,33 +190,18 @@ async def _add_environment_metrics(registry: Registry, options: CollectOptions, 
             continue
         if resources:
             environments[group] = resources
-    if not environments:
-        return
-    results = {group: PackedResults() for group in environments}
-    for row in jsonl.iter_rows(options.output):
-        try:
-            group = rows.agent_name(row, options.agent)
-        except rows.RowError:
-            continue
-        packed = results.get(group)
-        if packed is None or row.get("verification_skipped"):
-            continue
-        packed.append(record.verification(row))
-        if packed.size > AGGREGATE_LIMIT_BYTES:
-            del results[group]  # too large to send: keep nothing more of it
-            summary.warnings.append(
-                f"{group}: environment {environments[group]!r} not asked for its metrics: "
-                f"its results are more than {AGGREGATE_LIMIT_BYTES / 2**20:,.0f} MiB"
-            )
-            if not results:
-                return
-    for group, verified in results.items():
-        if not verified:
+    for group in sorted(verified.too_large & environments.keys()):
+        summary.warnings.append(
+            f"{group}: environment {environments[group]!r} not asked for its metrics: "
+            f"its results are more than {AGGREGATE_LIMIT_BYTES / 2**20:,.0f} MiB"
+        )
+    for group, results in verified.groups.items():
+        if group not in environments or not results:
             continue
         try:
             # One message at a time out of the packed bytes, into the request: a list of a
             # million messages would cost ~500 bytes each, the request itself ~80.
-            metrics = await ResourcesClient(registry, environments[group]).aggregate_metrics(iter(verified))
+            metrics = await ResourcesClient(registry, environments[group]).aggregate_metrics(iter(results))
         except errors.GymError as e:
             summary.warnings.append(_no_metrics(group, e))
             continue

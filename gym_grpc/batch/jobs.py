@@ -255,7 +255,13 @@ class Batch(Generic[P]):
             f"{name}:{bad.line}: {bad.message}",
         )
 
-    async def run(self, jobs: Iterator[Job[P] | BadInput], produce: Produce[P]) -> BatchSummary:
+    async def run(
+        self,
+        jobs: Iterator[Job[P] | BadInput],
+        produce: Produce[P],
+        *,
+        visit: Callable[[str, dict[str, Any]], None] | None = None,
+    ) -> BatchSummary:
         """Run every job not already in the output; then summarise the output.
 
         Raises OutputError, after cancelling every job in flight, when the output
@@ -315,6 +321,7 @@ class Batch(Generic[P]):
             options.repeats,
             reward_range=options.reward_range,
             pass_threshold=options.pass_threshold,
+            visit=visit,
         )
         self.summary.metrics, self.summary.warnings = file_summary.metrics, file_summary.warnings
         return self.summary

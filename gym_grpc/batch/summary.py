@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import statistics
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,8 +66,12 @@ def summarise_file(
     *,
     reward_range: tuple[float, float] = (0.0, 1.0),
     pass_threshold: float = 1.0,
+    visit: Callable[[str, dict[str, Any]], None] | None = None,
 ) -> FileSummary:
-    """Metrics and warnings per group over every rollout of `path` whose task is in `groups`."""
+    """Metrics and warnings per group over every rollout of `path` whose task is in `groups`.
+
+    `visit(group name, row)` sees each row counted, in the same pass (a million-row output
+    is read once for everything the end of a run needs from it)."""
     n_tasks = len(groups.group_of)
     rewards = array("d", [math.nan]) * (n_tasks * repeats)
     seen = jsonl.KeyBits(n_tasks * repeats)
@@ -87,6 +92,8 @@ def summarise_file(
             duplicates += 1
             continue
         seen.add(slot)
+        if visit is not None:
+            visit(groups.names[group], row)
         produced: dict[str, float] = {}
         for name in row.get("verifier_fields") or ():
             _numbers(name, row.get(name), produced)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -117,17 +116,21 @@ def count_rows(path: Path, limit: int | None = None) -> int:
     return count if limit is None else min(count, limit)
 
 
-#: 20 digits in a row: maybe an integer beyond 64 bits, which orjson would read as a float.
-_LONG_NUMBER = re.compile(r"\d{20}")
+#: Every digit to "1", every other byte to "0" (for bytes.translate): twenty digits in a row
+#: (maybe an integer beyond 64 bits) become twenty "1"s, found at C speed. A regex took
+#: 30 times as long on rows full of token ids, and more than parsing them.
+_DIGITS = bytes(0x31 if 0x30 <= b <= 0x39 else 0x30 for b in range(256))
+_TWENTY_DIGITS = b"1" * 20
 
 
 def loads_fast(text: str) -> Any:
     """JSON text as json.loads reads it, by orjson (several times faster) where that reads
     it the same: json when the text may hold an integer beyond 64 bits (orjson reads
     those as floats), NaN or Infinity (orjson refuses them), or is too deep for orjson."""
-    if _LONG_NUMBER.search(text) is None:
+    raw = text.encode("utf-8", "surrogatepass")
+    if _TWENTY_DIGITS not in raw.translate(_DIGITS):
         try:
-            return orjson.loads(text)
+            return orjson.loads(raw)
         except orjson.JSONDecodeError:
             pass
     return json.loads(text)
