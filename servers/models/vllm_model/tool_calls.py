@@ -16,7 +16,6 @@ another way.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -55,21 +54,44 @@ class Hermes:
     """`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, as Hermes-2-Pro,
     Qwen2.5 and Qwen3 write calls (vLLM's `hermes` parser), any number per turn."""
 
-    _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+    _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+    _JSON = json.JSONDecoder()
 
     def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
         calls: list[ParsedCall] = []
         kept: list[str] = []
-        position = 0
-        for match in self._CALL.finditer(text):
-            call = self._call(match.group(1))
+        position = search = 0
+        while (start := text.find(self._OPEN, search)) != -1:
+            span = self._span(text, start)
+            if span is None:
+                break  # no closing tag after this one: no call can follow
+            body, end = span
+            search = end
+            call = self._call(body)
             if call is None:
                 continue  # not a call after all: it stays in the text
             calls.append(call)
-            kept.append(text[position : match.start()])
-            position = match.end()
+            kept.append(text[position:start])
+            position = end
         kept.append(text[position:])
         return "".join(kept).strip(), calls
+
+    def _span(self, text: str, start: int) -> tuple[str, int] | None:
+        """The body of the call opened at `start`, and where its closing tag ends: the JSON
+        object that follows, read as JSON (a string in it may hold "</tool_call>", and a
+        sampling model does write that), else the text up to the first closing tag."""
+        after = start + len(self._OPEN)
+        begin = after + len(text[after:]) - len(text[after:].lstrip())
+        try:
+            _, end = self._JSON.raw_decode(text, begin)
+        except ValueError:
+            pass
+        else:
+            close = end + len(text[end:]) - len(text[end:].lstrip())
+            if text.startswith(self._CLOSE, close):
+                return text[begin:end], close + len(self._CLOSE)
+        close = text.find(self._CLOSE, after)
+        return None if close == -1 else (text[after:close].strip(), close + len(self._CLOSE))
 
     @staticmethod
     def _call(body: str) -> ParsedCall | None:

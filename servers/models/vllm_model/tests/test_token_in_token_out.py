@@ -274,6 +274,21 @@ def test_the_hermes_parser_keeps_text_around_calls_and_what_does_not_parse():
     )
 
 
+def test_the_hermes_parser_reads_a_call_whose_string_holds_the_closing_tag():
+    """What SmolLM2-135M sampled on the real CPU vLLM at temperature 1.0 under the tool-call
+    grammar (a CI run): the city's string holds "}}</tool_call>", and the grammar closed the
+    call after it. A first "</tool_call>" is not the end of the call."""
+    text = (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Seychelles}}</tool_call>'
+        '2.946598fbuilding2.single<1_Multi_Feature, "}}\n</tool_call>'
+    )
+    content, calls = Hermes().parse(text)
+    assert content == ""
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Seychelles}}</tool_call>2.946598fbuilding2.single<1_Multi_Feature, "})
+    ]
+
+
 async def test_without_max_output_tokens_the_engine_may_generate_to_the_end_of_its_context(vllm, engine):
     """vLLM's /v1/completions stops at 16 tokens unless told otherwise; Chat Completions (and a
     Responses request without max_output_tokens) goes on to the end of the context."""
