@@ -160,9 +160,10 @@ def dump_config_command(args: tuple[str, ...], env_file: Path | None) -> None:
 
 
 def _print_summary(
-    summary: BatchSummary, output: Path, what: str, estimate_for: int = 0, *, fingerprinted: bool = False
+    summary: BatchSummary, output: Path, what: str, estimate_for: int = 0, *, collected: bool = False
 ) -> None:
-    """The end-of-run lines; `fingerprinted` when a changed re-run needs --force (collect)."""
+    """The end-of-run lines. `collected` for a collect: it generated tokens (reverify does
+    not), and its re-run with changed rows or options needs --force."""
     click.echo(
         f"{summary.done} rollouts {what}, {summary.failed} failed, {summary.skipped} already done, "
         f"{summary.bad_rows} bad rows, in {summary.seconds:.2f} s -> {output}",
@@ -170,7 +171,7 @@ def _print_summary(
     )
     for kind, count in summary.failure_counts.items():
         click.echo(f"{kind}: {count:,}", err=True)
-    lines = summary.run.lines(summary.seconds, estimate_for, failed=summary.failed, tokens=what != "re-verified")
+    lines = summary.run.lines(summary.seconds, estimate_for, failed=summary.failed, tokens=collected)
     for line in lines:
         click.echo(line, err=True)
     if summary.failed:
@@ -179,7 +180,7 @@ def _print_summary(
         click.echo(
             f"{summary.bad_rows:,} input rows could not be used (each is in {failures_path(output)} with its line "
             "and field); running again will not change that: fix the rows, or give what they lack (--agent)"
-            + (", and add --force since the run is then another" if fingerprinted else ""),
+            + (", and add --force since the run is then another" if collected else ""),
             err=True,
         )
     for warning in summary.warnings:
@@ -437,7 +438,7 @@ def collect_command(
         )
     except fingerprint.RunMismatch as e:
         raise click.ClickException(str(e)) from None
-    _print_summary(summary, output, "collected", estimate_for, fingerprinted=True)
+    _print_summary(summary, output, "collected", estimate_for, collected=True)
     click.echo(json.dumps(summary.metrics, indent=2))
     if summary.failed or summary.bad_rows:
         sys.exit(1)
@@ -579,7 +580,7 @@ async def _quickstart(output_dir: Path, num_repeats: int) -> dict[str, dict[str,
             summary = await _with_registry(
                 runner.registry_address, agent, functools.partial(collect, options=options), runner.config.security
             )
-            _print_summary(summary, output, "collected")
+            _print_summary(summary, output, "collected", collected=True)
             metrics.update(summary.metrics)
     finally:
         await runner.stop()

@@ -24,16 +24,24 @@ JSON = dict[str, Any]
 def with_verdict(row: JSON, reward: float, fields: JSON, components: Mapping[str, float]) -> JSON:
     """A copy of `row` with a verification: `reward`, the verifier's fields (named
     in `verifier_fields`) and `reward_components` when there are any."""
-    out = {**row, "reward": reward, **fields, "verifier_fields": sorted(fields)}
+    return _add_verdict(dict(row), reward, fields, components)
+
+
+def _add_verdict(row: JSON, reward: float, fields: JSON, components: Mapping[str, float]) -> JSON:
+    """`with_verdict` in place: a key the row has keeps its place and takes the new value."""
+    row["reward"] = reward
+    row.update(fields)
+    row["verifier_fields"] = sorted(fields)
     if components:
-        out["reward_components"] = dict(components)
-    return out
+        row["reward_components"] = dict(components)
+    return row
 
 
 def scored(row: JSON, rollout: task_pb2.Rollout) -> JSON:
-    """The task row, then `response` and the verification (a record without `build`'s run fields)."""
+    """The task row, then `response` and the verification (a record without `build`'s run fields).
+    The task row is copied once."""
     out = {**row, "response": rows.response_to_json(rollout.response)}
-    return with_verdict(out, rollout.reward, rows.json_field(rollout, "verifier_fields"), rollout.reward_components)
+    return _add_verdict(out, rollout.reward, rows.json_field(rollout, "verifier_fields"), rollout.reward_components)
 
 
 STOP_REASONS = {
@@ -44,17 +52,8 @@ STOP_REASONS = {
 
 
 def build(task_row: JSON, rollout: task_pb2.Rollout, placeholder_reward: float = 0.0) -> JSON:
-    """The rollout row (without its key): the task row and what the rollout produced.
-
-    `scored`'s row, plus the run's fields, built in one dict rather than copied twice."""
-    row = dict(task_row)
-    row["response"] = rows.response_to_json(rollout.response)
-    row["reward"] = rollout.reward
-    fields = rows.json_field(rollout, "verifier_fields")
-    row.update(fields)
-    row["verifier_fields"] = sorted(fields)
-    if rollout.reward_components:
-        row["reward_components"] = dict(rollout.reward_components)
+    """The rollout row (without its key): `scored`'s row, then the run's fields."""
+    row = scored(task_row, rollout)
     if rollout.verification_skipped:
         row["reward"] = placeholder_reward
         row["verification_skipped"] = True

@@ -50,6 +50,13 @@ def _utf8(text: str) -> bool:
     return True
 
 
+def _past_space(text: str, i: int) -> int:
+    """The index of the first character at or after `i` that is not white space."""
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
+
+
 class Hermes:
     """`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, as Hermes-2-Pro,
     Qwen2.5 and Qwen3 write calls (vLLM's `hermes` parser), any number per turn."""
@@ -81,13 +88,13 @@ class Hermes:
         object that follows, read as JSON (a string in it may hold "</tool_call>", and a
         sampling model does write that), else the text up to the first closing tag."""
         after = start + len(self._OPEN)
-        begin = after + len(text[after:]) - len(text[after:].lstrip())
+        begin = _past_space(text, after)
         try:
             _, end = self._JSON.raw_decode(text, begin)
         except ValueError:
             pass
         else:
-            close = end + len(text[end:]) - len(text[end:].lstrip())
+            close = _past_space(text, end)
             if text.startswith(self._CLOSE, close):
                 return text[begin:end], close + len(self._CLOSE)
         close = text.find(self._CLOSE, after)
