@@ -38,6 +38,13 @@ writes them, each a JSON object in a string: `extra_body` (such as
 the config's `extra_body`; `chat_template_kwargs` is merged over the config's
 and the row's own. A row's other unknown keys (`top_k`, `seed`) are request
 fields as they are.
+
+vLLM drops special tokens from the text it returns unless told
+(`skip_special_tokens`); a sampling model does write them (SmolLM2 writes
+`<filename>` in code-like text), and a text without them is not what the ids
+say, nor what the next turn should re-render. So the server asks for them
+(`skip_special_tokens: false` in the config; the end-of-turn token is not
+part of the text either way).
 """
 
 from __future__ import annotations
@@ -79,6 +86,11 @@ class VLLMModelConfig(EngineSettings):
     reasoning_tags: tuple[str, str] = Field(("<think>", "</think>"), description="tags around reasoning in text")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="sent with every request")
     extra_body: dict[str, Any] = Field(default_factory=dict, description="more request fields; a task's win")
+    skip_special_tokens: bool | None = Field(
+        False,
+        description="false: the text keeps the special tokens the model sampled, as its ids do; "
+        "null: not sent, for engines that refuse the field",
+    )
 
 
 def _metadata_object(params: r.CreateParams, key: str) -> dict[str, Any]:
@@ -178,7 +190,11 @@ class VLLMModel(EngineModelServer):
     def _chat_body(self, params: r.CreateParams) -> dict[str, Any]:
         """The Chat Completions request for `params`, with the config's and the row's engine options."""
         row_extra = _metadata_object(params, "extra_body")  # under the row's own fields, as in NeMo Gym
+        special = (
+            {} if self.config.skip_special_tokens is None else {"skip_special_tokens": self.config.skip_special_tokens}
+        )
         body = {
+            **special,
             **self.config.extra_body,
             **row_extra,
             **chat.to_request(params, self.config.model, self.config.reasoning_tags),

@@ -308,6 +308,23 @@ def test_an_answer_becomes_a_valid_response_and_rollout_row():
     assert row["response"]["output"][0]["content"][0]["text"] == "hi"
 
 
+async def test_special_tokens_are_asked_for_unless_the_config_or_the_row_says_otherwise(start, engine):
+    """The engine is asked to keep special tokens in the text (tests/real_engine/test_token_ids.py shows
+    why with the real vLLM); a row's extra_body wins, and a null config sends no field at all."""
+    fake = await engine([Turn(content="ok")] * 3)
+    model = await _model(start, fake)
+    await model.create_response(_params(), "s")
+    params = _params()
+    params.metadata["extra_body"] = json.dumps({"skip_special_tokens": True})
+    await model.create_response(params, "s")
+    assert [sent["skip_special_tokens"] for sent in fake.requests] == [False, True]
+    await model.registry.close()
+    quiet = await _model(start, fake, skip_special_tokens=None)
+    await quiet.create_response(_params(), "s")
+    assert "skip_special_tokens" not in fake.requests[-1]
+    await quiet.registry.close()
+
+
 async def test_row_engine_options_merge_over_the_config_and_under_the_rows_own_fields(start, engine):
     fake = await engine([Turn(content="ok")])
     config = {"extra_body": {"seed": 1, "min_p": 0.1}, "chat_template_kwargs": {"enable_thinking": True, "x": 1}}
