@@ -16,6 +16,7 @@ from gym_grpc.batch.reverify import ReverifyOptions, reverify
 from gym_grpc.batch.summary import GroupIndex, summarise_file
 from gym_grpc.data import record
 from gym_grpc.data.record import KEY, NEMO_KEY
+from gym_grpc.report import stats as report_stats
 from gym_grpc.rpc.registry import Registry
 from servers.agents.simple_agent.agent import SimpleAgent
 from servers.models.local_policy.server import LocalPolicyModel
@@ -151,12 +152,16 @@ def test_the_summary_counts_a_repeated_nemo_gym_key_once(tmp_path):
 NEMO_GYM_CHECK = """
 import json, sys
 from nemo_gym.base_resources_server import BaseVerifyResponse
-from nemo_gym.reward_profile import compute_aggregate_metrics
+from nemo_gym.reward_profile import compute_aggregate_metrics, compute_pass_majority_metrics
 
 rows = [json.loads(line) for line in open(sys.argv[1])]
 for row in rows:
     BaseVerifyResponse.model_validate(row)
-print(json.dumps(compute_aggregate_metrics(rows).model_dump(mode="json")))
+tasks = [[r for r in rows if r["_ng_task_index"] == t] for t in sorted({r["_ng_task_index"] for r in rows})]
+print(json.dumps({
+    "aggregate": compute_aggregate_metrics(rows).model_dump(mode="json"),
+    "pass": compute_pass_majority_metrics(tasks)[0],
+}))
 """
 
 
@@ -174,8 +179,15 @@ async def test_nemo_gyms_own_models_and_aggregation_read_our_rollouts(start, tmp
     assert summary.done == 12
     checked = subprocess.run([nemo_python, "-c", NEMO_GYM_CHECK, output], capture_output=True, text=True)
     assert checked.returncode == 0, checked.stderr[-3000:]
-    metrics = json.loads(checked.stdout)
+    nemo = json.loads(checked.stdout)
+    metrics = nemo["aggregate"]
     assert metrics["agent_metrics"]["num_repeats"] == 2
     assert metrics["agent_metrics"]["mean/reward"] == pytest.approx(summary.metrics["agent"]["reward"])
     assert [group["_ng_task_index"] for group in metrics["group_level_metrics"]] == list(range(6))
     assert all(group["num_rollouts"] == 2 for group in metrics["group_level_metrics"])
+    # `gym-grpc report`'s pass@k is NeMo Gym's (in percent there) on the same rows.
+    [agent] = report_stats.read(output).agents.values()
+    ours = agent.pass_curve(threshold=1.0)
+    assert list(ours) == [1, 2]
+    for k, value in ours.items():
+        assert 100 * value == pytest.approx(nemo["pass"][f"pass@{k}/accuracy"])

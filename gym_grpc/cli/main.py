@@ -505,6 +505,41 @@ def reverify_command(
         sys.exit(1)
 
 
+@main.command("report")
+@click.argument(
+    "paths", nargs=-1, required=True, metavar="ROLLOUTS.jsonl...", type=click.Path(dir_okay=False, path_type=Path)
+)
+@_threshold_option
+@click.option("--tasks", "per_task", is_flag=True, help="Also a table of every task: mean reward, rollouts, kind.")
+@click.option("--json", "as_json", is_flag=True, help="The report as JSON on stdout, every task included.")
+@click.option("--png", type=click.Path(file_okay=False, path_type=Path), help="Write the plots as PNG files here.")
+@click.option("--html", type=click.Path(dir_okay=False, path_type=Path), help="Write a page with the plots here.")
+def report_command(
+    paths: tuple[Path, ...], pass_threshold: float, per_task: bool, as_json: bool, png: Path | None, html: Path | None
+) -> None:
+    """Per agent (and with --tasks per task) of rollouts files: reward, pass@k, tasks always / never / sometimes
+    solved, tokens, stage times, failures. Two files are shown side by side with the change."""
+    from gym_grpc.report import plots, stats, text
+
+    try:
+        reports = [stats.read(path) for path in paths]
+    except FileNotFoundError as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        click.echo(json.dumps(text.to_json(reports, pass_threshold), indent=2))
+    else:
+        click.echo(text.render(reports, pass_threshold, tasks=per_task), nl=False)
+    try:
+        if png is not None:
+            for written in plots.write_png(reports, pass_threshold, png):
+                click.echo(f"wrote {written}", err=True)
+        if html is not None:
+            plots.write_html(reports, pass_threshold, html)
+            click.echo(f"wrote {html}", err=True)
+    except errors.ConfigError as e:
+        raise click.ClickException(str(e)) from None
+
+
 @main.command("status")
 @_registry_option
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per server, for scripts.")
