@@ -7,6 +7,7 @@ import re
 import resource
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -185,6 +186,110 @@ def test_collect_writes_rollouts_and_a_second_run_resumes(live, tmp_path):
     assert second.returncode == 0, second.stderr
     assert "12 already done" in second.stderr
     assert len(_rows(out)) == 12
+
+
+def _wandb_records(run_file: Path) -> list:
+    """The records of a W&B run file (`run-<id>.wandb`), as wandb's own protobuf `Record`s. The file is
+    LevelDB's log format: a 7-byte header, then 32 KiB blocks of chunks (crc32, length, type, data) that
+    make up records (type 1 whole, 2 first, 3 middle, 4 last). wandb 0.31 reads it in Go only."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = run_file.read_bytes()
+    assert data[:4] == b":W&B", data[:7]
+    records, pending, at = [], b"", 7
+    while at + 7 <= len(data):
+        if 32768 - at % 32768 < 7:  # a block's tail too short for a chunk header is padding
+            at += 32768 - at % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[at : at + 7])
+        pending += data[at + 7 : at + 7 + length]
+        at += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def _report_metrics(output: Path) -> dict[str, float]:
+    """`gym-grpc report --json`'s metrics of the file's one agent, named as the exporters name them."""
+    done = _gym("report", str(output), "--json")
+    assert done.returncode == 0, done.stderr
+    [(agent, data)] = json.loads(done.stdout)["files"][0]["agents"].items()
+    return {f"{agent}/{k.replace('@', '_at_')}": v for k, v in data["metrics"].items() if v is not None}
+
+
+def test_collect_logs_its_report_to_wandb_offline(live, tmp_path):
+    out = tmp_path / "rollouts.jsonl"
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
+    args = [*collect_args(live["registry"], "math_agent", str(MATH), str(out)), "--num-repeats", "2", "--no-progress"]
+    done = _gym(*args, "--wandb", "gym-grpc-tests", env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert f"W&B: {out} -> " in done.stderr
+    [run_dir] = (tmp_path / "wandb").glob("offline-run-*")
+    [run_file] = run_dir.glob("run-*.wandb")
+    records = _wandb_records(run_file)
+    [run] = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert (run.project, run.display_name) == ("gym-grpc-tests", "rollouts")
+    config = {item.key: json.loads(item.value_json) for item in run.config.update}
+    assert config["num_repeats"] == 2 and config["agent"] == "math_agent"
+    summary = {}
+    for r in records:
+        if r.WhichOneof("record_type") == "summary":
+            summary.update(
+                {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.summary.update}
+            )
+    expected = _report_metrics(out)
+    assert {k: summary[k] for k in expected} == pytest.approx(expected)
+    assert "math_agent/pass_at_2" in expected
+    [table] = (run_dir / "files" / "media" / "table").glob("rollouts_*.table.json")
+    rollouts = json.loads(table.read_text())
+    assert rollouts["columns"][:4] == ["agent", "task_index", "repeat_index", "reward"] and len(rollouts["data"]) == 12
+    assert sorted(line[1:3] for line in rollouts["data"]) == [[t, k] for t in range(6) for k in range(2)]
+
+
+def test_report_logs_to_mlflow_a_run_per_file_with_metrics_parameters_and_tables(live, tmp_path):
+    import mlflow
+
+    out = tmp_path / "rollouts.jsonl"
+    args = [*collect_args(live["registry"], "math_agent", str(MATH), str(out)), "--num-repeats", "2", "--no-progress"]
+    assert _gym(*args).returncode == 0
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    done = _gym(
+        "report", str(out), "--mlflow", "gym-grpc-tests", env={**os.environ, "MLFLOW_TRACKING_URI": uri}, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    client = mlflow.MlflowClient(uri)
+    experiment = client.get_experiment_by_name("gym-grpc-tests")
+    [run] = client.search_runs([experiment.experiment_id])
+    assert run.info.run_name == "rollouts" and f"run {run.info.run_id}" in done.stderr
+    expected = _report_metrics(out)
+    assert {k: run.data.metrics[k] for k in expected} == pytest.approx(expected)
+    assert run.data.params["num_repeats"] == "2" and run.data.params["agent"] == "math_agent"
+    curve = client.get_metric_history(run.info.run_id, "math_agent/pass_at_k")
+    assert [m.step for m in curve] == [1, 2]
+    assert [m.value for m in curve] == pytest.approx(
+        [expected["math_agent/pass_at_1"], expected["math_agent/pass_at_2"]]
+    )
+    tables = {}
+    for name in ("rollouts.json", "tasks.json"):
+        table = json.loads(Path(client.download_artifacts(run.info.run_id, name, str(tmp_path))).read_text())
+        tables[name] = [dict(zip(table["columns"], line, strict=True)) for line in table["data"]]
+    assert sorted((line["task_index"], line["repeat_index"]) for line in tables["rollouts.json"]) == [
+        (t, k) for t in range(6) for k in range(2)
+    ]
+    assert sorted(line["task_index"] for line in tables["tasks.json"]) == list(range(6))
+
+
+def test_an_exporter_that_cannot_log_says_why_and_leaves_the_rollouts(live, tmp_path):
+    out = tmp_path / "rollouts.jsonl"
+    args = [*collect_args(live["registry"], "math_agent", str(MATH), str(out)), "--limit", "2", "--no-progress"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    done = _gym(*args, "--wandb", "p", env={**env, "HOME": str(tmp_path)}, cwd=tmp_path, stdin=subprocess.DEVNULL)
+    assert done.returncode == 1
+    assert "W&B: " in done.stderr and "WANDB_API_KEY" in done.stderr and "gym-grpc report" in done.stderr
+    assert len(_rows(out)) == 2
 
 
 def test_collect_into_the_output_of_another_run_is_refused_and_says_what_differs(live, tmp_path):

@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -35,6 +35,8 @@ from gym_grpc.cli.runner import Runner, StartupError, describe
 from gym_grpc.client.stubs import AdminClient
 from gym_grpc.data.jsonl import count_rows, failures_path
 from gym_grpc.data.rows import task_from_row
+from gym_grpc.report import export, plots, stats
+from gym_grpc.report import text as report_text
 from gym_grpc.rpc import event_loop
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.rpc.security import Security, TlsSettings
@@ -319,6 +321,48 @@ _threshold_option = click.option(
 _progress_option = click.option("--no-progress", is_flag=True, help="No progress bar.")
 
 
+def _export_options(command: Callable) -> Callable:
+    """--wandb PROJECT, --mlflow EXPERIMENT and --export-rows N (see gym_grpc/report/export.py)."""
+    options = [
+        click.option("--wandb", "wandb_project", metavar="PROJECT", help="Log the report to this W&B project."),
+        click.option(
+            "--mlflow", "mlflow_experiment", metavar="EXPERIMENT", help="Log the report to this MLflow experiment."
+        ),
+        click.option(
+            "--export-rows",
+            type=click.IntRange(min=0),
+            default=10_000,
+            show_default=True,
+            help="Rollouts in the exported rollouts table (the first of the file).",
+        ),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _export(
+    reports: Sequence[stats.FileReport],
+    threshold: float,
+    wandb_project: str | None,
+    mlflow_experiment: str | None,
+    rows: int,
+) -> None:
+    """Send the report of each file to W&B and MLflow, as asked; ClickException when a service refuses."""
+    try:
+        for report in reports:
+            if wandb_project:
+                where = export.to_wandb(report, threshold, wandb_project, rows)
+                click.echo(f"W&B: {report.path} -> {where}", err=True)
+            if mlflow_experiment:
+                run_id = export.to_mlflow(report, threshold, mlflow_experiment, rows)
+                click.echo(f"MLflow: {report.path} -> experiment {mlflow_experiment!r}, run {run_id}", err=True)
+    except export.ExportError as e:
+        raise click.ClickException(
+            f"{e}. The rollouts files are unchanged: `gym-grpc report FILE --wandb/--mlflow` exports them again"
+        ) from None
+
+
 @main.command("collect", context_settings={"ignore_unknown_options": True})
 @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...", callback=_no_unknown_options)
 @click.option(
@@ -371,6 +415,7 @@ _progress_option = click.option("--no-progress", is_flag=True, help="No progress
     help="Say how long this many more rollouts would take at the measured rate.",
 )
 @_progress_option
+@_export_options
 @_security_options
 def collect_command(
     overrides: tuple[str, ...],
@@ -390,6 +435,9 @@ def collect_command(
     pass_threshold: float,
     estimate_for: int,
     no_progress: bool,
+    wandb_project: str | None,
+    mlflow_experiment: str | None,
+    export_rows: int,
     security: Security,
 ) -> None:
     """Run the tasks of INPUT through an agent and write scored rollouts to OUTPUT.
@@ -440,6 +488,8 @@ def collect_command(
         raise click.ClickException(str(e)) from None
     _print_summary(summary, output, "collected", estimate_for, collected=True)
     click.echo(json.dumps(summary.metrics, indent=2))
+    if wandb_project or mlflow_experiment:
+        _export([stats.read(output)], pass_threshold, wandb_project, mlflow_experiment, export_rows)
     if summary.failed or summary.bad_rows:
         sys.exit(1)
 
@@ -514,21 +564,28 @@ def reverify_command(
 @click.option("--json", "as_json", is_flag=True, help="The report as JSON on stdout, every task included.")
 @click.option("--png", type=click.Path(file_okay=False, path_type=Path), help="Write the plots as PNG files here.")
 @click.option("--html", type=click.Path(dir_okay=False, path_type=Path), help="Write a page with the plots here.")
+@_export_options
 def report_command(
-    paths: tuple[Path, ...], pass_threshold: float, per_task: bool, as_json: bool, png: Path | None, html: Path | None
+    paths: tuple[Path, ...],
+    pass_threshold: float,
+    per_task: bool,
+    as_json: bool,
+    png: Path | None,
+    html: Path | None,
+    wandb_project: str | None,
+    mlflow_experiment: str | None,
+    export_rows: int,
 ) -> None:
     """Per agent (and with --tasks per task) of rollouts files: reward, pass@k, tasks always / never / sometimes
     solved, tokens, stage times, failures. Two files are shown side by side with the change."""
-    from gym_grpc.report import plots, stats, text
-
     try:
         reports = [stats.read(path) for path in paths]
     except FileNotFoundError as e:
         raise click.ClickException(str(e)) from None
     if as_json:
-        click.echo(json.dumps(text.to_json(reports, pass_threshold), indent=2))
+        click.echo(json.dumps(report_text.to_json(reports, pass_threshold), indent=2))
     else:
-        click.echo(text.render(reports, pass_threshold, tasks=per_task), nl=False)
+        click.echo(report_text.render(reports, pass_threshold, tasks=per_task), nl=False)
     try:
         if png is not None:
             for written in plots.write_png(reports, pass_threshold, png):
@@ -538,6 +595,7 @@ def report_command(
             click.echo(f"wrote {html}", err=True)
     except errors.ConfigError as e:
         raise click.ClickException(str(e)) from None
+    _export(reports, pass_threshold, wandb_project, mlflow_experiment, export_rows)
 
 
 @main.command("status")
