@@ -5,7 +5,7 @@ Each task row runs `num_repeats` times through an agent, keyed by
 resume, the failures sidecar and the summary). A rollout row is the task row
 (with an `agent_ref` naming the agent when it had none), then `response`,
 `reward`, the verifier's fields and their names in `verifier_fields`,
-`stop_reason`, `model_calls`, `timings` and the key. With `skip_verify` the
+`stop_reason`, `model_calls`, `timings`, `finished_at` and the key. With `skip_verify` the
 rollouts are not verified: `reward` is a placeholder and
 `verification_skipped` is true, for `gym-grpc reverify` to score them later.
 """

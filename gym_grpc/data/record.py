@@ -9,6 +9,7 @@ reverify and the summary all build and read records here.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -66,6 +67,7 @@ def build(task_row: JSON, rollout: task_pb2.Rollout, placeholder_reward: float =
         "verify": t.verify_seconds,
         "total": t.total_seconds,
     }
+    row["finished_at"] = time.time()  # for throughput over time (`gym-grpc report`)
     return row
 
 
@@ -113,6 +115,7 @@ ROLLOUT_FIELDS = frozenset(
         "stop_reason",
         "model_calls",
         "timings",
+        "finished_at",
         *KEY,
         *NEMO_KEY,
     }

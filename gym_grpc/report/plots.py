@@ -12,9 +12,9 @@ needs nothing more than gym-grpc.
 from __future__ import annotations
 
 import base64
+import bisect
 import html
 import io
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -68,32 +68,47 @@ def _reward_histogram(figure: Figure, reports: Sequence[FileReport]) -> None:
 
 
 def _pass_at_k(figure: Figure, reports: Sequence[FileReport], threshold: float) -> None:
-    from matplotlib.ticker import MaxNLocator
+    """pass@k against k, on a log-2 axis once k reaches 8."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     axes = figure.subplots()
+    top = 0
     for label, report, agent in _series(reports):
         curve = report.agents[agent].pass_curve(threshold)
         if curve:
-            axes.plot(list(curve), list(curve.values()), marker="o", label=label)
+            axes.plot(list(curve), list(curve.values()), marker="o", markersize=3, label=label)
+            top = max(top, max(curve))
     axes.set(title=f"pass@k (pass: reward ≥ {threshold:g})", xlabel="k", ylabel="pass@k", ylim=(0, 1.02))
-    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if top >= 8:
+        axes.set_xscale("log", base=2)
+        axes.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+    else:
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     if axes.lines:
-        axes.legend()
+        axes.legend(loc="lower right")
 
 
 def _throughput(figure: Figure, reports: Sequence[FileReport]) -> None:
+    """Rollouts ended per second, over a sliding window an eighth of the run long (a run of whole-second
+    timestamps: at least a second), at 40 points."""
     axes = figure.subplots()
     for label, report, agent in _series(reports):
         times = sorted(report.agents[agent].finished_at)
-        if len(times) < 2:
+        span = times[-1] - times[0] if times else 0.0
+        if span <= 0:
             continue
-        span = times[-1] - times[0]
-        width = max(span / 40, 1.0)  # up to 40 points a curve, a second at least (created_at may be whole seconds)
-        counts = [0] * (math.floor(span / width) + 1)
-        for t in times:
-            counts[math.floor((t - times[0]) / width)] += 1
-        axes.plot([(i + 0.5) * width for i in range(len(counts))], [c / width for c in counts], label=label)
-    axes.set(title="Throughput", xlabel="seconds since the first rollout finished", ylabel="rollouts/s")
+        window = span / 8
+        if all(t.is_integer() for t in times):
+            window = max(window, 1.0)
+        xs = [span * i / 39 for i in range(40)]
+        rates = []
+        for x in xs:
+            low, high = max(x - window / 2, 0.0), min(x + window / 2, span)
+            ended = bisect.bisect_right(times, times[0] + high) - bisect.bisect_left(times, times[0] + low)
+            rates.append(ended / (high - low))
+        axes.plot(xs, rates, label=label)
+    axes.set(title="Throughput", xlabel="seconds since the first rollout ended", ylabel="rollouts/s")
+    axes.set_ylim(bottom=0)
     if axes.lines:
         axes.legend()
 

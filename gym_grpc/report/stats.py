@@ -85,8 +85,10 @@ class AgentStats:
     output_tokens: int = 0
     model_calls: int = 0
     stages: dict[str, Quantiles] = field(default_factory=lambda: {stage: Quantiles() for stage in STAGES})
-    #: When each rollout's last response was created (`response.created_at`), for throughput over time.
+    #: When each rollout ended (the row's `finished_at`, else its response's `created_at`), in Unix seconds.
     finished_at: array = field(default_factory=lambda: array("d"))
+    #: When the first rollout began (its end less its `timings.total`).
+    first_start: float = math.inf
     #: Failures of the sidecar that no row of the file made good, by "Class (CODE)".
     failures: Counter[str] = field(default_factory=Counter)
 
@@ -111,9 +113,12 @@ class AgentStats:
             value = timings.get(stage)
             if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
                 self.stages[stage].add(float(value))
-        created = (row.get("response") or {}).get("created_at")
-        if isinstance(created, int | float) and not isinstance(created, bool) and created > 0:
-            self.finished_at.append(float(created))
+        end = _seconds(row.get("finished_at"))
+        if end is None:  # NeMo Gym's rows: when the last response began
+            end = _seconds((row.get("response") or {}).get("created_at"))
+        if end:
+            self.finished_at.append(end)
+            self.first_start = min(self.first_start, end - (_seconds(timings.get("total")) or 0.0))
 
     @property
     def reward_mean(self) -> float:
@@ -141,11 +146,12 @@ class AgentStats:
         return sum(self.failures.values())
 
     def rollouts_per_second(self) -> float:
-        """Rollouts over the span between the first and the last response (nan with fewer than two)."""
-        if len(self.finished_at) < 2:
+        """Rollouts over the time from the first one's start to the last one's end (nan when unknown). A file
+        written by several runs counts the time between them too: the throughput plot shows each."""
+        if not self.finished_at:
             return math.nan
-        span = max(self.finished_at) - min(self.finished_at)
-        return (len(self.finished_at) - 1) / span if span > 0 else math.nan
+        span = max(self.finished_at) - self.first_start
+        return len(self.finished_at) / span if span > 0 else math.nan
 
     def metrics(self, threshold: float) -> dict[str, float]:
         """The headline numbers, flat (what `report --json`, wandb and mlflow get); nan when unknown."""
@@ -195,6 +201,13 @@ class FileReport:
     @property
     def rollouts(self) -> int:
         return sum(agent.rollouts for agent in self.agents.values())
+
+
+def _seconds(value: Any) -> float | None:
+    """A finite number of seconds, else None."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
 
 
 def _agent_of(row: dict[str, Any]) -> str:

@@ -67,9 +67,11 @@ def _table(rows: list[list[str]]) -> list[str]:
 
 
 def _change(before: float, after: float) -> str:
+    """after - before, to the three significant digits of the larger of the two."""
     if math.isnan(before) or math.isnan(after):
         return ""
-    delta = after - before
+    scale = max(abs(before), abs(after))
+    delta = round(after - before, 3 - math.ceil(math.log10(scale))) if scale else 0.0
     return "0" if delta == 0 else f"{delta:+.3g}"
 
 
