@@ -70,6 +70,11 @@ class BatchOptions:
     report_every: float = 10.0
 
 
+#: The default deadline of one rollout (collect) and of one verification (reverify): a verification
+#: is part of a rollout in collect, so reverify gives it as long.
+TIMEOUT_SECONDS = 3600.0
+
+
 @dataclass
 class RunOptions:
     """What collect and reverify share: the files, the window and how the summary judges."""

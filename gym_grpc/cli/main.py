@@ -22,7 +22,7 @@ import grpc
 from gym_grpc import bundled, errors
 from gym_grpc.batch import fingerprint
 from gym_grpc.batch.collector import CollectOptions, collect
-from gym_grpc.batch.jobs import BatchSummary
+from gym_grpc.batch.jobs import TIMEOUT_SECONDS, BatchSummary
 from gym_grpc.batch.overrides import NEMO_OPTIONS, OverrideError
 from gym_grpc.batch.overrides import parse as parse_overrides
 from gym_grpc.batch.reverify import ReverifyOptions, reverify
@@ -386,7 +386,7 @@ def _export(
 @click.option(
     "--timeout",
     type=click.FloatRange(min=0, min_open=True),
-    default=3600.0,
+    default=TIMEOUT_SECONDS,
     show_default=True,
     help="Seconds one rollout may take.",
 )
@@ -511,9 +511,9 @@ def collect_command(
 @click.option(
     "--timeout",
     type=click.FloatRange(min=0, min_open=True),
-    default=600.0,
+    default=TIMEOUT_SECONDS,
     show_default=True,
-    help="Seconds one verification may take.",
+    help="Seconds one verification may take (as long as a whole rollout may in collect).",
 )
 @_range_option
 @_threshold_option
