@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import click
 import grpc
 
-from gym_grpc import bundled, errors
+from gym_grpc import bundled, errors, training
 from gym_grpc.batch import fingerprint
 from gym_grpc.batch.collector import CollectOptions, collect
 from gym_grpc.batch.jobs import TIMEOUT_SECONDS, BatchSummary
@@ -596,6 +596,43 @@ def report_command(
     except errors.ConfigError as e:
         raise click.ClickException(str(e)) from None
     _export(reports, pass_threshold, wandb_project, mlflow_experiment, export_rows)
+
+
+@main.command("samples")
+@click.argument("path", metavar="ROLLOUTS.jsonl", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "--output",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Where to write the samples: Parquet when it ends with .parquet, else JSONL.",
+)
+@click.option("--layout", type=click.Choice(training.LAYOUTS), default="verl", show_default=True)
+@click.option(
+    "--non-monotonic",
+    type=click.Choice(["split", "refuse"]),
+    default="split",
+    show_default=True,
+    help="A turn whose prompt does not extend the earlier ids: start a new sample, or stop with an error.",
+)
+@click.option(
+    "--advantage",
+    type=click.Choice(["std", "none"]),
+    default="std",
+    show_default=True,
+    help="GRPO's (reward - group mean) / group std, or without the division (Dr. GRPO).",
+)
+def samples_command(path: Path, output: Path, layout: training.Layout, non_monotonic: str, advantage: str) -> None:
+    """Training samples from a rollouts file: per rollout one token sequence with its loss mask and log-probs,
+    GRPO advantages per task, failed rollouts (from the failures sidecar) as masked members of their group."""
+    try:
+        samples, stats = training.build(training.read_rollouts(path), non_monotonic=non_monotonic)  # type: ignore[arg-type]
+        groups = training.assign_advantages(samples, scale=advantage)  # type: ignore[arg-type]
+        training.write(samples, layout, output)
+    except (training.NonMonotonic, ValueError, errors.ConfigError) as e:
+        raise click.ClickException(str(e)) from None
+    flat = sum(1 for group in groups if group.rollouts > group.failed and group.std == 0)
+    click.echo(stats.line(), err=True)
+    click.echo(f"{len(groups):,} groups, {flat:,} of them with one reward for all (advantage 0) -> {output}", err=True)
 
 
 @main.command("status")

@@ -1,0 +1,235 @@
+"""From rollouts to training samples: one token sequence per trajectory, with its loss mask.
+
+A rollout's assistant turns each carry the ids the engine saw and sampled
+(`prompt_token_ids`, `generation_token_ids`, `generation_log_probs`). When
+every turn's prompt begins with the previous turn's prompt + generation, the
+trajectory is one sequence: the first prompt, then each generation (loss mask
+1, with its log-probs) and, between two generations, what the template and
+the tools added (mask 0, log-prob 0.0), as the engine tokenized it.
+
+A turn whose prompt does not begin so (a non-monotonic history: a caller
+edited an earlier message, a template dropped earlier reasoning, the model
+server started a new sample) is counted and, by `non_monotonic`, either
+starts a new sample of the same rollout (`split`, the default: each sample
+is exactly what the model saw) or fails the rollout (`refuse`, NonMonotonic
+naming the turn and the position where the ids part).
+
+A failed rollout (the client's failure, or a record of the collector's
+failures sidecar) is a masked member of its group: a sample with no ids,
+`loss_multiplier` 0, and no reward. It is never a reward-0 sample.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from gym_grpc import errors
+from gym_grpc.client.training import RolloutResult, TokenTurn
+from gym_grpc.data import jsonl, record
+
+NonMonotonicPolicy = Literal["split", "refuse"]
+#: The agent of a rollout that names none.
+NO_AGENT = "(no agent)"
+
+
+class NonMonotonic(errors.FrameworkError, ValueError):
+    """A turn's prompt does not extend the previous turn's prompt and generation (with `refuse`)."""
+
+
+@dataclass(frozen=True)
+class TrainingRollout:
+    """A rollout as training sees it: its key, its reward and turns, or the failure that cost it."""
+
+    agent: str
+    task_index: int | None
+    repeat_index: int | None
+    reward: float | None
+    turns: list[TokenTurn]
+    failure: errors.Failure | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> TrainingRollout:
+        """A rollout row as `collect` writes it (or NeMo Gym does)."""
+        ref = row.get("agent_ref")
+        name = ref.get("name") if isinstance(ref, dict) else None
+        task, repeat = (v if isinstance(v, int) and not isinstance(v, bool) else None for v in record.row_key(row))
+        reward = row.get("reward")
+        turns = []
+        for item in (row.get("response") or {}).get("output") or []:
+            if isinstance(item, dict) and item.get("generation_token_ids"):
+                turns.append(
+                    TokenTurn(
+                        list(item.get("prompt_token_ids") or []),
+                        list(item["generation_token_ids"]),
+                        list(item.get("generation_log_probs") or []),
+                    )
+                )
+        return cls(
+            agent=name if isinstance(name, str) and name else NO_AGENT,
+            task_index=task,
+            repeat_index=repeat,
+            reward=None if row.get("verification_skipped") or not isinstance(reward, int | float) else float(reward),
+            turns=turns,
+        )
+
+    @classmethod
+    def from_result(
+        cls, result: RolloutResult, agent: str, task_index: int | None, repeat_index: int | None = None
+    ) -> TrainingRollout:
+        """A result of `GymClient.run` or `run_group`, failed or not."""
+        if not result.ok:
+            return cls(agent, task_index, repeat_index, None, [], result.failure)
+        return cls(agent, task_index, repeat_index, result.reward, result.turns)
+
+
+@dataclass
+class Sample:
+    """One token sequence to train on: `prompt_ids`, then `response_ids` (generations and what came
+    between them), with a loss mask and the sampling log-probs aligned to `response_ids`."""
+
+    agent: str
+    task_index: int | None
+    repeat_index: int | None
+    #: Which sample of its rollout this is (a non-monotonic history splits a rollout), from 0.
+    part: int
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    #: 1 on generated ids, 0 on the ids the template and tools added between generations.
+    response_mask: list[int] = field(default_factory=list)
+    #: The engine's log-prob of each generated id; 0.0 where the mask is 0.
+    response_log_probs: list[float] = field(default_factory=list)
+    #: The rollout's reward (every sample of a rollout shares it); None for a failed rollout.
+    reward: float | None = None
+    #: Model calls in this sample.
+    num_turns: int = 0
+    #: Why the rollout failed ("Class (CODE): message"); such a sample has no ids and no loss.
+    failure: str | None = None
+    #: Set by `groups.assign_advantages`.
+    advantage: float = 0.0
+
+    @property
+    def loss_multiplier(self) -> float:
+        """0 for a sample without a reward (a failed rollout, or one not verified yet): mask it out."""
+        return 0.0 if self.failure is not None or self.reward is None else 1.0
+
+    @property
+    def group(self) -> str:
+        """The GRPO group: the rollouts of one task through one agent."""
+        return f"{self.agent}/{self.task_index}"
+
+
+@dataclass
+class SampleStats:
+    """What building samples met."""
+
+    rollouts: int = 0
+    #: Failed rollouts, each a masked sample.
+    failed: int = 0
+    samples: int = 0
+    #: Turns that did not extend the previous turn's ids (each began a new sample with `split`).
+    non_monotonic_turns: int = 0
+    #: Rollouts without token ids (an engine that returns none): no sample.
+    without_ids: int = 0
+
+    def line(self) -> str:
+        return (
+            f"{self.rollouts:,} rollouts -> {self.samples:,} samples ({self.failed:,} failed rollouts masked, "
+            f"{self.non_monotonic_turns:,} non-monotonic turns, {self.without_ids:,} rollouts without token ids)"
+        )
+
+
+def _parting(seen: list[int], prompt: list[int]) -> int:
+    """Where `prompt` stops beginning with `seen`: the first differing position (or the shorter length)."""
+    for i, (a, b) in enumerate(zip(seen, prompt, strict=False)):
+        if a != b:
+            return i
+    return min(len(seen), len(prompt))
+
+
+def samples_of(
+    rollout: TrainingRollout, non_monotonic: NonMonotonicPolicy = "split", stats: SampleStats | None = None
+) -> list[Sample]:
+    """The samples of one rollout: one, or more where its history is not monotonic (`split`)."""
+    stats = stats if stats is not None else SampleStats()
+    stats.rollouts += 1
+    key = (rollout.agent, rollout.task_index, rollout.repeat_index)
+    if rollout.failure is not None:
+        stats.failed += 1
+        stats.samples += 1
+        f = rollout.failure
+        return [Sample(*key, part=0, failure=f"{f.error_class} ({f.code}): {f.message}")]
+    if not rollout.turns:
+        stats.without_ids += 1
+        return []
+    samples: list[Sample] = []
+    seen: list[int] = []
+    for number, turn in enumerate(rollout.turns):
+        if len(turn.generation_log_probs) != len(turn.generation_token_ids):
+            raise ValueError(
+                f"rollout {key}: turn {number} has {len(turn.generation_token_ids)} generated ids but "
+                f"{len(turn.generation_log_probs)} log-probs"
+            )
+        current = samples[-1] if samples else None
+        if current is not None and turn.prompt_token_ids[: len(seen)] != seen:
+            stats.non_monotonic_turns += 1
+            if non_monotonic == "refuse":
+                raise NonMonotonic(
+                    f"rollout {key}: turn {number}'s prompt does not begin with the earlier turns' ids "
+                    f"(they part at position {_parting(seen, turn.prompt_token_ids)} of {len(seen)})"
+                )
+            current = None
+        if current is None:
+            current = Sample(*key, part=len(samples), prompt_ids=list(turn.prompt_token_ids), reward=rollout.reward)
+            samples.append(current)
+            seen = list(turn.prompt_token_ids)
+        else:
+            between = turn.prompt_token_ids[len(seen) :]
+            current.response_ids += between
+            current.response_mask += [0] * len(between)
+            current.response_log_probs += [0.0] * len(between)
+            seen += between
+        current.response_ids += turn.generation_token_ids
+        current.response_mask += [1] * len(turn.generation_token_ids)
+        current.response_log_probs += turn.generation_log_probs
+        current.num_turns += 1
+        seen += turn.generation_token_ids
+    stats.samples += len(samples)
+    return samples
+
+
+def build(
+    rollouts: Iterable[TrainingRollout], non_monotonic: NonMonotonicPolicy = "split"
+) -> tuple[list[Sample], SampleStats]:
+    """The samples of every rollout, and what building them met."""
+    stats = SampleStats()
+    samples = [sample for rollout in rollouts for sample in samples_of(rollout, non_monotonic, stats)]
+    return samples, stats
+
+
+def read_rollouts(path: Path) -> Iterator[TrainingRollout]:
+    """The rollouts of a `collect` output, then its failures sidecar's failed rollouts that no row made good."""
+    done: set[tuple[str, int | None, int | None]] = set()
+    for row in jsonl.iter_rows(path):
+        rollout = TrainingRollout.from_row(row)
+        done.add((rollout.agent, rollout.task_index, rollout.repeat_index))
+        yield rollout
+    failed: dict[tuple[str, int | None, int | None], errors.Failure] = {}
+    for entry in jsonl.iter_rows(jsonl.failures_path(path)):
+        if "line" in entry or not isinstance(entry.get("error"), dict):
+            continue  # an input row that did not load: no rollout, no group member
+        group = entry.get("group") if isinstance(entry.get("group"), str) else NO_AGENT
+        key = (str(group), entry.get("task_index"), entry.get("repeat_index"))
+        if key not in done:
+            error = entry["error"]
+            failed[key] = errors.Failure(
+                str(error.get("class")), str(error.get("code")), str(error.get("message")), error.get("field")
+            )
+    for (agent, task, repeat), failure in failed.items():
+        yield TrainingRollout(agent, task, repeat, None, [], failure)
