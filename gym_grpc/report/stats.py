@@ -96,29 +96,28 @@ class AgentStats:
         self.rollouts += 1
         if task_index is None:
             self.keyless += 1
-        reward = row.get("reward")
-        if row.get("verification_skipped") or not isinstance(reward, int | float) or isinstance(reward, bool):
+        reward = None if row.get("verification_skipped") else _number(row.get("reward"))
+        if reward is None:
             self.unverified += 1
         else:
-            self.rewards.append(float(reward))
+            self.rewards.append(reward)
             if task_index is not None:
-                self.tasks.setdefault(task_index, TaskStats()).rewards.append(float(reward))
+                self.tasks.setdefault(task_index, TaskStats()).rewards.append(reward)
         tokens_in, tokens_out = record.usage_of(row)
         self.input_tokens += tokens_in
         self.output_tokens += tokens_out
-        calls = row.get("model_calls")
-        self.model_calls += calls if isinstance(calls, int) and not isinstance(calls, bool) else 0
+        self.model_calls += int(_number(row.get("model_calls")) or 0)
         timings = row["timings"] if isinstance(row.get("timings"), dict) else {}
         for stage in STAGES:
-            value = timings.get(stage)
-            if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
-                self.stages[stage].add(float(value))
-        end = _seconds(row.get("finished_at"))
+            seconds = _number(timings.get(stage))
+            if seconds is not None and seconds >= 0:
+                self.stages[stage].add(seconds)
+        end = _number(row.get("finished_at"))
         if end is None:  # NeMo Gym's rows: when the last response began
-            end = _seconds((row.get("response") or {}).get("created_at"))
+            end = _number((row.get("response") or {}).get("created_at"))
         if end:
             self.finished_at.append(end)
-            self.first_start = min(self.first_start, end - (_seconds(timings.get("total")) or 0.0))
+            self.first_start = min(self.first_start, end - (_number(timings.get("total")) or 0.0))
 
     @property
     def reward_mean(self) -> float:
@@ -203,8 +202,8 @@ class FileReport:
         return sum(agent.rollouts for agent in self.agents.values())
 
 
-def _seconds(value: Any) -> float | None:
-    """A finite number of seconds, else None."""
+def _number(value: Any) -> float | None:
+    """A finite JSON number (not a boolean) as a float, else None."""
     if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
         return float(value)
     return None
