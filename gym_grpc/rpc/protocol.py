@@ -21,7 +21,9 @@ from gym_grpc.v1 import admin_service_pb2 as admin_pb
 #: 1.1: CallToolResponse.is_error (a tool that raised is answered OK, not ABORTED).
 #: 1.2: replicas: ServerInfo.replicas and RegistryService.WatchServer;
 #:      SeedSessionResponse.replica (session affinity); GetServerInfoResponse.instance_id.
-VERSION = (1, 2)
+#: 1.3: every worker process of a server: Replica.workers (pid, metrics address, restarts);
+#:      GetServerInfoResponse.worker and .metrics_address (Prometheus).
+VERSION = (1, 3)
 
 
 def version() -> admin_pb.ProtocolVersion:

@@ -60,6 +60,8 @@ class GetServerInfoResponse(_message.Message):
     SERVICES_FIELD_NUMBER: _builtins.int
     CAPABILITIES_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    WORKER_FIELD_NUMBER: _builtins.int
+    METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name of the server in its configuration."""
     role: _registry_service_pb2.ServerRole.ValueType
@@ -88,6 +90,19 @@ class GetServerInfoResponse(_message.Message):
     """Random id of this server instance, drawn when it starts: tells apart the
     replicas behind one balanced channel, and a restarted server from the one
     before it (protocol 1.2).
+    """
+    worker: _builtins.int
+    """Index of the process that answered among the worker processes of its
+    server (`num_workers: N`: 0 to N - 1; 0 for a server of one process). The
+    kernel picks the worker per connection, so every call on one connection
+    reaches the same worker; RegistryService lists every worker of a server
+    with its pid (Replica.workers) (protocol 1.3).
+    """
+    metrics_address: _builtins.str
+    """Where the process that answered serves its Prometheus metrics: "host:port"
+    of a plain HTTP endpoint whose path is /metrics, with the host the server
+    binds. Empty when the server's metrics are off (its `metrics_port` is not
+    set). Each worker process serves its own (protocol 1.3).
     """
     @_builtins.property
     def protocol(self) -> Global___ProtocolVersion:
@@ -126,10 +141,12 @@ class GetServerInfoResponse(_message.Message):
         services: _abc.Iterable[Global___ServedService] | None = ...,
         capabilities: Global___Capabilities | None = ...,
         instance_id: _builtins.str = ...,
+        worker: _builtins.int = ...,
+        metrics_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "protocol", b"protocol"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "config_hash", b"config_hash", "entrypoint", b"entrypoint", "instance_id", b"instance_id", "name", b"name", "open_files", b"open_files", "open_files_limit", b"open_files_limit", "pid", b"pid", "profiling", b"profiling", "protocol", b"protocol", "role", b"role", "services", b"services", "uptime_seconds", b"uptime_seconds", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "config_hash", b"config_hash", "entrypoint", b"entrypoint", "instance_id", b"instance_id", "metrics_address", b"metrics_address", "name", b"name", "open_files", b"open_files", "open_files_limit", b"open_files_limit", "pid", b"pid", "profiling", b"profiling", "protocol", b"protocol", "role", b"role", "services", b"services", "uptime_seconds", b"uptime_seconds", "version", b"version", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

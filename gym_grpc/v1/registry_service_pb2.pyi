@@ -147,6 +147,7 @@ class Replica(_message.Message):
     NODE_FIELD_NUMBER: _builtins.int
     RESTARTS_FIELD_NUMBER: _builtins.int
     INDEX_FIELD_NUMBER: _builtins.int
+    WORKERS_FIELD_NUMBER: _builtins.int
     address: _builtins.str
     """Address ("host:port") where it serves."""
     node: _builtins.str
@@ -159,6 +160,13 @@ class Replica(_message.Message):
     """Index of the replica among its server's, from 0; stays the same across
     restarts, so logs and metrics can follow one replica as it moves.
     """
+    @_builtins.property
+    def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___Worker]:
+        """The processes serving its address, by index (a server's `num_workers`;
+        one under `gym-grpc run --ray`). Empty when the runner that lists it
+        predates protocol 1.3.
+        """
+
     def __init__(
         self,
         *,
@@ -166,14 +174,55 @@ class Replica(_message.Message):
         node: _builtins.str = ...,
         restarts: _builtins.int = ...,
         index: _builtins.int = ...,
+        workers: _abc.Iterable[Global___Worker] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "index", b"index", "node", b"node", "restarts", b"restarts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "index", b"index", "node", b"node", "restarts", b"restarts", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Replica: _TypeAlias = Replica  # noqa: Y015
+
+@_typing.final
+class Worker(_message.Message):
+    """One operating-system process serving a replica's address."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
+    RESTARTS_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """Index of the worker among its replica's, from 0; stays the same when the
+    runner starts the process again. GetServerInfoResponse.worker is this
+    index, for the process that answered.
+    """
+    pid: _builtins.int
+    """Operating-system process id, on the replica's machine (Replica.node)."""
+    metrics_address: _builtins.str
+    """"host:port" of its Prometheus metrics endpoint (plain HTTP, path
+    /metrics), as GetServerInfoResponse.metrics_address; empty when the
+    server's metrics are off.
+    """
+    restarts: _builtins.int
+    """Times this worker's process was started again after it died."""
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        pid: _builtins.int = ...,
+        metrics_address: _builtins.str = ...,
+        restarts: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "metrics_address", b"metrics_address", "pid", b"pid", "restarts", b"restarts"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Worker: _TypeAlias = Worker  # noqa: Y015
 
 @_typing.final
 class ListServersRequest(_message.Message):
