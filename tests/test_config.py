@@ -48,6 +48,28 @@ def test_includes_and_file_entrypoints_resolve_relative_to_their_file(tmp_path):
         ("servers: {m: {entrypoint: a:B, port: 8000}}\n", ["ray.address=auto"], "servers.m.port: under Ray"),
         ("servers: {m: {entrypoint: a:B}}\nray: {placement: SPREAD}\n", [], "ray.placement: Extra inputs"),
         ("servers: {m: {entrypoint: a:B}}\n", ["ray.placement_strategy=SPRED"], "ray.placement_strategy"),
+        ("servers: {m: {entrypoint: a:B, metrics_port: 70000}}\n", [], "servers.m.metrics_port: Input should be"),
+        ("servers: {m: {entrypoint: a:B, metrics_port: -1}}\n", [], "servers.m.metrics_port: Input should be"),
+        (
+            "servers: {m: {entrypoint: a:B, metrics_port: 65535, num_workers: 2}}\n",
+            [],
+            "servers.m.metrics_port: 2 workers serve metrics on ports 65535 to 65536, past 65535",
+        ),
+        (
+            "servers: {m: {entrypoint: a:B, metrics_port: 50050}}\n",
+            [],
+            "servers.m.metrics_port: port 50050 is also registry.port",
+        ),
+        (
+            "servers: {m: {entrypoint: a:B, port: 9001}, n: {entrypoint: a:B, metrics_port: 9000, num_workers: 2}}\n",
+            [],
+            "servers.n.metrics_port: port 9001 (worker 1) is also servers.m.port",
+        ),
+        (
+            "servers: {m: {entrypoint: a:B, metrics_port: 9000}}\n",
+            ["ray.address=auto"],
+            "servers.m.metrics_port: under Ray each replica serves its metrics on a free port",
+        ),
     ],
 )
 def test_a_bad_config_names_what_is_wrong(tmp_path, text, overrides, message):

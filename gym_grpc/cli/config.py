@@ -84,6 +84,13 @@ class ServerSpec(BaseModel):
     port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
     num_workers: int = Field(1, ge=1, description="processes serving the port together (SO_REUSEPORT)")
     restart: bool = Field(False, description="start a process of this server again, on its port, when it dies")
+    metrics_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="serve Prometheus metrics over HTTP on this port of `host` (0: a free port); worker i of "
+        "num_workers serves its own on metrics_port + i; off when unset",
+    )
     replicas: int = Field(1, ge=1, description="instances of this server across a Ray cluster (needs --ray)")
     num_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves for each replica (with --ray)")
     config: dict[str, Any] = Field(default_factory=dict, description="the server class's own settings")
@@ -151,6 +158,38 @@ class GymConfig(BaseModel):
                 raise ValueError(f"servers.{name}.num_workers: under Ray each replica is one process; use replicas")
             if self.ray is not None and spec.port:
                 raise ValueError(f"servers.{name}.port: under Ray each replica binds a free port on its node")
+            if self.ray is not None and spec.metrics_port:
+                raise ValueError(
+                    f"servers.{name}.metrics_port: under Ray each replica serves its metrics on a free port of its "
+                    "node (metrics_port: 0); gym-grpc status lists them"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _metrics_ports_are_free(self) -> GymConfig:
+        """Each worker's metrics port (metrics_port + i) exists and is no other port of the configuration."""
+        taken = {self.registry.port: "registry.port"} if self.registry.port else {}
+        taken |= {spec.port: f"servers.{name}.port" for name, spec in self.servers.items() if spec.port}
+        for name, spec in self.servers.items():
+            if not spec.metrics_port:
+                continue
+            last = spec.metrics_port + spec.num_workers - 1
+            if last > 65535:
+                raise ValueError(
+                    f"servers.{name}.metrics_port: {spec.num_workers} workers serve metrics on ports "
+                    f"{spec.metrics_port} to {last}, past 65535; pick a lower metrics_port (0: free ports)"
+                )
+            for port in range(spec.metrics_port, last + 1):
+                other = taken.get(port)
+                if other is not None:
+                    worker = f" (worker {port - spec.metrics_port})" if spec.num_workers > 1 else ""
+                    raise ValueError(
+                        f"servers.{name}.metrics_port: port {port}{worker} is also {other}; "
+                        "pick another metrics_port (0: a free port)"
+                    )
+                taken[port] = f"servers.{name}.metrics_port" + (
+                    f" + {port - spec.metrics_port}" if port > spec.metrics_port else ""
+                )
         return self
 
     @model_validator(mode="after")

@@ -648,7 +648,7 @@ def samples_command(path: Path, output: Path, layout: training.Layout, non_monot
 @_security_options
 def status_command(registry: str, as_json: bool, interval: float, security: Security) -> None:
     """Every server of a running config: address, health, pid, uptime, in flight, calls/s, engine retries,
-    open files."""
+    open files; and each of its worker processes: pid and Prometheus metrics address."""
 
     async def ask() -> list[dict]:
         async with _registry(registry, security) as reg:

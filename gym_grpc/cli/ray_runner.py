@@ -54,6 +54,7 @@ class ReplicaServer:
         self.spec = spec
         self.running: Running | None = None
         self.node = ""
+        self.metrics_address = ""
 
     async def start(self) -> dict[str, Any]:
         if self.running is None:
@@ -62,6 +63,7 @@ class ReplicaServer:
             "address": self.running.app.replica,
             "node": self.node,
             "pid": os.getpid(),
+            "metrics_address": self.metrics_address,
             "role": self.running.app.role,
             "references": self.running.app.references(),
         }
@@ -88,8 +90,11 @@ class ReplicaServer:
         if spec["profiling_dir"]:
             app.profiler = Profiler(spec["profiling_dir"], label)
         self.node = ray.get_runtime_context().get_node_id()
-        running = await serve(app, "0.0.0.0", 0, security=security)
-        app.replica = f"{ray.util.get_node_ip_address()}:{running.port}"
+        running = await serve(app, "0.0.0.0", 0, security=security, metrics_port=spec["metrics_port"])
+        ip = ray.util.get_node_ip_address()
+        app.replica = f"{ip}:{running.port}"
+        if running.metrics is not None:
+            self.metrics_address = app.metrics_address = f"{ip}:{running.metrics.port}"
         return running
 
     async def stop(self, grace: float) -> None:
@@ -207,6 +212,7 @@ class RayRunner(RegistryHost):
             "security": self.config.security.model_dump(),
             "log_level": self.log_level,
             "profiling_dir": self.config.profiling_results_dirpath if self.config.profiling_enabled else None,
+            "metrics_port": spec.metrics_port,
         }
 
     async def _poll(self, server: RayServer, first: bool = False) -> bool:
@@ -248,18 +254,15 @@ class RayRunner(RegistryHost):
         return died
 
     def _update(self, server: RayServer) -> None:
-        live = [r for r in server.replicas if r.seen is not None]
-        first = live[0].seen if live else {}
+        live = [(r, r.seen) for r in server.replicas if r.seen is not None]
+        first = live[0][1] if live else {}
         server.info = reg.ServerInfo(
             name=server.name,
-            role=first.get("role", server.info.role),  # type: ignore[union-attr]
-            addresses=[r.seen["address"] for r in live],  # type: ignore[index]
-            replicas=[
-                reg.Replica(address=r.seen["address"], node=r.seen["node"], restarts=r.restarts, index=r.index)  # type: ignore[index]
-                for r in live
-            ],
+            role=first.get("role", server.info.role),
+            addresses=[seen["address"] for _, seen in live],
+            replicas=[_listed(r, seen) for r, seen in live],
             entrypoint=server.spec.entrypoint,
-            references=first.get("references", dict(server.info.references)),  # type: ignore[union-attr]
+            references=first.get("references", dict(server.info.references)),
         )
         if self.registry is not None and server.name in self.servicer.servers:
             self.servicer.add(server.info)
@@ -303,6 +306,14 @@ class RayRunner(RegistryHost):
         if self._joined:
             ray.shutdown()
             self._joined = False
+
+
+def _listed(replica: Replica, seen: dict[str, Any]) -> reg.Replica:
+    """A live replica as the registry lists it: one worker process, the actor's."""
+    worker = reg.Worker(pid=replica.pid, metrics_address=seen.get("metrics_address", ""), restarts=replica.restarts)
+    return reg.Replica(
+        address=seen["address"], node=seen["node"], restarts=replica.restarts, index=replica.index, workers=[worker]
+    )
 
 
 async def _answer(ref: Any) -> Any:

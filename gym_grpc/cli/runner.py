@@ -198,15 +198,16 @@ class Runner(RegistryHost):
         spec = server.spec
         report = await self._ready(server, await self._spawn(server, spec.port, 0))
         others = [await self._spawn(server, report["port"], i) for i in range(1, spec.num_workers)]
-        await asyncio.gather(*(self._ready(server, process) for process in others))
-        host = "127.0.0.1" if spec.host in _WILDCARD_HOSTS else spec.host
+        reports = [report, *await asyncio.gather(*(self._ready(server, process) for process in others))]
+        host = _reachable(spec.host)
         address = f"{host}:{report['port']}"
         await _wait_healthy(address, self.config.security)
+        workers = [_worker(host, index, r) for index, r in enumerate(reports)]
         server.info = reg.ServerInfo(
             name=server.name,
             role=report["role"],
             addresses=[address],
-            replicas=[reg.Replica(address=address)],
+            replicas=[reg.Replica(address=address, workers=workers)],
             entrypoint=spec.entrypoint,
             references=report["references"],
             workers=spec.num_workers,
@@ -236,6 +237,8 @@ class Runner(RegistryHost):
             "host": spec.host,
             "port": port,
             "reuse_port": spec.num_workers > 1,
+            "worker": worker,
+            "metrics_port": _metrics_port(spec, worker),
             "config": spec.config,
             "registry": self.registry_address,
             "grace": self.grace,
@@ -323,7 +326,7 @@ class Runner(RegistryHost):
             await asyncio.sleep(delay)
             try:
                 process = await self._spawn(server, port, worker)
-                await asyncio.wait_for(self._ready(server, process), self.startup_timeout)
+                report = await asyncio.wait_for(self._ready(server, process), self.startup_timeout)
                 await _wait_healthy(address, self.config.security)
             except TimeoutError:
                 failure = f"server {server.name!r} not ready after {self.startup_timeout:.0f} s"
@@ -331,6 +334,9 @@ class Runner(RegistryHost):
                 failure = str(e)
             else:
                 log.warning("server %r restarted (pid %d) on %s", server.name, process.pid, address)
+                entry = server.info.replicas[0].workers[worker]
+                entry.CopyFrom(_worker(_reachable(server.spec.host), worker, report, entry.restarts + 1))
+                self.servicer.add(server.info)  # its new pid (and metrics port) for status
                 return True
             log.error("attempt %d of %d failed: %s", attempt, RESTART_ATTEMPTS, failure)
             await _end(server.processes[worker])
@@ -359,6 +365,23 @@ class Runner(RegistryHost):
             if process.stdin is not None:
                 process.stdin.close()
         await self._stop_registry()
+
+
+def _reachable(host: str) -> str:
+    """The host to reach a server that binds `host` (loopback for every interface)."""
+    return "127.0.0.1" if host in _WILDCARD_HOSTS else host
+
+
+def _metrics_port(spec: ServerSpec, worker: int) -> int | None:
+    """Where worker `worker` serves its metrics: metrics_port + worker for a fixed port;
+    0 (a free port each) and None (off) as they are."""
+    return spec.metrics_port + worker if spec.metrics_port else spec.metrics_port
+
+
+def _worker(host: str, index: int, report: dict, restarts: int = 0) -> reg.Worker:
+    """A worker process as the registry lists it, from its ready report."""
+    metrics = f"{host}:{report['metrics_port']}" if report.get("metrics_port") else ""
+    return reg.Worker(index=index, pid=report["pid"], metrics_address=metrics, restarts=restarts)
 
 
 async def _end(process: asyncio.subprocess.Process) -> None:

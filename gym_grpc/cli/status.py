@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gym_grpc.rpc import transport
 from gym_grpc.rpc.registry import SERVER_ROLES, Registry
 from gym_grpc.rpc.security import Security
+from gym_grpc.server import metrics
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from gym_grpc.v1 import registry_service_pb2 as reg
@@ -21,8 +22,20 @@ _HEALTH = {
 }
 
 
+def _workers(info: reg.ServerInfo, address: str) -> list[dict[str, Any]]:
+    """The worker processes serving `address`, as the registry lists them."""
+    for replica in info.replicas:
+        if replica.address == address:
+            return [
+                {"index": w.index, "pid": w.pid, "metrics_address": w.metrics_address, "restarts": w.restarts}
+                for w in replica.workers
+            ]
+    return []
+
+
 async def _one(info: reg.ServerInfo, address: str, interval: float, security: Security | None) -> dict[str, Any]:
     row: dict[str, Any] = {"name": info.name, "role": SERVER_ROLES.get(info.role, "?"), "address": address}
+    row["workers"] = _workers(info, address)
     async with transport.open_channel(address, security=security) as channel:
         try:
             reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2.0)
@@ -42,6 +55,8 @@ async def _one(info: reg.ServerInfo, address: str, interval: float, security: Se
     elapsed = max(second.uptime_seconds - first.uptime_seconds, 1e-9)
     row.update(
         pid=server.pid,
+        worker=server.worker,
+        metrics_address=server.metrics_address,
         uptime_seconds=round(server.uptime_seconds, 1),
         in_flight=second.in_flight,
         calls_per_second=round((second.calls_total - first.calls_total) / elapsed, 1),
@@ -58,8 +73,10 @@ async def _one(info: reg.ServerInfo, address: str, interval: float, security: Se
 
 
 async def status(registry: Registry, interval: float = 1.0) -> list[dict[str, Any]]:
-    """One row per address of every registered server: health, pid, uptime, in flight, calls/s,
-    the retries of requests to engines by failure class, and open files."""
+    """One row per address of every registered server: health, its worker processes (pid,
+    metrics address) as the registry lists them, and from the worker that answered (`worker`,
+    `pid`): uptime, in flight, calls/s, the retries of requests to engines by failure class,
+    and open files."""
     servers = await registry.list()
     return list(await asyncio.gather(*(_one(s, a, interval, registry.security) for s in servers for a in s.addresses)))
 
@@ -78,7 +95,22 @@ def format_status(rows: list[dict[str, Any]]) -> str:
         else:
             tail = f"{'-':>7} {'-':>9} {'-':>9} {'-':>9} {'-':>8} {'-':>16}"
         lines.append(f"{row['name']:<22} {row['role']:<10} {row['address']:<22} {row['health']:<12} {tail}")
+        workers = row.get("workers", [])
+        if len(workers) > 1 or any(w["metrics_address"] for w in workers):
+            lines.extend(_worker_line(worker, row) for worker in workers)
     return "\n".join(lines)
+
+
+def _worker_line(worker: dict[str, Any], row: dict[str, Any]) -> str:
+    """One worker process of a server, under its row: pid, metrics endpoint, restarts, whether it answered."""
+    text = f"  worker {worker['index']}: pid {worker['pid']}"
+    if worker["metrics_address"]:
+        text += f", metrics http://{worker['metrics_address']}{metrics.PATH}"
+    if worker["restarts"]:
+        text += f", restarted {worker['restarts']}x"
+    if "pid" in row and row["worker"] == worker["index"]:
+        text += " (answered; the figures above are this worker's)"
+    return text
 
 
 async def profiles(registry: Registry, names: list[str], limit: int) -> list[tuple[str, str, str]]:

@@ -39,6 +39,10 @@ class Administered(Protocol):
     @property
     def instance_id(self) -> str: ...
     @property
+    def worker(self) -> int: ...
+    @property
+    def metrics_address(self) -> str: ...
+    @property
     def config(self) -> BaseModel: ...
     @property
     def counters(self) -> Counters: ...
@@ -71,6 +75,8 @@ class AdminServicer(admin_grpc.AdminServiceServicer):
             config_hash=config_hash(app),
             pid=os.getpid(),
             instance_id=app.instance_id,
+            worker=app.worker,
+            metrics_address=app.metrics_address,
             entrypoint=app.entrypoint,
             profiling=app.profiler.running,
             open_files_limit=open_files.limit(),

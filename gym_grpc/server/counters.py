@@ -5,6 +5,8 @@ not extend their token ids, by cause.
 
 Recording a call costs two clock reads and a few dict and array updates;
 percentiles are computed only when someone asks (AdminService.GetCounters).
+The same counts are what a server's Prometheus endpoint shows (see
+metrics.py): it reads them when scraped, so the calls are counted once.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import statistics
 import time
 from array import array
+from bisect import bisect_left
 from collections import Counter
 
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
@@ -19,6 +22,12 @@ from gym_grpc.v1 import task_pb2
 
 #: Recent values kept per method (and per stage) for percentiles.
 RECENT = 4096
+
+#: Upper bounds (seconds, inclusive) of the latency histogram of each method, for
+#: Prometheus: from a sub-millisecond admin call to a rollout of minutes.
+LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+)  # fmt: skip
 
 
 class _Recent:
@@ -47,6 +56,10 @@ class _Method:
         self.by_status: Counter[str] = Counter()
         self.in_flight = 0
         self.latency = _Recent()
+        #: Calls since start by latency bucket (not cumulative; the last is past every bound).
+        self.buckets = array("Q", bytes(8 * (len(LATENCY_BUCKETS) + 1)))
+        #: Their total duration in seconds.
+        self.seconds = 0.0
 
 
 class Counters:
@@ -74,6 +87,8 @@ class Counters:
         counters.in_flight -= 1
         counters.by_status[status] += 1
         counters.latency.add(seconds)
+        counters.buckets[bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        counters.seconds += seconds
         return seconds
 
     def rollout(self, timings: task_pb2.RolloutTimings) -> None:

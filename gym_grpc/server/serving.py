@@ -5,7 +5,8 @@ services it adds, and start/stop hooks. `serve()` puts one on a grpc.aio
 server with the health service, server reflection and our transport options,
 binds it (port 0 picks a free port, read back from the server), and
 `Running.stop()` shuts it down gracefully: health goes NOT_SERVING first, then
-in-flight calls get a grace period to finish.
+in-flight calls get a grace period to finish. With a `metrics_port` it also
+serves its Prometheus metrics over HTTP (metrics.py).
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from gym_grpc import errors
 from gym_grpc.errors import ConfigError
 from gym_grpc.rpc import protocol, transport
-from gym_grpc.rpc.registry import Registry
+from gym_grpc.rpc.registry import SERVER_ROLES, Registry
 from gym_grpc.rpc.security import Security
-from gym_grpc.server import health, open_files, reflection
+from gym_grpc.server import admin, health, metrics, open_files, reflection
 from gym_grpc.server.admin import ADMIN_SERVICE, AdminServicer
 from gym_grpc.server.counters import Counters
 from gym_grpc.server.health import HealthServicer
@@ -77,6 +78,10 @@ class GymServer:
         #: it: a resources server's sessions are pinned to it (SeedSessionResponse.replica).
         #: Empty for a single server.
         self.replica = ""
+        #: Index of this process among its server's workers (num_workers), from 0.
+        self.worker = 0
+        #: "host:port" of its Prometheus endpoint; empty while it serves none.
+        self.metrics_address = ""
 
     @classmethod
     def checked_config(cls, config: dict[str, Any] | None, name: str) -> ServerConfig:
@@ -318,13 +323,21 @@ class Running:
     """A server that is up: its bound port, and how to stop it."""
 
     def __init__(
-        self, server: grpc.aio.Server, app: GymServer, health_servicer: HealthServicer, host: str, port: int
+        self,
+        server: grpc.aio.Server,
+        app: GymServer,
+        health_servicer: HealthServicer,
+        host: str,
+        port: int,
+        metrics_endpoint: metrics.Endpoint | None = None,
     ) -> None:
         self.server = server
         self.app = app
         self.health = health_servicer
         self.host = host
         self.port = port
+        #: Its Prometheus endpoint, when it serves one.
+        self.metrics = metrics_endpoint
         self._stopped = False
 
     @property
@@ -341,6 +354,8 @@ class Running:
         await self.server.stop(grace)
         await self.app.stop()
         self.app.profiler.stop()
+        if self.metrics is not None:
+            await self.metrics.stop()
 
 
 async def serve(
@@ -350,11 +365,13 @@ async def serve(
     *,
     reuse_port: bool = False,
     security: Security | None = None,
+    metrics_port: int | None = None,
 ) -> Running:
     """Start `app` on host:port (0: any free port) and return once it serves.
 
     `reuse_port` lets several processes serve the same port (num_workers);
-    `security` adds TLS and the bearer token check."""
+    `security` adds TLS and the bearer token check; `metrics_port` serves its
+    Prometheus metrics over HTTP on that port of `host` (0: any free port)."""
     security = security or Security()
     server = grpc.aio.server(
         options=transport.server_options(reuse_port=reuse_port),
@@ -376,13 +393,19 @@ async def serve(
         bound = 0
     if bound == 0:
         raise OSError(f"server {app.name!r} could not bind {host}:{port} (in use?)")
+    endpoint = None
+    if metrics_port is not None:
+        labels = {"role": SERVER_ROLES.get(app.role, "?"), "worker": app.worker, "version": admin.VERSION}
+        endpoint = metrics.serve(app, host, metrics_port, labels)
+        app.metrics_address = endpoint.address
     app.profiler.start()
     await app.start()
     await server.start()
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("%s serving on %s:%d", app.name, host, bound)
-    return Running(server, app, health_servicer, host, bound)
+    serving_metrics = f", metrics on http://{endpoint.address}{metrics.PATH}" if endpoint else ""
+    log.info("%s serving on %s:%d%s", app.name, host, bound, serving_metrics)
+    return Running(server, app, health_servicer, host, bound, endpoint)
 
 
 async def serve_until_signalled(
@@ -395,9 +418,10 @@ async def serve_until_signalled(
     stop_event: asyncio.Event | None = None,
     reuse_port: bool = False,
     security: Security | None = None,
+    metrics_port: int | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT (or `stop_event`), then stop gracefully."""
-    running = await serve(app, host, port, reuse_port=reuse_port, security=security)
+    running = await serve(app, host, port, reuse_port=reuse_port, security=security, metrics_port=metrics_port)
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

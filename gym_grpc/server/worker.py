@@ -2,9 +2,10 @@
 
 The parent writes the server's spec as one JSON line on our stdin and keeps
 stdin open; when it closes (the parent exited, even by SIGKILL) we stop. Once
-serving, we write one JSON line on stdout: the bound port, role and the names
-of the servers we call; or {"error": ...} when we could not start. Logs go to
-stderr, prefixed with the server's name.
+serving, we write one JSON line on stdout: the bound port, role, the names
+of the servers we call, our pid and the port of our metrics endpoint (0 when
+off); or {"error": ...} when we could not start. Logs go to stderr, prefixed
+with the server's name.
 """
 
 from __future__ import annotations
@@ -57,7 +58,16 @@ async def _serve(app: GymServer, spec: dict[str, Any], security: Security) -> No
     loop.add_reader(0, on_stdin)
 
     def on_ready(running: Running) -> None:
-        _report({"port": running.port, "role": app.role, "references": app.references()})
+        endpoint = running.metrics
+        _report(
+            {
+                "port": running.port,
+                "role": app.role,
+                "references": app.references(),
+                "pid": os.getpid(),
+                "metrics_port": endpoint.port if endpoint else 0,
+            }
+        )
 
     await serve_until_signalled(
         app,
@@ -68,6 +78,7 @@ async def _serve(app: GymServer, spec: dict[str, Any], security: Security) -> No
         stop_event=stop,
         reuse_port=spec.get("reuse_port", False),
         security=security,
+        metrics_port=spec.get("metrics_port"),
     )
 
 
@@ -86,6 +97,7 @@ def main() -> None:
         cls = load_entrypoint(spec["entrypoint"])
         app = cls(spec["config"], name=name, registry=Registry(spec["registry"], security=security))
         app.entrypoint = spec["entrypoint"]
+        app.worker = spec.get("worker", 0)
         if spec.get("profiling_dir"):
             app.profiler = Profiler(spec["profiling_dir"], spec.get("log_name", name))
         event_loop.run(_serve(app, spec, security))

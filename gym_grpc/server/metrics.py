@@ -1,0 +1,147 @@
+"""A server's live metrics for Prometheus, on an HTTP port of its own (off by default).
+
+The counting is the server's `Counters` (counters.py), which AdminService.GetCounters
+reads too: the endpoint renders those counts when it is scraped and adds nothing to
+a call's path. Each worker process of a server serves its own endpoint (the kernel
+hands a worker its own connections, so no worker sees another's calls); the
+registry lists every worker's address (Replica.workers) and `gym-grpc status`
+shows them. Sum over the workers in the query, e.g.
+`sum by (server, method, code) (rate(gym_server_calls_total[1m]))`.
+
+The endpoint is prometheus_client's own HTTP server, in a thread of its own. A
+scrape copies each count without a lock (each copy is atomic under the GIL), so
+two families may be a call apart while calls run; a histogram's count is the sum
+of its buckets, always.
+
+    gym_server_info{server, role, worker, version}             1
+    gym_server_calls_total{server, method, code}               finished calls, by gRPC status code name
+    gym_server_call_duration_seconds{server, method}           histogram of their durations
+    gym_server_calls_in_flight{server, method}                 calls running now
+    gym_server_engine_retries_total{server, kind}              model servers: retried engine requests
+    gym_server_non_monotonic_histories_total{server, cause}    model servers: histories that broke token ids
+    process_*                                                  CPU, memory, open files of the process
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterator
+from typing import Any, Protocol
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from gym_grpc.server.counters import LATENCY_BUCKETS, Counters
+
+#: The path a scraper asks for (prometheus_client answers any path but /favicon.ico).
+PATH = "/metrics"
+
+_BOUNDS = [f"{bound:g}" for bound in LATENCY_BUCKETS] + ["+Inf"]
+
+
+class Measured(Protocol):
+    """What the endpoint reads from the server it reports on (a `GymServer`)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def counters(self) -> Counters: ...
+
+
+class CountersCollector(Collector):
+    """The metric families of one server, read from its counters at each scrape."""
+
+    def __init__(self, app: Measured, labels: dict[str, str]) -> None:
+        self.app = app
+        self.labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        server = self.app.name
+        counters = self.app.counters
+        info = InfoMetricFamily("gym_server", "What this process serves.")
+        info.add_metric([], {"server": server, **self.labels})
+        yield info
+        calls = CounterMetricFamily(
+            "gym_server_calls",
+            "Finished calls, by method and gRPC status code name.",
+            labels=["server", "method", "code"],
+        )
+        durations = HistogramMetricFamily(
+            "gym_server_call_duration_seconds",
+            "Durations of the finished calls, by method, in seconds.",
+            labels=["server", "method"],
+        )
+        in_flight = GaugeMetricFamily(
+            "gym_server_calls_in_flight", "Calls running now, by method.", labels=["server", "method"]
+        )
+        for method, state in list(counters.methods.items()):
+            for code, count in sorted(dict(state.by_status).items()):
+                calls.add_metric([server, method, code], count)
+            buckets = list(itertools.accumulate(state.buckets.tolist()))
+            durations.add_metric([server, method], list(zip(_BOUNDS, buckets, strict=True)), state.seconds)
+            in_flight.add_metric([server, method], state.in_flight)
+        yield from (calls, durations, in_flight)
+        yield _by_label(
+            "gym_server_engine_retries",
+            "Model servers: requests to engines retried, by failure class.",
+            server,
+            "kind",
+            dict(counters.retries),
+        )
+        yield _by_label(
+            "gym_server_non_monotonic_histories",
+            "Model servers: conversations whose history did not extend their token ids, by cause.",
+            server,
+            "cause",
+            dict(counters.histories),
+        )
+
+
+def _by_label(name: str, documentation: str, server: str, label: str, counts: dict[str, int]) -> Metric:
+    family = CounterMetricFamily(name, documentation, labels=["server", label])
+    for value, count in sorted(counts.items()):
+        family.add_metric([server, value], count)
+    return family
+
+
+class Endpoint:
+    """A running metrics endpoint: its address, and how to stop it."""
+
+    def __init__(self, httpd: WSGIServer, host: str) -> None:
+        self._httpd = httpd
+        self.host = host
+        self.port: int = httpd.server_port
+
+    @property
+    def address(self) -> str:
+        """ "host:port", as GetServerInfoResponse.metrics_address says it."""
+        return f"{self.host}:{self.port}"
+
+    async def stop(self) -> None:
+        # shutdown() waits for the serving thread's next poll (up to 0.5 s): not on the event loop.
+        await asyncio.to_thread(self._httpd.shutdown)
+        self._httpd.server_close()
+
+
+def serve(app: Measured, host: str, port: int, labels: dict[str, Any]) -> Endpoint:
+    """Serve `app`'s metrics on host:port (0: a free port); OSError naming `metrics_port` when
+    that port cannot be bound. `labels` go on gym_server_info (role, worker, version)."""
+    registry = CollectorRegistry()
+    registry.register(CountersCollector(app, {k: str(v) for k, v in labels.items()}))
+    ProcessCollector(registry=registry)
+    try:
+        httpd, _ = start_http_server(port, addr=host, registry=registry)
+    except OSError as e:
+        raise OSError(
+            f"server {app.name!r} could not serve its metrics on {host}:{port} (metrics_port): {e.strerror or e}"
+        ) from None
+    return Endpoint(httpd, host)
