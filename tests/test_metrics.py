@@ -128,6 +128,20 @@ async def test_a_metrics_port_in_use_is_an_error_that_names_metrics_port():
             await serve(GatedModel(), "127.0.0.1", 0, metrics_port=port)
 
 
+class FailingStart(GatedModel):
+    async def start(self) -> None:
+        raise RuntimeError("no engine")
+
+
+async def test_a_server_that_cannot_start_frees_its_metrics_port():
+    app = FailingStart()
+    with pytest.raises(RuntimeError, match="no engine"):
+        await serve(app, "127.0.0.1", 0, metrics_port=0)
+    port = int(app.metrics_address.rsplit(":", 1)[1])
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", port))  # OSError (in use) if the endpoint were still up
+
+
 async def test_a_server_without_metrics_port_serves_no_metrics():
     running = await serve(GatedModel(), "127.0.0.1", 0)
     try:

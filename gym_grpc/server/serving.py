@@ -399,8 +399,13 @@ async def serve(
         endpoint = metrics.serve(app, host, metrics_port, labels)
         app.metrics_address = endpoint.address
     app.profiler.start()
-    await app.start()
-    await server.start()
+    try:
+        await app.start()
+        await server.start()
+    except BaseException:
+        if endpoint is not None:  # its thread would outlive a server that never served
+            await endpoint.stop()
+        raise
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     serving_metrics = f", metrics on http://{endpoint.address}{metrics.PATH}" if endpoint else ""
