@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 from pydantic import Field
 
-from gym_grpc import errors
+from gym_grpc import errors, policy_version
 from gym_grpc.client.stubs import ModelClient, ResourcesClient, ToolResult
 from gym_grpc.data import jsonl, record, rows
 from gym_grpc.responses import function_calls, input_items, new_id, tool_error_output
@@ -99,7 +99,14 @@ class _AgentServicer(agent_grpc.AgentServiceServicer):
         self, request: agent_pb.RunRequest | agent_pb.RunStreamRequest, events: RolloutEvents
     ) -> task_pb2.Rollout:
         validation.check_task(request.task, "task")
-        rollout = await self.app.run(request.task, events, verify=not request.skip_verification)
+        asked = request.policy_version if request.HasField("policy_version") else None
+        token = policy_version.requested.set(asked)  # every model call of the rollout carries it
+        try:
+            rollout = await self.app.run(request.task, events, verify=not request.skip_verification)
+        finally:
+            policy_version.requested.reset(token)
+        if asked is not None:
+            rollout.policy_version = asked
         self.app.counters.rollout(rollout.timings)
         return rollout
 

@@ -32,7 +32,7 @@ from gym_grpc.cli.datasets import MODE_SPELLINGS, MODES, DataError, Dataset, pre
 from gym_grpc.cli.ray_runner import RayRunner
 from gym_grpc.cli.ray_runner import describe as describe_ray
 from gym_grpc.cli.runner import Runner, StartupError, describe
-from gym_grpc.client.stubs import AdminClient
+from gym_grpc.client.stubs import AdminClient, ModelClient
 from gym_grpc.data.jsonl import count_rows, failures_path
 from gym_grpc.data.rows import task_from_row
 from gym_grpc.report import export, plots, stats
@@ -621,11 +621,45 @@ def report_command(
     show_default=True,
     help="GRPO's (reward - group mean) / group std, or without the division (Dr. GRPO).",
 )
-def samples_command(path: Path, output: Path, layout: training.Layout, non_monotonic: str, advantage: str) -> None:
+@click.option(
+    "--current-version",
+    type=click.IntRange(min=0),
+    help="The trainer's policy version now: each sample's lag is counted from it.",
+)
+@click.option(
+    "--max-lag",
+    type=click.IntRange(min=0),
+    help="With --current-version: a sample whose oldest turn is further behind is stale.",
+)
+@click.option(
+    "--stale",
+    type=click.Choice(["mask", "drop"]),
+    default="mask",
+    show_default=True,
+    help="A stale sample: kept with no loss, or left out.",
+)
+def samples_command(
+    path: Path,
+    output: Path,
+    layout: training.Layout,
+    non_monotonic: str,
+    advantage: str,
+    current_version: int | None,
+    max_lag: int | None,
+    stale: str,
+) -> None:
     """Training samples from a rollouts file: per rollout one token sequence with its loss mask and log-probs,
     GRPO advantages per task, failed rollouts (from the failures sidecar) as masked members of their group."""
+    if max_lag is not None and current_version is None:
+        raise click.UsageError("--max-lag needs --current-version (the version the lag is counted from)")
     try:
-        samples, stats = training.build(training.read_rollouts(path), non_monotonic=non_monotonic)  # type: ignore[arg-type]
+        samples, stats = training.build(
+            training.read_rollouts(path),
+            non_monotonic=non_monotonic,  # type: ignore[arg-type]
+            current_version=current_version,
+            max_lag=max_lag,
+            stale=stale,  # type: ignore[arg-type]
+        )
         groups = training.assign_advantages(samples, scale=advantage)  # type: ignore[arg-type]
         training.write(samples, layout, output)
     except (training.NonMonotonic, ValueError, errors.ConfigError) as e:
@@ -633,6 +667,25 @@ def samples_command(path: Path, output: Path, layout: training.Layout, non_monot
     flat = sum(1 for group in groups if group.rollouts > group.failed and group.std == 0)
     click.echo(stats.line(), err=True)
     click.echo(f"{len(groups):,} groups, {flat:,} of them with one reward for all (advantage 0) -> {output}", err=True)
+
+
+@main.command("set-policy-version")
+@click.argument("model_server", metavar="MODEL_SERVER")
+@click.argument("version", type=click.IntRange(min=0, max=2**32 - 1))
+@_registry_option
+@_security_options
+def set_policy_version_command(model_server: str, version: int, registry: str, security: Security) -> None:
+    """Tell MODEL_SERVER (every replica and worker) that its engine now serves policy VERSION: the turns
+    it generates from now on are stamped with it (for async training; see docs/training.md)."""
+
+    async def tell(reg: Registry) -> None:
+        await ModelClient(reg, model_server).set_policy_version(version)
+
+    try:
+        asyncio.run(_with_registry(registry, model_server, tell, security))
+    except errors.GymError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"{model_server} serves policy version {version}", err=True)
 
 
 @main.command("status")

@@ -19,9 +19,11 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import grpc
@@ -30,6 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gym_grpc import errors
 from gym_grpc.cli.config import ConfigError, GymConfig, ServerSpec
 from gym_grpc.cli.server_log import ServerLog
+from gym_grpc.policy_version import ServedVersion
 from gym_grpc.rpc import transport
 from gym_grpc.rpc.registry import REGISTRY_SERVICE, SERVER_ROLES, RegistryServicer, closest
 from gym_grpc.rpc.security import Security
@@ -90,6 +93,8 @@ class ServerProcesses:
     processes: list[asyncio.subprocess.Process] = field(default_factory=list)
     info: reg.ServerInfo = field(default_factory=reg.ServerInfo)
     log: ServerLog = field(default_factory=ServerLog)
+    #: The file its workers share the served policy version through (several workers only).
+    policy_version_file: Path | None = None
 
 
 class Started(Protocol):
@@ -176,10 +181,13 @@ class Runner(RegistryHost):
     """Starts, lists and stops the servers of one configuration."""
 
     servers: dict[str, ServerProcesses]
+    _shared: tempfile.TemporaryDirectory[str] | None = None
 
     async def start(self) -> None:
         """Start the registry and every server; return once all are healthy."""
         await self._serve_registry(self.config.registry.host)
+        # State the worker processes of one server share (the policy version a model server serves).
+        self._shared = tempfile.TemporaryDirectory(prefix="gym-grpc-run-")
         self.servers = {name: ServerProcesses(name, spec) for name, spec in self.config.servers.items()}
         await self._within_startup_timeout(self._start_servers())
 
@@ -196,6 +204,10 @@ class Runner(RegistryHost):
 
     async def _start_workers(self, server: ServerProcesses) -> None:
         spec = server.spec
+        if spec.num_workers > 1:
+            assert self._shared is not None
+            server.policy_version_file = Path(self._shared.name) / f"{server.name}.policy_version"
+            ServedVersion.create_file(server.policy_version_file)
         report = await self._ready(server, await self._spawn(server, spec.port, 0))
         others = [await self._spawn(server, report["port"], i) for i in range(1, spec.num_workers)]
         reports = [report, *await asyncio.gather(*(self._ready(server, process) for process in others))]
@@ -246,6 +258,7 @@ class Runner(RegistryHost):
             "profiling_dir": self.config.profiling_results_dirpath if self.config.profiling_enabled else None,
             "security": self.config.security.model_dump(),
             "log_name": server.name if spec.num_workers == 1 else f"{server.name}.worker{worker}",
+            "policy_version_file": str(server.policy_version_file) if server.policy_version_file else None,
         }
         assert process.stdin is not None
         process.stdin.write((json.dumps(message) + "\n").encode())
@@ -364,6 +377,8 @@ class Runner(RegistryHost):
             _kill_group(process)
             if process.stdin is not None:
                 process.stdin.close()
+        if self._shared is not None:
+            self._shared.cleanup()
         await self._stop_registry()
 
 

@@ -19,6 +19,7 @@ import grpc
 from google.protobuf import struct_pb2
 
 from gym_grpc import errors
+from gym_grpc.policy_version import requested as requested_version
 from gym_grpc.rpc import protocol, transport
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
@@ -177,9 +178,21 @@ class ModelClient(_Client):
         return await self.send(model_pb.CreateResponseRequest(params=params, session_id=session_id))
 
     async def send(self, request: model_pb.CreateResponseRequest) -> r.Response:
-        """CreateResponse with a request the caller keeps (an agent grows one conversation in place)."""
+        """CreateResponse with a request the caller keeps (an agent grows one conversation in place).
+        Called in a rollout that was asked under a policy version, the request carries it."""
+        asked = requested_version.get()
+        if asked is not None:
+            request.policy_version = asked
         reply = await self._call("CreateResponse", request)
         return reply.response
+
+    async def set_policy_version(self, version: int) -> None:
+        """Tell every replica of the model server that its engine now serves `version` (after a
+        weight update): the turns they generate from now on are stamped with it."""
+        info = await self.registry.info(self.name)
+        request = model_pb.SetPolicyVersionRequest(version=version)
+        for address in info.addresses:
+            await self._call("SetPolicyVersion", request, connection=self.registry.replica(address))
 
 
 @dataclass(frozen=True)
@@ -260,22 +273,33 @@ class AgentClient(_Client):
     _kind = "agent"
 
     async def run(
-        self, task: task_pb2.Task, timeout: float | None = None, *, skip_verification: bool = False
+        self,
+        task: task_pb2.Task,
+        timeout: float | None = None,
+        *,
+        skip_verification: bool = False,
+        policy_version: int | None = None,
     ) -> task_pb2.Rollout:
+        """One rollout; `policy_version`: the version the trainer asks it under (see policy_version.py)."""
         await self.check_protocol()
-        request = agent_pb.RunRequest(task=task, skip_verification=skip_verification)
+        request = agent_pb.RunRequest(task=task, skip_verification=skip_verification, policy_version=policy_version)
         reply = await self._call("Run", request, timeout)
         return reply.rollout
 
     async def run_stream(
-        self, task: task_pb2.Task, timeout: float | None = None, *, skip_verification: bool = False
+        self,
+        task: task_pb2.Task,
+        timeout: float | None = None,
+        *,
+        skip_verification: bool = False,
+        policy_version: int | None = None,
     ) -> AsyncIterator[agent_pb.RunStreamResponse]:
         """The events of one rollout as they happen; the last one holds the rollout."""
         await self.check_protocol()
         stub, connection = await self._peer()
         wait = connection.wait
         call = stub.RunStream(
-            agent_pb.RunStreamRequest(task=task, skip_verification=skip_verification),
+            agent_pb.RunStreamRequest(task=task, skip_verification=skip_verification, policy_version=policy_version),
             timeout=transport.timeout_for(timeout if timeout is not None else self.timeout),
             wait_for_ready=wait,
         )

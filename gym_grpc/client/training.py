@@ -30,7 +30,7 @@ from types import TracebackType
 from typing import Any
 
 from gym_grpc import errors
-from gym_grpc.client.stubs import AgentClient
+from gym_grpc.client.stubs import AgentClient, ModelClient
 from gym_grpc.data import record, rows
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.rpc.security import Security
@@ -131,6 +131,8 @@ class TokenTurn:
     prompt_token_ids: list[int]
     generation_token_ids: list[int]
     generation_log_probs: list[float]
+    #: The policy version that generated the turn (see GymClient.weights_updated), None without one.
+    policy_version: int | None = None
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,7 @@ class RolloutResult:
                         list(inner.prompt_token_ids),
                         list(inner.generation_token_ids),
                         list(inner.generation_log_probs),
+                        inner.policy_version if inner.HasField("policy_version") else None,
                     )
                 )
         return found
@@ -193,12 +196,23 @@ class GymClient:
         *,
         timeout: float = 3600.0,
         security: Security | None = None,
+        policy_version: int | None = None,
     ) -> None:
         self._registry = registry if isinstance(registry, Registry) else Registry(registry, security=security)
         self._owns_registry = not isinstance(registry, Registry)
         self._agent = AgentClient(self._registry, agent)
         self.timeout = timeout
+        #: The version every rollout is asked under (None: none); `weights_updated` moves it.
+        self.policy_version = policy_version
         _LIMIT.limit  # noqa: B018 - the limit is set (and logged) when the first client starts
+
+    async def weights_updated(self, version: int, *model_servers: str) -> None:
+        """After a weight update: ask later rollouts under `version`, and tell `model_servers` (every
+        replica and worker of each) that their engines serve it, so turns they generate from now
+        on, in rollouts already running too, are stamped with it."""
+        self.policy_version = version
+        for name in model_servers:
+            await ModelClient(self._registry, name).set_policy_version(version)
 
     async def run(self, task: task_pb2.Task | dict[str, Any]) -> RolloutResult:
         """One rollout of a task (a Task, or a row such as a line of a tasks JSONL). A failed
@@ -208,7 +222,7 @@ class GymClient:
             task = rows.task_from_row(task)
         await _LIMIT.acquire()
         try:
-            return RolloutResult(await self._agent.run(task, timeout=self.timeout))
+            return RolloutResult(await self._agent.run(task, timeout=self.timeout, policy_version=self.policy_version))
         except errors.IncompatibleServer:
             raise  # the setup is wrong, not this rollout
         except errors.GymError as e:

@@ -67,6 +67,8 @@ def build(task_row: JSON, rollout: task_pb2.Rollout, placeholder_reward: float =
         "verify": t.verify_seconds,
         "total": t.total_seconds,
     }
+    if rollout.HasField("policy_version"):
+        row["policy_version"] = rollout.policy_version
     row["finished_at"] = time.time()  # for throughput over time (`gym-grpc report`)
     return row
 
@@ -116,6 +118,7 @@ ROLLOUT_FIELDS = frozenset(
         "model_calls",
         "timings",
         "finished_at",
+        "policy_version",
         *KEY,
         *NEMO_KEY,
     }

@@ -439,6 +439,7 @@ _TOKENS = [
     _f("prompt_token_ids", ("ids",)),
     _f("generation_token_ids", ("ids",)),
     _f("generation_log_probs", ("floats",)),
+    _f("policy_version", "count"),
 ]
 _STATUS = _f("status", ("enum", ITEM_STATUSES))
 
@@ -503,7 +504,7 @@ _ITEM_SPECS: dict[str, list[Spec]] = {
     "custom_tool_call_output": _CUSTOM_TOOL_CALL_OUTPUT,
     "mcp_call": _MCP_CALL,
 }
-_TOKEN_KEYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+_TOKEN_KEYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs", "policy_version")
 _ITEM_SPECS_NO_TOKENS = {kind: [s for s in specs if s[0] not in _TOKEN_KEYS] for kind, specs in _ITEM_SPECS.items()}
 
 

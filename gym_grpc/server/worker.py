@@ -18,6 +18,8 @@ import sys
 from typing import Any, TextIO
 
 from gym_grpc.errors import ConfigError
+from gym_grpc.model import ModelServer
+from gym_grpc.policy_version import ServedVersion
 from gym_grpc.rpc import event_loop
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.rpc.security import Security
@@ -98,6 +100,8 @@ def main() -> None:
         app = cls(spec["config"], name=name, registry=Registry(spec["registry"], security=security))
         app.entrypoint = spec["entrypoint"]
         app.worker = spec.get("worker", 0)
+        if spec.get("policy_version_file") and isinstance(app, ModelServer):
+            app.served_version = ServedVersion(spec["policy_version_file"])  # one for all the server's workers
         if spec.get("profiling_dir"):
             app.profiler = Profiler(spec["profiling_dir"], spec.get("log_name", name))
         event_loop.run(_serve(app, spec, security))

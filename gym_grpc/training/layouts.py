@@ -11,8 +11,9 @@
   `content` "" and `token_ids`; then `reward`, `advantage`,
   `loss_multiplier`, `idx` (the task) and `task_name` (the agent).
 
-Every row also carries `agent`, `task_index`, `repeat_index` and `part`,
-and a failed rollout's row its `failure`. Parquet needs pyarrow
+Every row also carries `agent`, `task_index`, `repeat_index`, `part`,
+`policy_version` (the oldest turn's) and `lag`, and a failed rollout's row
+its `failure`. Parquet needs pyarrow
 (`pip install 'gym-grpc[training]'`).
 """
 
@@ -37,6 +38,8 @@ def _key(sample: Sample) -> dict[str, Any]:
         "repeat_index": sample.repeat_index,
         "part": sample.part,
         "failure": sample.failure,
+        "policy_version": sample.policy_version,
+        "lag": sample.lag,
     }
 
 
@@ -112,6 +115,8 @@ def write_parquet(samples: Sequence[Sample], layout: Layout, path: Path) -> None
         ("repeat_index", pa.int64()),
         ("part", pa.int32()),
         ("failure", pa.string()),
+        ("policy_version", pa.int64()),
+        ("lag", pa.int64()),
     ]
     ids, probs = pa.list_(pa.int64()), pa.list_(pa.float64())
     if layout == "verl":

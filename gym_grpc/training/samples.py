@@ -17,6 +17,10 @@ naming the turn and the position where the ids part).
 A failed rollout (the client's failure, or a record of the collector's
 failures sidecar) is a masked member of its group: a sample with no ids,
 `loss_multiplier` 0, and no reward. It is never a reward-0 sample.
+
+For async training each turn carries the policy version that generated it
+(gym_grpc/policy_version.py); a sample's `policy_version` is its oldest
+turn's, and `build` can mask or drop samples too many versions behind.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from gym_grpc.client.training import RolloutResult, TokenTurn
 from gym_grpc.data import jsonl, record
 
 NonMonotonicPolicy = Literal["split", "refuse"]
+StalePolicy = Literal["mask", "drop"]
 #: The agent of a rollout that names none.
 NO_AGENT = "(no agent)"
 
@@ -64,11 +69,13 @@ class TrainingRollout:
         turns = []
         for item in (row.get("response") or {}).get("output") or []:
             if isinstance(item, dict) and item.get("generation_token_ids"):
+                version = item.get("policy_version")
                 turns.append(
                     TokenTurn(
                         list(item.get("prompt_token_ids") or []),
                         list(item["generation_token_ids"]),
                         list(item.get("generation_log_probs") or []),
+                        version if isinstance(version, int) and not isinstance(version, bool) else None,
                     )
                 )
         return cls(
@@ -113,11 +120,17 @@ class Sample:
     failure: str | None = None
     #: Set by `groups.assign_advantages`.
     advantage: float = 0.0
+    #: The oldest policy version among its turns (None when they carry none).
+    policy_version: int | None = None
+    #: How many versions behind the trainer's current one that is (`build(current_version=...)`).
+    lag: int | None = None
+    #: More than `max_lag` behind: no loss (`stale="mask"`).
+    stale: bool = False
 
     @property
     def loss_multiplier(self) -> float:
-        """0 for a sample without a reward (a failed rollout, or one not verified yet): mask it out."""
-        return 0.0 if self.failure is not None or self.reward is None else 1.0
+        """0 for a sample without a reward (a failed rollout, or one not verified yet) or a stale one."""
+        return 0.0 if self.failure is not None or self.reward is None or self.stale else 1.0
 
     @property
     def group(self) -> str:
@@ -137,11 +150,14 @@ class SampleStats:
     non_monotonic_turns: int = 0
     #: Rollouts without token ids (an engine that returns none): no sample.
     without_ids: int = 0
+    #: Samples more than `max_lag` versions behind: masked, or left out (`stale="drop"`).
+    stale: int = 0
 
     def line(self) -> str:
         return (
             f"{self.rollouts:,} rollouts -> {self.samples:,} samples ({self.failed:,} failed rollouts masked, "
-            f"{self.non_monotonic_turns:,} non-monotonic turns, {self.without_ids:,} rollouts without token ids)"
+            f"{self.non_monotonic_turns:,} non-monotonic turns, {self.without_ids:,} rollouts without token ids, "
+            f"{self.stale:,} stale samples)"
         )
 
 
@@ -199,17 +215,41 @@ def samples_of(
         current.response_mask += [1] * len(turn.generation_token_ids)
         current.response_log_probs += turn.generation_log_probs
         current.num_turns += 1
+        if turn.policy_version is not None:
+            old = current.policy_version
+            current.policy_version = turn.policy_version if old is None else min(old, turn.policy_version)
         seen += turn.generation_token_ids
     stats.samples += len(samples)
     return samples
 
 
 def build(
-    rollouts: Iterable[TrainingRollout], non_monotonic: NonMonotonicPolicy = "split"
+    rollouts: Iterable[TrainingRollout],
+    non_monotonic: NonMonotonicPolicy = "split",
+    *,
+    current_version: int | None = None,
+    max_lag: int | None = None,
+    stale: StalePolicy = "mask",
 ) -> tuple[list[Sample], SampleStats]:
-    """The samples of every rollout, and what building them met."""
+    """The samples of every rollout, and what building them met.
+
+    With `current_version` (the trainer's policy version now), each sample's `lag` is how many
+    versions its oldest turn is behind; with `max_lag` too, a sample further behind is stale:
+    masked (`loss_multiplier` 0, kept in its group) or, with `stale="drop"`, left out. A sample
+    whose turns carry no version is never stale."""
     stats = SampleStats()
-    samples = [sample for rollout in rollouts for sample in samples_of(rollout, non_monotonic, stats)]
+    samples = []
+    for rollout in rollouts:
+        for sample in samples_of(rollout, non_monotonic, stats):
+            if current_version is not None and sample.policy_version is not None:
+                sample.lag = current_version - sample.policy_version
+                sample.stale = max_lag is not None and sample.lag > max_lag
+                if sample.stale:
+                    stats.stale += 1
+                    if stale == "drop":
+                        stats.samples -= 1
+                        continue
+            samples.append(sample)
     return samples, stats
 
 

@@ -34,9 +34,15 @@ class RunRequest(_message.Message):
 
     TASK_FIELD_NUMBER: _builtins.int
     SKIP_VERIFICATION_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
     skip_verification: _builtins.bool
     """Do not verify: the rollout comes back with reward 0 and
     verification_skipped set, to be scored later (ResourcesService.Verify).
+    """
+    policy_version: _builtins.int
+    """The policy version the trainer asks this rollout under: sent with every
+    model call (CreateResponseRequest.policy_version) and echoed on the
+    rollout (Rollout.policy_version). Unset: no version.
     """
     @_builtins.property
     def task(self) -> _task_pb2.Task:
@@ -47,12 +53,15 @@ class RunRequest(_message.Message):
         *,
         task: _task_pb2.Task | None = ...,
         skip_verification: _builtins.bool = ...,
+        policy_version: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "policy_version", b"policy_version", "task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["skip_verification", b"skip_verification", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "policy_version", b"policy_version", "skip_verification", b"skip_verification", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__policy_version: _TypeAlias = _typing.Literal["policy_version"]  # noqa: Y015
+    _WhichOneofArgType__policy_version: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__policy_version) -> _WhichOneofReturnType__policy_version | None: ...
 
 Global___RunRequest: _TypeAlias = RunRequest  # noqa: Y015
 
@@ -88,8 +97,11 @@ class RunStreamRequest(_message.Message):
 
     TASK_FIELD_NUMBER: _builtins.int
     SKIP_VERIFICATION_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
     skip_verification: _builtins.bool
     """Do not verify; see RunRequest.skip_verification."""
+    policy_version: _builtins.int
+    """See RunRequest.policy_version."""
     @_builtins.property
     def task(self) -> _task_pb2.Task:
         """The task to roll out."""
@@ -99,12 +111,15 @@ class RunStreamRequest(_message.Message):
         *,
         task: _task_pb2.Task | None = ...,
         skip_verification: _builtins.bool = ...,
+        policy_version: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "policy_version", b"policy_version", "task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["skip_verification", b"skip_verification", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "policy_version", b"policy_version", "skip_verification", b"skip_verification", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__policy_version: _TypeAlias = _typing.Literal["policy_version"]  # noqa: Y015
+    _WhichOneofArgType__policy_version: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__policy_version) -> _WhichOneofReturnType__policy_version | None: ...
 
 Global___RunStreamRequest: _TypeAlias = RunStreamRequest  # noqa: Y015
 
@@ -116,23 +131,29 @@ class RunJsonRequest(_message.Message):
 
     ROW_JSON_FIELD_NUMBER: _builtins.int
     SKIP_VERIFICATION_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
     row_json: _builtins.str
     """One task row as a JSON object in text:
     {"responses_create_params": {"input": ...}, "expected_answer": ..., ...}.
     """
     skip_verification: _builtins.bool
     """Do not verify; see RunRequest.skip_verification."""
+    policy_version: _builtins.int
+    """See RunRequest.policy_version."""
     def __init__(
         self,
         *,
         row_json: _builtins.str = ...,
         skip_verification: _builtins.bool = ...,
+        policy_version: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "policy_version", b"policy_version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["row_json", b"row_json", "skip_verification", b"skip_verification"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "policy_version", b"policy_version", "row_json", b"row_json", "skip_verification", b"skip_verification"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__policy_version: _TypeAlias = _typing.Literal["policy_version"]  # noqa: Y015
+    _WhichOneofArgType__policy_version: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__policy_version) -> _WhichOneofReturnType__policy_version | None: ...
 
 Global___RunJsonRequest: _TypeAlias = RunJsonRequest  # noqa: Y015
 

@@ -25,9 +25,15 @@ class CreateResponseRequest(_message.Message):
 
     PARAMS_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """Id of the rollout this call belongs to, so that a model server can keep
     one rollout on one engine. Empty when the call is not part of a rollout.
+    """
+    policy_version: _builtins.int
+    """The policy version the rollout was asked under (RunRequest.policy_version).
+    The turn is stamped with the version the server was told by
+    SetPolicyVersion when it was told one, else with this.
     """
     @_builtins.property
     def params(self) -> _responses_pb2.CreateParams:
@@ -38,12 +44,15 @@ class CreateResponseRequest(_message.Message):
         *,
         params: _responses_pb2.CreateParams | None = ...,
         session_id: _builtins.str = ...,
+        policy_version: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["params", b"params"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "params", b"params", "policy_version", b"policy_version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["params", b"params", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "params", b"params", "policy_version", b"policy_version", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__policy_version: _TypeAlias = _typing.Literal["policy_version"]  # noqa: Y015
+    _WhichOneofArgType__policy_version: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__policy_version) -> _WhichOneofReturnType__policy_version | None: ...
 
 Global___CreateResponseRequest: _TypeAlias = CreateResponseRequest  # noqa: Y015
 
@@ -70,3 +79,52 @@ class CreateResponseResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CreateResponseResponse: _TypeAlias = CreateResponseResponse  # noqa: Y015
+
+@_typing.final
+class SetPolicyVersionRequest(_message.Message):
+    """Request of ModelService.SetPolicyVersion."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    version: _builtins.int
+    """The version of the weights the engine serves from now on, as the
+    trainer counts them (its optimizer steps, say). Any value is taken, a
+    lower one too (a trainer that restarted from a checkpoint).
+    """
+    def __init__(
+        self,
+        *,
+        version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetPolicyVersionRequest: _TypeAlias = SetPolicyVersionRequest  # noqa: Y015
+
+@_typing.final
+class SetPolicyVersionResponse(_message.Message):
+    """Response of ModelService.SetPolicyVersion."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PREVIOUS_FIELD_NUMBER: _builtins.int
+    previous: _builtins.int
+    """The version the server knew before; unset when it had been told none."""
+    def __init__(
+        self,
+        *,
+        previous: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_previous", b"_previous", "previous", b"previous"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_previous", b"_previous", "previous", b"previous"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__previous: _TypeAlias = _typing.Literal["previous"]  # noqa: Y015
+    _WhichOneofArgType__previous: _TypeAlias = _typing.Literal["_previous", b"_previous"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__previous) -> _WhichOneofReturnType__previous | None: ...
+
+Global___SetPolicyVersionResponse: _TypeAlias = SetPolicyVersionResponse  # noqa: Y015

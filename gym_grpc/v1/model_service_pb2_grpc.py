@@ -40,6 +40,11 @@ class ModelServiceStub:
                 request_serializer=gym_dot_v1_dot_model__service__pb2.CreateResponseRequest.SerializeToString,
                 response_deserializer=gym_dot_v1_dot_model__service__pb2.CreateResponseResponse.FromString,
                 _registered_method=True)
+        self.SetPolicyVersion = channel.unary_unary(
+                '/gym.v1.ModelService/SetPolicyVersion',
+                request_serializer=gym_dot_v1_dot_model__service__pb2.SetPolicyVersionRequest.SerializeToString,
+                response_deserializer=gym_dot_v1_dot_model__service__pb2.SetPolicyVersionResponse.FromString,
+                _registered_method=True)
 
 
 class ModelServiceServicer:
@@ -53,6 +58,17 @@ class ModelServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetPolicyVersion(self, request, context):
+        """Tell the model server which policy version its engine now serves: a
+        trainer calls it after each weight update, and every turn generated
+        after it is stamped with that version (the items' policy_version).
+        Every worker process of the server takes it; with several replicas,
+        call each (gym_grpc's ModelClient.set_policy_version does).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -60,6 +76,11 @@ def add_ModelServiceServicer_to_server(servicer, server):
                     servicer.CreateResponse,
                     request_deserializer=gym_dot_v1_dot_model__service__pb2.CreateResponseRequest.FromString,
                     response_serializer=gym_dot_v1_dot_model__service__pb2.CreateResponseResponse.SerializeToString,
+            ),
+            'SetPolicyVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPolicyVersion,
+                    request_deserializer=gym_dot_v1_dot_model__service__pb2.SetPolicyVersionRequest.FromString,
+                    response_serializer=gym_dot_v1_dot_model__service__pb2.SetPolicyVersionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -90,6 +111,33 @@ class ModelService:
             '/gym.v1.ModelService/CreateResponse',
             gym_dot_v1_dot_model__service__pb2.CreateResponseRequest.SerializeToString,
             gym_dot_v1_dot_model__service__pb2.CreateResponseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetPolicyVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gym.v1.ModelService/SetPolicyVersion',
+            gym_dot_v1_dot_model__service__pb2.SetPolicyVersionRequest.SerializeToString,
+            gym_dot_v1_dot_model__service__pb2.SetPolicyVersionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -35,6 +35,13 @@ class ModelServiceStub:
     def __new__(cls, channel: _aio.Channel) -> ModelServiceAsyncStub: ...
     CreateResponse: _grpc.UnaryUnaryMultiCallable[_model_service_pb2.CreateResponseRequest, _model_service_pb2.CreateResponseResponse]
     """Generate one response (one model call) for the given parameters."""
+    SetPolicyVersion: _grpc.UnaryUnaryMultiCallable[_model_service_pb2.SetPolicyVersionRequest, _model_service_pb2.SetPolicyVersionResponse]
+    """Tell the model server which policy version its engine now serves: a
+    trainer calls it after each weight update, and every turn generated
+    after it is stamped with that version (the items' policy_version).
+    Every worker process of the server takes it; with several replicas,
+    call each (gym_grpc's ModelClient.set_policy_version does).
+    """
 
 @_typing.type_check_only
 class ModelServiceAsyncStub(ModelServiceStub):
@@ -43,6 +50,13 @@ class ModelServiceAsyncStub(ModelServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     CreateResponse: _aio.UnaryUnaryMultiCallable[_model_service_pb2.CreateResponseRequest, _model_service_pb2.CreateResponseResponse]  # type: ignore[assignment]
     """Generate one response (one model call) for the given parameters."""
+    SetPolicyVersion: _aio.UnaryUnaryMultiCallable[_model_service_pb2.SetPolicyVersionRequest, _model_service_pb2.SetPolicyVersionResponse]  # type: ignore[assignment]
+    """Tell the model server which policy version its engine now serves: a
+    trainer calls it after each weight update, and every turn generated
+    after it is stamped with that version (the items' policy_version).
+    Every worker process of the server takes it; with several replicas,
+    call each (gym_grpc's ModelClient.set_policy_version does).
+    """
 
 class ModelServiceServicer(metaclass=_abc_1.ABCMeta):
     """A model server: turns a conversation into the model's next response."""
@@ -54,5 +68,18 @@ class ModelServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_model_service_pb2.CreateResponseResponse, _abc.Awaitable[_model_service_pb2.CreateResponseResponse]]:
         """Generate one response (one model call) for the given parameters."""
+
+    @_abc_1.abstractmethod
+    def SetPolicyVersion(
+        self,
+        request: _model_service_pb2.SetPolicyVersionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_model_service_pb2.SetPolicyVersionResponse, _abc.Awaitable[_model_service_pb2.SetPolicyVersionResponse]]:
+        """Tell the model server which policy version its engine now serves: a
+        trainer calls it after each weight update, and every turn generated
+        after it is stamped with that version (the items' policy_version).
+        Every worker process of the server takes it; with several replicas,
+        call each (gym_grpc's ModelClient.set_policy_version does).
+        """
 
 def add_ModelServiceServicer_to_server(servicer: ModelServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

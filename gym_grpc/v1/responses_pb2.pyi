@@ -618,6 +618,7 @@ class Message(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     GENERATION_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     GENERATION_LOG_PROBS_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Item id such as "msg_123"; empty when not set."""
     role: Global___Role.ValueType
@@ -628,6 +629,12 @@ class Message(_message.Message):
     """Lifecycle state; usually set on output, unset on input."""
     extra_json: _builtins.str
     """Keys not held above, as a JSON object (see the file comment)."""
+    policy_version: _builtins.int
+    """Training field: the policy version that generated this turn, as the
+    model server knew it (ModelService.SetPolicyVersion, else the version the
+    rollout was asked under). Set on the last item of a turn; unset when no
+    version was given.
+    """
     @_builtins.property
     def parts(self) -> Global___ContentList:
         """Content given as a list of typed parts."""
@@ -662,13 +669,19 @@ class Message(_message.Message):
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         generation_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         generation_log_probs: _abc.Iterable[_builtins.float] | None = ...,
+        policy_version: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "parts", b"parts", "text", b"text"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "content", b"content", "parts", b"parts", "policy_version", b"policy_version", "text", b"text"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "extra_json", b"extra_json", "generation_log_probs", b"generation_log_probs", "generation_token_ids", b"generation_token_ids", "id", b"id", "parts", b"parts", "prompt_token_ids", b"prompt_token_ids", "role", b"role", "status", b"status", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "content", b"content", "extra_json", b"extra_json", "generation_log_probs", b"generation_log_probs", "generation_token_ids", b"generation_token_ids", "id", b"id", "parts", b"parts", "policy_version", b"policy_version", "prompt_token_ids", b"prompt_token_ids", "role", b"role", "status", b"status", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__policy_version: _TypeAlias = _typing.Literal["policy_version"]  # noqa: Y015
+    _WhichOneofArgType__policy_version: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version"]  # noqa: Y015
     _WhichOneofReturnType_content: _TypeAlias = _typing.Literal["text", "parts"]  # noqa: Y015
     _WhichOneofArgType_content: _TypeAlias = _typing.Literal["content", b"content"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__policy_version) -> _WhichOneofReturnType__policy_version | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType_content) -> _WhichOneofReturnType_content | None: ...
 
 Global___Message: _TypeAlias = Message  # noqa: Y015
@@ -740,6 +753,7 @@ class ReasoningItem(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     GENERATION_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     GENERATION_LOG_PROBS_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Item id such as "rs_123"; empty when not set."""
     encrypted_content: _builtins.str
@@ -748,6 +762,8 @@ class ReasoningItem(_message.Message):
     """Lifecycle state."""
     extra_json: _builtins.str
     """Keys not held above, as a JSON object (see the file comment)."""
+    policy_version: _builtins.int
+    """Training field, see Message.policy_version."""
     @_builtins.property
     def summary(self) -> _containers.RepeatedCompositeFieldContainer[Global___SummaryText]:
         """Summary of the reasoning, in parts (may be empty)."""
@@ -780,14 +796,20 @@ class ReasoningItem(_message.Message):
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         generation_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         generation_log_probs: _abc.Iterable[_builtins.float] | None = ...,
+        policy_version: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_encrypted_content", b"_encrypted_content", "encrypted_content", b"encrypted_content"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_encrypted_content", b"_encrypted_content", "_policy_version", b"_policy_version", "encrypted_content", b"encrypted_content", "policy_version", b"policy_version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_encrypted_content", b"_encrypted_content", "content", b"content", "encrypted_content", b"encrypted_content", "extra_json", b"extra_json", "generation_log_probs", b"generation_log_probs", "generation_token_ids", b"generation_token_ids", "id", b"id", "prompt_token_ids", b"prompt_token_ids", "status", b"status", "summary", b"summary"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_encrypted_content", b"_encrypted_content", "_policy_version", b"_policy_version", "content", b"content", "encrypted_content", b"encrypted_content", "extra_json", b"extra_json", "generation_log_probs", b"generation_log_probs", "generation_token_ids", b"generation_token_ids", "id", b"id", "policy_version", b"policy_version", "prompt_token_ids", b"prompt_token_ids", "status", b"status", "summary", b"summary"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__encrypted_content: _TypeAlias = _typing.Literal["encrypted_content"]  # noqa: Y015
     _WhichOneofArgType__encrypted_content: _TypeAlias = _typing.Literal["_encrypted_content", b"_encrypted_content"]  # noqa: Y015
+    _WhichOneofReturnType__policy_version: _TypeAlias = _typing.Literal["policy_version"]  # noqa: Y015
+    _WhichOneofArgType__policy_version: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__encrypted_content) -> _WhichOneofReturnType__encrypted_content | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__policy_version) -> _WhichOneofReturnType__policy_version | None: ...
 
 Global___ReasoningItem: _TypeAlias = ReasoningItem  # noqa: Y015
 
@@ -806,6 +828,7 @@ class FunctionCall(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     GENERATION_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     GENERATION_LOG_PROBS_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Item id such as "fc_123"; empty when not set."""
     call_id: _builtins.str
@@ -821,6 +844,8 @@ class FunctionCall(_message.Message):
     """Lifecycle state."""
     extra_json: _builtins.str
     """Keys not held above, as a JSON object (see the file comment)."""
+    policy_version: _builtins.int
+    """Training field, see Message.policy_version."""
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Training field, see Message.prompt_token_ids."""
@@ -845,12 +870,15 @@ class FunctionCall(_message.Message):
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         generation_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         generation_log_probs: _abc.Iterable[_builtins.float] | None = ...,
+        policy_version: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "policy_version", b"policy_version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "call_id", b"call_id", "extra_json", b"extra_json", "generation_log_probs", b"generation_log_probs", "generation_token_ids", b"generation_token_ids", "id", b"id", "name", b"name", "prompt_token_ids", b"prompt_token_ids", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "arguments", b"arguments", "call_id", b"call_id", "extra_json", b"extra_json", "generation_log_probs", b"generation_log_probs", "generation_token_ids", b"generation_token_ids", "id", b"id", "name", b"name", "policy_version", b"policy_version", "prompt_token_ids", b"prompt_token_ids", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__policy_version: _TypeAlias = _typing.Literal["policy_version"]  # noqa: Y015
+    _WhichOneofArgType__policy_version: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__policy_version) -> _WhichOneofReturnType__policy_version | None: ...
 
 Global___FunctionCall: _TypeAlias = FunctionCall  # noqa: Y015
 
@@ -921,6 +949,7 @@ class CustomToolCall(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     GENERATION_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     GENERATION_LOG_PROBS_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Item id; empty when not set."""
     call_id: _builtins.str
@@ -933,6 +962,8 @@ class CustomToolCall(_message.Message):
     """Lifecycle state."""
     extra_json: _builtins.str
     """Keys not held above, as a JSON object (see the file comment)."""
+    policy_version: _builtins.int
+    """Training field, see Message.policy_version."""
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Training field, see Message.prompt_token_ids."""
@@ -957,12 +988,15 @@ class CustomToolCall(_message.Message):
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         generation_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         generation_log_probs: _abc.Iterable[_builtins.float] | None = ...,
+        policy_version: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "policy_version", b"policy_version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "extra_json", b"extra_json", "generation_log_probs", b"generation_log_probs", "generation_token_ids", b"generation_token_ids", "id", b"id", "input", b"input", "name", b"name", "prompt_token_ids", b"prompt_token_ids", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "call_id", b"call_id", "extra_json", b"extra_json", "generation_log_probs", b"generation_log_probs", "generation_token_ids", b"generation_token_ids", "id", b"id", "input", b"input", "name", b"name", "policy_version", b"policy_version", "prompt_token_ids", b"prompt_token_ids", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__policy_version: _TypeAlias = _typing.Literal["policy_version"]  # noqa: Y015
+    _WhichOneofArgType__policy_version: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__policy_version) -> _WhichOneofReturnType__policy_version | None: ...
 
 Global___CustomToolCall: _TypeAlias = CustomToolCall  # noqa: Y015
 

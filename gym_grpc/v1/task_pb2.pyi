@@ -130,6 +130,7 @@ class Rollout(_message.Message):
     VERIFICATION_SKIPPED_FIELD_NUMBER: _builtins.int
     REWARD_COMPONENTS_FIELD_NUMBER: _builtins.int
     VERIFIER_FIELDS_JSON_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
     reward: _builtins.float
     """Reward the resources server gave."""
     stop_reason: Global___StopReason.ValueType
@@ -144,6 +145,11 @@ class Rollout(_message.Message):
     """Extra fields the verifier returned, as a JSON object, verbatim. They
     become top-level fields of the rollout row, next to "response" and
     "reward".
+    """
+    policy_version: _builtins.int
+    """The policy version the rollout was asked under (RunRequest.policy_version),
+    echoed. Each turn's own version is on its items (policy_version): a
+    rollout that spans a weight update shows it turn by turn.
     """
     @_builtins.property
     def response(self) -> _responses_pb2.Response:
@@ -177,12 +183,15 @@ class Rollout(_message.Message):
         verification_skipped: _builtins.bool = ...,
         reward_components: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         verifier_fields_json: _builtins.str = ...,
+        policy_version: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["response", b"response", "timings", b"timings", "verifier_fields", b"verifier_fields"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "policy_version", b"policy_version", "response", b"response", "timings", b"timings", "verifier_fields", b"verifier_fields"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_calls", b"model_calls", "response", b"response", "reward", b"reward", "reward_components", b"reward_components", "stop_reason", b"stop_reason", "timings", b"timings", "verification_skipped", b"verification_skipped", "verifier_fields", b"verifier_fields", "verifier_fields_json", b"verifier_fields_json"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "model_calls", b"model_calls", "policy_version", b"policy_version", "response", b"response", "reward", b"reward", "reward_components", b"reward_components", "stop_reason", b"stop_reason", "timings", b"timings", "verification_skipped", b"verification_skipped", "verifier_fields", b"verifier_fields", "verifier_fields_json", b"verifier_fields_json"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__policy_version: _TypeAlias = _typing.Literal["policy_version"]  # noqa: Y015
+    _WhichOneofArgType__policy_version: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__policy_version) -> _WhichOneofReturnType__policy_version | None: ...
 
 Global___Rollout: _TypeAlias = Rollout  # noqa: Y015
 
