@@ -271,3 +271,19 @@ def test_dump_config_checks_every_server_config_block_as_a_server_process_does()
     config = {"model_server": "m", "resources_server": "r", "max_step": 4}
     with pytest.raises(ConfigError, match=re.escape("config.max_step: Extra inputs are not permitted (did you mean")):
         SimpleAgent(config, name="math_agent")  # what the server process of `gym-grpc run` says
+
+
+def test_a_dataset_takes_nemo_gyms_gitlab_identifier_as_its_mlflow_identifier(tmp_path):
+    def config(identifiers: dict) -> str:
+        spec = {"name": "t", "type": "train", "jsonl_fpath": "t.jsonl", "license": "Apache 2.0", **identifiers}
+        path = tmp_path / "c.yaml"
+        path.write_text(yaml.safe_dump({"servers": {"a": {"entrypoint": "a.py:A", "datasets": [spec]}}}))
+        return str(path)
+
+    where = {"dataset_name": "math", "version": 3, "artifact_fpath": "train.jsonl"}
+    (spec,) = load_config([config({"gitlab_identifier": where})]).servers["a"].datasets
+    assert spec.mlflow_identifier is not None and spec.mlflow_identifier.version == "3"
+    with pytest.raises(ConfigError, match="give mlflow_identifier or gitlab_identifier"):
+        load_config([config({"gitlab_identifier": where, "mlflow_identifier": where})])
+    with pytest.raises(ConfigError, match="mlflow_identifier.dataset_nam: Extra inputs"):
+        load_config([config({"mlflow_identifier": {"dataset_nam": "x", "artifact_fpath": "a"}})])

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gym_grpc.errors import ConfigError
 from gym_grpc.rpc.security import Security
@@ -50,6 +50,22 @@ class HubIdentifier(BaseModel):
     repo_id: str = Field(description='"organization/name" of a dataset repository')
     artifact_fpath: str = Field(description="the file in the repository, such as train.jsonl")
     revision: str | None = Field(None, description="branch, tag or commit; default: main")
+
+
+class RegistryIdentifier(BaseModel):
+    """Where a dataset lives in an MLflow model registry (an `mlflow server`, or GitLab's)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dataset_name: str = Field(description="the registered model that holds the dataset")
+    version: str | None = Field(None, description="a version number or uploaded label (0.0.1); default: the latest")
+    artifact_fpath: str = Field(description="the file in the version, such as train.jsonl")
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _version_as_text(cls, value: Any) -> Any:
+        # `version: 3` in YAML is an int; a version is a name
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
 DatasetType = Literal["train", "validation", "example"]
@@ -66,6 +82,18 @@ class DatasetSpec(BaseModel):
     license: str | None = Field(None, description="required for train and validation data")
     num_repeats: int = Field(1, ge=1, description="times each row appears in the prepared file")
     huggingface_identifier: HubIdentifier | None = Field(None, description="where to download it when it is missing")
+    mlflow_identifier: RegistryIdentifier | None = Field(
+        None, description="where to download it when it is missing (NeMo Gym's gitlab_identifier is taken too)"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nemo_gym_spelling(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "gitlab_identifier" in data:
+            if "mlflow_identifier" in data:
+                raise ValueError("give mlflow_identifier or gitlab_identifier (NeMo Gym's name for it), not both")
+            data = {("mlflow_identifier" if k == "gitlab_identifier" else k): v for k, v in data.items()}
+        return data
 
     @model_validator(mode="after")
     def _training_data_has_a_license(self) -> DatasetSpec:

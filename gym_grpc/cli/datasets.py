@@ -139,6 +139,18 @@ class Dataset:
         return Path(self.spec.jsonl_fpath)
 
     @property
+    def sources(self) -> list[str]:
+        """Where the dataset can be downloaded from: "huggingface", "mlflow", both or neither."""
+        return [
+            source
+            for source, identifier in (
+                ("huggingface", self.spec.huggingface_identifier),
+                ("mlflow", self.spec.mlflow_identifier),
+            )
+            if identifier is not None
+        ]
+
+    @property
     def stats_path(self) -> Path:
         return self.path.with_name(f"{self.path.stem}.stats.json")
 
@@ -184,11 +196,12 @@ def prepare(
     """Check, measure and collate the datasets of a mode (see the module docstring).
 
     `fetch` downloads a dataset whose file is missing (from its
-    huggingface_identifier); without it a missing file is a problem."""
+    huggingface_identifier or mlflow_identifier); without it a missing file
+    is a problem."""
     done = Prepared()
     datasets = datasets_of(config, mode)
     for dataset in datasets:
-        if not dataset.path.exists() and fetch is not None and dataset.spec.huggingface_identifier is not None:
+        if not dataset.path.exists() and fetch is not None and dataset.sources:
             echo(f"downloading {dataset.spec.name} of {dataset.server} to {dataset.path}")
             fetch(dataset)
 
@@ -197,10 +210,11 @@ def prepare(
     problems: list[str] = []
     for dataset in datasets:
         if not dataset.path.exists():
+            where = {"huggingface": "the Hub", "mlflow": "the MLflow registry"}
             hint = (
-                "pass --download to fetch it from the Hub"
-                if dataset.spec.huggingface_identifier
-                else "create it, or give it a huggingface_identifier"
+                f"pass --download to fetch it from {' or '.join(where[s] for s in dataset.sources)}"
+                if dataset.sources
+                else "create it, or give it a huggingface_identifier or mlflow_identifier"
             )
             problems.append(f"{dataset.path}: dataset {dataset.spec.name!r} of {dataset.server} does not exist; {hint}")
             continue

@@ -26,7 +26,7 @@ from gym_grpc.batch.jobs import TIMEOUT_SECONDS, BatchSummary
 from gym_grpc.batch.overrides import NEMO_OPTIONS, OverrideError
 from gym_grpc.batch.overrides import parse as parse_overrides
 from gym_grpc.batch.reverify import ReverifyOptions, reverify
-from gym_grpc.cli import hub, status
+from gym_grpc.cli import hub, mlflow_registry, status
 from gym_grpc.cli.config import ConfigError, GymConfig, dump_config, load_config, load_env, set_env_values
 from gym_grpc.cli.datasets import MODE_SPELLINGS, MODES, DataError, Dataset, prepare, read_tasks
 from gym_grpc.cli.ray_runner import RayRunner
@@ -1049,6 +1049,36 @@ def _hub_settings(env_file: Path | None) -> hub.HubSettings:
         raise click.ClickException(str(e)) from None
 
 
+def _registry_settings(env_file: Path | None) -> mlflow_registry.RegistrySettings:
+    try:
+        return mlflow_registry.RegistrySettings.from_env(load_env(env_file))
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+
+
+#: Where datasets are kept: the Hub, or an MLflow registry (NeMo Gym's `gitlab` is one).
+_STORES = {"hf": "hf", "huggingface": "hf", "mlflow": "mlflow", "gitlab": "mlflow"}
+#: NeMo Gym's `data_source` values and ours, for prepare-data --data-source.
+_DATA_SOURCES = {"huggingface": "huggingface", "hf": "huggingface", "mlflow": "mlflow", "gitlab": "mlflow"}
+
+
+def _given(ctx: click.Context, names: tuple[str, ...]) -> list[str]:
+    """The options among `names` that the command line (not a default) set, as the user typed them."""
+    given = []
+    for name in names:
+        if ctx.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT):
+            param = next(p for p in ctx.command.params if p.name == name)
+            given.append(param.opts[0])
+    return given
+
+
+def _only_for(ctx: click.Context, store: str, others: tuple[str, ...]) -> None:
+    """Refuse the options of the other store: a Hub option with --to mlflow is a mistake, not a no-op."""
+    wrong = _given(ctx, others)
+    if wrong:
+        raise click.UsageError(f"{', '.join(wrong)}: not an option for {store}")
+
+
 @main.command("prepare-data", context_settings={"ignore_unknown_options": True})
 @click.argument("args", nargs=-1, metavar="CONFIG... [KEY=VALUE]...", callback=_no_unknown_options)
 @click.option(
@@ -1067,10 +1097,28 @@ def _hub_settings(env_file: Path | None) -> hub.HubSettings:
     help="Where the collated <type>.jsonl files are written.",
 )
 @click.option("--update-stats", is_flag=True, help="Accept changed data: rewrite its statistics files.")
-@click.option("--download", is_flag=True, help="Fetch missing files from their huggingface_identifier.")
+@click.option(
+    "--download",
+    "--should-download",
+    "download",
+    is_flag=True,
+    help="Fetch missing files from their huggingface_identifier or mlflow_identifier.",
+)
+@click.option(
+    "--data-source",
+    type=click.Choice(list(_DATA_SOURCES)),
+    callback=lambda ctx, param, value: _DATA_SOURCES.get(value, value),
+    help="With --download, the source of a dataset that has both identifiers.  [default: huggingface]",
+)
 @_env_file_option
 def prepare_data_command(
-    args: tuple[str, ...], mode: str, output_dir: Path, update_stats: bool, download: bool, env_file: Path | None
+    args: tuple[str, ...],
+    mode: str,
+    output_dir: Path,
+    update_stats: bool,
+    download: bool,
+    data_source: str | None,
+    env_file: Path | None,
 ) -> None:
     """Check, measure and collate the datasets that CONFIG files list on their agents.
 
@@ -1080,11 +1128,25 @@ def prepare_data_command(
     in --output-dir, each with an agent_ref and repeated num_repeats times.
     A dataset is listed as `datasets: [{name, type: train|validation|example,
     jsonl_fpath, license, num_repeats, huggingface_identifier: {repo_id,
-    artifact_fpath}}]` on a server of the config."""
+    artifact_fpath}, mlflow_identifier: {dataset_name, version,
+    artifact_fpath}}]` on a server of the config (NeMo Gym's
+    gitlab_identifier is an mlflow_identifier)."""
+    if data_source and not download:
+        raise click.UsageError("--data-source chooses where --download fetches from: give --download too")
     files, overrides = _split_args(args)
     settings = _hub_settings(env_file)
+    registry = _registry_settings(env_file)
 
     def fetch(dataset: Dataset) -> Path:
+        source = (data_source or "huggingface") if len(dataset.sources) > 1 else dataset.sources[0]
+        if source == "mlflow":
+            held = dataset.spec.mlflow_identifier
+            assert held is not None
+            version, path = mlflow_registry.download(
+                held.dataset_name, held.version, held.artifact_fpath, dataset.path, registry
+            )
+            click.echo(f"  from dataset {held.dataset_name!r} version {version}", err=True)
+            return path
         where = dataset.spec.huggingface_identifier
         assert where is not None
         return hub.download(where.repo_id, where.artifact_fpath, dataset.path, settings, revision=where.revision)
@@ -1099,7 +1161,7 @@ def prepare_data_command(
             fetch=fetch if download else None,
             echo=lambda line: click.echo(line, err=True),
         )
-    except (ConfigError, DataError, hub.HubError) as e:
+    except (ConfigError, DataError, hub.HubError, mlflow_registry.RegistryError) as e:
         raise click.ClickException(str(e)) from None
     for path in done.stats_written:
         click.echo(f"wrote statistics {path} (commit it)")
@@ -1109,22 +1171,46 @@ def prepare_data_command(
 
 @main.group()
 def dataset() -> None:
-    """Upload task files to the Hugging Face Hub, or download them."""
+    """Upload task files to the Hugging Face Hub or an MLflow registry, download them, delete them."""
+
+
+#: The options of each store, refused with the other (`--to`/`--from` chooses).
+_HUB_OPTIONS = ("repo_id", "organization", "prefix", "domain", "name", "revision")
+_HUB_UPLOAD_OPTIONS = ("create_pr", "message", "public")
+_REGISTRY_OPTIONS = ("dataset_name", "version")
+
+
+def _store_option(flag: str, verb: str) -> Callable:
+    return click.option(
+        flag,
+        "store",
+        type=click.Choice(list(_STORES)),
+        default="hf",
+        show_default=True,
+        callback=lambda ctx, param, value: _STORES[value],
+        help=f"Where to {verb}: the Hugging Face Hub, or an MLflow registry (an mlflow server, or GitLab's; "
+        "`gitlab` is taken too).",
+    )
 
 
 def _repo_options(command: Callable) -> Callable:
     options = [
-        click.option("--repo-id", help="The dataset repository, instead of the four parts below."),
+        click.option("--repo-id", help="Hub: the dataset repository, instead of the four parts below."),
         click.option("--organization", help="Hub organization.  [default: env.yaml hf_organization]"),
-        click.option("--prefix", default="gym", show_default=True, help="First part of the repository name."),
-        click.option("--domain", help="Second part: the domain (math, coding, agent, ...)."),
-        click.option("--name", help="Last part: the dataset's name."),
-        click.option("--revision", help="Branch, tag or PR ref (refs/pr/N).  [default: main]"),
+        click.option("--prefix", default="gym", show_default=True, help="Hub: first part of the repository name."),
+        click.option("--domain", help="Hub: second part, the domain (math, coding, agent, ...)."),
+        click.option("--name", help="Hub: last part, the dataset's name."),
+        click.option("--revision", help="Hub: branch, tag or PR ref (refs/pr/N).  [default: main]"),
         _env_file_option,
     ]
     for option in reversed(options):
         command = option(command)
     return command
+
+
+_dataset_name_option = click.option(
+    "--dataset-name", help="MLflow: the dataset (a registered model; NeMo Gym's dataset_name)."
+)
 
 
 def _repo_id(
@@ -1147,17 +1233,36 @@ def _repo_id(
         raise click.UsageError(str(e)) from None
 
 
+def _registry_name(dataset_name: str | None) -> str:
+    if not dataset_name:
+        raise click.UsageError("give --dataset-name")
+    try:
+        return mlflow_registry.check_name(dataset_name)
+    except mlflow_registry.RegistryError as e:
+        raise click.UsageError(str(e)) from None
+
+
 @dataset.command("upload")
 @click.argument("path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@_store_option("--to", "upload")
 @_repo_options
+@_dataset_name_option
+@click.option(
+    "--version",
+    help="MLflow: label the new version so (GitLab's version name, x.y.z); a version already labelled so "
+    "gets the file added.  [default: the server numbers it]",
+)
 @click.option("--split", type=click.Choice(hub.SPLITS), help="Upload as <split>.jsonl, after checking every row.")
-@click.option("--artifact-fpath", help="Path in the repository, for a raw file.  [default: the file's name]")
-@click.option("--create-pr", is_flag=True, help="Open a pull request instead of committing to the branch.")
-@click.option("--message", help="Commit message.")
-@click.option("--description", help="Commit description.")
-@click.option("--public", is_flag=True, help="Create the repository public (it is private by default).")
+@click.option("--artifact-fpath", help="Path in the repository or version, for a raw file.  [default: its name]")
+@click.option("--create-pr", is_flag=True, help="Hub: open a pull request instead of committing to the branch.")
+@click.option("--message", help="Hub: commit message.")
+@click.option("--description", help="Commit description (Hub), version description (MLflow).")
+@click.option("--public", is_flag=True, help="Hub: create the repository public (it is private by default).")
+@click.pass_context
 def upload_command(
+    ctx: click.Context,
     path: Path,
+    store: str,
     repo_id: str | None,
     organization: str | None,
     prefix: str,
@@ -1165,6 +1270,8 @@ def upload_command(
     name: str | None,
     revision: str | None,
     env_file: Path | None,
+    dataset_name: str | None,
+    version: str | None,
     split: str | None,
     artifact_fpath: str | None,
     create_pr: bool,
@@ -1172,11 +1279,16 @@ def upload_command(
     description: str | None,
     public: bool,
 ) -> None:
-    """Upload PATH to a dataset repository: a split (checked first) or a raw file."""
+    """Upload PATH: a split (checked first) or a raw file, to a Hub repository or a new MLflow version."""
     if split and artifact_fpath:
         raise click.UsageError("give --split or --artifact-fpath, not both")
-    settings = _hub_settings(env_file)
-    repo = _repo_id(settings, repo_id, organization, prefix, domain, name)
+    if store == "mlflow":
+        _only_for(ctx, "--to mlflow", (*_HUB_OPTIONS, *_HUB_UPLOAD_OPTIONS))
+        registry_name = _registry_name(dataset_name)
+    else:
+        _only_for(ctx, "--to hf", _REGISTRY_OPTIONS)
+        settings = _hub_settings(env_file)
+        repo = _repo_id(settings, repo_id, organization, prefix, domain, name)
     if split:
         checked = read_tasks(path)
         if checked.problems:
@@ -1184,6 +1296,21 @@ def upload_command(
             raise click.ClickException(f"{len(checked.problems)} malformed row(s); nothing was uploaded\n{lines}")
         click.echo(f"{path}: {len(checked.rows)} rows, all tasks", err=True)
     in_repo = hub.split_file(split) if split else (artifact_fpath or path.name)
+    if store == "mlflow":
+        registry = _registry_settings(env_file)
+        try:
+            landed = mlflow_registry.upload(
+                path, registry_name, in_repo, registry, version=version, description=description
+            )
+        except mlflow_registry.RegistryError as e:
+            raise click.ClickException(str(e)) from None
+        verb = "added" if landed.added else "uploaded"
+        click.echo(f"{verb} {path} to dataset {landed.name!r} version {landed.version}: {landed.artifact_fpath}")
+        click.echo(
+            f"  mlflow_identifier: {{dataset_name: {landed.name}, version: '{version or landed.version}', "
+            f"artifact_fpath: {landed.artifact_fpath}}}"
+        )
+        return
     try:
         done = hub.upload(
             path,
@@ -1204,11 +1331,17 @@ def upload_command(
 
 
 @dataset.command("download")
+@_store_option("--from", "download from")
 @_repo_options
+@_dataset_name_option
+@click.option("--version", help="MLflow: the version number or label.  [default: the latest]")
 @click.option("--split", type=click.Choice(hub.SPLITS), help="Download <split>.jsonl.")
-@click.option("--artifact-fpath", help="Download this file of the repository.")
+@click.option("--artifact-fpath", help="Download this file of the repository or version.")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Where to write it.")
+@click.pass_context
 def download_command(
+    ctx: click.Context,
+    store: str,
     repo_id: str | None,
     organization: str | None,
     prefix: str,
@@ -1216,18 +1349,62 @@ def download_command(
     name: str | None,
     revision: str | None,
     env_file: Path | None,
+    dataset_name: str | None,
+    version: str | None,
     split: str | None,
     artifact_fpath: str | None,
     output: Path,
 ) -> None:
-    """Download a split or a raw file of a dataset repository to --output."""
+    """Download a split or a raw file of a Hub repository or an MLflow version to --output."""
     if bool(split) == bool(artifact_fpath):
         raise click.UsageError("give --split or --artifact-fpath")
+    filename = hub.split_file(split) if split else artifact_fpath
+    assert filename is not None
+    if store == "mlflow":
+        _only_for(ctx, "--from mlflow", _HUB_OPTIONS)
+        registry_name = _registry_name(dataset_name)
+        try:
+            got, _ = mlflow_registry.download(registry_name, version, filename, output, _registry_settings(env_file))
+        except mlflow_registry.RegistryError as e:
+            raise click.ClickException(str(e)) from None
+        click.echo(f"downloaded {filename} of dataset {registry_name!r} version {got} to {output}")
+        return
+    _only_for(ctx, "--from hf", _REGISTRY_OPTIONS)
     settings = _hub_settings(env_file)
     repo = _repo_id(settings, repo_id, organization, prefix, domain, name)
-    filename = hub.split_file(split) if split else artifact_fpath
     try:
-        hub.download(repo, filename, output, settings, revision=revision)  # type: ignore[arg-type]
+        hub.download(repo, filename, output, settings, revision=revision)
     except hub.HubError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"downloaded {repo}:{filename} to {output}")
+
+
+@dataset.command("delete")
+@click.option(
+    "--from",
+    "store",
+    type=click.Choice(["mlflow", "gitlab"]),
+    required=True,
+    help="The MLflow registry (an mlflow server, or GitLab's; `gitlab` is taken too).",
+)
+@_dataset_name_option
+@click.option("--version", help="Delete only this version (number or label).  [default: the dataset, every version]")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation (for scripts).")
+@_env_file_option
+def delete_command(store: str, dataset_name: str | None, version: str | None, yes: bool, env_file: Path | None) -> None:
+    """Delete a dataset from an MLflow registry, or one of its versions, after a confirmation."""
+    registry_name = _registry_name(dataset_name)
+    settings = _registry_settings(env_file)
+    try:
+        deletion = mlflow_registry.to_delete(registry_name, version, settings)
+        if not yes:
+            try:
+                agreed = click.confirm(f"delete {deletion} at {settings.tracking_uri}?", default=False, err=True)
+            except click.Abort:  # no answer: stdin closed, as in a script
+                agreed = False
+            if not agreed:
+                raise click.ClickException(f"nothing deleted: {deletion} was not confirmed (--yes skips the question)")
+        mlflow_registry.delete(deletion, settings)
+    except mlflow_registry.RegistryError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"deleted {deletion}")
