@@ -339,3 +339,57 @@ def test_without_the_mlflow_package_the_error_names_the_extra(author):
     )  # fmt: skip
     assert done.returncode == 1
     assert "the MLflow registry needs the mlflow client: pip install 'gym-grpc[mlflow]'" in done.stderr
+
+
+@pytest.fixture
+def recording_proxy(server):
+    """A forwarding HTTP proxy in front of the server that records each request's Authorization header
+    (an `mlflow server` takes any token: this is how to see which one the client sent)."""
+    import http.server
+    import threading
+
+    seen: list[str | None] = []
+
+    class Forward(http.server.BaseHTTPRequestHandler):
+        def _forward(self) -> None:
+            seen.append(self.headers.get("Authorization"))
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0)) or None
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")}
+            request = urllib.request.Request(server + self.path, data=body, headers=headers, method=self.command)
+            try:
+                with urllib.request.urlopen(request, timeout=60) as answer:
+                    status, payload, kind = answer.status, answer.read(), answer.headers.get("Content-Type")
+            except urllib.error.HTTPError as e:
+                status, payload, kind = e.code, e.read(), e.headers.get("Content-Type")
+            self.send_response(status)
+            self.send_header("Content-Type", kind or "application/octet-stream")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _forward
+
+        def log_message(self, *args) -> None:
+            pass
+
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Forward)
+    thread = threading.Thread(target=proxy.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{proxy.server_address[1]}", seen
+    proxy.shutdown()
+    proxy.server_close()
+    thread.join()
+
+
+def test_the_env_yaml_token_is_sent_as_a_bearer_token_and_never_printed(author, recording_proxy, request):
+    url, seen = recording_proxy
+    token = "glpat-secret-token-1234"
+    (author / "env.yaml").write_text(f"mlflow_tracking_uri: {url}\nmlflow_tracking_token: {token}\n")
+    name = _name(request)
+    done = _cli("dataset", "upload", str(VALIDATION), "--to", "mlflow", "--dataset-name", name)
+    assert done.exit_code == 0, done.output
+    assert seen and set(seen) == {f"Bearer {token}"}
+    missing = _cli("dataset", "download", "--from", "mlflow", "--dataset-name", name, "--version", "5",
+                   "--split", "train", "--output", "o.jsonl")  # fmt: skip
+    assert missing.exit_code == 1 and f"dataset {name!r} has no version '5'" in missing.stderr
+    assert token not in done.output + missing.output
