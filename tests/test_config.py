@@ -287,3 +287,14 @@ def test_a_dataset_takes_nemo_gyms_gitlab_identifier_as_its_mlflow_identifier(tm
         load_config([config({"gitlab_identifier": where, "mlflow_identifier": where})])
     with pytest.raises(ConfigError, match="mlflow_identifier.dataset_nam: Extra inputs"):
         load_config([config({"mlflow_identifier": {"dataset_nam": "x", "artifact_fpath": "a"}})])
+
+    # NeMo Gym 0.7.0's unified `source:` block
+    (spec,) = load_config([config({"source": {"type": "gitlab", **where}})]).servers["a"].datasets
+    assert spec.mlflow_identifier is not None and spec.mlflow_identifier.dataset_name == "math"
+    hub = {"type": "huggingface", "repo_id": "o/r", "artifact_fpath": "train.jsonl"}
+    (spec,) = load_config([config({"source": hub})]).servers["a"].datasets
+    assert spec.huggingface_identifier is not None and spec.huggingface_identifier.repo_id == "o/r"
+    with pytest.raises(ConfigError, match="give source or mlflow_identifier, not both"):
+        load_config([config({"source": hub, "gitlab_identifier": where})])
+    with pytest.raises(ConfigError, match="whose type is one of gitlab, mlflow, huggingface"):
+        load_config([config({"source": {"type": "s3"}})])

@@ -88,11 +88,26 @@ class DatasetSpec(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _nemo_gym_spelling(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "gitlab_identifier" in data:
+    def _nemo_gym_spellings(cls, data: Any) -> Any:
+        """NeMo Gym's `gitlab_identifier`, and its `source: {type: gitlab|huggingface, ...}`, as ours."""
+        if not isinstance(data, dict):
+            return data
+        if "gitlab_identifier" in data:
             if "mlflow_identifier" in data:
                 raise ValueError("give mlflow_identifier or gitlab_identifier (NeMo Gym's name for it), not both")
             data = {("mlflow_identifier" if k == "gitlab_identifier" else k): v for k, v in data.items()}
+        if "source" in data:
+            source = data["source"]
+            kinds = {"gitlab": "mlflow_identifier", "mlflow": "mlflow_identifier"}
+            kinds["huggingface"] = "huggingface_identifier"
+            kind = source.get("type") if isinstance(source, dict) else None
+            if kind not in kinds:
+                raise ValueError(f"source: give a mapping whose type is one of {', '.join(kinds)}")
+            given = [k for k in ("mlflow_identifier", "huggingface_identifier") if k in data]
+            if given:
+                raise ValueError(f"give source or {' and '.join(given)}, not both")
+            data = {k: v for k, v in data.items() if k != "source"}
+            data[kinds[kind]] = {k: v for k, v in source.items() if k != "type"}
         return data
 
     @model_validator(mode="after")
