@@ -199,6 +199,26 @@ def _new_run(mlflow: MlflowClient, name: str) -> str:
     return mlflow.create_run(experiment_id, run_name=name, tags={RUN_TAG: name}).info.run_id
 
 
+def _labelled(mlflow: MlflowClient, name: str, version: str) -> ModelVersion | None:
+    """The version of a dataset labelled `version` at upload, if any (GitLab: the version so named)."""
+    from mlflow.exceptions import MlflowException
+
+    try:  # GitLab names versions by their label, so ask for it as is first
+        found = mlflow.get_model_version(name, version)
+    except MlflowException as e:
+        if _code(e) not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            raise
+        labelled = [v for v in versions(mlflow, name) if (v.tags or {}).get(VERSION_TAG) == version]
+        return labelled[-1] if labelled else None
+    # a plain MLflow server numbers its versions: a label must not be taken for one of them
+    if version.isdigit() and (found.tags or {}).get(VERSION_TAG) != version:
+        raise RegistryError(
+            f"dataset {name!r} already has a version {version} (with no such label): "
+            "give a label that is not one of its version numbers"
+        )
+    return found
+
+
 def upload(
     path: Path,
     name: str,
@@ -223,24 +243,16 @@ def upload(
         except MlflowException as e:
             if _code(e) != "RESOURCE_ALREADY_EXISTS":
                 raise
-        if version is not None:
-            every = versions(mlflow, name)
-            labelled = [v for v in every if (v.tags or {}).get(VERSION_TAG) == version and v.run_id]
-            if not labelled and any(v.version == version for v in every):
+        target = _labelled(mlflow, name, version) if version is not None else None
+        if target is not None and target.run_id:
+            files = _files(mlflow, target.run_id)
+            if str(in_registry) in files:
                 raise RegistryError(
-                    f"dataset {name!r} already has a version {version} (with no such label): "
-                    "give a label that is not one of its version numbers"
+                    f"version {label(target)} of dataset {name!r} already has {in_registry}: a version's "
+                    "files are never replaced; upload without --version (or with a new one) for a new version"
                 )
-            if labelled:
-                target = labelled[-1]
-                files = _files(mlflow, target.run_id)  # type: ignore[arg-type]
-                if str(in_registry) in files:
-                    raise RegistryError(
-                        f"version {label(target)} of dataset {name!r} already has {in_registry}: a version's "
-                        "files are never replaced; upload without --version (or with a new one) for a new version"
-                    )
-                _log(mlflow, target.run_id, path, in_registry)  # type: ignore[arg-type]
-                return Uploaded(name, label(target), str(in_registry), added=True)
+            _log(mlflow, target.run_id, path, in_registry)
+            return Uploaded(name, label(target), str(in_registry), added=True)
         run_id = _new_run(mlflow, name)
         _log(mlflow, run_id, path, in_registry)
         mlflow.update_run(run_id, status="FINISHED")
@@ -265,6 +277,7 @@ def download(
     name: str, version: str | None, artifact_fpath: str, destination: Path, settings: RegistrySettings
 ) -> tuple[str, Path]:
     """Download one file of a version (the latest without `version`) to `destination`; the version's label."""
+    check_name(name)
     in_registry = check_artifact_fpath(artifact_fpath)
     mlflow = client(settings)
     try:
@@ -309,6 +322,7 @@ def to_delete(name: str, version: str | None, settings: RegistrySettings) -> Del
     """What deleting a dataset (or one of its versions) would remove; an error naming it if it does not exist."""
     from mlflow.exceptions import MlflowException
 
+    check_name(name)
     mlflow = client(settings)
     try:
         if version is not None:
