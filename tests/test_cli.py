@@ -308,7 +308,7 @@ def test_collect_into_the_output_of_another_run_is_refused_and_says_what_differs
     assert '--agent was "weather_agent", is "math_agent" now' in math.stderr
     hotter = weather("temperature=0.9")
     assert hotter.returncode == 1
-    assert 'the overrides was {}, is {"temperature": 0.9} now' in hotter.stderr
+    assert 'the KEY=VALUE overrides were {}, are {"temperature": 0.9} now' in hotter.stderr
     assert out.read_text() == written  # nothing of the refused runs was written
     again = weather("--limit", "3")  # the same run, extended: resumes
     assert again.returncode == 0, again.stderr

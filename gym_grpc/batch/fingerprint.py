@@ -23,7 +23,7 @@ _COMPARED = ("input_sha256", "agent", "overrides", "num_repeats", "skip_verify",
 _LABELS = {
     "input_sha256": "the input rows",
     "agent": "--agent",
-    "overrides": "the overrides",
+    "overrides": "the KEY=VALUE overrides",
     "num_repeats": "--num-repeats",
     "skip_verify": "--skip-verify",
     "placeholder_reward": "--placeholder-reward",
@@ -93,4 +93,5 @@ def check_and_record(output: Path, fingerprint: dict[str, Any], *, force: bool =
 def _difference(key: str, before: Any, now: Any) -> str:
     if key == "input_sha256":
         return f"the input rows differ (sha256 {str(before)[:12]}... then, {now[:12]}... now)"
-    return f"{_LABELS[key]} was {json.dumps(before)}, is {json.dumps(now)} now"
+    was, now_is = ("were", "are") if key == "overrides" else ("was", "is")
+    return f"{_LABELS[key]} {was} {json.dumps(before)}, {now_is} {json.dumps(now)} now"
