@@ -121,7 +121,11 @@ class _AgentServicer(agent_grpc.AgentServiceServicer):
         except ValueError as e:
             raise errors.InvalidArgument(f"row_json: {e}", field="row_json") from None
         task = rows.task_from_row(row)  # a RowError is an INVALID_ARGUMENT naming the row's field
-        run = agent_pb.RunRequest(task=task, skip_verification=request.skip_verification)
+        run = agent_pb.RunRequest(
+            task=task,
+            skip_verification=request.skip_verification,
+            policy_version=request.policy_version if request.HasField("policy_version") else None,
+        )
         rollout = await self._roll_out(run, RolloutEvents())
         return agent_pb.RunJsonResponse(rollout_json=rows.dumps(record.build(row, rollout)))
 

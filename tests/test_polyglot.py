@@ -66,3 +66,63 @@ def test_the_grpcurl_recipes_work_against_live_servers(live):
     assert wrong.get("reward", 0) == 0
     rollout = json.loads(_recipe("rollout.sh", servers["math_agent"]["addresses"][0], "What is 12 + 30?", "42"))
     assert rollout["rollout"]["reward"] == 1
+
+
+WEATHER = REPO / "servers" / "resources" / "weather" / "data" / "example.jsonl"
+
+
+def _steps(done: subprocess.CompletedProcess) -> list[dict]:
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def _centred(advantages: list[list[float]]) -> bool:
+    """Each group's advantages sum to 0 (to rounding): rewards less the group's mean."""
+    return all(abs(sum(group)) < 1e-2 for group in advantages)
+
+
+def test_the_training_loop_examples_in_python_and_node_train_on_groups_under_moving_versions(live):
+    """docs/training.md's loops, as a user runs them: two steps of three groups of three rollouts, with a
+    weight update between (SetPolicyVersion), so the second step's turns carry version 1."""
+    args = [live.registry, "weather_agent", "policy_model", str(WEATHER)]
+    node = _steps(
+        subprocess.run(
+            [shutil.which("node"), str(NODE_CLIENT / "training_loop.js"), *args, "3", "2", "3"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    )
+    assert [(s["step"], s["policy_version"], s["versions_seen"], s["rollouts"]) for s in node] == [
+        (0, 0, [0], 9),
+        (1, 1, [1], 9),
+    ]
+    assert all(s["trained_tokens"] > 0 and _centred(s["advantages"]) for s in node)
+    python = _steps(
+        subprocess.run(
+            [
+                str(BIN / "python"),
+                str(REPO / "examples" / "training_loop.py"),
+                "--registry",
+                live.registry,
+                "--agent",
+                "weather_agent",
+                "--tasks",
+                str(WEATHER),
+                "--limit",
+                "3",
+                "--group-size",
+                "3",
+                "--steps",
+                "2",
+            ],  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    )
+    assert [(s["step"], s["policy_version"], s["versions_seen"], s["samples"]) for s in python] == [
+        (0, 0, [0], 9),
+        (1, 1, [1], 9),
+    ]
+    assert all(s["trained_tokens"] > 0 and _centred(s["advantages"]) for s in python)

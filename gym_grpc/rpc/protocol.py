@@ -23,7 +23,7 @@ from gym_grpc.v1 import admin_service_pb2 as admin_pb
 #:      SeedSessionResponse.replica (session affinity); GetServerInfoResponse.instance_id.
 #: 1.3: every worker process of a server: Replica.workers (pid, metrics address, restarts);
 #:      GetServerInfoResponse.worker and .metrics_address (Prometheus).
-#: 1.4: policy versions for async training: RunRequest/RunStreamRequest.policy_version,
+#: 1.4: policy versions for async training: Run/RunStream/RunJsonRequest.policy_version,
 #:      CreateResponseRequest.policy_version, ModelService.SetPolicyVersion, the assistant
 #:      items' policy_version and Rollout.policy_version.
 VERSION = (1, 4)
