@@ -94,3 +94,27 @@ async def test_a_peer_that_answered_is_waited_for_even_if_its_ready_state_went_u
 
 async def _sees_nothing(self) -> None:
     await asyncio.Event().wait()
+
+
+async def test_a_new_client_reaches_a_new_server_on_a_port_whose_old_server_another_client_saw_fail():
+    """A channel that failed to reach a stopped server is in backoff; a new server on that port (a restart,
+    or the OS giving the port to the next server) must answer a new client's first call, which does not
+    wait. grpc shares connections across a process by default, and shared this failed one: the first
+    call failed at once with the old "Connection refused" (it made the test suite flaky)."""
+    old = await serve(Calculator(name="calc"))
+    port = int(old.address.rsplit(":", 1)[1])
+    async with transport.open_channel(old.address) as stale:
+        await stale.channel_ready()
+        await old.stop(grace=0)
+        state = stale.get_state(try_to_connect=True)
+        while state != grpc.ChannelConnectivity.TRANSIENT_FAILURE:  # it tried to reconnect, was refused
+            await asyncio.wait_for(stale.wait_for_state_change(state), 30)
+            state = stale.get_state(try_to_connect=True)
+        new = await serve(Calculator(name="calc"), "127.0.0.1", port)
+        registry = Registry(static={"calc": new.address})
+        try:
+            tools = await ResourcesClient(registry, "calc").describe_tools()
+            assert tools.tools
+        finally:
+            await registry.close()
+            await new.stop(grace=0)

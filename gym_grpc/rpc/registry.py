@@ -273,8 +273,8 @@ class Registry:
         channels = transport.CONNECTIONS_PER_WORKER * info.workers if info.workers > 1 else 1
         where = ",".join(addresses)
         return [
-            transport.Connection(transport.open_channel(addresses, i, self.security), where, self.unreachable_seconds)
-            for i in range(channels)
+            transport.Connection(transport.open_channel(addresses, self.security), where, self.unreachable_seconds)
+            for _ in range(channels)
         ]
 
     def replica(self, address: str) -> transport.Connection:

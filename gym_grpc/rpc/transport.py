@@ -79,6 +79,11 @@ def _common_options() -> list[tuple[str, int]]:
 _RECONNECT_OPTIONS: list[tuple[str, int]] = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    # Each channel keeps its own connections. By default grpc shares them across the process by
+    # target and arguments, and a connection that failed to a server which then stopped is shared
+    # too: a new channel to a new server on that port (a restart, or the OS giving the port to
+    # another server) had its first call fail at once with the old "Connection refused".
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 
 
@@ -104,15 +109,15 @@ def server_options(*, reuse_port: bool = False) -> list[tuple[str, int]]:
     ]
 
 
-def open_channel(address: str | list[str], index: int = 0, security: Security | None = None) -> grpc.aio.Channel:
+def open_channel(address: str | list[str], security: Security | None = None) -> grpc.aio.Channel:
     """An asyncio channel to `address` ("host:port") with our options, over TLS and
     with the bearer token when `security` says so. Given several addresses (the
     replicas of a server), one channel balanced over them (round_robin, with
     client-side health checking).
 
-    Channels with the same arguments share one connection; a distinct `index`
-    gives a channel its own, which is how a client reaches several worker
-    processes behind one port (the kernel spreads connections, not calls).
+    Every channel has its own connection: a client reaches the several worker
+    processes behind one port through several channels (the kernel spreads
+    connections, not calls).
     """
     options: list[tuple[str, str | int]] = [*_common_options(), *_RECONNECT_OPTIONS]
     if isinstance(address, list):
@@ -121,8 +126,6 @@ def open_channel(address: str | list[str], index: int = 0, security: Security | 
         else:
             address = balanced_target(address)
             options.append(("grpc.service_config", _BALANCED_SERVICE_CONFIG))
-    if index:
-        options.append(("grpc.gym_channel_index", index))
     if security is None:
         return grpc.aio.insecure_channel(address, options=options)
     options += security.channel_options()
