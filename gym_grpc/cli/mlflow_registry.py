@@ -138,6 +138,18 @@ def _missing_dataset(mlflow: MlflowClient, name: str, settings: RegistrySettings
     return RegistryError(f"no dataset {name!r} at {settings.tracking_uri}; {_datasets(mlflow)}")
 
 
+def _require_dataset(mlflow: MlflowClient, name: str, settings: RegistrySettings) -> None:
+    """RegistryError naming the datasets there are when `name` is none of them."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        mlflow.get_registered_model(name)
+    except MlflowException as e:
+        if _code(e) != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        raise _missing_dataset(mlflow, name, settings) from None
+
+
 def resolve(mlflow: MlflowClient, name: str, version: str | None, settings: RegistrySettings) -> ModelVersion:
     """The version of a dataset that `version` names (a number or an uploaded label), or its latest."""
     from mlflow.exceptions import MlflowException
@@ -150,12 +162,7 @@ def resolve(mlflow: MlflowClient, name: str, version: str | None, settings: Regi
                 raise
     found = versions(mlflow, name)
     if not found:
-        try:
-            mlflow.get_registered_model(name)
-        except MlflowException as e:
-            if _code(e) != "RESOURCE_DOES_NOT_EXIST":
-                raise
-            raise _missing_dataset(mlflow, name, settings) from None
+        _require_dataset(mlflow, name, settings)
         raise RegistryError(f"dataset {name!r} has no versions")
     if version is None:
         return found[-1]
@@ -320,19 +327,13 @@ class Deletion:
 
 def to_delete(name: str, version: str | None, settings: RegistrySettings) -> Deletion:
     """What deleting a dataset (or one of its versions) would remove; an error naming it if it does not exist."""
-    from mlflow.exceptions import MlflowException
 
     check_name(name)
     mlflow = client(settings)
     try:
         if version is not None:
             return Deletion(name, [resolve(mlflow, name, version, settings)], whole=False)
-        try:
-            mlflow.get_registered_model(name)
-        except MlflowException as e:
-            if _code(e) != "RESOURCE_DOES_NOT_EXIST":
-                raise
-            raise _missing_dataset(mlflow, name, settings) from None
+        _require_dataset(mlflow, name, settings)
         return Deletion(name, versions(mlflow, name), whole=True)
     except RegistryError:
         raise
