@@ -22,7 +22,10 @@ MAY_IMPORT = {
     "engines": {"rpc", "server", "data"},
     "batch": {"rpc", "server", "client", "data"},
     "testing": {"rpc", "server", "data"},
-    "cli": {"rpc", "server", "client", "data", "batch", "engines", "testing"},
+    "report": {"batch", "data"},
+    "training": {"client", "data"},
+    "adapters": {"rpc", "client", "data", "bundled"},
+    "cli": {"rpc", "server", "client", "data", "batch", "engines", "testing", "report", "training"},
 }
 
 
