@@ -27,6 +27,7 @@ def local_ray() -> Iterator[Any]:
 OPT_IN = {
     "real_engine": "--real-engine",  # the local CPU vLLM (gym_grpc.engines.local_vllm)
     "ray_cluster": "--ray-cluster",  # a Ray cluster of several real nodes on this machine (ray.cluster_utils)
+    "trainers": "--trainers",  # TRL and tinker-cookbook on CPU torch (tests/trainers/run installs them)
 }
 
 
@@ -40,6 +41,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--ray-cluster",
         action="store_true",
         help="run the tests marked ray_cluster on a Ray cluster of several nodes started by the tests",
+    )
+    parser.addoption(
+        "--trainers",
+        action="store_true",
+        help="run the tests marked trainers (TRL, tinker-cookbook, torch: installed by tests/trainers/run)",
     )
 
 

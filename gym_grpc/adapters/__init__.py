@@ -1,14 +1,21 @@
-"""Training frameworks' own environment interfaces over gym-grpc servers.
+"""Training frameworks over gym-grpc servers, and their environments in gym-grpc.
 
-Each adapter is its own module and needs its framework, installed with the
-extra of the same name; importing one without it raises an ImportError that
-names the extra:
+Each adapter is its own module and needs its framework; this package imports
+none of them, so `import gym_grpc.adapters` works without. Importing an
+adapter without its framework raises an ImportError that says what to install:
 
 - `gym_grpc.adapters.skyrl` (`pip install 'gym-grpc[skyrl]'`): any gym-grpc
   resources server as a SkyRL-Gym text environment, registered as "gym-grpc".
 - `gym_grpc.adapters.verifiers` (`pip install 'gym-grpc[verifiers]'`): a
   gym-grpc resources server as a verifiers taskset, and a verifiers taskset
   served as a gym-grpc resources server.
+- `gym_grpc.adapters.trl`: TRL GRPOTrainer's `rollout_func` and a reward
+  function over a running gym-grpc agent.
+- `gym_grpc.adapters.tinker`: tinker-cookbook's RL `Env` and `EnvGroupBuilder`
+  over a resources server's sessions.
+
+The trainers (TRL, tinker-cookbook) need torch, which gym-grpc does not
+install: docs/training.md says how (`.ci/trainers`).
 """
 
 from __future__ import annotations
