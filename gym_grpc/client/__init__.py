@@ -4,8 +4,11 @@ from gym_grpc.client.stubs import AdminClient, AgentClient, ModelClient, Resourc
 from gym_grpc.client.training import (
     GymClient,
     RolloutResult,
+    RolloutSlot,
     TokenTurn,
+    acquire_rollout_slot,
     max_concurrent_rollouts,
+    rollouts_in_flight,
     set_max_concurrent_rollouts,
 )
 
@@ -16,8 +19,11 @@ __all__ = [
     "ModelClient",
     "ResourcesClient",
     "RolloutResult",
+    "RolloutSlot",
     "TokenTurn",
     "ToolResult",
+    "acquire_rollout_slot",
     "max_concurrent_rollouts",
+    "rollouts_in_flight",
     "set_max_concurrent_rollouts",
 ]

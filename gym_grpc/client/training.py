@@ -57,6 +57,11 @@ class _ProcessLimit:
         with self._lock:
             return self._limit_locked()
 
+    @property
+    def in_use(self) -> int:
+        with self._lock:
+            return self._in_use
+
     def _limit_locked(self) -> int:
         if self._limit is None:
             self._set_locked(DEFAULT_MAX_CONCURRENT_ROLLOUTS)
@@ -122,6 +127,35 @@ def set_max_concurrent_rollouts(limit: int) -> None:
 def max_concurrent_rollouts() -> int:
     """The limit in force (the default is set, and logged, on first use)."""
     return _LIMIT.limit
+
+
+def rollouts_in_flight() -> int:
+    """How many rollouts hold a slot of the limit now, in this process."""
+    return _LIMIT.in_use
+
+
+class RolloutSlot:
+    """One rollout's share of the process's limit, for a rollout that `GymClient` does not run
+    (a trainer's own loop driving an environment's session, as the tinker-cookbook adapter does).
+    `release` gives it back; a second release does nothing."""
+
+    def __init__(self) -> None:
+        self._held = True
+
+    @property
+    def held(self) -> bool:
+        return self._held
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            _LIMIT.release()
+
+
+async def acquire_rollout_slot() -> RolloutSlot:
+    """Wait for a free slot under `max_concurrent_rollouts`, the same limit `GymClient` draws from."""
+    await _LIMIT.acquire()
+    return RolloutSlot()
 
 
 @dataclass(frozen=True)
