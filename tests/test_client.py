@@ -131,6 +131,25 @@ async def test_a_cancelled_waiter_gives_its_place_back(start):
     await gym.close()
 
 
+async def test_a_rollout_slot_draws_from_the_clients_limit_and_gives_it_back_once(start):
+    """A trainer's own rollout loop (the tinker-cookbook adapter) holds slots of the same limit."""
+    model, address = await _echo_agent(start)
+    set_max_concurrent_rollouts(2)
+    held = [await client_module.acquire_rollout_slot(), await client_module.acquire_rollout_slot()]
+    assert client_module.rollouts_in_flight() == 2
+    gym = GymClient("agent", Registry(static={"agent": address}))
+    waiting = asyncio.ensure_future(gym.run({"responses_create_params": {"input": "x"}}))
+    await asyncio.sleep(0.05)
+    assert not waiting.done() and model.requests == []  # no slot left for the client
+    held[0].release()
+    held[0].release()  # a second release gives nothing back
+    assert (await waiting).ok
+    assert client_module.rollouts_in_flight() == 1 and not held[0].held and held[1].held
+    held[1].release()
+    assert client_module.rollouts_in_flight() == 0
+    await gym.close()
+
+
 async def _poll(condition, seconds=20.0):
     """Wait for `condition()` to hold, at most `seconds` (a bound on a hang, not a timing assert)."""
     for _ in range(int(seconds / 0.01)):
