@@ -72,7 +72,9 @@ def test_one_grpo_step_on_smollm2_rollouts_collected_through_gym_grpc(
 
     # SmolLM2-135M gets "1 + 1" right most of the time and "2 + 3" about a quarter of the time
     # (measured at temperature 1), so groups of 4 are mostly mixed: a GRPO step needs a group whose
-    # rewards differ, else every advantage is 0. The seeds make the samples reproducible.
+    # rewards differ, else every advantage is 0. The seeds make the samples repeatable, though
+    # not exactly: vLLM's CPU numerics vary with what it batches together (seen: the last of
+    # the 8 rewards 1 in one run, 0 in the next).
     tasks = [
         _task("What is 1 + 1? Put the final answer in \\boxed{}.", "2", max_output_tokens=48, temperature=1.0),
         _task("What is 2 + 3?", "5", max_output_tokens=48, temperature=1.0),
