@@ -157,3 +157,37 @@ def test_failed_rollouts_reach_trl_as_unscorable_members_not_reward_zero(model_d
     logged = next(entry for entry in trainer.state.log_history if "rewards/gym_reward/mean" in entry)
     # Reward 0 for the failed members would make this 0.5.
     assert logged["rewards/gym_reward/mean"] == pytest.approx(1.0)
+
+
+def test_a_tool_calling_rollout_is_one_completion_with_the_tools_ids_masked(model_dir: Path, tmp_path: Path) -> None:
+    """The weather agent calls get_weather, then answers: two generations with the tool's output
+    between them, one TRL completion whose env_mask is 1 on the generations only. The rollout
+    function is called as GRPOTrainer calls it (its batch's prompts, the trainer itself), without
+    the optimizer step: the local policy's byte-level ids make long sequences, slow on CPU."""
+    from gym_grpc.adapters.trl import GymRollouts
+
+    lines = (Path(__file__).parents[2] / "servers/resources/weather/data/example.jsonl").read_text().splitlines()
+    tasks = [json.loads(line) for line in lines[:2]]
+    for task in tasks:
+        task["responses_create_params"]["temperature"] = 0.0  # the local policy calls the tool without slips
+    run = _start_run(configs=(QUICKSTART_MATH[0], Path(__file__).parents[2] / "servers/resources/weather/config.yaml"))
+    try:
+        rollouts = GymRollouts("weather_agent", tasks, run.registry)
+        dataset = rollouts.dataset()
+        trainer = _trainer(model_dir, tmp_path / "out", rollouts, dataset, group=2, prompts=2)
+        prompts = [row["prompt"] for row in dataset for _ in range(2)]  # as its RepeatSampler orders them
+        try:
+            out = rollouts(prompts, trainer)
+        finally:
+            rollouts.close()
+    finally:
+        run.stop()
+
+    assert out["gym_reward"] == [1.0] * 4 and rollouts.stats.failed == 0
+    assert out["prompt_ids"][0] == out["prompt_ids"][1] != out["prompt_ids"][2] == out["prompt_ids"][3]
+    for completion, mask, logprobs in zip(out["completion_ids"], out["env_mask"], out["logprobs"], strict=True):
+        assert len(completion) == len(mask) == len(logprobs)
+        generations = [run_ for run_ in "".join(map(str, mask)).split("0") if run_]
+        assert len(generations) == 2, mask  # the tool call, then the answer, with the tool's output between
+        assert mask[0] == 1 and mask[-1] == 1
+        assert all(lp == 0.0 for lp, m in zip(logprobs, mask, strict=True) if m == 0)
