@@ -236,22 +236,26 @@ class GymEnvGroupBuilder(types.EnvGroupBuilder):
         self.max_generation_tokens = max_generation_tokens
         self._open: list[GymMessageEnv] = []
         self._registry: Registry | None = None
+        self._client: ResourcesClient | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_open", "_registry")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_open", "_registry", "_client")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, _open=[], _registry=None)
+        self.__dict__.update(state, _open=[], _registry=None, _client=None)
 
     async def make_envs(self) -> Sequence[Any]:
+        """The group's envs. tinker-cookbook's retrying strategies call this again for fresh
+        envs mid-group: they share the client, and cleanup closes them all."""
         renderer = _renderer(self.renderer_name, self.tokenizer)
-        self._registry = Registry(self.registry)
-        client = ResourcesClient(self._registry, self.resources)
+        if self._registry is None:
+            self._registry = Registry(self.registry)
+            self._client = ResourcesClient(self._registry, self.resources)
+        assert self._client is not None
         messages = initial_messages(self.row, renderer)
-        self._open = [GymMessageEnv(client, self.row, messages, self.max_turns) for _ in range(self.group_size)]
-        return [
-            EnvFromMessageEnv(renderer, env, max_generation_tokens=self.max_generation_tokens) for env in self._open
-        ]
+        made = [GymMessageEnv(self._client, self.row, messages, self.max_turns) for _ in range(self.group_size)]
+        self._open.extend(made)
+        return [EnvFromMessageEnv(renderer, env, max_generation_tokens=self.max_generation_tokens) for env in made]
 
     async def cleanup(self) -> None:
         """Close what a rollout left open (it raised, or was cancelled) and the client."""
@@ -263,7 +267,7 @@ class GymEnvGroupBuilder(types.EnvGroupBuilder):
         self._open = []
         if self._registry is not None:
             await self._registry.close()
-            self._registry = None
+            self._registry = self._client = None
 
     def logging_tags(self) -> list[str]:
         return ["gym-grpc", self.resources]

@@ -88,6 +88,11 @@ def _scripted_policy(model_dir: Path, in_flight: list[int]) -> Any:
     return ScriptedWeather()
 
 
+def said_by_tinker(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """What tinker-cookbook's rollout strategies logged about failed trajectories."""
+    return [r.getMessage() for r in caplog.records if r.name == "tinker_cookbook.rl.rollout_strategy"]
+
+
 def _answer_policy(model_dir: Path, text: str) -> Any:
     """A TokenCompleter that answers `text` to anything."""
     from tinker_cookbook.completers import TokenCompleter, TokensWithLogprobs
@@ -154,7 +159,7 @@ async def test_a_rollout_the_environment_fails_is_dropped_by_tinkers_strategy_ne
     servers: Run, model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     from tinker_cookbook.exceptions import AllTrajectoriesFailedError
-    from tinker_cookbook.rl.rollout_strategy import MinViableGroup
+    from tinker_cookbook.rl.rollout_strategy import MinViableGroup, RetryOnFailure
     from tinker_cookbook.rl.rollouts import do_group_rollout
 
     from gym_grpc.adapters.tinker import GymEnvGroupBuilder
@@ -175,10 +180,15 @@ async def test_a_rollout_the_environment_fails_is_dropped_by_tinkers_strategy_ne
     with pytest.raises(AllTrajectoriesFailedError) as dropped:
         await do_group_rollout(group, policy, strategy=MinViableGroup(min_successful=1, max_retries=0))
     assert "0/2 rollouts succeeded" in str(dropped.value)
-    said = [r.getMessage() for r in caplog.records if r.name == "tinker_cookbook.rl.rollout_strategy"]
+    said = said_by_tinker(caplog)
     assert len(said) == 2 and all("INVALID_ARGUMENT: task.data.expected_answer" in m for m in said)
     with pytest.raises(GymError, match="expected_answer"):
         await do_group_rollout(group, policy)  # FailFast, tinker's default
+    caplog.clear()
+    # Retried in fresh envs (make_envs again, mid-group), then re-raised for the caller to skip the group.
+    with pytest.raises(GymError, match="expected_answer"):
+        await do_group_rollout(group, policy, strategy=RetryOnFailure(max_retries=2))
+    assert any("Retry budget exhausted (2 retries)" in m for m in said_by_tinker(caplog))
     assert rollouts_in_flight() == 0  # every failed rollout gave its slot back
 
 
