@@ -21,8 +21,8 @@ when the datasets are built.
 
 A rollout the environment cannot finish (a server down, a deadline, a verifier that raised)
 raises from the Env, as tinker-cookbook expects of a failed rollout: its rollout strategies
-(`MinViableGroup`, `RetryOnFailure`) drop or retry it and record it in the group's
-`rollout_errors`; it never becomes a reward-0 trajectory.
+drop it (`MinViableGroup`, recorded in the group's `rollout_errors`), retry it in a fresh env
+(`RetryOnFailure`) or fail the group (`FailFast`); it never becomes a reward-0 trajectory.
 
 Needs tinker-cookbook (and so torch): see docs/training.md.
 """
