@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 import urllib.request
@@ -170,3 +171,34 @@ def test_an_interrupted_start_leaves_no_engine_running(
     with pytest.raises(KeyboardInterrupt):
         start(prepared, log_path=tmp_path / "vllm.log", ready_timeout=30)
     assert _started(pids) and not any(alive(pid) for pid in _started(pids))
+
+
+_OWNER = """
+import sys, time
+from pathlib import Path
+from gym_grpc.engines.local_vllm import Prepared, running
+python, model_dir, log = sys.argv[1:4]
+with running(Prepared(python=Path(python), model_dir=Path(model_dir), model_name="fake"), log_path=Path(log)) as e:
+    print(e.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_an_engine_started_for_a_block_ends_when_its_owner_is_killed(fake: Any, tmp_path: Path) -> None:
+    """A test session killed on a time-out (SIGKILL: no `finally` runs) leaves no engine running: `running`
+    ties the engine to its owner's life. (The session's engine fixture is `running`.)"""
+    prepared, pids = fake("serve")
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _OWNER, str(prepared.python), str(prepared.model_dir), str(tmp_path / "vllm.log")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert owner.stdout is not None
+    server = int(owner.stdout.readline())
+    assert alive(server)
+    owner.kill()
+    owner.wait(timeout=30)
+    deadline = time.monotonic() + 30  # how long to wait for the kernel's signal and the exit, not a limit tested
+    while alive(server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(server)
