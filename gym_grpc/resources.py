@@ -235,6 +235,11 @@ class ResourcesServer(GymServer):
             return []
         return params_to_json(r.CreateParams(tools=[r.Tool(function=t.schema) for t in cls.tools.values()]))["tools"]
 
+    def tool_schemas(self) -> list[r.FunctionTool]:
+        """The tools DescribeTools lists; an environment whose tools are not @tool methods
+        (a wrapped framework's) overrides it, with call_tool."""
+        return [t.schema for t in self.tools.values()]
+
     # --- what an environment implements ------------------------------------
 
     async def seed_session(self, session: Session) -> None:
@@ -498,6 +503,4 @@ class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
 
     @rpc_method
     async def DescribeTools(self, request: res_pb.DescribeToolsRequest, context: Any) -> res_pb.DescribeToolsResponse:
-        return res_pb.DescribeToolsResponse(
-            tools=[t.schema for t in self.app.tools.values()], stateless=self.app.stateless
-        )
+        return res_pb.DescribeToolsResponse(tools=self.app.tool_schemas(), stateless=self.app.stateless)
