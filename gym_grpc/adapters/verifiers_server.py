@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator
 
 from gym_grpc import errors
 from gym_grpc.adapters import missing_extra
@@ -80,7 +80,14 @@ try:
 except ImportError as e:  # pragma: no cover - the extra's own message
     raise missing_extra("verifiers", "verifiers", e) from e
 
-__all__ = ["TASK_KEY", "VerifiersTasksetConfig", "VerifiersTasksetServer", "build_taskset", "task_rows"]
+__all__ = [
+    "TASK_KEY",
+    "VerifiersTasksetConfig",
+    "VerifiersTasksetServer",
+    "TasksetArgsError",
+    "build_taskset",
+    "task_rows",
+]
 
 #: The row field that names its verifiers task (the task's `key`).
 TASK_KEY = "verifiers_task_key"
@@ -127,6 +134,10 @@ class VerifiersTasksetConfig(ResourcesConfig):
         return value
 
 
+class TasksetArgsError(ValueError):
+    """`taskset_args` do not fit the taskset's config or the factory's parameters."""
+
+
 def build_taskset(ref: str, args: dict[str, Any] | None = None) -> vf.Taskset:
     """The taskset `ref` ('module:attribute') names, built with `args`; ValueError saying what is wrong."""
     args = dict(args or {})
@@ -134,16 +145,20 @@ def build_taskset(ref: str, args: dict[str, Any] | None = None) -> vf.Taskset:
     _check_kind(obj, ref)
     if isinstance(obj, vf.Taskset):
         if args:
-            raise ValueError(f"{ref!r} is a Taskset already: it takes no arguments")
+            raise TasksetArgsError(f"{ref!r} is a Taskset already: it takes no arguments")
         return obj
     if isinstance(obj, type):
         config_type = concrete_type(obj, vf.TasksetConfig, origin=vf.Taskset) or vf.TasksetConfig
         try:
-            return obj(config_type.model_validate(args))
-        except Exception as e:  # the config's own validation error says which field
-            raise ValueError(f"{obj.__name__}({config_type.__name__}): {e}") from None
+            config = config_type.model_validate(args)
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(map(str, x['loc'])) or '(all)'}: {x['msg']}" for x in e.errors())
+            raise TasksetArgsError(f"{config_type.__name__} of {ref}: {problems}") from None
+        return obj(config)
     try:
         made = obj(**args)
+    except TypeError as e:  # a keyword it does not take
+        raise TasksetArgsError(f"{ref}: {e}") from None
     except Exception as e:
         raise ValueError(f"{ref}(**taskset_args) raised {type(e).__name__}: {e}") from None
     if not isinstance(made, vf.Taskset):
@@ -283,7 +298,8 @@ class VerifiersTasksetServer(ResourcesServer):
                 raise ValueError("the taskset is infinite: bound it (take, include) in a factory")
             self.tasks: dict[str, vf.Task] = {task.key: task for task in self.taskset}
         except ValueError as e:
-            raise errors.ConfigError(f"server {self.name!r}: config.taskset: {e}") from None
+            key = "taskset_args" if isinstance(e, TasksetArgsError) else "taskset"
+            raise errors.ConfigError(f"server {self.name!r}: config.{key}: {e}") from None
         for task in list(self.tasks.values())[:1]:
             needing = [fn.__name__ for kind in ("reward", "metric") for fn in task.hooks(kind) if _requires_runtime(fn)]
             if needing:
