@@ -41,7 +41,7 @@ gym-grpc claims no top-level name but its own: construct the taskset in
 Python (as above), or re-export `GymGrpcTaskset` from a module of your own.
 
 The reverse direction (a verifiers taskset served as a gym-grpc resources
-server) is not built yet.
+server) is `gym_grpc.adapters.verifiers_server`.
 """
 
 from __future__ import annotations
