@@ -84,7 +84,6 @@ __all__ = [
     "TASK_KEY",
     "VerifiersTasksetConfig",
     "VerifiersTasksetServer",
-    "TasksetArgsError",
     "build_taskset",
     "task_rows",
 ]
@@ -134,7 +133,7 @@ class VerifiersTasksetConfig(ResourcesConfig):
         return value
 
 
-class TasksetArgsError(ValueError):
+class _TasksetArgsError(ValueError):
     """`taskset_args` do not fit the taskset's config or the factory's parameters."""
 
 
@@ -145,7 +144,7 @@ def build_taskset(ref: str, args: dict[str, Any] | None = None) -> vf.Taskset:
     _check_kind(obj, ref)
     if isinstance(obj, vf.Taskset):
         if args:
-            raise TasksetArgsError(f"{ref!r} is a Taskset already: it takes no arguments")
+            raise _TasksetArgsError(f"{ref!r} is a Taskset already: it takes no arguments")
         return obj
     if isinstance(obj, type):
         config_type = concrete_type(obj, vf.TasksetConfig, origin=vf.Taskset) or vf.TasksetConfig
@@ -153,12 +152,12 @@ def build_taskset(ref: str, args: dict[str, Any] | None = None) -> vf.Taskset:
             config = config_type.model_validate(args)
         except ValidationError as e:
             problems = "; ".join(f"{'.'.join(map(str, x['loc'])) or '(all)'}: {x['msg']}" for x in e.errors())
-            raise TasksetArgsError(f"{config_type.__name__} of {ref}: {problems}") from None
+            raise _TasksetArgsError(f"{config_type.__name__} of {ref}: {problems}") from None
         return obj(config)
     try:
         made = obj(**args)
     except TypeError as e:  # a keyword it does not take
-        raise TasksetArgsError(f"{ref}: {e}") from None
+        raise _TasksetArgsError(f"{ref}: {e}") from None
     except Exception as e:
         raise ValueError(f"{ref}(**taskset_args) raised {type(e).__name__}: {e}") from None
     if not isinstance(made, vf.Taskset):
@@ -298,7 +297,7 @@ class VerifiersTasksetServer(ResourcesServer):
                 raise ValueError("the taskset is infinite: bound it (take, include) in a factory")
             self.tasks: dict[str, vf.Task] = {task.key: task for task in self.taskset}
         except ValueError as e:
-            key = "taskset_args" if isinstance(e, TasksetArgsError) else "taskset"
+            key = "taskset_args" if isinstance(e, _TasksetArgsError) else "taskset"
             raise errors.ConfigError(f"server {self.name!r}: config.{key}: {e}") from None
         for task in list(self.tasks.values())[:1]:
             needing = [fn.__name__ for kind in ("reward", "metric") for fn in task.hooks(kind) if _requires_runtime(fn)]
