@@ -50,17 +50,22 @@ def _error_classes() -> list[type]:
 def test_every_error_class_of_the_framework_has_a_reason_whose_status_is_its_code():
     import gym_grpc.cli.datasets
     import gym_grpc.cli.hub
+    import gym_grpc.cli.mlflow_registry
     import gym_grpc.cli.runner
     import gym_grpc.data.jsonl
     import gym_grpc.data.rows
     import gym_grpc.engines.http
-    import gym_grpc.engines.local_vllm  # noqa: F401  (imported for their error classes)
+    import gym_grpc.engines.local_vllm
+    import gym_grpc.report.export
+    import gym_grpc.training.samples  # noqa: F401  (imported for their error classes)
 
     classes = _error_classes()
     names = {c.__name__ for c in classes}
     for expected in ("ConfigError", "OutputError", "RolloutFailed", "PrepareError", "RecordError", "EngineStartError"):
         assert expected in names
     for expected in ("DataError", "StartupError", "HubError", "TooDeep", "DuplicateKey", "RowError", "EngineError"):
+        assert expected in names
+    for expected in ("RegistryError", "ExportError", "NonMonotonic"):
         assert expected in names
     for cls in classes:
         assert isinstance(cls.reason, errors.Reason), cls

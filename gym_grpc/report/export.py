@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from gym_grpc import errors
 from gym_grpc.data import jsonl, record
 from gym_grpc.errors import ConfigError
 from gym_grpc.report.stats import FileReport
@@ -53,6 +54,8 @@ ANSWER_CHARS = 1000
 
 class ExportError(ConfigError):
     """The service refused the report (no credentials, unreachable), or its package is missing."""
+
+    reason = errors.Reason.EXPORT_FAILED
 
 
 def metric_name(agent: str, name: str) -> str:

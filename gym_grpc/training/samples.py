@@ -43,6 +43,8 @@ NO_AGENT = "(no agent)"
 class NonMonotonic(errors.FrameworkError, ValueError):
     """A turn's prompt does not extend the previous turn's prompt and generation (with `refuse`)."""
 
+    reason = errors.Reason.HISTORY_NOT_MONOTONIC
+
 
 @dataclass(frozen=True)
 class TrainingRollout:
