@@ -31,7 +31,7 @@ import logging
 import math
 import time
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, ClassVar
@@ -150,6 +150,30 @@ def _argument_error(tool_name: str, error: ValidationError) -> errors.InvalidArg
         where = ".".join(str(p) for p in e["loc"])
         problems.append(f"argument {where!r}: {e['msg']}" if where else e["msg"])
     return _bad_arguments(tool_name, "; ".join(problems))
+
+
+def unknown_tool(name: str, known: Iterable[str]) -> errors.NotFound:
+    """The error of a call to a tool the environment does not have, listing those it has."""
+    return errors.NotFound(
+        f"unknown tool {name!r} (tools: {', '.join(sorted(known)) or 'none'})",
+        field="name",
+        reason=errors.Reason.TOOL_NOT_FOUND,
+        metadata={"tool": name},
+    )
+
+
+def tool_arguments(name: str, arguments: str) -> dict[str, Any]:
+    """A tool call's arguments as the model wrote them (JSON text, bounded in depth) as an object;
+    INVALID_ARGUMENT (TOOL_ARGUMENTS_INVALID) naming the tool otherwise. Empty text is no arguments."""
+    try:
+        parsed = json_input.loads(arguments) if arguments.strip() else {}
+    except json_input.TooDeep as e:
+        raise _bad_arguments(name, f"arguments are {e}") from None
+    except json.JSONDecodeError as e:
+        raise _bad_arguments(name, f"arguments are not valid JSON ({e}): {arguments[:200]!r}") from None
+    if not isinstance(parsed, dict):
+        raise _bad_arguments(name, f"arguments must be a JSON object, got {type(parsed).__name__}")
+    return parsed
 
 
 def _bad_arguments(tool_name: str, problem: str) -> errors.InvalidArgument:
@@ -323,21 +347,8 @@ class ResourcesServer(GymServer):
         with the tool's error as the message, for the model."""
         spec = self.tools.get(name)
         if spec is None:
-            known = ", ".join(sorted(self.tools)) or "none"
-            raise errors.NotFound(
-                f"unknown tool {name!r} (tools: {known})",
-                field="name",
-                reason=errors.Reason.TOOL_NOT_FOUND,
-                metadata={"tool": name},
-            )
-        try:
-            parsed = json_input.loads(arguments) if arguments.strip() else {}
-        except json_input.TooDeep as e:
-            raise _bad_arguments(name, f"arguments are {e}") from None
-        except json.JSONDecodeError as e:
-            raise _bad_arguments(name, f"arguments are not valid JSON ({e}): {arguments[:200]!r}") from None
-        if not isinstance(parsed, dict):
-            raise _bad_arguments(name, f"arguments must be a JSON object, got {type(parsed).__name__}")
+            raise unknown_tool(name, self.tools)
+        parsed = tool_arguments(name, arguments)
         try:
             args = spec.arguments.model_validate(parsed)
         except ValidationError as e:

@@ -64,7 +64,14 @@ from pydantic import Field, ValidationError, field_validator
 from gym_grpc import errors
 from gym_grpc.adapters import missing_extra
 from gym_grpc.data.rows import dumps, response_to_json
-from gym_grpc.resources import ResourcesConfig, ResourcesServer, Session, Verification
+from gym_grpc.resources import (
+    ResourcesConfig,
+    ResourcesServer,
+    Session,
+    Verification,
+    tool_arguments,
+    unknown_tool,
+)
 from gym_grpc.v1 import responses_pb2 as r
 
 try:
@@ -360,29 +367,8 @@ class VerifiersTasksetServer(ResourcesServer):
         rollout: _Rollout | None = session.state.get("rollout")
         found = (rollout.served.tools.get(name) if rollout else None) or self._shared.tools.get(name)
         if found is None:
-            known = ", ".join(sorted(self._catalogue)) or "none"
-            raise errors.NotFound(
-                f"unknown tool {name!r} (tools: {known})",
-                field="name",
-                reason=errors.Reason.TOOL_NOT_FOUND,
-                metadata={"tool": name},
-            )
-        try:
-            parsed = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as e:
-            raise errors.InvalidArgument(
-                f"tool {name!r}: arguments are not valid JSON ({e}): {arguments[:200]!r}",
-                field="arguments",
-                reason=errors.Reason.TOOL_ARGUMENTS_INVALID,
-                metadata={"tool": name},
-            ) from None
-        if not isinstance(parsed, dict):
-            raise errors.InvalidArgument(
-                f"tool {name!r}: arguments must be a JSON object, got {type(parsed).__name__}",
-                field="arguments",
-                reason=errors.Reason.TOOL_ARGUMENTS_INVALID,
-                metadata={"tool": name},
-            )
+            raise unknown_tool(name, self._catalogue)
+        parsed = tool_arguments(name, arguments)
         mcp, _ = found
         state = rollout.trace.state if rollout else None
         token = _rollout_state.set(state)
