@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from gym_grpc.batch.collector import CollectOptions, collect
 from gym_grpc.cli.main import main
 from gym_grpc.client.stubs import ResourcesClient
+from gym_grpc.data import record
 from gym_grpc.data.jsonl import failures_path
 from gym_grpc.report import stats, text
 from servers.agents.simple_agent.agent import SimpleAgent
@@ -143,7 +144,7 @@ def test_every_row_of_nemo_gyms_recorded_rollouts_is_counted_once_for_its_agent(
         assert file["unreadable"] == len(lines) - len(rows), name  # some files hold "<PLACEHOLDER ROW>" lines
         agents = file["agents"]
         assert sum(agent["metrics"]["rollouts"] for agent in agents.values()) + file["duplicates"] == len(rows), name
-        expected = {(row.get("agent_ref") or {}).get("name") or stats.NO_AGENT for row in rows}
+        expected = {(row.get("agent_ref") or {}).get("name") or record.NO_AGENT for row in rows}
         assert set(agents) == expected, name
         if not file["duplicates"]:
             rewards = sum(row["reward"] for row in rows if isinstance(row.get("reward"), int | float))

@@ -17,7 +17,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,36 @@ class Appender:
 def failures_path(output: Path) -> Path:
     """The failures sidecar of an output file: `<stem>.failures.jsonl` next to it."""
     return output.with_name(f"{output.stem}.failures.jsonl")
+
+
+@dataclass
+class SidecarFailures:
+    """What a failures sidecar says beyond its output file."""
+
+    #: Rollouts that failed and that no row of the output made good, each with the `error` of its
+    #: last record (a key that failed in several runs counts once).
+    missing: dict[record.RolloutKey, dict[str, Any]] = field(default_factory=dict)
+    #: Rollouts that failed in one run and were written by a later one.
+    recovered: int = 0
+    #: Records of input rows that did not load (no rollout, so in no group).
+    bad_rows: int = 0
+
+
+def sidecar_failures(output: Path, written: Container[record.RolloutKey]) -> SidecarFailures:
+    """Read `output`'s failures sidecar against the keys of the rows `output` holds."""
+    found = SidecarFailures()
+    recovered: set[record.RolloutKey] = set()
+    for entry in iter_rows(failures_path(output)):
+        if "line" in entry or not isinstance(entry.get("error"), dict):
+            found.bad_rows += 1
+            continue
+        key = record.failure_key(entry)
+        if key in written:
+            recovered.add(key)
+        else:
+            found.missing[key] = entry["error"]
+    found.recovered = len(recovered)
+    return found
 
 
 def count_rows(path: Path, limit: int | None = None) -> int:

@@ -98,6 +98,35 @@ def set_key(row: dict[str, Any], task_index: int, repeat_index: int) -> None:
         row[t], row[k] = task_index, repeat_index
 
 
+#: The agent of a row that names none (NeMo Gym's rows may have no agent_ref).
+NO_AGENT = "(no agent)"
+#: A rollout's identity across runs: (agent, task index, repeat index); an index that is
+#: missing or not a non-negative integer is None.
+RolloutKey = tuple[str, int | None, int | None]
+
+
+def _index(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def rollout_key(row: dict[str, Any]) -> RolloutKey:
+    """The (agent, task, repeat) of a rollout row, under either key name."""
+    ref = row.get("agent_ref")
+    name = ref.get("name") if isinstance(ref, dict) else None
+    task, repeat = row_key(row)
+    return (name if isinstance(name, str) and name else NO_AGENT, _index(task), _index(repeat))
+
+
+def failure_key(entry: dict[str, Any]) -> RolloutKey:
+    """The (agent, task, repeat) a failures sidecar record is about."""
+    group = entry.get("group")
+    return (
+        group if isinstance(group, str) and group else NO_AGENT,
+        _index(entry.get("task_index")),
+        _index(entry.get("repeat_index")),
+    )
+
+
 def key_slot(row: dict[str, Any], n_tasks: int, repeats: int) -> int | None:
     """The slot of a row's key in [0, n_tasks * repeats), or None when it has none there."""
     t, k = row_key(row)

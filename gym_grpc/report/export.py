@@ -100,13 +100,12 @@ def rollout_lines(path: Path, limit: int) -> Iterator[list[Any]]:
     for number, row in enumerate(jsonl.iter_rows(path)):
         if number >= limit:
             return
-        ref = row.get("agent_ref")
-        task, repeat = record.row_key(row)
+        agent, task, repeat = record.rollout_key(row)
         tokens_in, tokens_out = record.usage_of(row)
         timings = row.get("timings") if isinstance(row.get("timings"), dict) else {}
         reward = row.get("reward") if isinstance(row.get("reward"), int | float) else None
         yield [
-            ref.get("name") if isinstance(ref, dict) else None,
+            agent,
             task,
             repeat,
             None if row.get("verification_skipped") else reward,

@@ -31,8 +31,6 @@ from gym_grpc.data import jsonl, record
 
 #: The stage times a row carries in `timings`, in this order.
 STAGES = ("model", "tools", "verify", "total")
-#: The agent of a row that names none.
-NO_AGENT = "(no agent)"
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -209,32 +207,22 @@ def _number(value: Any) -> float | None:
     return None
 
 
-def _agent_of(row: dict[str, Any]) -> str:
-    ref = row.get("agent_ref")
-    name = ref.get("name") if isinstance(ref, dict) else None
-    return name if isinstance(name, str) and name else NO_AGENT
-
-
-def _index(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
-
-
 def read(path: Path) -> FileReport:
     """The report of a rollouts file and its failures sidecar; FileNotFoundError when there is no file."""
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
     report = FileReport(path)
-    seen: set[tuple[str, int, int]] = set()
+    seen: set[record.RolloutKey] = set()
     read = 0
     for row in jsonl.iter_rows(path):
         read += 1
-        name = _agent_of(row)
-        task, repeat = (_index(v) for v in record.row_key(row))
+        key = record.rollout_key(row)
+        name, task, repeat = key
         if task is not None and repeat is not None:
-            if (name, task, repeat) in seen:
+            if key in seen:
                 report.duplicates += 1
                 continue
-            seen.add((name, task, repeat))
+            seen.add(key)
         else:
             task = None
         agent = report.agents.get(name)
@@ -242,23 +230,11 @@ def read(path: Path) -> FileReport:
             agent = report.agents[name] = AgentStats(name)
         agent.add(row, task)
     report.unreadable = jsonl.count_rows(path) - read
-    missing: dict[tuple[str, int | None, int | None], str] = {}  # a key that failed in several runs counts once
-    recovered: set[tuple[str, int | None, int | None]] = set()
-    for failure in jsonl.iter_rows(jsonl.failures_path(path)):
-        if "line" in failure:
-            report.bad_rows += 1
-            continue
-        group = failure["group"] if isinstance(failure.get("group"), str) else NO_AGENT
-        key = (group, _index(failure.get("task_index")), _index(failure.get("repeat_index")))
-        if key in seen:
-            recovered.add(key)
-            continue
-        error = failure["error"] if isinstance(failure.get("error"), dict) else {}
-        missing[key] = f"{error.get('class', '?')} ({error.get('code', '?')})"  # the last run's reason
-    report.recovered = len(recovered)
-    for (group, _, _), label in missing.items():
+    failures = jsonl.sidecar_failures(path, seen)
+    report.recovered, report.bad_rows = failures.recovered, failures.bad_rows
+    for (group, _, _), error in failures.missing.items():
         agent = report.agents.get(group)
         if agent is None:
             agent = report.agents[group] = AgentStats(group)
-        agent.failures[label] += 1
+        agent.failures[f"{error.get('class', '?')} ({error.get('code', '?')})"] += 1
     return report

@@ -36,8 +36,6 @@ from gym_grpc.data import jsonl, record
 
 NonMonotonicPolicy = Literal["split", "refuse"]
 StalePolicy = Literal["mask", "drop"]
-#: The agent of a rollout that names none.
-NO_AGENT = "(no agent)"
 
 
 class NonMonotonic(errors.FrameworkError, ValueError):
@@ -64,9 +62,7 @@ class TrainingRollout:
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> TrainingRollout:
         """A rollout row as `collect` writes it (or NeMo Gym does)."""
-        ref = row.get("agent_ref")
-        name = ref.get("name") if isinstance(ref, dict) else None
-        task, repeat = (v if isinstance(v, int) and not isinstance(v, bool) else None for v in record.row_key(row))
+        agent, task, repeat = record.rollout_key(row)
         reward = row.get("reward")
         turns = []
         for item in (row.get("response") or {}).get("output") or []:
@@ -81,7 +77,7 @@ class TrainingRollout:
                     )
                 )
         return cls(
-            agent=name if isinstance(name, str) and name else NO_AGENT,
+            agent=agent,
             task_index=task,
             repeat_index=repeat,
             reward=None if row.get("verification_skipped") or not isinstance(reward, int | float) else float(reward),
@@ -257,21 +253,13 @@ def build(
 
 def read_rollouts(path: Path) -> Iterator[TrainingRollout]:
     """The rollouts of a `collect` output, then its failures sidecar's failed rollouts that no row made good."""
-    done: set[tuple[str, int | None, int | None]] = set()
+    done: set[record.RolloutKey] = set()
     for row in jsonl.iter_rows(path):
         rollout = TrainingRollout.from_row(row)
         done.add((rollout.agent, rollout.task_index, rollout.repeat_index))
         yield rollout
-    failed: dict[tuple[str, int | None, int | None], errors.Failure] = {}
-    for entry in jsonl.iter_rows(jsonl.failures_path(path)):
-        if "line" in entry or not isinstance(entry.get("error"), dict):
-            continue  # an input row that did not load: no rollout, no group member
-        group = entry.get("group") if isinstance(entry.get("group"), str) else NO_AGENT
-        key = (str(group), entry.get("task_index"), entry.get("repeat_index"))
-        if key not in done:
-            error = entry["error"]
-            failed[key] = errors.Failure(
-                str(error.get("class")), str(error.get("code")), str(error.get("message")), error.get("field")
-            )
-    for (agent, task, repeat), failure in failed.items():
+    for (agent, task, repeat), error in jsonl.sidecar_failures(path, done).missing.items():
+        failure = errors.Failure(
+            str(error.get("class")), str(error.get("code")), str(error.get("message")), error.get("field")
+        )
         yield TrainingRollout(agent, task, repeat, None, [], failure)
