@@ -28,7 +28,10 @@ import sys
 import time
 import uuid
 
+import orjson
 from aiohttp import web
+
+from gym_grpc.rpc import event_loop
 
 
 def _ids(text: str) -> list[int]:
@@ -54,6 +57,10 @@ def _count() -> None:
     STATS["calls"] += 1
     STATS["first"] = STATS["first"] or now
     STATS["last"] = now
+
+
+def _json(answer: dict) -> web.Response:
+    return web.Response(body=orjson.dumps(answer), content_type="application/json")
 
 
 async def stats(request: web.Request) -> web.Response:
@@ -92,7 +99,7 @@ def _tool_arguments(tool: dict, user: object) -> str:
 
 
 async def chat(request: web.Request) -> web.Response:
-    body = await request.json()
+    body = orjson.loads(await request.read())
     _count()
     await asyncio.sleep(LATENCY)
     messages = body["messages"]
@@ -138,11 +145,11 @@ async def chat(request: web.Request) -> web.Response:
     if body.get("return_token_ids"):
         answer["prompt_token_ids"] = prompt
         choice["token_ids"] = generated
-    return web.json_response(answer)
+    return _json(answer)
 
 
 async def responses(request: web.Request) -> web.Response:
-    body = await request.json()
+    body = orjson.loads(await request.read())
     _count()
     await asyncio.sleep(LATENCY)
     items = body["input"] if isinstance(body["input"], list) else [{"role": "user", "content": body["input"]}]
@@ -175,7 +182,7 @@ async def responses(request: web.Request) -> web.Response:
             "status": "completed",
             "content": [{"type": "output_text", "text": _plain_answer(user), "annotations": []}],
         }
-    return web.json_response(
+    return _json(
         {
             "id": f"resp_{uuid.uuid4().hex}",
             "object": "response",
@@ -206,4 +213,4 @@ async def main(port_file: str) -> None:
 if __name__ == "__main__":
     if len(sys.argv) > 2:
         LATENCY = float(sys.argv[2])
-    asyncio.run(main(sys.argv[1]))
+    event_loop.run(main(sys.argv[1]))
