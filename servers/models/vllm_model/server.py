@@ -49,6 +49,7 @@ part of the text either way).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import operator
@@ -130,6 +131,12 @@ def _checked_ids(
 ) -> tuple[list[int], list[float]]:
     """Generated ids and log-probs from every source the engine gave (its `token_ids`, and
     the log-prob tokens as "token_id:N"), checked against each other."""
+    if token_ids is not None and tokens is not None and values is not None and len(values) == len(token_ids):
+        # The usual answer has both and they agree: one comparison of strings; any doubt
+        # (a mismatch, a value that is not an int) takes the full check below.
+        with contextlib.suppress(TypeError, ValueError):
+            if tokens == [f"{_TOKEN_ID}{t:d}" for t in token_ids]:
+                return list(token_ids), list(map(float, values))
     from_logprobs = None
     if tokens is not None:
         # One pass in C per step (a real answer has thousands of tokens); the position
@@ -341,8 +348,8 @@ class VLLMModel(EngineModelServer):
         generated, log_probs = _checked_ids(
             engine,
             choice.get("token_ids"),
-            None if entries is None else list(map(str, map(operator.methodcaller("get", "token", ""), entries))),
-            None if entries is None else list(map(operator.itemgetter("logprob"), entries)),
+            None if entries is None else [str(entry.get("token", "")) for entry in entries],
+            None if entries is None else [entry["logprob"] for entry in entries],
         )
         prompt = answer.get("prompt_token_ids")
         if prompt is None:
