@@ -48,7 +48,10 @@ def _check_rollout(engine: local_vllm.Engine, row: dict[str, Any]) -> list[str]:
         if item["type"] == "message":
             cut = item.get("status") == "incomplete"
             assert cut or text.endswith(END), text[-80:]
-            body = text if cut else text.removesuffix(END)
+            # A turn cut at max_output_tokens may end inside a character (byte-level tokens): its
+            # last ids decode to U+FFFD, which vLLM's incremental detokenizer never emits, as it
+            # holds such bytes back until the character is whole.
+            body = text.rstrip("\ufffd") if cut else text.removesuffix(END)
             # vllm_model's chat path strips the whitespace around a message's text
             # (the model often ends with "\n\n"); the ids keep it.
             assert "".join(part["text"] for part in item["content"]) in (body, body.strip())
