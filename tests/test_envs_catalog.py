@@ -89,6 +89,27 @@ def write_env(
     return directory
 
 
+_BUNDLED: dict[str | None, catalog.Catalog] = {}
+
+
+@pytest.fixture
+def bundled_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For the tests that only read the bundled environments: each lookup (all of them, or one
+    name) is probed once in this module and reused, since probing imports every environment's
+    dependencies in child processes, seconds each time. The probing itself is checked by the
+    tests that do not use this (the first one lists the bundled environments afresh)."""
+    find = catalog.find
+
+    def once(paths: Any = (), *, only: str | None = None, **kwargs: Any) -> catalog.Catalog:
+        if tuple(paths) or kwargs or os.environ.get(catalog.ENV_PATH_VARIABLE):
+            return find(paths, only=only, **kwargs)
+        if only not in _BUNDLED:
+            _BUNDLED[only] = find(paths, only=only)
+        return _BUNDLED[only]
+
+    monkeypatch.setattr(catalog, "find", once)
+
+
 def envs(*args: str, env: dict[str, str] | None = None, code: int = 0) -> Result:
     done = CliRunner().invoke(main, ["envs", *args], env=env, catch_exceptions=False)
     assert done.exit_code == code, done.output
@@ -137,7 +158,7 @@ def test_list_has_every_bundled_environment_with_what_its_config_and_server_say(
         assert example["rows"] == sum(1 for line in lines if line.strip()) and example["type"] == "example"
 
 
-def test_list_prints_a_table_with_a_row_per_environment():
+def test_list_prints_a_table_with_a_row_per_environment(bundled_once):
     out = envs("list").stdout.splitlines()
     assert out[0].split() == ["name", "tools", "rows", "license", "source", "description"]
     weather = next(line for line in out if line.startswith("weather "))
@@ -145,7 +166,7 @@ def test_list_prints_a_table_with_a_row_per_environment():
     assert {line.split()[0] for line in out[1:]} >= set(bundled_environments())
 
 
-def test_show_prints_tools_with_their_arguments_the_verifier_fields_and_the_datasets():
+def test_show_prints_tools_with_their_arguments_the_verifier_fields_and_the_datasets(bundled_once):
     out = envs("show", "weather").stdout
     assert "get_weather(city: string)  Get the current weather in a city." in out
     assert "reported_temperature  the final answer states that forecast's temperature" in out
@@ -153,7 +174,7 @@ def test_show_prints_tools_with_their_arguments_the_verifier_fields_and_the_data
     assert "license:  Apache-2.0" in out and "agents:   weather_agent" in out
 
 
-def test_show_json_lists_training_data_with_its_row_count_and_license():
+def test_show_json_lists_training_data_with_its_row_count_and_license(bundled_once):
     math = json.loads(envs("show", "math", "--json").stdout)
     train = next(d for d in math["datasets"] if d["file"] == "data/train.jsonl")
     rows = sum(1 for line in (RESOURCES / "math" / "data" / "train.jsonl").read_text().splitlines() if line.strip())
@@ -163,17 +184,17 @@ def test_show_json_lists_training_data_with_its_row_count_and_license():
     assert math["tools"] == [] and math["server_class"].endswith(":MathEnv")
 
 
-def test_a_mistyped_name_is_an_error_that_suggests_the_right_one():
+def test_a_mistyped_name_is_an_error_that_suggests_the_right_one(bundled_once):
     done = envs("show", "wether", code=1)
     assert "no environment 'wether'; did you mean 'weather'?" in done.stderr
 
 
-def test_an_agent_is_not_an_environment():
+def test_an_agent_is_not_an_environment(bundled_once):
     done = envs("show", "weather_agent", code=1)
     assert "no environment 'weather_agent'; did you mean 'weather'?" in done.stderr
 
 
-def test_search_matches_names_descriptions_and_tools():
+def test_search_matches_names_descriptions_and_tools(bundled_once):
     def names(text: str) -> set[str]:
         return {e["name"] for e in json.loads(envs("search", text, "--json").stdout)["environments"]}
 
