@@ -12,6 +12,8 @@ files are read from the zip.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import subprocess
 import sys
@@ -24,22 +26,30 @@ NEMO_GYM = "nemo-gym==0.7.0"
 CACHE = Path(os.environ.get("GYM_GRPC_TEST_CACHE", Path.home() / ".cache" / "gym-grpc-tests"))
 
 
+@contextlib.contextmanager
+def cache_lock(name: str) -> Iterator[None]:
+    """Held while something is made in the cache: the tests run in several processes
+    (pytest-xdist), and two of them must not download or build the same thing at once."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 @cache
 def nemo_gym_wheel() -> Path:
     """The NeMo Gym wheel, downloaded once into the cache."""
     name, version = NEMO_GYM.split("==")
-    found = sorted(CACHE.glob(f"{name.replace('-', '_')}-{version}-*.whl"))
-    if found:
+    pattern = f"{name.replace('-', '_')}-{version}-*.whl"
+    with cache_lock("nemo-gym-wheel"):
+        found = sorted(CACHE.glob(pattern))
+        if found:
+            return found[0]
+        command = [sys.executable, "-m", "pip", "download", "-q", NEMO_GYM, "--no-deps", "--ignore-requires-python"]
+        done = subprocess.run([*command, "-d", CACHE], capture_output=True, text=True)
+        found = sorted(CACHE.glob(pattern))
+        assert done.returncode == 0 and found, f"could not download {NEMO_GYM} from the registry:\n{done.stderr}"
         return found[0]
-    CACHE.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "-q", NEMO_GYM, "--no-deps", "--ignore-requires-python", "-d", CACHE],
-        capture_output=True,
-        text=True,
-    )
-    found = sorted(CACHE.glob(f"{name.replace('-', '_')}-{version}-*.whl"))
-    assert done.returncode == 0 and found, f"could not download {NEMO_GYM} from the package registry:\n{done.stderr}"
-    return found[0]
 
 
 def nemo_gym_files(suffix: str) -> list[str]:

@@ -18,7 +18,7 @@ import subprocess
 from functools import cache
 from pathlib import Path
 
-from tests.corpus import CACHE, NEMO_GYM, nemo_gym_wheel
+from tests.corpus import CACHE, NEMO_GYM, cache_lock, nemo_gym_wheel
 
 #: What the modules above import, at the versions they were tried with.
 DEPENDENCIES = (
@@ -66,11 +66,13 @@ def nemo_gym_python(interpreter: str) -> Path:
     """The Python of a virtualenv where NeMo Gym's modules above import; built on first use."""
     python = VENV / "bin" / "python"
     ready = VENV / "ready"
-    if not ready.exists():
-        shutil.rmtree(VENV, ignore_errors=True)
-        _run(interpreter, "-m", "venv", VENV)
-        _run(python, "-m", "pip", "install", "-q", *DEPENDENCIES)
-        _run(python, "-m", "pip", "install", "-q", "--no-deps", "--ignore-requires-python", nemo_gym_wheel())
-        _run(python, "-c", IMPORTS)
-        ready.touch()
+    wheel = nemo_gym_wheel()
+    with cache_lock("nemo-gym-venv"):
+        if not ready.exists():
+            shutil.rmtree(VENV, ignore_errors=True)
+            _run(interpreter, "-m", "venv", VENV)
+            _run(python, "-m", "pip", "install", "-q", *DEPENDENCIES)
+            _run(python, "-m", "pip", "install", "-q", "--no-deps", "--ignore-requires-python", wheel)
+            _run(python, "-c", IMPORTS)
+            ready.touch()
     return python
