@@ -153,7 +153,9 @@ def test_ids_are_what_the_engine_sampled_and_calls_and_reasoning_come_from_its_t
 
 
 def test_the_tool_schema_renders_to_the_same_ids_in_every_worker(engine, stack, tmp_path):
-    running = stack(WEATHER_CONFIG, overrides=("servers.policy_model.num_workers=2",))
+    # Only the first turn's prompt is compared: one model call per rollout is all it takes.
+    one_turn = ("servers.policy_model.num_workers=2", "servers.weather_agent.config.max_steps=1")
+    running = stack(WEATHER_CONFIG, overrides=one_turn)
     collected = _collected(running, "weather_agent", WEATHER_TASKS, tmp_path / "w.jsonl", "--num-repeats", "6", *COMMON)
     first_prompts: dict[int, set[tuple[int, ...]]] = {}
     for row in collected:
