@@ -49,7 +49,6 @@ part of the text either way).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import operator
@@ -126,21 +125,25 @@ def _carriers(items: list[r.Item]) -> list[token_prompts.Carrier | None]:
 _TOKEN_ID = "token_id:"
 
 
+def _names_these_ids(tokens: list[str], ids: list[int]) -> bool:
+    """Whether the log-prob tokens are exactly "token_id:N" of these ids, as in the usual
+    answer: one comparison of strings. An id that is not an int is never a match."""
+    try:
+        return tokens == [f"{_TOKEN_ID}{t:d}" for t in ids]
+    except (TypeError, ValueError):
+        return False
+
+
 def _checked_ids(
     engine: Engine, token_ids: list[int] | None, tokens: list[str] | None, values: list[float] | None
 ) -> tuple[list[int], list[float]]:
     """Generated ids and log-probs from every source the engine gave (its `token_ids`, and
     the log-prob tokens as "token_id:N"), checked against each other."""
-    if token_ids is not None and tokens is not None and values is not None and len(values) == len(token_ids):
-        # The usual answer has both and they agree: one comparison of strings; any doubt
-        # (a mismatch, a value that is not an int) takes the full check below.
-        with contextlib.suppress(TypeError, ValueError):
-            if tokens == [f"{_TOKEN_ID}{t:d}" for t in token_ids]:
-                return list(token_ids), list(map(float, values))
-    from_logprobs = None
-    if tokens is not None:
-        # One pass in C per step (a real answer has thousands of tokens); the position
-        # of a bad token is looked for only when there is one.
+    generated = None if token_ids is None else list(token_ids)
+    if tokens is not None and (generated is None or not _names_these_ids(tokens, generated)):
+        # The tokens are read one by one only when they do not simply name the ids: to
+        # get the ids from them, or to say what is wrong. One pass in C per step (a real
+        # answer has thousands of tokens); a bad token's position is looked for only then.
         if not all(map(operator.methodcaller("startswith", _TOKEN_ID), tokens)):
             position, token = next((i, t) for i, t in enumerate(tokens) if not t.startswith(_TOKEN_ID))
             raise errors.GymError(
@@ -149,13 +152,13 @@ def _checked_ids(
                 reason=errors.Reason.ENGINE_FAILED,
             )
         from_logprobs = list(map(int, map(operator.itemgetter(slice(len(_TOKEN_ID), None)), tokens)))
-    if token_ids is not None and from_logprobs is not None and list(token_ids) != from_logprobs:
-        raise errors.GymError(
-            f"engine {engine.base_url}: the generated ids in token_ids and in the log-probs disagree "
-            f"({len(token_ids)} and {len(from_logprobs)} ids)",
-            reason=errors.Reason.ENGINE_FAILED,
-        )
-    generated = list(token_ids) if token_ids is not None else from_logprobs
+        if generated is not None and generated != from_logprobs:
+            raise errors.GymError(
+                f"engine {engine.base_url}: the generated ids in token_ids and in the log-probs disagree "
+                f"({len(generated)} and {len(from_logprobs)} ids)",
+                reason=errors.Reason.ENGINE_FAILED,
+            )
+        generated = from_logprobs
     if generated is None or values is None:
         raise errors.GymError(
             f"engine {engine.base_url} returned no generated token ids or log-probs; it needs "
