@@ -118,7 +118,12 @@ class Catalog:
     def search(self, text: str) -> list[Environment]:
         """The environments whose name, description or tools hold every word of `text` (any case)."""
         words = text.lower().split()
-        return [e for e in self.environments if all(w in e.text() for w in words)]
+        matches = []
+        for environment in self.environments:
+            searched = environment.text()  # built once, not once per word
+            if all(word in searched for word in words):
+                matches.append(environment)
+        return matches
 
 
 def search_directories(paths: Sequence[Path], environ: Mapping[str, str] = os.environ) -> list[tuple[str, Path]]:
@@ -173,14 +178,19 @@ def find(
     return catalog
 
 
-def _server_names(path: Path) -> set[str]:
-    """The server names of a config file, read cheaply (no includes, no checks)."""
+def _raw_servers(path: Path) -> dict[str, Any]:
+    """The `servers:` mapping of a config file as written (no includes, no checks); empty when
+    the file does not read as one."""
     try:
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError):
-        return set()
+        return {}
     servers = data.get("servers") if isinstance(data, dict) else None
-    return set(servers) if isinstance(servers, dict) else set()
+    return servers if isinstance(servers, dict) else {}
+
+
+def _server_names(path: Path) -> set[str]:
+    return set(_raw_servers(path))
 
 
 def _read(source: str, path: Path, timeout: float) -> tuple[list[Environment], list[str]]:
@@ -237,12 +247,7 @@ def _read(source: str, path: Path, timeout: float) -> tuple[list[Environment], l
 
 def _unloadable(source: str, path: Path, error: str) -> list[Environment]:
     """What a config that does not load tells by itself: the servers its agents name."""
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        data = {}
-    servers = data.get("servers") if isinstance(data, dict) else None
-    servers = servers if isinstance(servers, dict) else {}
+    servers = _raw_servers(path)
     out = []
     for name, spec in servers.items():
         spec = spec if isinstance(spec, dict) else {}
