@@ -12,6 +12,7 @@ from gym_grpc.resources import ResourcesServer, Session, Verification, tool
 from gym_grpc.responses import assistant_message, final_text
 from gym_grpc.rpc.transport import open_channel
 from gym_grpc.testing import ResourcesConformance
+from gym_grpc.testing.checks import DEFAULT_ANSWER, Probe
 from gym_grpc.v1 import resources_service_pb2 as res_pb
 from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
 from gym_grpc.v1 import responses_pb2 as r
@@ -298,6 +299,18 @@ class TestCalculatorConformance(ResourcesConformance):
 
     def server(self) -> ResourcesServer:
         return Calculator()
+
+
+class _MisdeclaredCalculator(Calculator):
+    verifier_fields = {"sum_seen": "a field this verify never returns"}  # it returns tool_calls_seen
+
+
+async def test_the_conformance_kit_fails_a_server_whose_verify_returns_a_field_it_does_not_declare(start):
+    running = await start(_MisdeclaredCalculator())
+    async with open_channel(running.address) as channel:
+        served = (running, Probe(channel, TestCalculatorConformance.task_row, DEFAULT_ANSWER))
+        with pytest.raises(AssertionError, match=r"does not declare in verifier_fields: \['tool_calls_seen'\]"):
+            await TestCalculatorConformance().test_verify_returns_only_the_declared_verifier_fields(served)
 
 
 async def test_verify_needs_no_session(calc):

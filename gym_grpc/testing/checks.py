@@ -166,18 +166,23 @@ async def its_tools_are_described_with_object_schemas(probe: Probe) -> None:
         )
 
 
-async def a_session_seeds_verifies_and_closes(probe: Probe) -> None:
+async def verified(probe: Probe, session_id: str) -> res_pb.VerifyResponse:
+    """The verdict on the probe's answer in a session of its own: seeded, verified, closed."""
     stub, task = probe.resources, probe.task
-    await stub.SeedSession(res_pb.SeedSessionRequest(session_id="conformance", task=task), timeout=10)
+    await stub.SeedSession(res_pb.SeedSessionRequest(session_id=session_id, task=task), timeout=10)
     response = r.Response(output=[assistant_message(probe.answer)])
-    verdict = await stub.Verify(
-        res_pb.VerifyRequest(session_id="conformance", task=task, response=response), timeout=60
-    )
+    verdict = await stub.Verify(res_pb.VerifyRequest(session_id=session_id, task=task, response=response), timeout=60)
+    await stub.CloseSession(res_pb.CloseSessionRequest(session_id=session_id), timeout=10)
+    return verdict
+
+
+async def a_session_seeds_verifies_and_closes(probe: Probe) -> None:
+    verdict = await verified(probe, "conformance")
     expect(math.isfinite(verdict.reward), f"Verify: reward {verdict.reward} is not a finite number")
     bad = {k: v for k, v in verdict.reward_components.items() if not math.isfinite(v)}
     expect(not bad, f"Verify: reward components {bad} are not finite numbers")
-    await stub.CloseSession(res_pb.CloseSessionRequest(session_id="conformance"), timeout=10)
-    await stub.CloseSession(res_pb.CloseSessionRequest(session_id="conformance"), timeout=10)  # closing twice is OK
+    closing_again = res_pb.CloseSessionRequest(session_id="conformance")
+    await probe.resources.CloseSession(closing_again, timeout=10)  # closing twice is OK
 
 
 async def an_unknown_tool_is_not_found(probe: Probe) -> None:

@@ -34,15 +34,12 @@ import pytest_asyncio
 from gym_grpc.agent import AgentServer
 from gym_grpc.data import jsonl, rows
 from gym_grpc.resources import ResourcesServer
-from gym_grpc.responses import assistant_message
 from gym_grpc.rpc import transport
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.server.serving import GymServer, Running
 from gym_grpc.testing import checks
 from gym_grpc.testing.checks import Check, CheckSkipped, Probe
 from gym_grpc.testing.servers import Servers
-from gym_grpc.v1 import resources_service_pb2 as res_pb
-from gym_grpc.v1 import responses_pb2 as r
 
 
 def example_rows(path: Path, server: type[ResourcesServer]) -> list[dict[str, Any]]:
@@ -130,12 +127,7 @@ class ResourcesConformance:
         declared = type(running.app).verifier_fields
         if not declared:
             pytest.skip(f"{type(running.app).__name__} declares no verifier_fields")
-        stub, task = probe.resources, probe.task
-        await stub.SeedSession(res_pb.SeedSessionRequest(session_id="fields", task=task), timeout=10)
-        response = r.Response(output=[assistant_message(probe.answer)])
-        request = res_pb.VerifyRequest(session_id="fields", task=task, response=response)
-        verdict = await stub.Verify(request, timeout=60)
-        await stub.CloseSession(res_pb.CloseSessionRequest(session_id="fields"), timeout=10)
+        verdict = await checks.verified(probe, "fields")
         undeclared = sorted(set(rows.json_field(verdict, "fields")) - set(declared))
         assert not undeclared, f"verify returned fields its class does not declare in verifier_fields: {undeclared}"
 
