@@ -3,7 +3,8 @@
 One bench/instant_engine.py process answers both stacks. Each workload runs through
 gym-grpc (`gym-grpc run`, its vllm_model on the Chat Completions path, `gym-grpc collect`),
 twice: with a process per server, then with the agent, its model server and its
-environment in one process (a `process:` group, calls between them in-process); and then
+environment in one process group (`process: rollout`, calls between them in-process) run
+by one worker process per core (`num_workers`); and then
 through NeMo Gym 0.7.0 (`gym env start` with the configurations in
 bench/peer/nemo_gym/, its own vllm_model, simple agent and environments, `gym eval run
 --no-serve`), each stack started for that workload alone and stopped after it:
@@ -224,11 +225,12 @@ class GymGrpcStack(bench.Stack):
 
 
 #: gym-grpc's two ways to run the same servers: a process each, or the three in one process
-#: (a `process:` group, whose agent calls its model server and environment in-process).
-GYM_GRPC_STACKS = ("gym_grpc", "gym_grpc_one_process")
+#: group (`process:`, whose agent calls its model server and environment in-process), with
+#: a worker process per core (`num_workers`: the collector's connections are spread over them).
+GYM_GRPC_STACKS = ("gym_grpc", "gym_grpc_grouped")
 
 
-def _gym_grpc_config(tmp: Path, workload: str, engine_url: str, one_process: bool = False) -> Path:
+def _gym_grpc_config(tmp: Path, workload: str, engine_url: str, grouped: bool = False) -> Path:
     agent = f"{bench.REPO}/servers/agents/simple_agent/agent.py:SimpleAgent"
     model = {
         "entrypoint": f"{bench.REPO}/servers/models/vllm_model/server.py:VLLMModel",
@@ -253,10 +255,10 @@ def _gym_grpc_config(tmp: Path, workload: str, engine_url: str, one_process: boo
         "env": env,
         "agent": {"entrypoint": agent, "config": {"model_server": "policy_model", "resources_server": "env"}},
     }
-    if one_process:
+    if grouped:
         for server in servers.values():
-            server["process"] = "rollout"
-    path = tmp / f"peer_gym_grpc_{workload}{'_one_process' if one_process else ''}.yaml"
+            server.update(process="rollout", num_workers=os.cpu_count() or 1)
+    path = tmp / f"peer_gym_grpc_{workload}{'_grouped' if grouped else ''}.yaml"
     path.write_text(json.dumps({"registry": {"port": 0}, "servers": servers}))
     return path
 
@@ -345,7 +347,7 @@ def _log_tail(path: Path) -> str:
 
 
 def bench_workload(tmp: Path, engine: bench.InstantEngine, workload: str, windows: list[int], sizes: dict) -> dict:
-    """One workload through gym-grpc (a process per server, then all in one process), then
+    """One workload through gym-grpc (a process per server, then all in one process group), then
     through NeMo Gym, at each window."""
     runs: dict[str, list[dict]] = {name: [] for name in (*GYM_GRPC_STACKS, "nemo_gym")}
     ready: dict[str, float] = {}
@@ -375,7 +377,7 @@ def bench_workload(tmp: Path, engine: bench.InstantEngine, workload: str, window
 
     for name in GYM_GRPC_STACKS:
         print(f"  {workload}: {name} ...", file=sys.stderr)
-        stack = GymGrpcStack(_gym_grpc_config(tmp, workload, engine.url, one_process=name != "gym_grpc"))
+        stack = GymGrpcStack(_gym_grpc_config(tmp, workload, engine.url, grouped=name != "gym_grpc"))
         each_window(
             stack,
             name,
@@ -419,6 +421,11 @@ def bench_peer(tmp: Path, windows: list[int], sizes: dict, workloads: list[str],
         "nemo_gym_install": install(),
         "engine": "bench/instant_engine.py, one process for both stacks, no latency",
         "model_server": "vllm_model of each, Chat Completions with token ids",
+        "gym_grpc_layouts": {
+            "gym_grpc": "a process per server",
+            "gym_grpc_grouped": f"the three servers in one process group (process: rollout), "
+            f"num_workers: {os.cpu_count() or 1}",
+        },
         "load_average": {"before": [round(x, 1) for x in os.getloadavg()]},
         "workloads": [],
     }
@@ -436,16 +443,16 @@ def bench_peer(tmp: Path, windows: list[int], sizes: dict, workloads: list[str],
 
 def table(result: dict) -> str:
     lines = [
-        "| workload | in flight | rollouts/s gym-grpc: a process per server / one process; NeMo Gym "
-        "| ratio to NeMo Gym | CPU ms/rollout: per server / one process; NeMo Gym | failed | mean reward "
+        "| workload | in flight | rollouts/s gym-grpc: a process per server / grouped; NeMo Gym "
+        "| ratio to NeMo Gym | CPU ms/rollout: per server / grouped; NeMo Gym | failed | mean reward "
         "| model calls/rollout | ready in |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for workload in result["workloads"]:
         ready = workload["ready_seconds"]
         for row in workload["runs"]:
-            ours, one, theirs = row["gym_grpc"], row["gym_grpc_one_process"], row["nemo_gym"]
-            ratio, ratio_one = row["ratio_gym_grpc_over_nemo_gym"], row["ratio_gym_grpc_one_process_over_nemo_gym"]
+            ours, one, theirs = row["gym_grpc"], row["gym_grpc_grouped"], row["nemo_gym"]
+            ratio, ratio_one = row["ratio_gym_grpc_over_nemo_gym"], row["ratio_gym_grpc_grouped_over_nemo_gym"]
             lines.append(
                 f"| {workload['workload']} | {row['in_flight']:,} "
                 f"| {ours['rollouts_per_second']:,} / {one['rollouts_per_second']:,}; "
@@ -455,7 +462,7 @@ def table(result: dict) -> str:
                 f"| {ours['failed']} / {one['failed']}; {theirs['failed']} "
                 f"| {ours['mean_reward']} / {one['mean_reward']}; {theirs['mean_reward']} "
                 f"| {ours['model_calls_per_rollout']}; {theirs['model_calls_per_rollout']} "
-                f"| {ready['gym_grpc']} s / {ready['gym_grpc_one_process']} s; {ready['nemo_gym']} s |"
+                f"| {ready['gym_grpc']} s / {ready['gym_grpc_grouped']} s; {ready['nemo_gym']} s |"
             )
     idle = "; ".join(
         f"{w['workload']}: "
@@ -466,7 +473,7 @@ def table(result: dict) -> str:
         for w in result["workloads"]
     )
     installed = result["nemo_gym_install"]
-    lines.append(f"\nIdle, gym-grpc per server / one process / NeMo Gym: {idle}.")
+    lines.append(f"\nIdle, gym-grpc per server / grouped / NeMo Gym: {idle}.")
     lines.append(
         f"NeMo Gym {installed['versions'].get('nemo-gym')} on Python {installed['python']}: "
         + "; ".join(installed["commands"][1:])

@@ -28,7 +28,7 @@ from servers.agents.simple_agent.agent import SimpleAgent
 from servers.models.local_policy.server import LocalPolicyModel
 from servers.resources.weather.server import WeatherEnv
 from tests.support import EchoModel, static_registry
-from tests.test_cli import WEATHER, _rows, _start_run, _status, _tool
+from tests.test_cli import WEATHER, _cpu_ticks, _listening_pids, _rows, _start_run, _status, _tool
 
 GROUP = [f"servers.{name}.process=rollout" for name in ("policy_model", "weather", "weather_agent")]
 
@@ -313,3 +313,28 @@ def test_gym_grpc_run_serves_a_group_from_one_process_that_restarts_as_one(tmp_p
         run.stop()
     log = run.log()
     assert "process 'rollout' (servers 'policy_model', 'weather', 'weather_agent') restarted" in log
+
+
+@pytest.mark.slow
+def test_a_group_with_num_workers_runs_rollouts_in_every_worker_and_calls_in_process(tmp_path):
+    """The group in two worker processes on its ports (the layout bench/nemo_gym_peer.py
+    measures): both workers run rollouts, each with in-process calls to its own model server."""
+    workers = [f"servers.{n}.num_workers=2" for n in ("policy_model", "weather", "weather_agent")]
+    run = _start_run(*GROUP, *workers)
+    try:
+        pids = _listening_pids(int(run.servers["weather_agent"].rsplit(":", 1)[1]))
+        assert len(pids) == 2 and pids == _listening_pids(int(run.servers["policy_model"].rsplit(":", 1)[1]))
+        before = {pid: _cpu_ticks(pid) for pid in pids}
+        tasks = tmp_path / "tasks.jsonl"
+        tasks.write_text("".join(WEATHER.read_text() for _ in range(50)))
+        out = tmp_path / "out.jsonl"
+        args = ["collect", "--registry", run.registry, "--agent", "weather_agent", "--input", str(tasks)]
+        args += ["--output", str(out), "--no-progress"]
+        done = subprocess.run([_tool("gym-grpc"), *args], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert len(_rows(out)) == len(tasks.read_text().splitlines())
+        used = {pid: _cpu_ticks(pid) - before[pid] for pid in pids}
+        assert all(ticks > 0 for ticks in used.values()), used  # the collector's connections reach both
+        assert _established_to(int(run.servers["policy_model"].rsplit(":", 1)[1])) == 0
+    finally:
+        run.stop()
