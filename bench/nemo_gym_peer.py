@@ -346,9 +346,20 @@ def _log_tail(path: Path) -> str:
     return path.read_text()[-3000:] if path.exists() else ""
 
 
-def bench_workload(tmp: Path, engine: bench.InstantEngine, workload: str, windows: list[int], sizes: dict) -> dict:
+def _median_run(measured: list[dict]) -> dict:
+    """The run of median rollouts/s among repeats (the lower middle of an even count), with
+    every repeat's rollouts/s beside it and the failures of all of them."""
+    row = dict(sorted(measured, key=lambda run: run["rollouts_per_second"])[(len(measured) - 1) // 2])
+    row["failed"] = sum(run["failed"] for run in measured)
+    row["rollouts_per_second_each"] = [run["rollouts_per_second"] for run in measured]
+    return row
+
+
+def bench_workload(
+    tmp: Path, engine: bench.InstantEngine, workload: str, windows: list[int], sizes: dict, repeats: int = 1
+) -> dict:
     """One workload through gym-grpc (a process per server, then all in one process group), then
-    through NeMo Gym, at each window."""
+    through NeMo Gym, at each window, `repeats` times each (the median run is kept)."""
     runs: dict[str, list[dict]] = {name: [] for name in (*GYM_GRPC_STACKS, "nemo_gym")}
     ready: dict[str, float] = {}
     idle: dict[str, dict] = {}
@@ -367,11 +378,14 @@ def bench_workload(tmp: Path, engine: bench.InstantEngine, workload: str, window
                 tasks, count = task_files[window]
                 out = tmp / f"peer_out_{name}.jsonl"
                 command = command_for(tasks, out, window)
-                row = {"in_flight": window, **_measure(engine, stack, command, out, count, tmp, env)}
-                if row["exit_code"] and not row["rollouts"]:
-                    raise RuntimeError(f"{name} collect failed:\n{_log_tail(tmp / 'collector.log')}")
-                runs[name].append(row)
-                print(f"    {row}", file=sys.stderr)
+                measured = []
+                for _ in range(repeats):
+                    row = {"in_flight": window, **_measure(engine, stack, command, out, count, tmp, env)}
+                    if row["exit_code"] and not row["rollouts"]:
+                        raise RuntimeError(f"{name} collect failed:\n{_log_tail(tmp / 'collector.log')}")
+                    measured.append(row)
+                    print(f"    {row}", file=sys.stderr)
+                runs[name].append(_median_run(measured))
         finally:
             stack.stop()
 
@@ -415,8 +429,9 @@ def bench_workload(tmp: Path, engine: bench.InstantEngine, workload: str, window
     return {"workload": workload, "ready_seconds": ready, "idle": idle, "runs": rows}
 
 
-def bench_peer(tmp: Path, windows: list[int], sizes: dict, workloads: list[str], save=None) -> dict:
-    """Every workload through both stacks; `save` gets the results so far after each one."""
+def bench_peer(tmp: Path, windows: list[int], sizes: dict, workloads: list[str], repeats: int = 1, save=None) -> dict:
+    """Every workload through both stacks, each window `repeats` times (the median run is
+    reported); `save` gets the results so far after each workload."""
     result = {
         "nemo_gym_install": install(),
         "engine": "bench/instant_engine.py, one process for both stacks, no latency",
@@ -426,13 +441,14 @@ def bench_peer(tmp: Path, windows: list[int], sizes: dict, workloads: list[str],
             "gym_grpc_grouped": f"the three servers in one process group (process: rollout), "
             f"num_workers: {os.cpu_count() or 1}",
         },
+        "repeats": repeats,
         "load_average": {"before": [round(x, 1) for x in os.getloadavg()]},
         "workloads": [],
     }
     engine = bench.InstantEngine(tmp)
     try:
         for workload in workloads:
-            result["workloads"].append(bench_workload(tmp, engine, workload, windows, sizes))
+            result["workloads"].append(bench_workload(tmp, engine, workload, windows, sizes, repeats))
             result["load_average"]["after"] = [round(x, 1) for x in os.getloadavg()]
             if save is not None:
                 save(result)

@@ -806,6 +806,9 @@ def _peer(args: argparse.Namespace) -> None:
     if args.peer_windows:
         windows = [int(w) for w in args.peer_windows.split(",")]
         sizes = {w: sizes.get(w, w) for w in windows}
+    repeats = (1 if args.smoke else 3) if args.peer_repeats is None else args.peer_repeats
+    if repeats < 1:
+        sys.exit(f"--peer-repeats must be at least 1, got {args.peer_repeats}")
     workloads = args.workloads.split(",")
     unknown = set(workloads) - set(nemo_gym_peer.WORKLOADS)
     if unknown:
@@ -816,7 +819,7 @@ def _peer(args: argparse.Namespace) -> None:
         _save(args, {"peer_nemo_gym": result}, f"{args.name}-peer-nemo-gym")
 
     with tempfile.TemporaryDirectory() as directory:
-        result = nemo_gym_peer.bench_peer(Path(directory), windows, sizes, workloads, save)
+        result = nemo_gym_peer.bench_peer(Path(directory), windows, sizes, workloads, repeats, save)
     print(nemo_gym_peer.table(result))
     runs = [(w["workload"], r) for w in result["workloads"] for r in w["runs"]]
     stacks = (*nemo_gym_peer.GYM_GRPC_STACKS, "nemo_gym")
@@ -842,6 +845,12 @@ def main() -> None:
         "--workloads", default="weather,multi_turn,math", help="with --peer: which workloads, comma-separated"
     )
     parser.add_argument("--peer-windows", help="with --peer: rollouts in flight, comma-separated (64,1024,4096)")
+    parser.add_argument(
+        "--peer-repeats",
+        type=int,
+        help="with --peer: runs of each stack at each window, the median reported (default 3, 1 with "
+        "--smoke; NeMo Gym's math takes about ten minutes a run)",
+    )
     parser.add_argument(
         "--collector-rollouts", type=int, help="rollouts of the collector growth run (d); default 1,000,000"
     )

@@ -87,3 +87,15 @@ def test_multi_turn_rows_are_the_weather_rows_asking_for_three_tool_calls(peer):
         text = plain["responses_create_params"]["input"][-1]["content"]
         assert asking["responses_create_params"]["input"][-1]["content"] == f"[3 tool calls] {text}"
         assert asking["responses_create_params"]["tools"] == plain["responses_create_params"]["tools"]
+
+
+def test_repeats_report_the_run_of_median_rate_with_every_rate_and_all_failures(peer):
+    runs = [
+        {"rollouts_per_second": 30.0, "failed": 0, "cpu_ms_per_rollout": 3.0},
+        {"rollouts_per_second": 10.0, "failed": 2, "cpu_ms_per_rollout": 1.0},
+        {"rollouts_per_second": 20.0, "failed": 0, "cpu_ms_per_rollout": 2.0},
+    ]
+    row = peer._median_run(runs)
+    assert row["rollouts_per_second"] == 20.0 and row["cpu_ms_per_rollout"] == 2.0  # one run's figures
+    assert row["rollouts_per_second_each"] == [30.0, 10.0, 20.0] and row["failed"] == 2
+    assert peer._median_run(runs[:2])["rollouts_per_second"] == 10.0  # even: the lower middle
