@@ -467,16 +467,16 @@ def table(result: dict) -> str:
     for workload in result["workloads"]:
         ready = workload["ready_seconds"]
         for row in workload["runs"]:
-            ours, one, theirs = row["gym_grpc"], row["gym_grpc_grouped"], row["nemo_gym"]
-            ratio, ratio_one = row["ratio_gym_grpc_over_nemo_gym"], row["ratio_gym_grpc_grouped_over_nemo_gym"]
+            ours, grouped, theirs = row["gym_grpc"], row["gym_grpc_grouped"], row["nemo_gym"]
+            ratio, ratio_grouped = row["ratio_gym_grpc_over_nemo_gym"], row["ratio_gym_grpc_grouped_over_nemo_gym"]
             lines.append(
                 f"| {workload['workload']} | {row['in_flight']:,} "
-                f"| {ours['rollouts_per_second']:,} / {one['rollouts_per_second']:,}; "
+                f"| {ours['rollouts_per_second']:,} / {grouped['rollouts_per_second']:,}; "
                 f"{theirs['rollouts_per_second']:,} "
-                f"| {ratio['rollouts_per_second']}x / {ratio_one['rollouts_per_second']}x "
-                f"| {ours['cpu_ms_per_rollout']} / {one['cpu_ms_per_rollout']}; {theirs['cpu_ms_per_rollout']} "
-                f"| {ours['failed']} / {one['failed']}; {theirs['failed']} "
-                f"| {ours['mean_reward']} / {one['mean_reward']}; {theirs['mean_reward']} "
+                f"| {ratio['rollouts_per_second']}x / {ratio_grouped['rollouts_per_second']}x "
+                f"| {ours['cpu_ms_per_rollout']} / {grouped['cpu_ms_per_rollout']}; {theirs['cpu_ms_per_rollout']} "
+                f"| {ours['failed']} / {grouped['failed']}; {theirs['failed']} "
+                f"| {ours['mean_reward']} / {grouped['mean_reward']}; {theirs['mean_reward']} "
                 f"| {ours['model_calls_per_rollout']}; {theirs['model_calls_per_rollout']} "
                 f"| {ready['gym_grpc']} s / {ready['gym_grpc_grouped']} s; {ready['nemo_gym']} s |"
             )
