@@ -356,7 +356,7 @@ def _median_run(measured: list[dict]) -> dict:
 
 
 def bench_workload(
-    tmp: Path, engine: bench.InstantEngine, workload: str, windows: list[int], sizes: dict, repeats: int = 1
+    tmp: Path, engine: bench.InstantEngine, workload: str, windows: list[int], sizes: dict, repeats: int
 ) -> dict:
     """One workload through gym-grpc (a process per server, then all in one process group), then
     through NeMo Gym, at each window, `repeats` times each (the median run is kept)."""
@@ -429,7 +429,7 @@ def bench_workload(
     return {"workload": workload, "ready_seconds": ready, "idle": idle, "runs": rows}
 
 
-def bench_peer(tmp: Path, windows: list[int], sizes: dict, workloads: list[str], repeats: int = 1, save=None) -> dict:
+def bench_peer(tmp: Path, windows: list[int], sizes: dict, workloads: list[str], repeats: int, save=None) -> dict:
     """Every workload through both stacks, each window `repeats` times (the median run is
     reported); `save` gets the results so far after each workload."""
     result = {

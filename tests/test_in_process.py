@@ -33,6 +33,11 @@ from tests.test_cli import WEATHER, _cpu_ticks, _listening_pids, _rows, _start_r
 GROUP = [f"servers.{name}.process=rollout" for name in ("policy_model", "weather", "weather_agent")]
 
 
+def _port(run, server: str) -> int:
+    """The port `gym-grpc run` lists for `server`."""
+    return int(run.servers[server].rsplit(":", 1)[1])
+
+
 def _in_process(registry: Registry, **servers) -> Registry:
     """`registry`, with the given running servers called in-process (as a group's worker sets it up)."""
     registry.in_process.update({name: running.in_process for name, running in servers.items()})
@@ -293,7 +298,7 @@ def test_gym_grpc_run_serves_a_group_from_one_process_that_restarts_as_one(tmp_p
         assert done.returncode == 0, done.stderr
         assert len(_rows(out)) == 4 * len(WEATHER.read_text().splitlines())
         # Over gRPC the agent would hold a connection to the model server for its lifetime.
-        assert _established_to(int(run.servers["policy_model"].rsplit(":", 1)[1])) == 0
+        assert _established_to(_port(run, "policy_model")) == 0
         os.kill(pids.pop(), signal.SIGKILL)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -322,8 +327,8 @@ def test_a_group_with_num_workers_runs_rollouts_in_every_worker_and_calls_in_pro
     workers = [f"servers.{n}.num_workers=2" for n in ("policy_model", "weather", "weather_agent")]
     run = _start_run(*GROUP, *workers)
     try:
-        pids = _listening_pids(int(run.servers["weather_agent"].rsplit(":", 1)[1]))
-        assert len(pids) == 2 and pids == _listening_pids(int(run.servers["policy_model"].rsplit(":", 1)[1]))
+        pids = _listening_pids(_port(run, "weather_agent"))
+        assert len(pids) == 2 and pids == _listening_pids(_port(run, "policy_model"))
         before = {pid: _cpu_ticks(pid) for pid in pids}
         tasks = tmp_path / "tasks.jsonl"
         tasks.write_text("".join(WEATHER.read_text() for _ in range(50)))
@@ -335,6 +340,6 @@ def test_a_group_with_num_workers_runs_rollouts_in_every_worker_and_calls_in_pro
         assert len(_rows(out)) == len(tasks.read_text().splitlines())
         used = {pid: _cpu_ticks(pid) - before[pid] for pid in pids}
         assert all(ticks > 0 for ticks in used.values()), used  # the collector's connections reach both
-        assert _established_to(int(run.servers["policy_model"].rsplit(":", 1)[1])) == 0
+        assert _established_to(_port(run, "policy_model")) == 0
     finally:
         run.stop()

@@ -161,7 +161,7 @@ def find(
     that name are read and their servers described (what `show NAME` needs)."""
     files = [(source, path) for source, d in search_directories(paths, environ) for path in config_files(source, d)]
     if only is not None:
-        files = [(source, path) for source, path in files if only in _server_names(path)]
+        files = [(source, path) for source, path in files if only in _raw_servers(path)]
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
         read = list(pool.map(lambda item: _read(item[0], item[1], timeout), files))
     catalog = Catalog([])
@@ -187,10 +187,6 @@ def _raw_servers(path: Path) -> dict[str, Any]:
         return {}
     servers = data.get("servers") if isinstance(data, dict) else None
     return servers if isinstance(servers, dict) else {}
-
-
-def _server_names(path: Path) -> set[str]:
-    return set(_raw_servers(path))
 
 
 def _read(source: str, path: Path, timeout: float) -> tuple[list[Environment], list[str]]:

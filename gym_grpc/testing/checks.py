@@ -177,12 +177,12 @@ async def verified(probe: Probe, session_id: str) -> res_pb.VerifyResponse:
 
 
 async def a_session_seeds_verifies_and_closes(probe: Probe) -> None:
-    verdict = await verified(probe, "conformance")
+    session_id = "conformance"
+    verdict = await verified(probe, session_id)
     expect(math.isfinite(verdict.reward), f"Verify: reward {verdict.reward} is not a finite number")
     bad = {k: v for k, v in verdict.reward_components.items() if not math.isfinite(v)}
     expect(not bad, f"Verify: reward components {bad} are not finite numbers")
-    closing_again = res_pb.CloseSessionRequest(session_id="conformance")
-    await probe.resources.CloseSession(closing_again, timeout=10)  # closing twice is OK
+    await probe.resources.CloseSession(res_pb.CloseSessionRequest(session_id=session_id), timeout=10)  # twice is OK
 
 
 async def an_unknown_tool_is_not_found(probe: Probe) -> None:
