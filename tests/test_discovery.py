@@ -79,8 +79,13 @@ async def test_server_info_states_the_protocol_version_services_and_capabilities
     registry, _ = await _agent(start)
     agent = await AgentClient(registry, "agent").server_info()
     assert (agent.protocol.major, agent.protocol.minor) == protocol.VERSION
-    services = {s.name: {m.name: m.server_streaming for m in s.methods} for s in agent.services}
-    assert services["gym.v1.AgentService"] == {"Run": False, "RunJson": False, "RunStream": True}
+    services = {s.name: {m.name: (m.client_streaming, m.server_streaming) for m in s.methods} for s in agent.services}
+    assert services["gym.v1.AgentService"] == {
+        "Run": (False, False),
+        "RunJson": (False, False),
+        "RunStream": (False, True),
+        "RunMany": (True, True),
+    }
     assert {"gym.v1.AdminService", "grpc.health.v1.Health"} <= set(services)
     assert agent.capabilities.max_receive_message_bytes == transport.MAX_MESSAGE_BYTES
     assert agent.capabilities.max_send_message_bytes == transport.MAX_MESSAGE_BYTES

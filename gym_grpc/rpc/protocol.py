@@ -26,7 +26,8 @@ from gym_grpc.v1 import admin_service_pb2 as admin_pb
 #: 1.4: policy versions for async training: Run/RunStream/RunJsonRequest.policy_version,
 #:      CreateResponseRequest.policy_version, ModelService.SetPolicyVersion, the assistant
 #:      items' policy_version and Rollout.policy_version.
-VERSION = (1, 4)
+#: 1.5: AgentService.RunMany (many runs over one call).
+VERSION = (1, 5)
 
 
 def version() -> admin_pb.ProtocolVersion:

@@ -4,6 +4,7 @@ isort:skip_file
 The agent role: runs the multi-turn loop of one rollout."""
 
 from collections import abc as _abc
+from google.protobuf import any_pb2 as _any_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import struct_pb2 as _struct_pb2
@@ -88,6 +89,176 @@ class RunResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RunResponse: _TypeAlias = RunResponse  # noqa: Y015
+
+@_typing.final
+class RunManyRequest(_message.Message):
+    """Request of AgentService.RunMany: runs to start and runs to cancel."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUNS_FIELD_NUMBER: _builtins.int
+    CANCEL_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunManyItem]:
+        """Runs to start now."""
+
+    @_builtins.property
+    def cancel_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Ids of runs of this call to cancel: each ends with a CANCELLED result
+        (an id that is not in flight is ignored).
+        """
+
+    def __init__(
+        self,
+        *,
+        runs: _abc.Iterable[Global___RunManyItem] | None = ...,
+        cancel_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_ids", b"cancel_ids", "runs", b"runs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunManyRequest: _TypeAlias = RunManyRequest  # noqa: Y015
+
+@_typing.final
+class RunManyItem(_message.Message):
+    """One run of AgentService.RunMany."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    RUN_FIELD_NUMBER: _builtins.int
+    TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """The caller's id for the run, echoed on its result. Unique among the runs
+    in flight on the call; a run whose id is already in flight fails with
+    INVALID_ARGUMENT (and the first goes on).
+    """
+    timeout_seconds: _builtins.float
+    """Seconds the run may take from when the server reads it; past it, the run
+    fails with DEADLINE_EXCEEDED, and every call it makes gets what is left.
+    0: no limit.
+    """
+    @_builtins.property
+    def run(self) -> Global___RunRequest:
+        """What to run, as for Run."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        run: Global___RunRequest | None = ...,
+        timeout_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["run", b"run"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "run", b"run", "timeout_seconds", b"timeout_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunManyItem: _TypeAlias = RunManyItem  # noqa: Y015
+
+@_typing.final
+class RunManyResponse(_message.Message):
+    """Response of AgentService.RunMany: runs that ended."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunManyResult]:
+        """One result per run that ended since the last message."""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___RunManyResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunManyResponse: _TypeAlias = RunManyResponse  # noqa: Y015
+
+@_typing.final
+class RunManyResult(_message.Message):
+    """How one run of AgentService.RunMany ended."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    ROLLOUT_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """The id the run was sent with."""
+    @_builtins.property
+    def rollout(self) -> _task_pb2.Rollout:
+        """The rollout, as RunResponse.rollout."""
+
+    @_builtins.property
+    def error(self) -> Global___RunError:
+        """The status Run would have failed with."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        rollout: _task_pb2.Rollout | None = ...,
+        error: Global___RunError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "outcome", b"outcome", "rollout", b"rollout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "id", b"id", "outcome", b"outcome", "rollout", b"rollout"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["rollout", "error"]  # noqa: Y015
+    _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
+
+Global___RunManyResult: _TypeAlias = RunManyResult  # noqa: Y015
+
+@_typing.final
+class RunError(_message.Message):
+    """The failure of one run of AgentService.RunMany: the gRPC status that Run
+    would have ended with. It has google.rpc.Status's fields and numbers, so
+    its bytes parse as a google.rpc.Status.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    DETAILS_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    """The status code (google.rpc.Code: 3 INVALID_ARGUMENT, 4 DEADLINE_EXCEEDED,
+    14 UNAVAILABLE...).
+    """
+    message: _builtins.str
+    """The status message, as Run's would read."""
+    @_builtins.property
+    def details(self) -> _containers.RepeatedCompositeFieldContainer[_any_pb2.Any]:
+        """The status details, as Run's would carry them: a google.rpc.ErrorInfo with
+        the reason (docs/errors.md) and, when a field is at fault, a
+        google.rpc.BadRequest naming it.
+        """
+
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+        details: _abc.Iterable[_any_pb2.Any] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "details", b"details", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunError: _TypeAlias = RunError  # noqa: Y015
 
 @_typing.final
 class RunStreamRequest(_message.Message):

@@ -59,6 +59,11 @@ class AgentServiceStub:
                 request_serializer=gym_dot_v1_dot_agent__service__pb2.RunJsonRequest.SerializeToString,
                 response_deserializer=gym_dot_v1_dot_agent__service__pb2.RunJsonResponse.FromString,
                 _registered_method=True)
+        self.RunMany = channel.stream_stream(
+                '/gym.v1.AgentService/RunMany',
+                request_serializer=gym_dot_v1_dot_agent__service__pb2.RunManyRequest.SerializeToString,
+                response_deserializer=gym_dot_v1_dot_agent__service__pb2.RunManyResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer:
@@ -102,6 +107,25 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RunMany(self, request_iterator, context):
+        """Run many rollouts over one call (protocol 1.5): the client sends runs
+        whenever it likes, each under an id of its own; the server starts each
+        as it arrives and sends each result back as it finishes, in any order,
+        several to a message when several are ready. A result is what Run would
+        have returned for that run, or the status it would have failed with; one
+        run's failure is not the call's. When the client closes its side, the
+        server finishes the runs in flight, sends their results and ends the call
+        with OK. Cancelling the call cancels every run in flight.
+
+        For callers that keep many rollouts in flight (a collector, a trainer):
+        a run costs one message each way instead of a call, which grpc servers
+        accept one at a time. The call itself has no deadline of its own to
+        give: each run carries its own (RunManyItem.timeout_seconds).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -119,6 +143,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.RunJson,
                     request_deserializer=gym_dot_v1_dot_agent__service__pb2.RunJsonRequest.FromString,
                     response_serializer=gym_dot_v1_dot_agent__service__pb2.RunJsonResponse.SerializeToString,
+            ),
+            'RunMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.RunMany,
+                    request_deserializer=gym_dot_v1_dot_agent__service__pb2.RunManyRequest.FromString,
+                    response_serializer=gym_dot_v1_dot_agent__service__pb2.RunManyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -212,6 +241,33 @@ class AgentService:
             '/gym.v1.AgentService/RunJson',
             gym_dot_v1_dot_agent__service__pb2.RunJsonRequest.SerializeToString,
             gym_dot_v1_dot_agent__service__pb2.RunJsonResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/gym.v1.AgentService/RunMany',
+            gym_dot_v1_dot_agent__service__pb2.RunManyRequest.SerializeToString,
+            gym_dot_v1_dot_agent__service__pb2.RunManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -58,6 +58,21 @@ class AgentServiceStub:
     collect` would write for it, converted by the same code. INVALID_ARGUMENT
     names the field of a row that is not a task row.
     """
+    RunMany: _grpc.StreamStreamMultiCallable[_agent_service_pb2.RunManyRequest, _agent_service_pb2.RunManyResponse]
+    """Run many rollouts over one call (protocol 1.5): the client sends runs
+    whenever it likes, each under an id of its own; the server starts each
+    as it arrives and sends each result back as it finishes, in any order,
+    several to a message when several are ready. A result is what Run would
+    have returned for that run, or the status it would have failed with; one
+    run's failure is not the call's. When the client closes its side, the
+    server finishes the runs in flight, sends their results and ends the call
+    with OK. Cancelling the call cancels every run in flight.
+
+    For callers that keep many rollouts in flight (a collector, a trainer):
+    a run costs one message each way instead of a call, which grpc servers
+    accept one at a time. The call itself has no deadline of its own to
+    give: each run carries its own (RunManyItem.timeout_seconds).
+    """
 
 @_typing.type_check_only
 class AgentServiceAsyncStub(AgentServiceStub):
@@ -88,6 +103,21 @@ class AgentServiceAsyncStub(AgentServiceStub):
     Gym's format, the OpenAI Responses JSON); the answer is the line `gym-grpc
     collect` would write for it, converted by the same code. INVALID_ARGUMENT
     names the field of a row that is not a task row.
+    """
+    RunMany: _aio.StreamStreamMultiCallable[_agent_service_pb2.RunManyRequest, _agent_service_pb2.RunManyResponse]  # type: ignore[assignment]
+    """Run many rollouts over one call (protocol 1.5): the client sends runs
+    whenever it likes, each under an id of its own; the server starts each
+    as it arrives and sends each result back as it finishes, in any order,
+    several to a message when several are ready. A result is what Run would
+    have returned for that run, or the status it would have failed with; one
+    run's failure is not the call's. When the client closes its side, the
+    server finishes the runs in flight, sends their results and ends the call
+    with OK. Cancelling the call cancels every run in flight.
+
+    For callers that keep many rollouts in flight (a collector, a trainer):
+    a run costs one message each way instead of a call, which grpc servers
+    accept one at a time. The call itself has no deadline of its own to
+    give: each run carries its own (RunManyItem.timeout_seconds).
     """
 
 class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -134,6 +164,27 @@ class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
         Gym's format, the OpenAI Responses JSON); the answer is the line `gym-grpc
         collect` would write for it, converted by the same code. INVALID_ARGUMENT
         names the field of a row that is not a task row.
+        """
+
+    @_abc_1.abstractmethod
+    def RunMany(
+        self,
+        request_iterator: _MaybeAsyncIterator[_agent_service_pb2.RunManyRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_agent_service_pb2.RunManyResponse], _abc.AsyncIterator[_agent_service_pb2.RunManyResponse]]:
+        """Run many rollouts over one call (protocol 1.5): the client sends runs
+        whenever it likes, each under an id of its own; the server starts each
+        as it arrives and sends each result back as it finishes, in any order,
+        several to a message when several are ready. A result is what Run would
+        have returned for that run, or the status it would have failed with; one
+        run's failure is not the call's. When the client closes its side, the
+        server finishes the runs in flight, sends their results and ends the call
+        with OK. Cancelling the call cancels every run in flight.
+
+        For callers that keep many rollouts in flight (a collector, a trainer):
+        a run costs one message each way instead of a call, which grpc servers
+        accept one at a time. The call itself has no deadline of its own to
+        give: each run carries its own (RunManyItem.timeout_seconds).
         """
 
 def add_AgentServiceServicer_to_server(servicer: AgentServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
