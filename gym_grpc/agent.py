@@ -23,7 +23,7 @@ from gym_grpc import errors, policy_version
 from gym_grpc.client.stubs import ModelClient, ResourcesClient, ToolResult
 from gym_grpc.data import jsonl, record, rows
 from gym_grpc.responses import function_calls, input_items, new_id, tool_error_output
-from gym_grpc.server import validation
+from gym_grpc.server import run_many, validation
 from gym_grpc.server.serving import GymServer, ServerConfig, rpc_method
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
 from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
@@ -128,6 +128,13 @@ class _AgentServicer(agent_grpc.AgentServiceServicer):
         )
         rollout = await self._roll_out(run, RolloutEvents())
         return agent_pb.RunJsonResponse(rollout_json=rows.dumps(record.build(row, rollout)))
+
+    @rpc_method
+    async def RunMany(
+        self, requests: AsyncIterator[agent_pb.RunManyRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[agent_pb.RunManyResponse]:
+        async for reply in run_many.serve(requests, self.Run, context.peer()):
+            yield reply
 
     @rpc_method
     async def RunStream(

@@ -165,6 +165,10 @@ class GymError(FrameworkError):
 
     def to_status(self) -> grpc.Status:
         """The rich status: code, message, an ErrorInfo with the reason and, for a field, a BadRequest."""
+        return rpc_status.to_status(self.status_proto())
+
+    def status_proto(self) -> status_pb2.Status:
+        """`to_status` as a google.rpc.Status message."""
         status = status_pb2.Status(code=self.code.value[0], message=self.message)
         info = any_pb2.Any()
         info.Pack(error_details_pb2.ErrorInfo(reason=str(self.reason), domain=DOMAIN, metadata=self.metadata))
@@ -179,7 +183,7 @@ class GymError(FrameworkError):
                 )
             )
             status.details.append(detail)
-        return rpc_status.to_status(status)
+        return status
 
 
 class InvalidArgument(GymError):

@@ -101,7 +101,8 @@ def test_collect_out_of_open_files_says_so_once_and_records_every_rollout_it_cos
     assert "Traceback" not in done.stderr
     said = [line for line in done.stderr.splitlines() if "out of open files" in line]
     assert len(said) == 1, done.stderr
-    assert "gym-grpc collect is out of open files (EMFILE) calling agent 'math_agent' Run: limit 32" in said[0]
+    # Its rollouts travel on RunMany calls (client/run_many.py); the call that could not be opened is named.
+    assert "gym-grpc collect is out of open files (EMFILE) calling agent 'math_agent' RunMany: limit 32" in said[0]
     failures = _rows(tmp_path / "out.failures.jsonl")
     assert failures and all(f["error"]["code"] == "RESOURCE_EXHAUSTED" for f in failures)
     assert len(_rows(tmp_path / "out.jsonl")) + len(failures) == 60  # nothing lost, nothing twice

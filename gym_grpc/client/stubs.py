@@ -19,6 +19,7 @@ import grpc
 from google.protobuf import struct_pb2
 
 from gym_grpc import errors
+from gym_grpc.client import run_many
 from gym_grpc.policy_version import requested as requested_version
 from gym_grpc.rpc import protocol, transport
 from gym_grpc.rpc.registry import Registry
@@ -52,11 +53,14 @@ class _Client:
     async def _peer(self) -> tuple[Any, transport.Connection]:
         """A stub and its connection for the next call: calls go round the server's
         connections (gRPC balances each one's calls over the replicas)."""
-        # The open connections without an await on every call; the first call opens them.
-        connections = self.registry.opened(self.name) or await self.registry.connections(self.name)
+        connections = await self._connections()
         self._next = (self._next + 1) % len(connections)
         connection = connections[self._next]
         return connection.stub(self._stub_class), connection
+
+    async def _connections(self) -> list[transport.Connection]:
+        """The server's connections: without an await on every call; the first call opens them."""
+        return self.registry.opened(self.name) or await self.registry.connections(self.name)
 
     async def server_info(self) -> admin_pb.GetServerInfoResponse:
         """The server's AdminService.GetServerInfo: what it is, its protocol version, its capabilities."""
@@ -83,6 +87,10 @@ class _Client:
                 return  # another implementation of the protocol, without AdminService: be liberal
             raise
         protocol.check(info, f"{self._kind} {self.name!r}")
+        self._shook_hands(info)
+
+    def _shook_hands(self, info: admin_pb.GetServerInfoResponse) -> None:
+        """What a role's client makes of the server's answer to the handshake."""
 
     async def _error(
         self, error: grpc.aio.AioRpcError | None, method: str, connection: transport.Connection | None
@@ -291,6 +299,10 @@ class AgentClient(_Client):
     _kind = "agent"
     _service = agent_pb.DESCRIPTOR.services_by_name["AgentService"].full_name
 
+    def __init__(self, registry: Registry, name: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+        super().__init__(registry, name, timeout=timeout)
+        self._run_many: run_many.RunMany | None = None
+
     async def run(
         self,
         task: task_pb2.Task,
@@ -302,8 +314,20 @@ class AgentClient(_Client):
         """One rollout; `policy_version`: the version the trainer asks it under (see policy_version.py)."""
         await self.check_protocol()
         request = agent_pb.RunRequest(task=task, skip_verification=skip_verification, policy_version=policy_version)
-        reply = await self._call("Run", request, timeout)
-        return reply.rollout
+        if self._run_many is None or self.name in self.registry.in_process:
+            reply = await self._call("Run", request, timeout)
+            return reply.rollout
+        try:
+            return await self._run_many.run(
+                request, transport.timeout_for(timeout if timeout is not None else self.timeout)
+            )
+        except grpc.aio.AioRpcError as e:
+            raise await self._error(e, "Run", None) from None
+
+    def _shook_hands(self, info: admin_pb.GetServerInfoResponse) -> None:
+        """Rollouts go over RunMany calls when the agent serves it (see client/run_many.py)."""
+        if any(m.name == run_many.METHOD for s in info.services if s.name == self._service for m in s.methods):
+            self._run_many = run_many.RunMany(self._connections, self._error)
 
     async def run_stream(
         self,

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import grpc
@@ -50,24 +50,33 @@ class InProcessServer:
         `grpc.aio.AioRpcError` as a gRPC call would."""
         handler = self.methods.get(path)
         if handler is None:
-            raise _status(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {path}")
-        context = _Context(timeout)
+            raise status_error(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {path}")
         copied = handler.request_deserializer(request.SerializeToString())
-        task = asyncio.get_running_loop().create_task(
-            handler.unary_unary(copied, context), context=contextvars.Context()
-        )
-        try:
-            async with asyncio.timeout(timeout) as deadline:  # None: no deadline
-                reply = await task
-            return type(reply).FromString(handler.response_serializer(reply))
-        except grpc.aio.AbortError:
-            raise context.failure() from None
-        except TimeoutError:
-            if deadline.expired():
-                raise _status(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
-            raise context.failure(grpc.StatusCode.UNKNOWN, "Unexpected TimeoutError") from None
-        except Exception as e:  # what gRPC makes of an exception the handler let out
-            raise context.failure(grpc.StatusCode.UNKNOWN, f"Unexpected {type(e).__name__}: {e}") from None
+        reply = await invoke(handler.unary_unary, copied, timeout)
+        return type(reply).FromString(handler.response_serializer(reply))
+
+
+async def invoke(
+    behaviour: Callable[[Any, Any], Coroutine[Any, Any, Any]], request: Any, timeout: float | None, peer: str = PEER
+) -> Any:
+    """Run a unary handler (`behaviour(request, context)`) as gRPC would run it for a call
+    from `peer` with `timeout`: in a task of its own with an empty context, cancelled when the
+    deadline passes.
+    Its reply, or the `grpc.aio.AioRpcError` the call would have ended with."""
+    context = _Context(timeout, peer)
+    try:
+        async with asyncio.timeout(timeout) as deadline:  # None: no deadline
+            return await asyncio.get_running_loop().create_task(
+                behaviour(request, context), context=contextvars.Context()
+            )
+    except grpc.aio.AbortError:
+        raise context.failure() from None
+    except TimeoutError:
+        if deadline.expired():
+            raise status_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        raise context.failure(grpc.StatusCode.UNKNOWN, "Unexpected TimeoutError") from None
+    except Exception as e:  # what gRPC makes of an exception the handler let out
+        raise context.failure(grpc.StatusCode.UNKNOWN, f"Unexpected {type(e).__name__}: {e}") from None
 
 
 class Recorder:
@@ -98,14 +107,15 @@ class _Aborted(grpc.aio.AbortError):
 class _Context:
     """The part of `grpc.aio.ServicerContext` that handlers use, for one in-process call."""
 
-    def __init__(self, timeout: float | None) -> None:
+    def __init__(self, timeout: float | None, peer: str = PEER) -> None:
+        self._peer = peer
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._code: grpc.StatusCode | None = None
         self._details = ""
         self._trailing: tuple[tuple[str, str | bytes], ...] = ()
 
     def peer(self) -> str:
-        return PEER
+        return self._peer
 
     def time_remaining(self) -> float | None:
         return None if self._deadline is None else max(self._deadline - time.monotonic(), 0.0)
@@ -137,11 +147,12 @@ class _Context:
     def failure(self, code: grpc.StatusCode = grpc.StatusCode.UNKNOWN, details: str = "") -> grpc.aio.AioRpcError:
         """The error the caller gets: the status the handler set, else `code` and `details`."""
         if self._code is None:
-            return _status(code, details)
-        return _status(self._code, self._details, self._trailing)
+            return status_error(code, details)
+        return status_error(self._code, self._details, self._trailing)
 
 
-def _status(
+def status_error(
     code: grpc.StatusCode, details: str, trailing: Sequence[tuple[str, str | bytes]] = ()
 ) -> grpc.aio.AioRpcError:
+    """The error of a call that ended with this status (and this trailing metadata)."""
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details)

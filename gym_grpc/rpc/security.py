@@ -91,7 +91,9 @@ class Security(BaseModel):
         return []
 
     def client_interceptors(self) -> list[Any]:
-        return [_SendTokenUnary(self.token), _SendTokenStream(self.token)] if self.token else []
+        if not self.token:
+            return []
+        return [_SendTokenUnary(self.token), _SendTokenStream(self.token), _SendTokenBidi(self.token)]
 
     def server_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         return [_CheckToken(self.token)] if self.token else []
@@ -122,6 +124,11 @@ class _SendTokenUnary(_SendToken, grpc.aio.UnaryUnaryClientInterceptor):
 class _SendTokenStream(_SendToken, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation: Callable, details: Any, request: Any) -> Any:
         return await continuation(self._with_token(details), request)
+
+
+class _SendTokenBidi(_SendToken, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation: Callable, details: Any, requests: Any) -> Any:
+        return await continuation(self._with_token(details), requests)
 
 
 class _CheckToken(grpc.aio.ServerInterceptor):

@@ -19,7 +19,7 @@ import logging
 import signal
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar, NoReturn, TypeVar
 
 import grpc
@@ -258,10 +258,10 @@ def _guarded(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     return deserialize
 
 
-def _not_parsable(method: str, error: Exception) -> grpc.Status:
+def _not_parsable_error(method: str, error: Exception) -> errors.InvalidArgument:
     return errors.InvalidArgument(
         f"{method}: the request is not a valid message: {error}", reason=errors.Reason.REQUEST_NOT_PARSABLE
-    ).to_status()
+    )
 
 
 class _DecodeGuard(grpc.aio.ServerInterceptor):
@@ -283,18 +283,35 @@ class _DecodeGuard(grpc.aio.ServerInterceptor):
 
     @staticmethod
     def _wrap(method: str, handler: Any) -> Any:
-        if handler.request_streaming or handler.request_deserializer is None:
+        if handler.request_deserializer is None:
             return handler
+        if handler.request_streaming:
+            if not handler.response_streaming:
+                return handler  # no such method in gym.v1
+
+            async def checked_requests(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+                async for request in requests:
+                    if isinstance(request, _Corrupt):
+                        raise _not_parsable_error(method, request.error)
+                    yield request
+
+            async def checked_bidi(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+                async for reply in handler.stream_stream(checked_requests(requests), context):
+                    yield reply
+
+            return grpc.stream_stream_rpc_method_handler(
+                checked_bidi, _guarded(handler.request_deserializer), handler.response_serializer
+            )
         behaviour = handler.unary_unary or handler.unary_stream
 
         async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
             if isinstance(request, _Corrupt):
-                await context.abort_with_status(_not_parsable(method, request.error))
+                await context.abort_with_status(_not_parsable_error(method, request.error).to_status())
             return await behaviour(request, context)
 
         async def checked_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
             if isinstance(request, _Corrupt):
-                await context.abort_with_status(_not_parsable(method, request.error))
+                await context.abort_with_status(_not_parsable_error(method, request.error).to_status())
             async for reply in behaviour(request, context):
                 yield reply
 

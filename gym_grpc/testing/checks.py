@@ -296,6 +296,33 @@ async def run_stream_ends_with_the_rollout(probe: Probe) -> None:
     expect(sequence == list(range(len(events))), f"RunStream: event sequence numbers are {sequence}, not 0, 1, ...")
 
 
+async def run_many_answers_each_run_under_its_id(probe: Probe) -> None:
+    """Two runs on one RunMany call, one of them malformed: each result under its id (the
+    malformed one failed as Run would fail it), then the call ends OK (protocol 1.5)."""
+    info = await probe.info()
+    served = {m.name for s in info.services if s.name == AGENT_SERVICE for m in s.methods}
+    if "RunMany" not in served:
+        expect(
+            (info.protocol.major or 1, info.protocol.minor) < (1, 5),
+            f"RunMany: the agent speaks protocol {info.protocol.major}.{info.protocol.minor} and does not serve it",
+        )
+        raise CheckSkipped(f"the agent speaks protocol {info.protocol.major}.{info.protocol.minor}, before RunMany")
+    runs = [
+        agent_pb.RunManyItem(id=7, run=agent_pb.RunRequest(task=probe.task), timeout_seconds=120),
+        agent_pb.RunManyItem(id=9, run=agent_pb.RunRequest(), timeout_seconds=120),
+    ]
+    call = probe.agent.RunMany(iter([agent_pb.RunManyRequest(runs=runs)]), timeout=150)
+    results = {result.id: result async for reply in call for result in reply.results}
+    expect(sorted(results) == [7, 9], f"RunMany: results for ids {sorted(results)}, expected [7, 9]")
+    expect(results[7].WhichOneof("outcome") == "rollout", f"RunMany: run 7 failed: {results[7].error.message!r}")
+    expect(results[7].rollout.response.output, "RunMany: the rollout of run 7 has no output")
+    error = results[9].error
+    expect(
+        results[9].WhichOneof("outcome") == "error" and error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0],
+        f"RunMany: run 9 (a task with no input) ended with code {error.code}, expected INVALID_ARGUMENT",
+    )
+
+
 async def a_task_without_input_is_invalid(probe: Probe) -> None:
     await _fails_with(
         probe.agent.Run(agent_pb.RunRequest(), timeout=10),
@@ -330,6 +357,7 @@ AGENT_CHECKS: list[Check] = [
     agent_handshake,
     a_run_returns_a_verified_rollout,
     run_stream_ends_with_the_rollout,
+    run_many_answers_each_run_under_its_id,
     a_task_without_input_is_invalid,
 ]
 

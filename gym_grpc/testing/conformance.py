@@ -170,5 +170,8 @@ class AgentConformance:
     async def test_run_stream_ends_with_the_rollout(self, served: Probe) -> None:
         await _check(checks.run_stream_ends_with_the_rollout, served)
 
+    async def test_run_many_answers_each_run_under_its_id(self, served: Probe) -> None:
+        await _check(checks.run_many_answers_each_run_under_its_id, served)
+
     async def test_a_task_without_input_is_invalid(self, served: Probe) -> None:
         await _check(checks.a_task_without_input_is_invalid, served)

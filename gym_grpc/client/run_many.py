@@ -1,0 +1,168 @@
+"""The client side of AgentService.RunMany: many rollouts over a few long calls.
+
+`AgentClient.run` sends its rollouts here when the agent serves RunMany: one
+RunMany call per connection to the agent, each run a message on it. A grpc.aio
+server takes up new calls one at a time, several turns of its event loop each,
+and with many rollouts in flight that is what they wait for; a message on a
+call that is open already costs a fraction of it (docs/performance.md).
+
+What a caller gets is what a unary Run gives: the rollout, or the error its
+call would have ended with (code, message, reason, field); a deadline per run,
+sent with it and kept here too; a cancelled caller cancels its run on the
+server. A call that breaks (the agent stopped, its connection given up) fails
+the runs it carried as it would have failed their unary calls, and the next
+run opens another call, which waits for the agent like any call to a server
+that answered before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from gym_grpc import errors
+from gym_grpc.rpc import transport
+from gym_grpc.rpc.in_process import status_error
+from gym_grpc.v1 import agent_service_pb2 as agent_pb
+from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
+from gym_grpc.v1 import task_pb2
+
+METHOD = "RunMany"
+
+#: (a failed call's error, or None when its connection gave up on the peer; the method; the
+#: connection) -> the GymError a caller gets: `AgentClient._error`.
+ErrorOf = Callable[[grpc.aio.AioRpcError | None, str, transport.Connection], Awaitable[errors.GymError]]
+
+
+def _run_failed(error: agent_pb.RunError) -> grpc.aio.AioRpcError:
+    """A run's failure as the error its unary Run call would have raised, details included
+    (RunError's bytes are a google.rpc.Status's)."""
+    code = next((c for c in grpc.StatusCode if c.value[0] == error.code), grpc.StatusCode.UNKNOWN)
+    return status_error(code, error.message, (("grpc-status-details-bin", error.SerializeToString()),))
+
+
+class _Call:
+    """One RunMany call on one connection: the runs on it that wait for a result, and the
+    runs and cancellations not sent yet (the next message carries all of them)."""
+
+    def __init__(self, connection: transport.Connection, error_of: ErrorOf) -> None:
+        self.connection = connection
+        self._error_of = error_of
+        self._ids = itertools.count()
+        self.waiting: dict[int, asyncio.Future[task_pb2.Rollout]] = {}
+        self._outbox = agent_pb.RunManyRequest()
+        self._wake = asyncio.Event()
+        self._closing = False
+        self.ended = False
+        wait = connection.wait
+        self._call = connection.stub(agent_grpc.AgentServiceStub).RunMany(wait_for_ready=wait)
+        if wait:
+            connection.waiting(self._call)  # cancelled if the peer is given up
+        self._sender = asyncio.ensure_future(self._send())
+        self._receiver = asyncio.ensure_future(self._receive())
+
+    def submit(self, run: agent_pb.RunRequest, timeout: float | None) -> tuple[int, asyncio.Future[task_pb2.Rollout]]:
+        run_id = next(self._ids)
+        future = self.waiting[run_id] = asyncio.get_running_loop().create_future()
+        self._outbox.runs.add(id=run_id, run=run, timeout_seconds=timeout or 0.0)
+        self._wake.set()
+        return run_id, future
+
+    def cancel(self, run_id: int) -> None:
+        """Stop a run on the server whose caller no longer waits for it (nothing when it ended)."""
+        if self.waiting.pop(run_id, None) is not None and not self.ended:
+            self._outbox.cancel_ids.append(run_id)
+            self._wake.set()
+
+    def close(self) -> None:
+        """Send no more runs: the call ends once the runs on it have."""
+        self._closing = True
+        self._wake.set()
+
+    async def _send(self) -> None:
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                if self._outbox.runs or self._outbox.cancel_ids:
+                    request, self._outbox = self._outbox, agent_pb.RunManyRequest()
+                    await self._call.write(request)
+                elif self._closing:
+                    await self._call.done_writing()
+                    return
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            return  # the call ended: _receive tells the runs why
+
+    async def _receive(self) -> None:
+        error: grpc.aio.AioRpcError | None = None
+        try:
+            async for reply in self._call:
+                self.connection.answered()
+                for result in reply.results:
+                    future = self.waiting.pop(result.id, None)
+                    if future is None or future.done():
+                        continue  # its caller gave up on it
+                    if result.WhichOneof("outcome") == "rollout":
+                        future.set_result(result.rollout)
+                    else:
+                        future.set_exception(_run_failed(result.error))
+        except grpc.aio.AioRpcError as e:
+            error = e
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # stopped here
+            # The call was cancelled under it: its connection gave up on the peer, or closed.
+            error = None if self.connection.given_up else status_error(grpc.StatusCode.CANCELLED, "Locally cancelled")
+        finally:
+            self.ended = True
+            self._sender.cancel()
+        if self.waiting:
+            if error is None and not self.connection.given_up:
+                error = status_error(grpc.StatusCode.INTERNAL, f"{METHOD} ended before the runs on it")
+            failure = await self._error_of(error, METHOD, self.connection)
+            for future in self.waiting.values():
+                if not future.done():
+                    future.set_exception(failure)
+            self.waiting.clear()
+
+
+class RunMany:
+    """The RunMany calls of one agent client: one per connection to the agent, opened on
+    first use, and opened again when it ended."""
+
+    def __init__(self, connections: Callable[[], Awaitable[list[transport.Connection]]], error_of: ErrorOf) -> None:
+        self._connections = connections
+        self._error_of = error_of
+        self._calls: dict[transport.Connection, _Call] = {}
+        self._pool: list[transport.Connection] | None = None
+        self._next = 0
+
+    async def _call_for_next_run(self) -> _Call:
+        connections = await self._connections()
+        if connections is not self._pool:  # a new pool: the agent's replicas changed
+            self._pool = connections
+            for connection in [c for c in self._calls if c not in connections]:
+                self._calls.pop(connection).close()  # it ends with the runs on it
+        self._next = (self._next + 1) % len(connections)
+        connection = connections[self._next]
+        call = self._calls.get(connection)
+        if call is None or call.ended:
+            call = self._calls[connection] = _Call(connection, self._error_of)
+        return call
+
+    async def run(self, request: agent_pb.RunRequest, timeout: float | None) -> task_pb2.Rollout:
+        """One run: its rollout. A failed run raises the AioRpcError its unary call would have
+        raised; a call that broke under it, the GymError of that call."""
+        call = await self._call_for_next_run()
+        run_id, result = call.submit(request, timeout)
+        try:
+            async with asyncio.timeout(timeout):
+                return await result
+        except TimeoutError:
+            raise status_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        finally:
+            call.cancel(run_id)  # when it is still waiting: its caller gave up (cancelled, or past its deadline)

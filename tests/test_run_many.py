@@ -1,0 +1,206 @@
+"""AgentService.RunMany: many runs over one call, each ending as Run would have ended it.
+
+Real servers on loopback: the simple agent, a model that answers with the
+prompt after a delay (and fails on "fail"), the calculator environment. The
+first tests speak the wire through the generated stub, as a client in any
+language would; the last ones go through `AgentClient`, which sends its
+rollouts over RunMany when the agent serves it.
+"""
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_status import rpc_status
+
+from gym_grpc import errors
+from gym_grpc.client.stubs import AgentClient
+from gym_grpc.rpc import transport
+from gym_grpc.v1 import agent_service_pb2 as agent_pb
+from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
+from gym_grpc.v1 import task_pb2
+from servers.agents.simple_agent.agent import SimpleAgent
+from tests.support import Calculator, EchoModel, static_registry, task
+
+
+async def _agent(start, model: EchoModel):
+    """The simple agent over `model` and the calculator; (its Running, a registry naming it "agent")."""
+    served_model = await start(model)
+    env = await start(Calculator(name="calc"))
+    agent = await start(
+        SimpleAgent(
+            {"model_server": "model", "resources_server": "calc"},
+            name="agent",
+            registry=static_registry(model=served_model, calc=env),
+        )
+    )
+    return agent, static_registry(agent=agent)
+
+
+def _item(run_id: int, text: str, timeout: float = 30.0, **data) -> agent_pb.RunManyItem:
+    return agent_pb.RunManyItem(id=run_id, run=agent_pb.RunRequest(task=task(text, **data)), timeout_seconds=timeout)
+
+
+async def _results(call) -> dict[int, agent_pb.RunManyResult]:
+    return {result.id: result async for reply in call for result in reply.results}
+
+
+async def _eventually(condition, seconds: float = 10.0) -> None:
+    for _ in range(int(seconds / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not met in time")
+
+
+async def test_runs_sent_over_one_call_come_back_each_under_its_id(start):
+    agent, _ = await _agent(start, EchoModel(delay=0.01))
+    async with transport.open_channel(agent.address) as channel:
+        call = agent_grpc.AgentServiceStub(channel).RunMany(timeout=30)
+        await call.write(
+            agent_pb.RunManyRequest(runs=[_item(1, "7", expected_answer=7), _item(2, "8", expected_answer=9)])
+        )
+        await call.write(agent_pb.RunManyRequest(runs=[_item(30, "30", expected_answer=30)]))
+        await call.done_writing()
+        results = await _results(call)
+        assert await call.code() == grpc.StatusCode.OK
+    assert {i: r.rollout.reward for i, r in results.items()} == {1: 1.0, 2: 0.0, 30: 1.0}
+    assert all(r.rollout.model_calls == 1 and r.rollout.response.output for r in results.values())
+
+
+async def test_a_failed_run_ends_as_run_would_end_it_and_the_others_go_on(start):
+    agent, _ = await _agent(start, EchoModel(delay=0.01))
+    async with transport.open_channel(agent.address) as channel:
+        stub = agent_grpc.AgentServiceStub(channel)
+        bad = agent_pb.RunRequest(task=task_pb2.Task())  # no input
+        with pytest.raises(grpc.aio.AioRpcError) as unary:
+            await stub.Run(bad, timeout=30)
+        call = stub.RunMany(timeout=30)
+        items = [agent_pb.RunManyItem(id=1, run=bad), _item(2, "2", expected_answer=2)]
+        await call.write(agent_pb.RunManyRequest(runs=items))
+        await call.done_writing()
+        results = await _results(call)
+    assert results[2].rollout.reward == 1.0
+    error = results[1].error
+    status = rpc_status.from_call(unary.value)
+    assert (error.code, error.message) == (unary.value.code().value[0], unary.value.details())
+    assert list(error.details) == list(status.details)  # ErrorInfo and BadRequest, as Run sent them
+    assert errors.field_of(unary.value) == "task.responses_create_params.input"
+
+
+async def test_a_run_past_its_timeout_fails_with_deadline_exceeded_and_stops_downstream(start):
+    model = EchoModel(delay=30)
+    agent, _ = await _agent(start, model)
+    async with transport.open_channel(agent.address) as channel:
+        call = agent_grpc.AgentServiceStub(channel).RunMany(timeout=30)
+        await call.write(agent_pb.RunManyRequest(runs=[_item(1, "slow", timeout=0.3)]))
+        await call.done_writing()
+        results = await _results(call)
+    assert results[1].error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    await _eventually(lambda: model.cancelled == 1)
+
+
+async def test_cancel_ids_cancel_one_run_and_leave_the_others(start):
+    model = EchoModel(delay=0.5)
+    agent, _ = await _agent(start, model)
+    async with transport.open_channel(agent.address) as channel:
+        call = agent_grpc.AgentServiceStub(channel).RunMany(timeout=30)
+        await call.write(agent_pb.RunManyRequest(runs=[_item(1, "1", expected_answer=1), _item(2, "2")]))
+        await _eventually(lambda: model.active == 2)
+        await call.write(agent_pb.RunManyRequest(cancel_ids=[2, 99]))  # 99 is not in flight: ignored
+        await call.done_writing()
+        results = await _results(call)
+        assert await call.code() == grpc.StatusCode.OK
+    assert results[1].rollout.reward == 1.0
+    assert results[2].error.code == grpc.StatusCode.CANCELLED.value[0]
+    assert model.cancelled == 1
+
+
+async def test_an_id_already_in_flight_fails_only_the_second_run(start):
+    agent, _ = await _agent(start, EchoModel(delay=0.2))
+    async with transport.open_channel(agent.address) as channel:
+        call = agent_grpc.AgentServiceStub(channel).RunMany(timeout=30)
+        await call.write(agent_pb.RunManyRequest(runs=[_item(5, "5", expected_answer=5), _item(5, "6")]))
+        await call.done_writing()
+        results = [result async for reply in call for result in reply.results]
+    assert sorted(r.WhichOneof("outcome") for r in results) == ["error", "rollout"]
+    failed = next(r for r in results if r.WhichOneof("outcome") == "error")
+    assert (
+        failed.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "already in flight" in failed.error.message
+    )
+    assert next(r for r in results if r.WhichOneof("outcome") == "rollout").rollout.reward == 1.0
+
+
+async def test_cancelling_the_call_cancels_every_run_on_it_downstream(start):
+    model = EchoModel(delay=30)
+    agent, _ = await _agent(start, model)
+    async with transport.open_channel(agent.address) as channel:
+        call = agent_grpc.AgentServiceStub(channel).RunMany()
+        await call.write(agent_pb.RunManyRequest(runs=[_item(i, str(i)) for i in range(3)]))
+        await _eventually(lambda: model.active == 3)
+        call.cancel()
+        await _eventually(lambda: model.cancelled == 3)
+    await _eventually(lambda: agent.app.counters.to_proto().in_flight == 0)
+
+
+async def test_a_message_that_does_not_parse_ends_the_call_with_invalid_argument(start):
+    agent, _ = await _agent(start, EchoModel())
+    async with transport.open_channel(agent.address) as channel:
+        raw = channel.stream_stream(
+            "/gym.v1.AgentService/RunMany",
+            request_serializer=lambda data: data,
+            response_deserializer=agent_pb.RunManyResponse.FromString,
+        )
+        call = raw(timeout=30)
+        await call.write(b"\x0a\xff\xff\xff\xff")  # field 1, a length past the end
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await _results(call)
+    assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert errors.reason_of(failed.value) == errors.Reason.REQUEST_NOT_PARSABLE
+
+
+async def test_agent_client_sends_its_runs_over_run_many_each_counted_as_a_run(start):
+    agent, registry = await _agent(start, EchoModel(delay=0.01))
+    client = AgentClient(registry, "agent")
+    rollouts = await asyncio.gather(*(client.run(task(str(i), expected_answer=i), timeout=30) for i in range(20)))
+    assert [r.reward for r in rollouts] == [1.0] * 20
+    counted = {m.method: m for m in agent.app.counters.to_proto().methods}
+    assert counted["Run"].calls_by_status["OK"] == 20
+    assert counted["RunMany"].in_flight == 1  # one call carried them all, and stays open for more
+    await registry.close()
+
+
+async def test_agent_client_errors_are_those_of_run(start):
+    agent, registry = await _agent(start, EchoModel(delay=0.01))
+    client = AgentClient(registry, "agent")
+    for bad in (task_pb2.Task(), task("fail")):  # a task with no input; a model that raises
+        with pytest.raises(errors.GymError) as over_run_many:
+            await client.run(bad, timeout=30)
+        with pytest.raises(errors.GymError) as over_run:
+            await client._call("Run", agent_pb.RunRequest(task=bad), 30)
+        ours, theirs = over_run_many.value, over_run.value
+        assert type(ours) is type(theirs) and ours.code == theirs.code
+        assert (ours.message, ours.field, ours.reason, ours.metadata) == (
+            theirs.message,
+            theirs.field,
+            theirs.reason,
+            theirs.metadata,
+        )
+    assert ours.message.startswith("agent 'agent' Run: INTERNAL: model server 'model' CreateResponse: INTERNAL")
+    await registry.close()
+
+
+async def test_agent_client_caller_cancelled_or_past_its_deadline_stops_its_run_on_the_server(start):
+    model = EchoModel(delay=30)
+    agent, registry = await _agent(start, model)
+    client = AgentClient(registry, "agent")
+    waiting = asyncio.ensure_future(client.run(task("x"), timeout=60))
+    await _eventually(lambda: model.active == 1)
+    waiting.cancel()
+    await _eventually(lambda: model.cancelled == 1)
+    with pytest.raises(errors.DeadlineExceeded):
+        await client.run(task("y"), timeout=0.3)
+    await _eventually(lambda: model.cancelled == 2)
+    run_many = {m.method: m for m in agent.app.counters.to_proto().methods}["RunMany"]
+    assert run_many.in_flight == 1 and not run_many.calls_by_status  # the call that carried them goes on
+    await registry.close()
