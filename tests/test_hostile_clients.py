@@ -1,8 +1,9 @@
 """Clients that give up, time out or die mid-call never take a server down.
 
 Real processes on both sides: `gym-grpc run` serves the quickstart, and the
-clients are separate processes (a Python client, grpcurl) that cancel streams,
-give them deadlines from 1 ms to 2 s, or are SIGKILLed while a stream is open.
+clients are separate processes (a Python client, grpcurl) that cancel streams
+(RunStream, RunMany and runs on it), give them deadlines from 1 ms to 2 s, or
+are SIGKILLed while a stream is open.
 """
 
 import json
@@ -26,24 +27,39 @@ def test_streams_cancelled_timed_out_or_killed_mid_call_never_crash_the_agent():
     try:
         _, before = _status(run.registry)
         agent = run.servers["weather_agent"]
-        # 1,000 streams in two client processes, each ended early by a cancel or a deadline.
+        # 1,000 RunStream calls and 1,000 RunMany calls (with up to 4 runs each, some cancelled
+        # by id) in four client processes, each call ended early by a cancel or a deadline.
         cancellers = [
             subprocess.Popen(
-                [sys.executable, "-m", "tests.programs.stream_canceller", agent, str(WEATHER), "500", str(seed)],
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.programs.stream_canceller",
+                    agent,
+                    str(WEATHER),
+                    "500",
+                    str(seed),
+                    method,
+                ],
                 cwd=REPO,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
             )
             for seed in (1, 2)
+            for method in ("RunStream", "RunMany")
         ]
-        for canceller in cancellers:
-            out, err = canceller.communicate(timeout=300)
-            assert canceller.returncode == 0, err
-            ended = json.loads(out)
-            assert ended.pop("final_run_ok") == 1  # the agent served the next rollout
-            assert sum(ended.values()) == 500
-            assert ended.get("CANCELLED", 0) > 0 and ended.get("DEADLINE_EXCEEDED", 0) > 0, ended
+        try:
+            for canceller in cancellers:
+                out, err = canceller.communicate(timeout=300)
+                assert canceller.returncode == 0, err
+                ended = json.loads(out)
+                assert ended.pop("final_run_ok") == 1  # the agent served the next rollout
+                assert sum(ended.values()) == 500
+                assert ended.get("CANCELLED", 0) > 0 and ended.get("DEADLINE_EXCEEDED", 0) > 0, ended
+        finally:  # a client that hangs fails the test, and does not outlive it
+            for canceller in cancellers:
+                canceller.kill()
 
         # 50 grpcurl processes, each SIGKILLed once its stream has delivered an event.
         row = json.loads(WEATHER.read_text().splitlines()[0])
@@ -61,6 +77,24 @@ def test_streams_cancelled_timed_out_or_killed_mid_call_never_crash_the_agent():
             assert client.stdout.readline().startswith("{")  # mid-stream: the first event arrived
             os.kill(client.pid, signal.SIGKILL)
             client.wait()
+            client.stdout.close()
+
+        # 50 grpcurl processes on RunMany, each SIGKILLed with runs in flight once a result arrived.
+        runs = [{"id": str(i), "run": {"task": json_format.MessageToDict(rows.task_from_row(row))}} for i in range(4)]
+        for _ in range(50):
+            client = subprocess.Popen(
+                [_tool("grpcurl"), "-plaintext", "-d", "@", agent, "gym.v1.AgentService/RunMany"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
+            client.stdin.write(json.dumps({"runs": runs}) + "\n")
+            client.stdin.flush()  # left open: the call stays open, more runs could come
+            assert client.stdout.readline().startswith("{")  # a result arrived; others are in flight
+            os.kill(client.pid, signal.SIGKILL)
+            client.wait()
+            client.stdin.close()
             client.stdout.close()
 
         _, after = _status(run.registry)
