@@ -66,6 +66,20 @@ def test_the_grpcurl_recipes_work_against_live_servers(live):
     assert wrong.get("reward", 0) == 0
     rollout = json.loads(_recipe("rollout.sh", servers["math_agent"]["addresses"][0], "What is 12 + 30?", "42"))
     assert rollout["rollout"]["reward"] == 1
+    # Two runs over one RunMany call: grpcurl prints each reply (results as they finish) as it comes.
+    many = _recipe("many.sh", servers["math_agent"]["addresses"][0], "What is 12 + 30?", "42", "What is 2 + 2?", "5")
+    results = {result["id"]: result for reply in _json_values(many) for result in reply["results"]}
+    assert sorted(results) == ["1", "2"]
+    assert results["1"]["rollout"]["reward"] == 1 and "reward" not in results["2"]["rollout"]  # 0 is left out
+
+
+def _json_values(text: str) -> list:
+    """The JSON values written one after another in `text` (grpcurl's output of a stream)."""
+    decoder, values, at = json.JSONDecoder(), [], 0
+    while text[at:].strip():
+        value, at = decoder.raw_decode(text, at + len(text[at:]) - len(text[at:].lstrip()))
+        values.append(value)
+    return values
 
 
 WEATHER = REPO / "servers" / "resources" / "weather" / "data" / "example.jsonl"
