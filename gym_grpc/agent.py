@@ -133,7 +133,7 @@ class _AgentServicer(agent_grpc.AgentServiceServicer):
     async def RunMany(
         self, requests: AsyncIterator[agent_pb.RunManyRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[agent_pb.RunManyResponse]:
-        async for reply in run_many.serve(requests, self.Run, context.peer()):
+        async for reply in run_many.serve(requests, self.Run, context.peer(), self.app):
             yield reply
 
     @rpc_method

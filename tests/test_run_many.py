@@ -14,13 +14,16 @@ import pytest
 from grpc_status import rpc_status
 
 from gym_grpc import errors
+from gym_grpc.client import run_many as _run_many_client
 from gym_grpc.client.stubs import AgentClient
 from gym_grpc.rpc import transport
+from gym_grpc.testing import Servers
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
 from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
 from gym_grpc.v1 import task_pb2
 from servers.agents.simple_agent.agent import SimpleAgent
 from tests.support import Calculator, EchoModel, static_registry, task
+from tests.test_replicas import replicated
 
 
 async def _agent(start, model: EchoModel):
@@ -204,3 +207,79 @@ async def test_agent_client_caller_cancelled_or_past_its_deadline_stops_its_run_
     run_many = {m.method: m for m in agent.app.counters.to_proto().methods}["RunMany"]
     assert run_many.in_flight == 1 and not run_many.calls_by_status  # the call that carried them goes on
     await registry.close()
+
+
+async def test_a_stopping_agent_starts_no_new_run_and_ends_the_call_once_its_runs_are_done(start):
+    """A graceful stop (a scale-down, the end of `gym-grpc run`): the run in flight finishes, a
+    run read after the stop began is answered UNAVAILABLE / SERVER_STOPPING and never started,
+    and the call ends OK, so a run that has no result was never read."""
+    model = EchoModel(delay=0.5)
+    agent, _ = await _agent(start, model)
+    async with transport.open_channel(agent.address) as channel:
+        call = agent_grpc.AgentServiceStub(channel).RunMany(timeout=30)
+        await call.write(agent_pb.RunManyRequest(runs=[_item(1, "1", expected_answer=1)]))
+        await _eventually(lambda: model.active == 1)
+        stopping = asyncio.ensure_future(agent.stop_serving(grace=30))
+        await _eventually(agent.app.stopping.is_set)
+        await call.write(agent_pb.RunManyRequest(runs=[_item(2, "2")]))
+        results = await _results(call)
+        assert await call.code() == grpc.StatusCode.OK
+        await stopping
+    assert results[1].rollout.reward == 1.0
+    refused = rpc_status.from_call(_run_many_client._run_failed(results[2].error))
+    assert results[2].error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert errors.reason_of(_run_many_client._run_failed(results[2].error)) == errors.Reason.SERVER_STOPPING
+    assert refused.message == "agent 'agent' is stopping: the run was not started"
+    assert len(model.requests) == 1  # run 2 never reached the model
+
+
+async def test_agent_client_spreads_runs_over_replicas_and_moves_off_one_that_stops():
+    """Two agent replicas behind one balanced channel (as `gym-grpc run --ray` lists them): the
+    RunMany calls go to both. When one stops gracefully with runs in flight, those finish there,
+    the runs sent to it meanwhile are refused unstarted and go to the other, as do the runs sent
+    after; none fails."""
+    async with Servers() as servers:
+        model = await servers.start(EchoModel(delay=0.3))
+        env = await servers.start(Calculator(name="calc"))
+        peers = static_registry(model=model, calc=env)
+        apps = [
+            SimpleAgent({"model_server": "model", "resources_server": "calc"}, name="agent", registry=peers)
+            for _ in range(2)
+        ]
+        replicas, registry = await replicated(servers, "agent", apps)
+        client = AgentClient(registry, "agent")
+
+        def runs(count: int) -> list[asyncio.Future]:
+            return [
+                asyncio.ensure_future(client.run(task(str(i), expected_answer=i), timeout=30)) for i in range(count)
+            ]
+
+        try:
+            first = await asyncio.gather(*runs(40))
+            spread = [_counted(replica, "Run") for replica in replicas]
+            assert sum(spread) == 40 and min(spread) >= 10, spread
+            before = runs(40)
+            await _eventually(lambda: _in_flight(replicas[0], "Run") > 0)
+            stopping = asyncio.ensure_future(replicas[0].stop_serving(grace=30))
+            await _eventually(replicas[0].app.stopping.is_set)
+            during = runs(40)  # half of them go to the calls on the replica that is stopping
+            await stopping  # it returns once its runs in flight are done
+            stopped_with = _counted(replicas[0], "Run")
+            after = runs(40)
+            rollouts = [*first, *await asyncio.gather(*before, *during, *after)]
+        finally:
+            await registry.close()
+        await peers.close()
+    assert [r.reward for r in rollouts] == [1.0] * 160
+    assert _counted(replicas[0], "Run") == stopped_with  # nothing reached it after it stopped
+    assert _counted(replicas[1], "Run") == 160 - stopped_with
+
+
+def _counted(server, method: str) -> int:
+    counters = {m.method: m for m in server.app.counters.to_proto().methods}
+    return sum(counters[method].calls_by_status.values()) if method in counters else 0
+
+
+def _in_flight(server, method: str) -> int:
+    counters = {m.method: m for m in server.app.counters.to_proto().methods}
+    return counters[method].in_flight if method in counters else 0

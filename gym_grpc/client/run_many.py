@@ -9,16 +9,24 @@ call that is open already costs a fraction of it (docs/performance.md).
 What a caller gets is what a unary Run gives: the rollout, or the error its
 call would have ended with (code, message, reason, field); a deadline per run,
 sent with it and kept here too; a cancelled caller cancels its run on the
-server. A call that breaks (the agent stopped, its connection given up) fails
-the runs it carried as it would have failed their unary calls, and the next
-run opens another call, which waits for the agent like any call to a server
-that answered before.
+server. A call that breaks (the agent died, its connection given up) fails the
+runs it carried as it would have failed their unary calls, and the next run
+opens another call, which waits for the agent like any call to a server that
+answered before. An agent that stops gracefully starts none of the runs it
+reads from then on (SERVER_STOPPING) and ends the call once its runs in flight
+are done: the runs it did not start go out again on another call, which
+reaches another replica where there is one, as a new unary call would.
+
+Runs go to the call with the fewest waiting, so that the runs that replace a
+reply's results go out together, and every call (every worker process, every
+replica of a balanced channel) carries as many.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -31,6 +39,14 @@ from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
 from gym_grpc.v1 import task_pb2
 
 METHOD = "RunMany"
+
+#: How many times a run the agent did not start (it was stopping) is sent again, on another call.
+RESENDS = 3
+
+
+class _NotStarted(Exception):
+    """The agent did not start the run: it was stopping. It can go to another call."""
+
 
 #: (a failed call's error, or None when its connection gave up on the peer; the method; the
 #: connection) -> the GymError a caller gets: `AgentClient._error`.
@@ -55,7 +71,8 @@ class _Call:
         self.waiting: dict[int, asyncio.Future[task_pb2.Rollout]] = {}
         self._outbox = agent_pb.RunManyRequest()
         self._wake = asyncio.Event()
-        self._closing = False
+        #: No more runs go on it: it ends once the runs on it have.
+        self.closing = False
         self.ended = False
         wait = connection.wait
         self._call = connection.stub(agent_grpc.AgentServiceStub).RunMany(wait_for_ready=wait)
@@ -79,7 +96,7 @@ class _Call:
 
     def close(self) -> None:
         """Send no more runs: the call ends once the runs on it have."""
-        self._closing = True
+        self.closing = True
         self._wake.set()
 
     async def _send(self) -> None:
@@ -90,7 +107,7 @@ class _Call:
                 if self._outbox.runs or self._outbox.cancel_ids:
                     request, self._outbox = self._outbox, agent_pb.RunManyRequest()
                     await self._call.write(request)
-                elif self._closing:
+                elif self.closing:
                     await self._call.done_writing()
                     return
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
@@ -107,8 +124,13 @@ class _Call:
                         continue  # its caller gave up on it
                     if result.WhichOneof("outcome") == "rollout":
                         future.set_result(result.rollout)
+                        continue
+                    failed = _run_failed(result.error)
+                    if errors.reason_of(failed) == errors.Reason.SERVER_STOPPING:
+                        self.close()
+                        future.set_exception(_NotStarted())
                     else:
-                        future.set_exception(_run_failed(result.error))
+                        future.set_exception(failed)
         except grpc.aio.AioRpcError as e:
             error = e
         except asyncio.CancelledError:
@@ -120,49 +142,73 @@ class _Call:
         finally:
             self.ended = True
             self._sender.cancel()
-        if self.waiting:
-            if error is None and not self.connection.given_up:
-                error = status_error(grpc.StatusCode.INTERNAL, f"{METHOD} ended before the runs on it")
+        if not self.waiting:
+            return
+        if error is None and not self.connection.given_up:
+            failure: Exception = _NotStarted()  # ended OK: the agent answers every run it read
+        else:
             failure = await self._error_of(error, METHOD, self.connection)
-            for future in self.waiting.values():
-                if not future.done():
-                    future.set_exception(failure)
-            self.waiting.clear()
+        for future in self.waiting.values():
+            if not future.done():
+                future.set_exception(failure)
+        self.waiting.clear()
 
 
 class RunMany:
-    """The RunMany calls of one agent client: one per connection to the agent, opened on
-    first use, and opened again when it ended."""
+    """The RunMany calls of one agent client: one per connection to the agent, and on a
+    channel balanced over several replicas one per replica (gRPC's round_robin gives each
+    new call the next replica); opened on first use, and again when one ended."""
 
     def __init__(self, connections: Callable[[], Awaitable[list[transport.Connection]]], error_of: ErrorOf) -> None:
         self._connections = connections
         self._error_of = error_of
-        self._calls: dict[transport.Connection, _Call] = {}
+        self._calls: dict[tuple[transport.Connection, int], _Call] = {}
+        self._slots: list[tuple[transport.Connection, int]] = []
         self._pool: list[transport.Connection] | None = None
         self._next = 0
 
+    def _open(self, connections: list[transport.Connection]) -> None:
+        """Take a new pool (the agent's replicas changed): the calls on connections it no longer
+        has end with the runs on them."""
+        self._pool = connections
+        self._slots = [(c, i) for c in connections for i in range(c.address.count(",") + 1)]
+        for slot in [slot for slot in self._calls if slot[0] not in connections]:
+            self._calls.pop(slot).close()
+
     async def _call_for_next_run(self) -> _Call:
+        """The call with the fewest runs waiting: the one whose results just came back, so that
+        the runs that replace them go out together, in one message; over time as many runs on
+        each call. Ties go round the calls."""
         connections = await self._connections()
-        if connections is not self._pool:  # a new pool: the agent's replicas changed
-            self._pool = connections
-            for connection in [c for c in self._calls if c not in connections]:
-                self._calls.pop(connection).close()  # it ends with the runs on it
-        self._next = (self._next + 1) % len(connections)
-        connection = connections[self._next]
-        call = self._calls.get(connection)
-        if call is None or call.ended:
-            call = self._calls[connection] = _Call(connection, self._error_of)
-        return call
+        if connections is not self._pool:
+            self._open(connections)
+        slots = self._slots
+        self._next = (self._next + 1) % len(slots)
+        best: _Call | None = None
+        for slot in itertools.chain(slots[self._next :], slots[: self._next]):
+            call = self._calls.get(slot)
+            if call is None or call.ended or call.closing:
+                call = self._calls[slot] = _Call(slot[0], self._error_of)
+            if best is None or len(call.waiting) < len(best.waiting):
+                best = call
+        assert best is not None  # the registry gives at least one connection
+        return best
 
     async def run(self, request: agent_pb.RunRequest, timeout: float | None) -> task_pb2.Rollout:
         """One run: its rollout. A failed run raises the AioRpcError its unary call would have
         raised; a call that broke under it, the GymError of that call."""
-        call = await self._call_for_next_run()
-        run_id, result = call.submit(request, timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             async with asyncio.timeout(timeout):
-                return await result
+                for _ in range(1 + RESENDS):
+                    call = await self._call_for_next_run()
+                    run_id, result = call.submit(request, None if deadline is None else deadline - time.monotonic())
+                    try:
+                        return await result
+                    except _NotStarted:
+                        continue
+                    finally:
+                        call.cancel(run_id)  # when still waiting: its caller gave up (cancelled, or past its deadline)
         except TimeoutError:
             raise status_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
-        finally:
-            call.cancel(run_id)  # when it is still waiting: its caller gave up (cancelled, or past its deadline)
+        raise status_error(grpc.StatusCode.UNAVAILABLE, f"the agent was stopping, each of {1 + RESENDS} times")

@@ -6,6 +6,13 @@ error details), so that a result is exactly what Run would have answered.
 Results go back as they come: the results that are ready by the time the
 previous message has gone out go together in the next one, up to a size that
 any gRPC client accepts by default.
+
+Every run read gets a result. So when the agent stops (gracefully: a scale-down,
+the end of `gym-grpc run`), it answers each run it reads from then on with
+UNAVAILABLE and reason SERVER_STOPPING, without starting it, finishes the runs
+in flight and then ends the call OK: a run the client sent that has no result
+then was never read, and can be sent again, as the one refused can, to another
+replica (client/run_many.py does).
 """
 
 from __future__ import annotations
@@ -46,8 +53,8 @@ class _Runs:
     """The runs of one RunMany call: those in flight, and the replies that hold the results
     not sent yet (the last one fills until it is sent or full)."""
 
-    def __init__(self, run: Run, peer: str) -> None:
-        self._run, self._peer = run, peer
+    def __init__(self, run: Run, peer: str, agent: Any) -> None:
+        self._run, self._peer, self._agent = run, peer, agent
         self.in_flight: dict[int, asyncio.Task[None]] = {}
         self._cancelled: set[int] = set()
         self.replies: deque[agent_pb.RunManyResponse] = deque()
@@ -55,6 +62,12 @@ class _Runs:
         self.changed = asyncio.Event()
 
     def start(self, item: agent_pb.RunManyItem) -> None:
+        if self._agent.stopping.is_set():
+            stopping = errors.Unavailable(
+                f"agent {self._agent.name!r} is stopping: the run was not started", reason=errors.Reason.SERVER_STOPPING
+            )
+            self._result(item.id).error.CopyFrom(_from_status(stopping))
+            return
         if item.id in self.in_flight:
             error = errors.InvalidArgument(f"runs.id: {item.id} is already in flight on this call", field="runs.id")
             self._result(item.id).error.CopyFrom(_from_status(error))
@@ -97,13 +110,13 @@ class _Runs:
 
 
 async def serve(
-    requests: AsyncIterator[agent_pb.RunManyRequest], run: Run, peer: str
+    requests: AsyncIterator[agent_pb.RunManyRequest], run: Run, peer: str, agent: Any
 ) -> AsyncIterator[agent_pb.RunManyResponse]:
     """The replies of one RunMany call: start each run the requests bring through `run` (the
     agent's Run handler, called as from `peer`), yield the results as they come, and end once
-    the client has closed its side and every run has ended. Ending early (the call cancelled,
-    the client gone) cancels every run in flight."""
-    runs = _Runs(run, peer)
+    the client has closed its side, or the `agent` is stopping, and every run has ended.
+    Ending early (the call cancelled, the client gone) cancels every run in flight."""
+    runs = _Runs(run, peer, agent)
 
     async def read() -> None:
         try:
@@ -116,6 +129,8 @@ async def serve(
             runs.changed.set()
 
     reader = asyncio.ensure_future(read())
+    stopping = asyncio.ensure_future(agent.stopping.wait())
+    stopping.add_done_callback(lambda _: runs.changed.set())
     try:
         while True:
             if runs.replies:
@@ -123,12 +138,13 @@ async def serve(
                 continue
             if reader.done():
                 reader.result()  # a request that could not be read ends the call with its error
-                if not runs.in_flight:
-                    return
+            if (reader.done() or stopping.done()) and not runs.in_flight:
+                return
             runs.changed.clear()
             await runs.changed.wait()
     finally:
         reader.cancel()
+        stopping.cancel()
         runs.cancel_all()
         if runs.in_flight:
             await asyncio.wait(runs.in_flight.values())

@@ -82,6 +82,8 @@ class GymServer:
         self.worker = 0
         #: "host:port" of its Prometheus endpoint; empty while it serves none.
         self.metrics_address = ""
+        #: Set when it starts to stop: it finishes what it is doing and takes on nothing new.
+        self.stopping = asyncio.Event()
 
     @classmethod
     def checked_config(cls, config: dict[str, Any] | None, name: str) -> ServerConfig:
@@ -376,6 +378,7 @@ class Running:
         if self._stopped:
             return
         self._stopped = True
+        self.app.stopping.set()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
 
