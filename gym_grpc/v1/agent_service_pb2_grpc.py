@@ -117,6 +117,13 @@ class AgentServiceServicer:
         server finishes the runs in flight, sends their results and ends the call
         with OK. Cancelling the call cancels every run in flight.
 
+        Every run the server reads gets a result. An agent that is stopping
+        answers each run it reads with UNAVAILABLE (reason SERVER_STOPPING)
+        without starting it, and ends the call with OK once its runs in flight
+        are done: a run with no result when the call ends with OK was never read.
+        Send both kinds again, on a new call (to another replica, where there is
+        one).
+
         For callers that keep many rollouts in flight (a collector, a trainer):
         a run costs one message each way instead of a call, which grpc servers
         accept one at a time. The call itself has no deadline of its own to

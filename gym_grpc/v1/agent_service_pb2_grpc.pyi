@@ -68,6 +68,13 @@ class AgentServiceStub:
     server finishes the runs in flight, sends their results and ends the call
     with OK. Cancelling the call cancels every run in flight.
 
+    Every run the server reads gets a result. An agent that is stopping
+    answers each run it reads with UNAVAILABLE (reason SERVER_STOPPING)
+    without starting it, and ends the call with OK once its runs in flight
+    are done: a run with no result when the call ends with OK was never read.
+    Send both kinds again, on a new call (to another replica, where there is
+    one).
+
     For callers that keep many rollouts in flight (a collector, a trainer):
     a run costs one message each way instead of a call, which grpc servers
     accept one at a time. The call itself has no deadline of its own to
@@ -113,6 +120,13 @@ class AgentServiceAsyncStub(AgentServiceStub):
     run's failure is not the call's. When the client closes its side, the
     server finishes the runs in flight, sends their results and ends the call
     with OK. Cancelling the call cancels every run in flight.
+
+    Every run the server reads gets a result. An agent that is stopping
+    answers each run it reads with UNAVAILABLE (reason SERVER_STOPPING)
+    without starting it, and ends the call with OK once its runs in flight
+    are done: a run with no result when the call ends with OK was never read.
+    Send both kinds again, on a new call (to another replica, where there is
+    one).
 
     For callers that keep many rollouts in flight (a collector, a trainer):
     a run costs one message each way instead of a call, which grpc servers
@@ -180,6 +194,13 @@ class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
         run's failure is not the call's. When the client closes its side, the
         server finishes the runs in flight, sends their results and ends the call
         with OK. Cancelling the call cancels every run in flight.
+
+        Every run the server reads gets a result. An agent that is stopping
+        answers each run it reads with UNAVAILABLE (reason SERVER_STOPPING)
+        without starting it, and ends the call with OK once its runs in flight
+        are done: a run with no result when the call ends with OK was never read.
+        Send both kinds again, on a new call (to another replica, where there is
+        one).
 
         For callers that keep many rollouts in flight (a collector, a trainer):
         a run costs one message each way instead of a call, which grpc servers
