@@ -8,6 +8,7 @@ rollouts over RunMany when the agent serves it.
 """
 
 import asyncio
+import subprocess
 
 import grpc
 import pytest
@@ -18,11 +19,14 @@ from gym_grpc.client import run_many as _run_many_client
 from gym_grpc.client.stubs import AgentClient
 from gym_grpc.rpc import transport
 from gym_grpc.testing import Servers
+from gym_grpc.v1 import admin_service_pb2 as admin_pb
+from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
 from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
 from gym_grpc.v1 import task_pb2
 from servers.agents.simple_agent.agent import SimpleAgent
-from tests.support import Calculator, EchoModel, static_registry, task
+from tests.support import Calculator, EchoModel, collect_args, static_registry, task
+from tests.test_cli import MATH, _start_run, _tool
 from tests.test_replicas import replicated
 
 
@@ -283,3 +287,44 @@ def _counted(server, method: str) -> int:
 def _in_flight(server, method: str) -> int:
     counters = {m.method: m for m in server.app.counters.to_proto().methods}
     return counters[method].in_flight if method in counters else 0
+
+
+@pytest.mark.slow
+def test_collect_opens_one_run_many_call_on_each_worker_process_of_an_agent(tmp_path):
+    """An agent with `num_workers: 2` behind one port, the collector's connections spread over
+    both by the kernel: one RunMany call reaches each worker (asked with GetServerInfo which
+    worker a connection reaches), and both run rollouts."""
+    run = _start_run("servers.math_agent.num_workers=2")
+    try:
+        tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
+        tasks.write_text(MATH.read_text() * 20)
+        args = [*collect_args(run.registry, "math_agent", tasks, out), "--max-in-flight", "64", "--no-progress"]
+        done = subprocess.run([_tool("gym-grpc"), *args], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        counters = asyncio.run(_counters_by_worker(run.servers["math_agent"], workers=2))
+    finally:
+        run.stop()
+    rows = len(tasks.read_text().splitlines())
+    runs = [_calls(methods, "Run") for methods in counters.values()]
+    assert sum(runs) == rows and min(runs) > 0, runs
+    assert [_calls(methods, "RunMany") for methods in counters.values()] == [1, 1]
+
+
+async def _counters_by_worker(address: str, workers: int) -> dict[int, dict]:
+    """Each worker process's counters by method, through fresh connections until every worker answered."""
+    found: dict[int, dict] = {}
+    for _ in range(200):
+        async with transport.open_channel(address) as channel:  # a connection of its own
+            stub = admin_grpc.AdminServiceStub(channel)
+            info = await stub.GetServerInfo(admin_pb.GetServerInfoRequest(), timeout=10)
+            counters = await stub.GetCounters(admin_pb.GetCountersRequest(), timeout=10)
+        found.setdefault(info.worker, {m.method: m for m in counters.methods})
+        if len(found) == workers:
+            return found
+    raise AssertionError(f"only workers {sorted(found)} answered")
+
+
+def _calls(methods: dict, method: str) -> int:
+    """Calls of `method` that ended, and those still running."""
+    counted = methods.get(method)
+    return 0 if counted is None else sum(counted.calls_by_status.values()) + counted.in_flight

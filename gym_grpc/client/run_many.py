@@ -34,11 +34,16 @@ import grpc
 from gym_grpc import errors
 from gym_grpc.rpc import transport
 from gym_grpc.rpc.in_process import status_error
+from gym_grpc.v1 import admin_service_pb2 as admin_pb
+from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
 from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
 from gym_grpc.v1 import task_pb2
 
 METHOD = "RunMany"
+
+#: Seconds a connection has to say which worker process it reaches.
+PROBE_SECONDS = 5.0
 
 #: How many times a run the agent did not start (it was stopping) is sent again, on another call.
 RESENDS = 3
@@ -154,6 +159,17 @@ class _Call:
         self.waiting.clear()
 
 
+async def _process_of(connection: transport.Connection) -> tuple[str, int] | None:
+    """The server process a connection reaches (its instance and worker), or None when it does not say."""
+    try:
+        info = await connection.stub(admin_grpc.AdminServiceStub).GetServerInfo(
+            admin_pb.GetServerInfoRequest(), timeout=PROBE_SECONDS, wait_for_ready=connection.wait
+        )
+    except grpc.aio.AioRpcError:
+        return None
+    return (info.instance_id, info.worker) if info.instance_id else None
+
+
 class RunMany:
     """The RunMany calls of one agent client: one per connection to the agent, and on a
     channel balanced over several replicas one per replica (gRPC's round_robin gives each
@@ -165,14 +181,26 @@ class RunMany:
         self._calls: dict[tuple[transport.Connection, int], _Call] = {}
         self._slots: list[tuple[transport.Connection, int]] = []
         self._pool: list[transport.Connection] | None = None
+        self._opening: asyncio.Future[None] | None = None
         self._next = 0
 
-    def _open(self, connections: list[transport.Connection]) -> None:
-        """Take a new pool (the agent's replicas changed): the calls on connections it no longer
-        has end with the runs on them."""
-        self._pool = connections
-        self._slots = [(c, i) for c in connections for i in range(c.address.count(",") + 1)]
-        for slot in [slot for slot in self._calls if slot[0] not in connections]:
+    async def _open(self, connections: list[transport.Connection]) -> None:
+        """Take a new pool (the agent's replicas changed): where the calls go, and the calls on
+        connections it no longer has end with the runs on them.
+
+        Several worker processes behind one port (`num_workers`) each got some of the
+        connections from the kernel: one call on each worker is enough, and a few full
+        messages cost less than many small ones, so a connection per worker is kept (asked
+        with GetServerInfo which one it reaches). On a channel balanced over replicas, gRPC
+        gives each new call the next replica: a call per replica on each connection."""
+        slots = [(c, i) for c in connections for i in range(c.address.count(",") + 1)]
+        if len(connections) > 1 and len(slots) == len(connections):
+            reached = await asyncio.gather(*map(_process_of, connections))
+            if None not in reached:
+                one_each = {process: connection for process, connection in zip(reached, connections, strict=True)}
+                slots = [(connection, 0) for connection in one_each.values()]
+        self._pool, self._slots = connections, slots
+        for slot in [slot for slot in self._calls if slot not in slots]:
             self._calls.pop(slot).close()
 
     async def _call_for_next_run(self) -> _Call:
@@ -180,14 +208,24 @@ class RunMany:
         the runs that replace them go out together, in one message; over time as many runs on
         each call. Ties go round the calls."""
         connections = await self._connections()
-        if connections is not self._pool:
-            self._open(connections)
+        while connections is not self._pool:
+            if self._opening is None:
+                self._opening = asyncio.ensure_future(self._open(connections))
+            opening = self._opening
+            try:
+                await asyncio.shield(opening)
+            finally:
+                if opening.done() and self._opening is opening:
+                    self._opening = None
+            connections = await self._connections()
         slots = self._slots
         self._next = (self._next + 1) % len(slots)
         best: _Call | None = None
         for slot in itertools.chain(slots[self._next :], slots[: self._next]):
             call = self._calls.get(slot)
             if call is None or call.ended or call.closing:
+                if call is not None and call.ended and not call.closing:
+                    self._pool = None  # a worker died: the next run asks again which connection reaches which
                 call = self._calls[slot] = _Call(slot[0], self._error_of)
             if best is None or len(call.waiting) < len(best.waiting):
                 best = call
