@@ -61,41 +61,13 @@ def test_streams_cancelled_timed_out_or_killed_mid_call_never_crash_the_agent():
             for canceller in cancellers:
                 canceller.kill()
 
-        # 50 grpcurl processes, each SIGKILLed once its stream has delivered an event.
-        row = json.loads(WEATHER.read_text().splitlines()[0])
-        request = json_format.MessageToJson(agent_pb.RunStreamRequest(task=rows.task_from_row(row)))
+        # 50 grpcurl processes on RunStream, each SIGKILLed once its stream has delivered an event,
+        # and 50 on RunMany, each SIGKILLed once a result arrived, with the other runs in flight.
+        task = rows.task_from_row(json.loads(WEATHER.read_text().splitlines()[0]))
+        runs = [{"id": str(i), "run": {"task": json_format.MessageToDict(task)}} for i in range(4)]
         for _ in range(50):
-            client = subprocess.Popen(
-                [_tool("grpcurl"), "-plaintext", "-d", "@", agent, "gym.v1.AgentService/RunStream"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                text=True,
-            )
-            client.stdin.write(request)
-            client.stdin.close()
-            assert client.stdout.readline().startswith("{")  # mid-stream: the first event arrived
-            os.kill(client.pid, signal.SIGKILL)
-            client.wait()
-            client.stdout.close()
-
-        # 50 grpcurl processes on RunMany, each SIGKILLed with runs in flight once a result arrived.
-        runs = [{"id": str(i), "run": {"task": json_format.MessageToDict(rows.task_from_row(row))}} for i in range(4)]
-        for _ in range(50):
-            client = subprocess.Popen(
-                [_tool("grpcurl"), "-plaintext", "-d", "@", agent, "gym.v1.AgentService/RunMany"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                text=True,
-            )
-            client.stdin.write(json.dumps({"runs": runs}) + "\n")
-            client.stdin.flush()  # left open: the call stays open, more runs could come
-            assert client.stdout.readline().startswith("{")  # a result arrived; others are in flight
-            os.kill(client.pid, signal.SIGKILL)
-            client.wait()
-            client.stdin.close()
-            client.stdout.close()
+            _killed_mid_stream(agent, "RunStream", json_format.MessageToJson(agent_pb.RunStreamRequest(task=task)))
+            _killed_mid_stream(agent, "RunMany", json.dumps({"runs": runs}))
 
         _, after = _status(run.registry)
         assert after["weather_agent"]["health"] == "serving"
@@ -104,3 +76,24 @@ def test_streams_cancelled_timed_out_or_killed_mid_call_never_crash_the_agent():
         run.stop()
     log = run.log()
     assert "exited with code" not in log and "Traceback" not in log, log[-3000:]
+
+
+def _killed_mid_stream(agent: str, method: str, request: str) -> None:
+    """grpcurl calls `method` with `request` and is SIGKILLed once the first reply arrived. On
+    RunMany its input is left open, as a client's that could send more runs."""
+    client = subprocess.Popen(
+        [_tool("grpcurl"), "-plaintext", "-d", "@", agent, f"gym.v1.AgentService/{method}"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    client.stdin.write(request + "\n")
+    client.stdin.flush()
+    if method != "RunMany":
+        client.stdin.close()
+    assert client.stdout.readline().startswith("{")  # mid-stream: the first reply arrived
+    os.kill(client.pid, signal.SIGKILL)
+    client.wait()
+    for pipe in (client.stdin, client.stdout):
+        pipe.close()

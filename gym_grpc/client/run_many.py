@@ -1,10 +1,11 @@
 """The client side of AgentService.RunMany: many rollouts over a few long calls.
 
-`AgentClient.run` sends its rollouts here when the agent serves RunMany: one
-RunMany call per connection to the agent, each run a message on it. A grpc.aio
-server takes up new calls one at a time, several turns of its event loop each,
-and with many rollouts in flight that is what they wait for; a message on a
-call that is open already costs a fraction of it (docs/performance.md).
+`AgentClient.run` sends its rollouts here when the agent serves RunMany: a
+few long RunMany calls (one on each worker process of the agent, or on each
+replica), each run a message on one of them. A grpc.aio server takes up new
+calls one at a time, several turns of its event loop each, and with many
+rollouts in flight that is what they wait for; a message on a call that is
+open already costs a fraction of it (docs/performance.md).
 
 What a caller gets is what a unary Run gives: the rollout, or the error its
 call would have ended with (code, message, reason, field); a deadline per run,
@@ -83,6 +84,7 @@ class _Call:
         self._call = connection.stub(agent_grpc.AgentServiceStub).RunMany(wait_for_ready=wait)
         if wait:
             connection.waiting(self._call)  # cancelled if the peer is given up
+        # Both held here: the event loop keeps only weak references to tasks.
         self._sender = asyncio.ensure_future(self._send())
         self._receiver = asyncio.ensure_future(self._receive())
 
@@ -171,9 +173,10 @@ async def _process_of(connection: transport.Connection) -> tuple[str, int] | Non
 
 
 class RunMany:
-    """The RunMany calls of one agent client: one per connection to the agent, and on a
-    channel balanced over several replicas one per replica (gRPC's round_robin gives each
-    new call the next replica); opened on first use, and again when one ended."""
+    """The RunMany calls of one agent client: one on each worker process of the agent (or on
+    each connection, when the agent does not say which process a connection reaches), and
+    on a channel balanced over several replicas one per replica (gRPC's round_robin gives
+    each new call the next replica); opened on first use, and again when one ended."""
 
     def __init__(self, connections: Callable[[], Awaitable[list[transport.Connection]]], error_of: ErrorOf) -> None:
         self._connections = connections
@@ -240,7 +243,8 @@ class RunMany:
             async with asyncio.timeout(timeout):
                 for _ in range(1 + RESENDS):
                     call = await self._call_for_next_run()
-                    run_id, result = call.submit(request, None if deadline is None else deadline - time.monotonic())
+                    left = None if deadline is None else max(deadline - time.monotonic(), 1e-3)  # 0 means none
+                    run_id, result = call.submit(request, left)
                     try:
                         return await result
                     except _NotStarted:

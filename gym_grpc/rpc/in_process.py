@@ -61,8 +61,7 @@ async def invoke(
 ) -> Any:
     """Run a unary handler (`behaviour(request, context)`) as gRPC would run it for a call
     from `peer` with `timeout`: in a task of its own with an empty context, cancelled when the
-    deadline passes.
-    Its reply, or the `grpc.aio.AioRpcError` the call would have ended with."""
+    deadline passes. Its reply, or the `grpc.aio.AioRpcError` the call would have ended with."""
     context = _Context(timeout, peer)
     try:
         async with asyncio.timeout(timeout) as deadline:  # None: no deadline

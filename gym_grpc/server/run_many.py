@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_status import rpc_status
@@ -28,6 +28,9 @@ from grpc_status import rpc_status
 from gym_grpc import errors
 from gym_grpc.rpc import in_process
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
+
+if TYPE_CHECKING:
+    from gym_grpc.server.serving import GymServer
 
 #: A message holds results up to about this many bytes; more go in the next one (a single larger
 #: result goes alone). Under the 4 MiB a gRPC client accepts unless told otherwise.
@@ -53,7 +56,7 @@ class _Runs:
     """The runs of one RunMany call: those in flight, and the replies that hold the results
     not sent yet (the last one fills until it is sent or full)."""
 
-    def __init__(self, run: Run, peer: str, agent: Any) -> None:
+    def __init__(self, run: Run, peer: str, agent: GymServer) -> None:
         self._run, self._peer, self._agent = run, peer, agent
         self.in_flight: dict[int, asyncio.Task[None]] = {}
         self._cancelled: set[int] = set()
@@ -110,7 +113,7 @@ class _Runs:
 
 
 async def serve(
-    requests: AsyncIterator[agent_pb.RunManyRequest], run: Run, peer: str, agent: Any
+    requests: AsyncIterator[agent_pb.RunManyRequest], run: Run, peer: str, agent: GymServer
 ) -> AsyncIterator[agent_pb.RunManyResponse]:
     """The replies of one RunMany call: start each run the requests bring through `run` (the
     agent's Run handler, called as from `peer`), yield the results as they come, and end once
