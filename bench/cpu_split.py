@@ -7,15 +7,16 @@ its own process) is collected `repeats` times; each time, the CPU of every proce
 (from /proc, and the collector's from wait4) over the collection, per rollout. The
 raw floor is raw_echo.py's CPU per unary call (client + server) in the same run, so
 "raw-call equivalents" = CPU per rollout / CPU per raw call (rollout-sized payload). The
-same with a small payload, times the rollout's five gRPC calls, is what its calls alone
-would cost with no framework at all. A last collection runs
+same with a small payload, times the rollout's five gRPC exchanges (four unary calls, and
+the collector's run, a message each way on a RunMany call), is what its calls alone
+would cost as unary calls with no framework at all. A last collection runs
 with `profiling_enabled` (yappi in every server, CPU clock) and its logs are kept next
 to the results: yappi slows the servers about twofold, so read them for shares, not
 for times.
 
 Each collection is made twice, alternately: with a process per server, and with the
 three servers in one process (a `process:` group: the agent calls its model server and
-environment in-process, so the rollout's only gRPC call is the collector's Run).
+environment in-process, so the rollout's only gRPC traffic is the collector's run).
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ from pathlib import Path
 import nemo_gym_peer
 import run as bench
 
-#: A rollout of the weather workload makes these calls (the collector's Run, two
+#: A rollout of the weather workload makes these calls (the collector's run on RunMany, two
 #: CreateResponse, one CallTool, one Verify; the environment is stateless).
 GRPC_CALLS, HTTP_CALLS = 5, 2
 
-#: The servers in one process: the overrides of `gym-grpc run`, and the gRPC calls left per rollout (Run).
+#: The servers in one process: the overrides of `gym-grpc run`, and the gRPC calls left per rollout (its run).
 ONE_PROCESS = tuple(f"servers.{name}.process=rollout" for name in ("policy_model", "env", "agent"))
 ONE_PROCESS_GRPC_CALLS = 1
 
