@@ -328,3 +328,28 @@ def _calls(methods: dict, method: str) -> int:
     """Calls of `method` that ended, and those still running."""
     counted = methods.get(method)
     return 0 if counted is None else sum(counted.calls_by_status.values()) + counted.in_flight
+
+
+async def test_agent_client_splits_runs_into_messages_an_agent_with_grpcs_default_limit_accepts(start, monkeypatch):
+    """Thirty runs of 200 KB tasks at once, 6 MB in all, to an agent that accepts messages of up
+    to 4 MiB (gRPC's default, as another implementation might keep): they go in several
+    messages, and every run succeeds."""
+    model = await start(EchoModel(delay=0.01))
+    env = await start(Calculator(name="calc"))
+    monkeypatch.setattr(transport, "MAX_MESSAGE_BYTES", 4 * 2**20)  # for the agent's server only
+    agent = await start(
+        SimpleAgent(
+            {"model_server": "model", "resources_server": "calc"},
+            name="agent",
+            registry=static_registry(model=model, calc=env),
+        )
+    )
+    monkeypatch.undo()
+    registry = static_registry(agent=agent)
+    client = AgentClient(registry, "agent")
+    padding = "x" * 200_000
+    rollouts = await asyncio.gather(
+        *(client.run(task(f"{i} {padding}", expected_answer=i), timeout=60) for i in range(30))
+    )
+    assert [r.reward for r in rollouts] == [1.0] * 30
+    await registry.close()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -42,6 +43,10 @@ from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
 from gym_grpc.v1 import task_pb2
 
 METHOD = "RunMany"
+
+#: A message carries runs up to about this many bytes; more go in the next one (a single larger
+#: run goes alone). Under the 4 MiB that gRPC servers accept unless told otherwise.
+MESSAGE_BYTES = 2 * 2**20
 
 #: Seconds a connection has to say which worker process it reaches.
 PROBE_SECONDS = 5.0
@@ -75,7 +80,9 @@ class _Call:
         self._error_of = error_of
         self._ids = itertools.count()
         self.waiting: dict[int, asyncio.Future[task_pb2.Rollout]] = {}
-        self._outbox = agent_pb.RunManyRequest()
+        #: The requests not sent yet, oldest first; the last one fills until it is sent or full.
+        self._outbox: deque[agent_pb.RunManyRequest] = deque()
+        self._filling_bytes = 0
         self._wake = asyncio.Event()
         #: No more runs go on it: it ends once the runs on it have.
         self.closing = False
@@ -91,14 +98,22 @@ class _Call:
     def submit(self, run: agent_pb.RunRequest, timeout: float | None) -> tuple[int, asyncio.Future[task_pb2.Rollout]]:
         run_id = next(self._ids)
         future = self.waiting[run_id] = asyncio.get_running_loop().create_future()
-        self._outbox.runs.add(id=run_id, run=run, timeout_seconds=timeout or 0.0)
+        size = run.ByteSize()
+        if not self._outbox or self._filling_bytes + size > MESSAGE_BYTES:
+            self._outbox.append(agent_pb.RunManyRequest())
+            self._filling_bytes = 0
+        self._filling_bytes += size
+        self._outbox[-1].runs.add(id=run_id, run=run, timeout_seconds=timeout or 0.0)
         self._wake.set()
         return run_id, future
 
     def cancel(self, run_id: int) -> None:
         """Stop a run on the server whose caller no longer waits for it (nothing when it ended)."""
         if self.waiting.pop(run_id, None) is not None and not self.ended:
-            self._outbox.cancel_ids.append(run_id)
+            if not self._outbox:
+                self._outbox.append(agent_pb.RunManyRequest())
+                self._filling_bytes = 0
+            self._outbox[-1].cancel_ids.append(run_id)
             self._wake.set()
 
     def close(self) -> None:
@@ -111,10 +126,9 @@ class _Call:
             while True:
                 await self._wake.wait()
                 self._wake.clear()
-                if self._outbox.runs or self._outbox.cancel_ids:
-                    request, self._outbox = self._outbox, agent_pb.RunManyRequest()
-                    await self._call.write(request)
-                elif self.closing:
+                while self._outbox:
+                    await self._call.write(self._outbox.popleft())
+                if self.closing:
                     await self._call.done_writing()
                     return
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
