@@ -169,7 +169,9 @@ async def test_the_callers_deadline_reaches_the_model_server(start):
             # 10 s: on a loaded machine the rollout takes seconds to reach the model at all
             await agent_grpc.AgentServiceStub(channel).Run(agent_pb.RunRequest(task=task("1 + 1?")), timeout=10.0)
     assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert seen_timeouts and seen_timeouts[0] is not None and seen_timeouts[0] <= 10.0  # not the 600 s default
+    # Not the 600 s default. gRPC's C core rounds a timeout up when it writes the grpc-timeout
+    # header (10.0 s reaches a server as 10.099 s), so each hop may add up to about 1%.
+    assert seen_timeouts and seen_timeouts[0] is not None and seen_timeouts[0] < 11.0
     # The model's work was cancelled, not left running for its 600 s (the bound only guards a hang).
     await asyncio.wait_for(cancelled.wait(), 120)
     # The agent closes the session after the caller gave up, within its close time-out (5 s);
