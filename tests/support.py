@@ -10,7 +10,8 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from gym_grpc.responses import input_items, message_text
@@ -29,12 +30,13 @@ def nested_json(levels: int) -> str:
 
 
 class EchoModel(ScriptedModel):
-    """Answers with the prompt after `delay` s; fails on prompts containing "fail";
-    counts concurrent and cancelled calls."""
+    """Answers with the prompt after `delay` s, or once `gate` is set if it is given; fails on
+    prompts containing "fail"; counts concurrent and cancelled calls."""
 
-    def __init__(self, delay: float = 0.01):
+    def __init__(self, delay: float = 0.01, gate: asyncio.Event | None = None):
         super().__init__([])
         self.delay = delay
+        self.gate = gate
         self.active = self.peak = self.cancelled = 0
 
     async def create_response(self, params, session_id):
@@ -42,7 +44,7 @@ class EchoModel(ScriptedModel):
         self.active += 1
         self.peak = max(self.peak, self.active)
         try:
-            await asyncio.sleep(self.delay)
+            await (self.gate.wait() if self.gate else asyncio.sleep(self.delay))
             text = message_text(input_items(params)[-1].message)
             if "fail" in text:
                 raise RuntimeError("engine exploded")
@@ -52,6 +54,17 @@ class EchoModel(ScriptedModel):
             raise
         finally:
             self.active -= 1
+
+
+async def eventually(condition: Callable[[], object], what: str, seconds: float = 30.0) -> None:
+    """Wait for a condition another task or process brings about, looking every 10 ms.
+
+    `seconds` bounds a hang, it is not a timing assertion: generous, for a loaded machine."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {seconds:.0f} s: {what}")
+        await asyncio.sleep(0.01)
 
 
 def collect_args(registry: str, agent: str, tasks: object, output: object) -> list[str]:

@@ -17,7 +17,7 @@ from gym_grpc.rpc.registry import Registry
 from servers.agents.simple_agent.agent import SimpleAgent
 from servers.models.local_policy.server import LocalPolicyModel
 from servers.resources.weather.server import WeatherEnv
-from tests.support import REPO, Calculator, EchoModel, static_registry
+from tests.support import REPO, Calculator, EchoModel, eventually, static_registry
 
 WEATHER_ROW = json.loads((REPO / "servers/resources/weather/data/example.jsonl").read_text().splitlines()[0])
 
@@ -150,14 +150,6 @@ async def test_a_rollout_slot_draws_from_the_clients_limit_and_gives_it_back_onc
     await gym.close()
 
 
-async def _poll(condition, seconds=20.0):
-    """Wait for `condition()` to hold, at most `seconds` (a bound on a hang, not a timing assert)."""
-    for _ in range(int(seconds / 0.01)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-
-
 class FailsTheSecondCall(EchoModel):
     """Fails its second call at once, while the other calls of a group are still running."""
 
@@ -196,12 +188,12 @@ async def test_cancelling_a_group_ends_every_members_call_at_the_model(start):
     model, address = await _echo_agent(start, EchoModel(delay=30))
     gym = GymClient("agent", Registry(static={"agent": address}))
     group = asyncio.ensure_future(gym.run_group({"responses_create_params": {"input": "hi"}}, 4))
-    await _poll(lambda: model.active == 4)
+    await eventually(lambda: model.active == 4, "the group at the model")
     assert model.active == 4
     group.cancel()
     with pytest.raises(asyncio.CancelledError):
         await group
-    await _poll(lambda: model.cancelled == 4)
+    await eventually(lambda: model.cancelled == 4, "the group cancelled at the model")
     assert (model.cancelled, model.active) == (4, 0)
     await gym.close()
 
@@ -216,14 +208,14 @@ async def test_a_member_that_raises_leaves_no_other_member_running(start):
         nonlocal calls
         calls += 1
         if calls == 1:
-            await _poll(lambda: model.active == 3)  # the other members are at the model
+            await eventually(lambda: model.active == 3, "the other members at the model")
             raise RuntimeError("a bug in the caller's code")
         return await agent_run(task, **kwargs)
 
     gym._agent.run = one_member_hits_a_bug
     with pytest.raises(RuntimeError, match="a bug"):
         await gym.run_group({"responses_create_params": {"input": "hi"}}, 4)
-    await _poll(lambda: model.cancelled == 3)
+    await eventually(lambda: model.cancelled == 3, "the other members cancelled")
     assert (model.cancelled, model.active) == (3, 0)
     await gym.close()
 

@@ -30,7 +30,7 @@ from gym_grpc.v1 import responses_pb2 as r
 from servers.agents.simple_agent.agent import SimpleAgent
 from servers.models.vllm_model.server import VLLMModel
 from tests.corpus import nemo_gym_file
-from tests.support import Calculator, static_registry
+from tests.support import Calculator, eventually, static_registry
 
 FAST = {"backoff_seconds": 0.01, "max_backoff_seconds": 0.05}
 
@@ -74,14 +74,6 @@ def _request() -> model_pb.CreateResponseRequest:
     return request
 
 
-async def _until(condition, seconds: float = 30.0) -> None:
-    for _ in range(int(seconds / 0.02)):
-        if condition():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("the condition never held")
-
-
 async def test_a_collect_started_before_its_engine_is_ready_loses_no_rollouts(
     start, engines, unopened, tmp_path, caplog
 ):
@@ -98,7 +90,7 @@ async def test_a_collect_started_before_its_engine_is_ready_loses_no_rollouts(
     options = CollectOptions(input=tasks, output=tmp_path / "out.jsonl", agent="agent", num_repeats=8, progress=False)
     collecting = asyncio.create_task(collect(registry, options, log=io.StringIO()))
     # More refused connections than max_retries allows: only the startup wait keeps the rollouts alive.
-    await _until(lambda: model.app.counters.retries["connect"] > 8 * 2 or collecting.done())
+    await eventually(lambda: model.app.counters.retries["connect"] > 8 * 2 or collecting.done(), "refused connects")
     assert not collecting.done()
     await engines(unopened.dup())  # the engine owns its copy of the socket
     summary = await asyncio.wait_for(collecting, 60)

@@ -30,7 +30,7 @@ from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from gym_grpc.v1 import registry_service_pb2 as reg
 from gym_grpc.v1 import responses_pb2 as r
-from tests.support import REPO, EchoModel, task
+from tests.support import REPO, EchoModel, eventually, task
 
 
 def entry(name: str, *replicas: Running) -> reg.ServerInfo:
@@ -67,15 +67,6 @@ def calls(replica: Running, method: str) -> int:
     """Calls of `method` the replica answered OK."""
     counters = replica.app.counters.methods.get(method)
     return 0 if counters is None else counters.by_status["OK"]
-
-
-async def eventually(predicate, what: str, seconds: float = 20.0) -> None:
-    """Wait for a condition another task brings about."""
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"not within {seconds:.0f} s: {what}")
-        await asyncio.sleep(0.01)
 
 
 async def test_calls_spread_over_every_replica_of_a_server():

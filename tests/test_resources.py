@@ -17,7 +17,7 @@ from gym_grpc.v1 import resources_service_pb2 as res_pb
 from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
-from tests.support import Calculator, static_registry, task
+from tests.support import Calculator, eventually, static_registry, task
 
 
 @pytest.fixture
@@ -129,15 +129,6 @@ class Leaky(Calculator):
         Leaky.closed.append(session.id)
 
 
-async def _until(condition, seconds: float = 10.0) -> None:
-    """Wait for the sweeper (it runs every quarter of the idle time-out) rather than for a fixed time."""
-    for _ in range(int(seconds / 0.02)):
-        if condition():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("the condition never held")
-
-
 async def test_a_session_nobody_uses_is_closed_after_the_idle_timeout(start):
     Leaky.closed = []
     server = await start(Leaky({"session_idle_timeout_seconds": 0.5}))
@@ -151,7 +142,7 @@ async def test_a_session_nobody_uses_is_closed_after_the_idle_timeout(start):
             await asyncio.sleep(0.02)
 
     caller = asyncio.create_task(keep_busy())
-    await _until(lambda: Leaky.closed)
+    await eventually(lambda: Leaky.closed, "the idle session swept")
     caller.cancel()
     assert Leaky.closed == ["abandoned"]
     assert set(server.app.sessions) == {"busy"}
@@ -175,7 +166,7 @@ async def test_the_idle_timeout_never_closes_a_session_under_a_running_call(star
     await client.seed_session("slow", task("x"))
     result = await client.call_tool("slow", r.FunctionCall(name="wait", arguments='{"seconds": 0.4}'))
     assert result.output == "done" and Leaky.closed == [] and "slow" in server.app.sessions
-    await _until(lambda: Leaky.closed)  # idle now: it goes
+    await eventually(lambda: Leaky.closed, "the idle session swept")  # idle now: it goes
     assert Leaky.closed == ["slow"]
     await client.registry.close()
 
@@ -202,7 +193,7 @@ async def test_sessions_the_idle_timeout_closed_make_room_under_the_cap(start):
     await client.seed_session("abandoned", task("x"))
     with pytest.raises(errors.ResourceExhausted):
         await client.seed_session("next", task("x"))
-    await _until(lambda: Leaky.closed == ["abandoned"])
+    await eventually(lambda: Leaky.closed == ["abandoned"], "the abandoned session swept")
     await client.seed_session("next", task("x"))
     await client.registry.close()
 

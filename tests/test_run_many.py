@@ -25,7 +25,7 @@ from gym_grpc.v1 import agent_service_pb2 as agent_pb
 from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
 from gym_grpc.v1 import task_pb2
 from servers.agents.simple_agent.agent import SimpleAgent
-from tests.support import Calculator, EchoModel, collect_args, static_registry, task
+from tests.support import Calculator, EchoModel, collect_args, eventually, static_registry, task
 from tests.test_cli import MATH, _start_run, _tool
 from tests.test_replicas import replicated
 
@@ -49,15 +49,11 @@ def _item(run_id: int, text: str, timeout: float = 30.0, **data) -> agent_pb.Run
 
 
 async def _results(call) -> dict[int, agent_pb.RunManyResult]:
-    return {result.id: result async for reply in call for result in reply.results}
-
-
-async def _eventually(condition, seconds: float = 10.0) -> None:
-    for _ in range(int(seconds / 0.01)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not met in time")
+    """The results of the replies still to come on `call`, by run id."""
+    results = {}
+    while (reply := await call.read()) is not grpc.aio.EOF:
+        results |= {result.id: result for result in reply.results}
+    return results
 
 
 async def test_runs_sent_over_one_call_come_back_each_under_its_id(start):
@@ -104,19 +100,21 @@ async def test_a_run_past_its_timeout_fails_with_deadline_exceeded_and_stops_dow
         await call.done_writing()
         results = await _results(call)
     assert results[1].error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
-    await _eventually(lambda: model.cancelled == 1)
+    await eventually(lambda: model.cancelled == 1, "the run cancelled at the model")
 
 
 async def test_cancel_ids_cancel_one_run_and_leave_the_others(start):
-    model = EchoModel(delay=0.5)
+    model = EchoModel(gate=asyncio.Event())
     agent, _ = await _agent(start, model)
     async with transport.open_channel(agent.address) as channel:
         call = agent_grpc.AgentServiceStub(channel).RunMany(timeout=30)
         await call.write(agent_pb.RunManyRequest(runs=[_item(1, "1", expected_answer=1), _item(2, "2")]))
-        await _eventually(lambda: model.active == 2)
+        await eventually(lambda: model.active == 2, "both runs at the model")
         await call.write(agent_pb.RunManyRequest(cancel_ids=[2, 99]))  # 99 is not in flight: ignored
         await call.done_writing()
-        results = await _results(call)
+        results = {result.id: result for result in (await call.read()).results}  # run 1 waits on the gate
+        model.gate.set()
+        results |= await _results(call)
         assert await call.code() == grpc.StatusCode.OK
     assert results[1].rollout.reward == 1.0
     assert results[2].error.code == grpc.StatusCode.CANCELLED.value[0]
@@ -144,10 +142,10 @@ async def test_cancelling_the_call_cancels_every_run_on_it_downstream(start):
     async with transport.open_channel(agent.address) as channel:
         call = agent_grpc.AgentServiceStub(channel).RunMany()
         await call.write(agent_pb.RunManyRequest(runs=[_item(i, str(i)) for i in range(3)]))
-        await _eventually(lambda: model.active == 3)
+        await eventually(lambda: model.active == 3, "the runs at the model")
         call.cancel()
-        await _eventually(lambda: model.cancelled == 3)
-    await _eventually(lambda: agent.app.counters.to_proto().in_flight == 0)
+        await eventually(lambda: model.cancelled == 3, "the runs cancelled at the model")
+    await eventually(lambda: agent.app.counters.to_proto().in_flight == 0, "nothing in flight at the agent")
 
 
 async def test_a_message_that_does_not_parse_ends_the_call_with_invalid_argument(start):
@@ -202,12 +200,12 @@ async def test_agent_client_caller_cancelled_or_past_its_deadline_stops_its_run_
     agent, registry = await _agent(start, model)
     client = AgentClient(registry, "agent")
     waiting = asyncio.ensure_future(client.run(task("x"), timeout=60))
-    await _eventually(lambda: model.active == 1)
+    await eventually(lambda: model.active == 1, "the run at the model")
     waiting.cancel()
-    await _eventually(lambda: model.cancelled == 1)
+    await eventually(lambda: model.cancelled == 1, "the run cancelled at the model")
     with pytest.raises(errors.DeadlineExceeded):
         await client.run(task("y"), timeout=0.3)
-    await _eventually(lambda: model.cancelled == 2)
+    await eventually(lambda: model.cancelled == 2, "the late run cancelled at the model")
     run_many = {m.method: m for m in agent.app.counters.to_proto().methods}["RunMany"]
     assert run_many.in_flight == 1 and not run_many.calls_by_status  # the call that carried them goes on
     await registry.close()
@@ -217,16 +215,18 @@ async def test_a_stopping_agent_starts_no_new_run_and_ends_the_call_once_its_run
     """A graceful stop (a scale-down, the end of `gym-grpc run`): the run in flight finishes, a
     run read after the stop began is answered UNAVAILABLE / SERVER_STOPPING and never started,
     and the call ends OK, so a run that has no result was never read."""
-    model = EchoModel(delay=0.5)
+    model = EchoModel(gate=asyncio.Event())
     agent, _ = await _agent(start, model)
     async with transport.open_channel(agent.address) as channel:
         call = agent_grpc.AgentServiceStub(channel).RunMany(timeout=30)
         await call.write(agent_pb.RunManyRequest(runs=[_item(1, "1", expected_answer=1)]))
-        await _eventually(lambda: model.active == 1)
+        await eventually(lambda: model.active == 1, "run 1 at the model")
         stopping = asyncio.ensure_future(agent.stop_serving(grace=30))
-        await _eventually(agent.app.stopping.is_set)
+        await eventually(agent.app.stopping.is_set, "the agent stopping")
         await call.write(agent_pb.RunManyRequest(runs=[_item(2, "2")]))
-        results = await _results(call)
+        results = {result.id: result for result in (await call.read()).results}  # run 1 waits on the gate
+        model.gate.set()
+        results |= await _results(call)
         assert await call.code() == grpc.StatusCode.OK
         await stopping
     assert results[1].rollout.reward == 1.0
@@ -263,9 +263,9 @@ async def test_agent_client_spreads_runs_over_replicas_and_moves_off_one_that_st
             spread = [_counted(replica, "Run") for replica in replicas]
             assert sum(spread) == 40 and min(spread) >= 10, spread
             before = runs(40)
-            await _eventually(lambda: _in_flight(replicas[0], "Run") > 0)
+            await eventually(lambda: _in_flight(replicas[0], "Run") > 0, "runs on the first replica")
             stopping = asyncio.ensure_future(replicas[0].stop_serving(grace=30))
-            await _eventually(replicas[0].app.stopping.is_set)
+            await eventually(replicas[0].app.stopping.is_set, "the first replica stopping")
             during = runs(40)  # half of them go to the calls on the replica that is stopping
             await stopping  # it returns once its runs in flight are done
             stopped_with = _counted(replicas[0], "Run")

@@ -20,6 +20,7 @@ from gym_grpc.testing.checks import Probe
 from gym_grpc.v1 import responses_pb2 as r
 from servers.agents.simple_agent.agent import SimpleAgent
 from servers.resources.llm_judge.server import LLMJudgeEnv
+from tests.support import eventually
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "data" / "example.jsonl"
 
@@ -312,11 +313,6 @@ class _GatedJudge(ModelServer):
         return response
 
 
-async def _until(condition) -> None:
-    while not condition():
-        await asyncio.sleep(0.01)
-
-
 async def test_judge_calls_in_flight_never_exceed_max_concurrent_judgements(start):
     gate = _GatedJudge()
     model = await start(gate)
@@ -326,9 +322,8 @@ async def test_judge_calls_in_flight_never_exceed_max_concurrent_judgements(star
     client = ResourcesClient(static_registry(llm_judge=env_running), "llm_judge")
     verifies = [asyncio.ensure_future(client.verify(f"s{i}", _task(), _answer("Canberra."))) for i in range(10)]
     try:
-        # Until every Verify has reached the judge: held by the model, or waiting for a slot
-        # (the time-out only bounds a hang).
-        await asyncio.wait_for(_until(lambda: gate.active + env.judge.waiting == 10), 120)
+        # Until every Verify has reached the judge: held by the model, or waiting for a slot.
+        await eventually(lambda: gate.active + env.judge.waiting == 10, "every Verify at the judge", seconds=120)
         assert (gate.active, env.judge.waiting) == (2, 8)
         gate.release.set()
         replies = await asyncio.gather(*verifies)
