@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 
@@ -75,11 +76,15 @@ def test_the_grpcurl_recipes_work_against_live_servers(live):
 
 def _json_values(text: str) -> list:
     """The JSON values written one after another in `text` (grpcurl's output of a stream)."""
-    decoder, values, at = json.JSONDecoder(), [], 0
-    while text[at:].strip():
-        value, at = decoder.raw_decode(text, at + len(text[at:]) - len(text[at:].lstrip()))
+    decoder, values, at = json.JSONDecoder(), [], _SPACE.match(text).end()
+    while at < len(text):
+        value, end = decoder.raw_decode(text, at)
         values.append(value)
+        at = _SPACE.match(text, end).end()
     return values
+
+
+_SPACE = re.compile(r"\s*")
 
 
 WEATHER = REPO / "servers" / "resources" / "weather" / "data" / "example.jsonl"

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -36,6 +35,7 @@ import grpc
 from gym_grpc import errors
 from gym_grpc.rpc import transport
 from gym_grpc.rpc.in_process import status_error
+from gym_grpc.rpc.outbox import Outbox
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
@@ -43,10 +43,6 @@ from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
 from gym_grpc.v1 import task_pb2
 
 METHOD = "RunMany"
-
-#: A message carries runs up to about this many bytes; more go in the next one (a single larger
-#: run goes alone). Under the 4 MiB that gRPC servers accept unless told otherwise.
-MESSAGE_BYTES = 2 * 2**20
 
 #: Seconds a connection has to say which worker process it reaches.
 PROBE_SECONDS = 5.0
@@ -73,16 +69,14 @@ def _run_failed(error: agent_pb.RunError) -> grpc.aio.AioRpcError:
 
 class _Call:
     """One RunMany call on one connection: the runs on it that wait for a result, and the
-    runs and cancellations not sent yet (the next message carries all of them)."""
+    runs and cancellations not sent yet (in its outbox)."""
 
     def __init__(self, connection: transport.Connection, error_of: ErrorOf) -> None:
         self.connection = connection
         self._error_of = error_of
         self._ids = itertools.count()
         self.waiting: dict[int, asyncio.Future[task_pb2.Rollout]] = {}
-        #: The requests not sent yet, oldest first; the last one fills until it is sent or full.
-        self._outbox: deque[agent_pb.RunManyRequest] = deque()
-        self._filling_bytes = 0
+        self._outbox: Outbox[agent_pb.RunManyRequest] = Outbox(agent_pb.RunManyRequest)
         self._wake = asyncio.Event()
         #: No more runs go on it: it ends once the runs on it have.
         self.closing = False
@@ -98,22 +92,14 @@ class _Call:
     def submit(self, run: agent_pb.RunRequest, timeout: float | None) -> tuple[int, asyncio.Future[task_pb2.Rollout]]:
         run_id = next(self._ids)
         future = self.waiting[run_id] = asyncio.get_running_loop().create_future()
-        size = run.ByteSize()
-        if not self._outbox or self._filling_bytes + size > MESSAGE_BYTES:
-            self._outbox.append(agent_pb.RunManyRequest())
-            self._filling_bytes = 0
-        self._filling_bytes += size
-        self._outbox[-1].runs.add(id=run_id, run=run, timeout_seconds=timeout or 0.0)
+        self._outbox.filling(run.ByteSize()).runs.add(id=run_id, run=run, timeout_seconds=timeout or 0.0)
         self._wake.set()
         return run_id, future
 
     def cancel(self, run_id: int) -> None:
         """Stop a run on the server whose caller no longer waits for it (nothing when it ended)."""
         if self.waiting.pop(run_id, None) is not None and not self.ended:
-            if not self._outbox:
-                self._outbox.append(agent_pb.RunManyRequest())
-                self._filling_bytes = 0
-            self._outbox[-1].cancel_ids.append(run_id)
+            self._outbox.filling().cancel_ids.append(run_id)
             self._wake.set()
 
     def close(self) -> None:
@@ -127,7 +113,7 @@ class _Call:
                 await self._wake.wait()
                 self._wake.clear()
                 while self._outbox:
-                    await self._call.write(self._outbox.popleft())
+                    await self._call.write(self._outbox.take())
                 if self.closing:
                     await self._call.done_writing()
                     return

@@ -326,7 +326,7 @@ class AgentClient(_Client):
 
     def _shook_hands(self, info: admin_pb.GetServerInfoResponse) -> None:
         """Rollouts go over RunMany calls when the agent serves it (see client/run_many.py)."""
-        if any(m.name == run_many.METHOD for s in info.services if s.name == self._service for m in s.methods):
+        if run_many.METHOD in protocol.methods(info, self._service):
             self._run_many = run_many.RunMany(self._connections, self._error)
 
     async def run_stream(

@@ -48,6 +48,11 @@ def served(service_names: Iterable[str], pool: descriptor_pool.DescriptorPool) -
     return services
 
 
+def methods(info: admin_pb.GetServerInfoResponse, service: str) -> set[str]:
+    """The methods of `service` a server says it serves (none when it does not serve it)."""
+    return {m.name for s in info.services if s.name == service for m in s.methods}
+
+
 def base_capabilities() -> admin_pb.Capabilities:
     """What every server holds to, whatever its role: the message size limits."""
     return admin_pb.Capabilities(

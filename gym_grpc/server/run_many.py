@@ -4,8 +4,7 @@ Each run goes through the agent's own Run handler as a call of its own would
 (`in_process.invoke`: its deadline, its counters and log line, its status and
 error details), so that a result is exactly what Run would have answered.
 Results go back as they come: the results that are ready by the time the
-previous message has gone out go together in the next one, up to a size that
-any gRPC client accepts by default.
+previous message has gone out go together in the next one (rpc/outbox.py).
 
 Every run read gets a result. So when the agent stops (gracefully: a scale-down,
 the end of `gym-grpc run`), it answers each run it reads from then on with
@@ -18,7 +17,6 @@ replica (client/run_many.py does).
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
@@ -27,14 +25,11 @@ from grpc_status import rpc_status
 
 from gym_grpc import errors
 from gym_grpc.rpc import in_process
+from gym_grpc.rpc.outbox import Outbox
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
 
 if TYPE_CHECKING:
     from gym_grpc.server.serving import GymServer
-
-#: A message holds results up to about this many bytes; more go in the next one (a single larger
-#: result goes alone). Under the 4 MiB a gRPC client accepts unless told otherwise.
-REPLY_BYTES = 2 * 2**20
 
 #: The agent's Run handler: (request, context) -> reply.
 Run = Callable[[agent_pb.RunRequest, Any], Coroutine[Any, Any, agent_pb.RunResponse]]
@@ -53,15 +48,13 @@ def _from_call(error: grpc.aio.AioRpcError) -> agent_pb.RunError:
 
 
 class _Runs:
-    """The runs of one RunMany call: those in flight, and the replies that hold the results
-    not sent yet (the last one fills until it is sent or full)."""
+    """The runs of one RunMany call: those in flight, and the replies that hold the results not sent yet."""
 
     def __init__(self, run: Run, peer: str, agent: GymServer) -> None:
         self._run, self._peer, self._agent = run, peer, agent
         self.in_flight: dict[int, asyncio.Task[None]] = {}
         self._cancelled: set[int] = set()
-        self.replies: deque[agent_pb.RunManyResponse] = deque()
-        self._filling_bytes = 0
+        self.replies: Outbox[agent_pb.RunManyResponse] = Outbox(agent_pb.RunManyResponse)
         self.changed = asyncio.Event()
 
     def start(self, item: agent_pb.RunManyItem) -> None:
@@ -99,13 +92,9 @@ class _Runs:
             del self.in_flight[item.id]
 
     def _result(self, run_id: int, size: int = 0) -> agent_pb.RunManyResult:
-        """A new result in the reply that is filling (a new reply when there is none or it is full)."""
-        if not self.replies or self._filling_bytes + size > REPLY_BYTES:
-            self.replies.append(agent_pb.RunManyResponse())
-            self._filling_bytes = 0
-        self._filling_bytes += size
+        """A new result, of about `size` bytes, in the reply that is filling."""
         self.changed.set()
-        return self.replies[-1].results.add(id=run_id)
+        return self.replies.filling(size).results.add(id=run_id)
 
     def cancel_all(self) -> None:
         for task in self.in_flight.values():
@@ -137,7 +126,7 @@ async def serve(
     try:
         while True:
             if runs.replies:
-                yield runs.replies.popleft()
+                yield runs.replies.take()
                 continue
             if reader.done():
                 reader.result()  # a request that could not be read ends the call with its error

@@ -300,8 +300,7 @@ async def run_many_answers_each_run_under_its_id(probe: Probe) -> None:
     """Two runs on one RunMany call, one of them malformed: each result under its id (the
     malformed one failed as Run would fail it), then the call ends OK (protocol 1.5)."""
     info = await probe.info()
-    served = {m.name for s in info.services if s.name == AGENT_SERVICE for m in s.methods}
-    if "RunMany" not in served:
+    if "RunMany" not in protocol.methods(info, AGENT_SERVICE):
         expect(
             (info.protocol.major or 1, info.protocol.minor) < (1, 5),
             f"RunMany: the agent speaks protocol {info.protocol.major}.{info.protocol.minor} and does not serve it",
@@ -313,6 +312,8 @@ async def run_many_answers_each_run_under_its_id(probe: Probe) -> None:
     ]
     call = probe.agent.RunMany(iter([agent_pb.RunManyRequest(runs=runs)]), timeout=150)
     results = {result.id: result async for reply in call for result in reply.results}
+    code = await call.code()
+    expect(code == grpc.StatusCode.OK, f"RunMany: the call ended with {code.name}, not OK")
     expect(sorted(results) == [7, 9], f"RunMany: results for ids {sorted(results)}, expected [7, 9]")
     expect(results[7].WhichOneof("outcome") == "rollout", f"RunMany: run 7 failed: {results[7].error.message!r}")
     expect(results[7].rollout.response.output, "RunMany: the rollout of run 7 has no output")
