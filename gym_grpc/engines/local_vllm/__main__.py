@@ -2,13 +2,13 @@
 
     python -m gym_grpc.engines.local_vllm prepare   # build or reuse the virtualenv and the model
     python -m gym_grpc.engines.local_vllm start     # prints the engine as JSON: base_url, pid, log_path, model
-    python -m gym_grpc.engines.local_vllm stop      # stops the one `start` recorded (or --pid PID)
+    python -m gym_grpc.engines.local_vllm stop      # stops the one `start` wrote in its run file (or --pid PID)
 
-`start` records the engine in CACHE/run/vllm.json (or GYM_GRPC_ENGINE_RECORD)
+`start` writes the engine's run file, CACHE/run/vllm.json (or GYM_GRPC_ENGINE_RUN_FILE),
 and leaves it running; `stop` checks that the PID is still a vLLM before
-signalling it, so a stale record never ends an unrelated process that reused
+signalling it, so a stale run file never ends an unrelated process that reused
 the PID. `gym-grpc engine start|stop|status` does the same through the same
-functions (gym_grpc.engines.local_vllm.record), and writes env.yaml.
+functions (gym_grpc.engines.local_vllm.run_file), and writes env.yaml.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 
 from gym_grpc.engines.local_vllm.installation import PrepareError, prepare
 from gym_grpc.engines.local_vllm.process import EngineStartError
-from gym_grpc.engines.local_vllm.record import RecordError, start_recorded, stop_recorded
+from gym_grpc.engines.local_vllm.run_file import RunFileError, start_tracked, stop_tracked
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     starting.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait (default 600)")
     starting.add_argument("--max-model-len", type=int, default=4096)
     starting.add_argument("--port", type=int, help="serve on this port (default: a free one)")
-    stopping = commands.add_parser("stop", help="stop the recorded vLLM, or --pid")
+    stopping = commands.add_parser("stop", help="stop the tracked vLLM, or --pid")
     stopping.add_argument("--pid", type=int, help="the PID that start printed")
     args = parser.parse_args(argv)
     try:
@@ -40,12 +40,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"prepared in {time.monotonic() - began:.1f} s: {prepared.python}, {prepared.model_dir}")
         elif args.command == "start":
             began = time.monotonic()
-            engine = start_recorded(ready_timeout=args.ready_timeout, max_model_len=args.max_model_len, port=args.port)
+            engine = start_tracked(ready_timeout=args.ready_timeout, max_model_len=args.max_model_len, port=args.port)
             print(engine.to_json())
             print(f"[engine] serving at {engine.base_url} after {time.monotonic() - began:.1f} s", file=sys.stderr)
         else:
-            print(stop_recorded(args.pid), file=sys.stderr)
-    except RecordError as e:
+            print(stop_tracked(args.pid), file=sys.stderr)
+    except RunFileError as e:
         print(f"error: {e}; give --pid", file=sys.stderr)
         return 1
     except (PrepareError, EngineStartError) as e:

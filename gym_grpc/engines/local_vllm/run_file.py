@@ -1,10 +1,10 @@
-"""The engine a shell started: recorded in a file, so that a later command can find it, or stop it.
+"""The engine a shell started: written in a run file, so that a later command can find it, or stop it.
 
 `gym-grpc engine start|stop|status` and `python -m gym_grpc.engines.local_vllm
-start|stop` both go through here. The record is CACHE/run/vllm.json, or the
-file GYM_GRPC_ENGINE_RECORD names (a test's own engine, next to one that a
-user started, with the same prepared virtualenv and model). A record is
-trusted only while its PID is still a vLLM: a stale record never lets a start
+start|stop` both go through here. The run file is CACHE/run/vllm.json, or the
+file GYM_GRPC_ENGINE_RUN_FILE names (a test's own engine, next to one that a
+user started, with the same prepared virtualenv and model). A run file is
+trusted only while its PID is still a vLLM: a stale run file never lets a start
 be refused, nor a stop signal an unrelated process that reused the PID.
 """
 
@@ -18,11 +18,11 @@ from gym_grpc import errors
 from gym_grpc.engines.local_vllm.installation import Prepared, _locked, cache_dir
 from gym_grpc.engines.local_vllm.process import Engine, EngineStartError, start, stop
 
-RECORD_VARIABLE = "GYM_GRPC_ENGINE_RECORD"
+RUN_FILE_VARIABLE = "GYM_GRPC_ENGINE_RUN_FILE"
 
 
 class AlreadyRunning(EngineStartError):
-    """start_recorded() found the recorded engine still running."""
+    """start_tracked() found the tracked engine still running."""
 
     reason = errors.Reason.ENGINE_ALREADY_RUNNING
 
@@ -31,15 +31,15 @@ class AlreadyRunning(EngineStartError):
         self.engine = engine
 
 
-class RecordError(errors.FrameworkError, RuntimeError):
-    """The record exists but cannot be read."""
+class RunFileError(errors.FrameworkError, RuntimeError):
+    """The run file exists but cannot be read."""
 
-    reason = errors.Reason.ENGINE_RECORD_UNREADABLE
+    reason = errors.Reason.ENGINE_RUN_FILE_UNREADABLE
 
 
-def record_path() -> Path:
-    """GYM_GRPC_ENGINE_RECORD, or CACHE/run/vllm.json."""
-    configured = os.environ.get(RECORD_VARIABLE)
+def run_file_path() -> Path:
+    """GYM_GRPC_ENGINE_RUN_FILE, or CACHE/run/vllm.json."""
+    configured = os.environ.get(RUN_FILE_VARIABLE)
     return Path(configured).expanduser() if configured else cache_dir() / "run" / "vllm.json"
 
 
@@ -51,37 +51,37 @@ def is_vllm(pid: int) -> bool:
         return False
 
 
-def read_record() -> Engine | None:
-    """The recorded engine, running or not; None without a record; RecordError if it is unreadable."""
-    path = record_path()
+def read_run_file() -> Engine | None:
+    """The tracked engine, running or not; None without a run file; RunFileError if it is unreadable."""
+    path = run_file_path()
     try:
         data = json.loads(path.read_text())
         return Engine(data["base_url"], int(data["pid"]), Path(data["log_path"]), data["model"])
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise RecordError(f"cannot read {path}: {e}") from None
+        raise RunFileError(f"cannot read {path}: {e}") from None
 
 
-def recorded() -> Engine | None:
-    """The recorded engine if its process is still a running vLLM, else None (an unreadable record too)."""
+def tracked() -> Engine | None:
+    """The tracked engine if its process is still a running vLLM, else None (an unreadable run file too)."""
     try:
-        engine = read_record()
-    except RecordError:
+        engine = read_run_file()
+    except RunFileError:
         return None
     return engine if engine is not None and is_vllm(engine.pid) else None
 
 
-def start_recorded(
+def start_tracked(
     prepared: Prepared | None = None, *, ready_timeout: float, max_model_len: int, port: int | None = None
 ) -> Engine:
-    """start() and record the engine; AlreadyRunning if the recorded one still runs.
+    """start() and write its run file; AlreadyRunning if the one in the run file still runs.
 
-    A lock next to the record makes a second start (another shell) wait for
+    A lock next to the run file makes a second start (another shell) wait for
     the first, then find its engine and refuse, instead of starting two."""
-    path = record_path()
+    path = run_file_path()
     with _locked(path.with_name(path.name + ".lock")):
-        running = recorded()
+        running = tracked()
         if running is not None:
             raise AlreadyRunning(running)
         engine = start(prepared, ready_timeout=ready_timeout, max_model_len=max_model_len, port=port)
@@ -92,16 +92,16 @@ def start_recorded(
         return engine
 
 
-def stop_recorded(pid: int | None = None) -> str:
-    """Stop the recorded engine (or the vLLM with this pid) and say what was done.
+def stop_tracked(pid: int | None = None) -> str:
+    """Stop the tracked engine (or the vLLM with this pid) and say what was done.
 
-    Without pid the record is removed, whether its engine was still running or
-    not; RecordError if it cannot be read."""
-    path = record_path()
+    Without pid the run file is removed, whether its engine was still running or
+    not; RunFileError if it cannot be read."""
+    path = run_file_path()
     if pid is None:
-        engine = read_record()
+        engine = read_run_file()
         if engine is None:
-            return f"no engine recorded in {path}: nothing to stop"
+            return f"no engine in the run file {path}: nothing to stop"
         target = engine.pid
     else:
         target = pid
