@@ -18,7 +18,7 @@ import time
 
 import grpc
 
-from gym_grpc.cli.runner import RegistryServer
+from gym_grpc.launch.runner import RegistryServer
 from gym_grpc.server.serving import serve
 from gym_grpc.v1 import registry_service_pb2 as reg
 from gym_grpc.v1 import registry_service_pb2_grpc as reg_grpc

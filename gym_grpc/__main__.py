@@ -1,5 +1,5 @@
 """`python -m gym_grpc` is the `gym-grpc` command."""
 
-from gym_grpc.cli.main import main
+from gym_grpc.cli.app import main
 
 main()

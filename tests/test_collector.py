@@ -7,17 +7,17 @@ import json
 import time
 
 import pytest
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 
 from gym_grpc import errors
 from gym_grpc.batch import collector
 from gym_grpc.batch.collector import CollectOptions, collect
-from gym_grpc.cli.runner import RegistryServer
 from gym_grpc.client.stubs import ResourcesClient
 from gym_grpc.data.jsonl import failures_path
+from gym_grpc.launch.runner import RegistryServer
 from gym_grpc.responses import input_items, message_text
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.v1 import registry_service_pb2 as reg
-from servers.agents.simple_agent.agent import SimpleAgent
 from tests.support import Calculator, EchoModel, static_registry, task
 
 

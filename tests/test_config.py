@@ -5,7 +5,7 @@ import re
 import pytest
 import yaml
 
-from gym_grpc.cli.config import ConfigError, dump_config, load_config, set_env_values
+from gym_grpc.launch.config import ConfigError, dump_config, load_config, set_env_values
 from gym_grpc.server.entrypoints import load_entrypoint
 from gym_grpc.server.serving import GymServer
 from tests.support import REPO
@@ -104,7 +104,7 @@ def test_a_bad_entrypoint_names_what_is_wrong(entrypoint, message):
 
 
 def test_a_bad_server_config_block_names_the_field():
-    from servers.agents.simple_agent.agent import SimpleAgent
+    from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 
     with pytest.raises(ConfigError) as error:
         SimpleAgent({"model_server": "m", "resources_server": "r", "max_steps": 0}, name="agent")
@@ -266,7 +266,7 @@ def test_dump_config_checks_every_server_config_block_as_a_server_process_does()
     message = str(error.value)
     assert "server 'math_agent': config.max_step: Extra inputs are not permitted (did you mean 'max_steps'?)" in message
     assert "server 'weather_agent': config.max_steps: Input should be greater than or equal to 1" in message
-    from servers.agents.simple_agent.agent import SimpleAgent
+    from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 
     config = {"model_server": "m", "resources_server": "r", "max_step": 4}
     with pytest.raises(ConfigError, match=re.escape("config.max_step: Extra inputs are not permitted (did you mean")):

@@ -13,22 +13,22 @@ from email.utils import format_datetime
 
 import grpc
 import pytest
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
+from gym_grpc.bundled.servers.models.vllm_model.server import VLLMModel
 
 from gym_grpc import errors
 from gym_grpc.batch.collector import CollectOptions, collect
-from gym_grpc.cli import status
 from gym_grpc.client.stubs import ModelClient
 from gym_grpc.data import rows
 from gym_grpc.engines.http import Engine, EngineError, EngineSettings
 from gym_grpc.engines.retries import retry_after_seconds
+from gym_grpc.launch import observe
 from gym_grpc.rpc import transport
 from gym_grpc.testing.fake_engine import FakeEngine, Turn
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from gym_grpc.v1 import model_service_pb2 as model_pb
 from gym_grpc.v1 import responses_pb2 as r
-from servers.agents.simple_agent.agent import SimpleAgent
-from servers.models.vllm_model.server import VLLMModel
 from tests.corpus import nemo_gym_file
 from tests.support import Calculator, eventually, static_registry
 
@@ -122,9 +122,9 @@ async def test_retries_are_bounded_per_failure_class_and_counted(start, engines)
     async with transport.open_channel(model.address) as channel:
         counters = await admin_grpc.AdminServiceStub(channel).GetCounters(admin_pb.GetCountersRequest(), timeout=10)
     assert dict(counters.retries) == {"server_error": 2, "rate_limited": 3}
-    [row] = await status.status(static_registry(model=model), interval=0.1)
+    [row] = await observe.status(static_registry(model=model), interval=0.1)
     assert row["retries"] == {"server_error": 2, "rate_limited": 3}
-    header, line = status.format_status([row]).splitlines()
+    header, line = observe.format_status([row]).splitlines()
     assert line[header.index("retries") : header.index("retries") + 7].strip() == "5"
 
     fake.fail_next = [503, 503, 503]

@@ -21,8 +21,8 @@ import pytest
 import yaml
 from click.testing import CliRunner, Result
 
-from gym_grpc.cli import catalog
-from gym_grpc.cli.main import main
+from gym_grpc.cli.app import main
+from gym_grpc.launch import catalog
 from gym_grpc.server.entrypoints import load_entrypoint
 from tests.support import REPO
 

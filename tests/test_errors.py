@@ -48,24 +48,24 @@ def _error_classes() -> list[type]:
 
 
 def test_every_error_class_of_the_framework_has_a_reason_whose_status_is_its_code():
-    import gym_grpc.cli.datasets
-    import gym_grpc.cli.hub
-    import gym_grpc.cli.mlflow_registry
-    import gym_grpc.cli.runner
     import gym_grpc.data.jsonl
     import gym_grpc.data.rows
+    import gym_grpc.datasets.hub
+    import gym_grpc.datasets.mlflow_store
+    import gym_grpc.datasets.prepare
     import gym_grpc.engines.http
     import gym_grpc.engines.local_vllm
+    import gym_grpc.launch.runner
     import gym_grpc.report.export
     import gym_grpc.training.samples  # noqa: F401  (imported for their error classes)
 
     classes = _error_classes()
     names = {c.__name__ for c in classes}
-    for expected in ("ConfigError", "OutputError", "RolloutFailed", "PrepareError", "RecordError", "EngineStartError"):
+    for expected in ("ConfigError", "OutputError", "RolloutFailed", "PrepareError", "RunFileError", "EngineStartError"):
         assert expected in names
     for expected in ("DataError", "StartupError", "HubError", "TooDeep", "DuplicateKey", "RowError", "EngineError"):
         assert expected in names
-    for expected in ("RegistryError", "ExportError", "NonMonotonic"):
+    for expected in ("MlflowError", "ExportError", "NonMonotonic"):
         assert expected in names
     for cls in classes:
         assert isinstance(cls.reason, errors.Reason), cls
@@ -74,14 +74,14 @@ def test_every_error_class_of_the_framework_has_a_reason_whose_status_is_its_cod
 
 
 def test_errors_that_callers_caught_as_builtin_errors_still_are():
-    from gym_grpc.cli.runner import StartupError
     from gym_grpc.data import json_input, jsonl
-    from gym_grpc.engines.local_vllm import EngineStartError, PrepareError, RecordError
+    from gym_grpc.engines.local_vllm import EngineStartError, PrepareError, RunFileError
+    from gym_grpc.launch.runner import StartupError
 
     assert issubclass(errors.ConfigError, ValueError)
     assert issubclass(json_input.TooDeep, ValueError)
     assert issubclass(jsonl.DuplicateKey, ValueError)
-    for cls in (StartupError, EngineStartError, PrepareError, RecordError):
+    for cls in (StartupError, EngineStartError, PrepareError, RunFileError):
         assert issubclass(cls, RuntimeError)
 
 

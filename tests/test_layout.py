@@ -26,7 +26,11 @@ MAY_IMPORT = {
     "training": {"client", "data"},
     "judge": {"rpc", "client", "data"},
     "adapters": {"rpc", "client", "data", "training", "bundled"},
-    "cli": {"rpc", "server", "client", "data", "batch", "engines", "testing", "report", "training"},
+    "launch": {"rpc", "server", "data"},
+    "datasets": {"rpc", "server", "data", "launch"},
+    "cli": {
+        *("rpc", "server", "client", "data", "batch", "engines", "testing", "report", "training", "launch", "datasets"),
+    },
 }
 
 
@@ -117,3 +121,14 @@ def test_importing_the_worker_leaves_the_importers_stdout_alone():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == "still on stdout\n"
+
+
+def test_a_bundled_server_has_one_name_whether_a_config_names_its_file_or_its_module():
+    """A config's `../servers/agents/simple_agent/agent.py:SimpleAgent` and the module name reach one class."""
+    from gym_grpc import bundled
+    from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
+    from gym_grpc.server.entrypoints import load_entrypoint
+
+    by_file = load_entrypoint(f"{bundled.server_dir('agents', 'simple_agent') / 'agent.py'}:SimpleAgent")
+    by_module = load_entrypoint("gym_grpc.bundled.servers.agents.simple_agent.agent:SimpleAgent")
+    assert by_file is by_module is SimpleAgent

@@ -43,7 +43,7 @@ def entry(name: str, *replicas: Running) -> reg.ServerInfo:
 
 
 async def start_registry(servers: Servers) -> Running:
-    from gym_grpc.cli.runner import RegistryServer
+    from gym_grpc.launch.runner import RegistryServer
 
     return await servers.start(RegistryServer())
 

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 
 from gym_grpc.batch.collector import CollectOptions, collect
-from gym_grpc.cli.main import main
+from gym_grpc.cli.app import main
 from gym_grpc.client.stubs import ResourcesClient
 from gym_grpc.data import record
 from gym_grpc.data.jsonl import failures_path
 from gym_grpc.report import stats, text
-from servers.agents.simple_agent.agent import SimpleAgent
 from tests.corpus import nemo_gym_file, nemo_gym_files
 from tests.support import Calculator, EchoModel, static_registry, task
 

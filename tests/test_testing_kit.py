@@ -17,7 +17,7 @@ def test_every_exported_name_resolves_to_its_module():
 
 def test_the_checks_and_the_cli_load_without_pytest_or_the_fake_engine():
     code = (
-        "import sys, gym_grpc.cli.main, gym_grpc.testing.checks; "
+        "import sys, gym_grpc.cli.app, gym_grpc.testing.checks; "
         "loaded = [m for m in ('pytest', 'pytest_asyncio', 'gym_grpc.testing.fake_engine') if m in sys.modules]; "
         "assert not loaded, loaded"
     )

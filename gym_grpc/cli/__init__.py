@@ -1,1 +1,1 @@
-"""The `gym-grpc` command: configuration, `run`, `status`, `prepare-data`, `init-env`."""
+"""The `gym-grpc` command: a thin shell over the layers below, one module per verb group, wired in app.py."""

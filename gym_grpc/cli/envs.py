@@ -10,9 +10,9 @@ from typing import Any
 
 import click
 
-from gym_grpc.cli import catalog
-from gym_grpc.cli.catalog import Catalog, Environment
 from gym_grpc.errors import ConfigError
+from gym_grpc.launch import catalog
+from gym_grpc.launch.catalog import Catalog, Environment
 
 
 def _catalog_options(command: Callable) -> Callable:

@@ -1,133 +1,54 @@
-"""`gym-grpc status` and `gym-grpc profile`: ask the servers of a running config."""
+"""`gym-grpc status` and `gym-grpc profile`: what the servers of a running configuration say about themselves."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import json
+import sys
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+import click
 
-from gym_grpc.rpc import transport
-from gym_grpc.rpc.registry import SERVER_ROLES, Registry
+from gym_grpc.cli.options import connect, registry_option, security_options
+from gym_grpc.launch import observe
 from gym_grpc.rpc.security import Security
-from gym_grpc.server import metrics
-from gym_grpc.v1 import admin_service_pb2 as admin_pb
-from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
-from gym_grpc.v1 import registry_service_pb2 as reg
-
-_HEALTH = {
-    health_pb2.HealthCheckResponse.SERVING: "serving",
-    health_pb2.HealthCheckResponse.NOT_SERVING: "not serving",
-}
 
 
-def _workers(info: reg.ServerInfo, address: str) -> list[dict[str, Any]]:
-    """The worker processes serving `address`, as the registry lists them."""
-    for replica in info.replicas:
-        if replica.address == address:
-            return [
-                {"index": w.index, "pid": w.pid, "metrics_address": w.metrics_address, "restarts": w.restarts}
-                for w in replica.workers
-            ]
-    return []
+@click.command("status")
+@registry_option
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per server, for scripts.")
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=1.0,
+    show_default=True,
+    help="Seconds between the two samples that give calls/s.",
+)
+@security_options
+def status_command(registry: str, as_json: bool, interval: float, security: Security) -> None:
+    """Every server of a running config: address, health, pid, uptime, in flight, calls/s, engine retries,
+    open files; and each of its worker processes: pid and Prometheus metrics address."""
+
+    async def ask() -> list[dict]:
+        async with connect(registry, security) as reg:
+            return await observe.status(reg, interval)
+
+    rows = asyncio.run(ask())
+    click.echo(json.dumps(rows, indent=2) if as_json else observe.format_status(rows))
+    if any(row["health"] != "serving" for row in rows):
+        sys.exit(1)
 
 
-async def _one(info: reg.ServerInfo, address: str, interval: float, security: Security | None) -> dict[str, Any]:
-    row: dict[str, Any] = {"name": info.name, "role": SERVER_ROLES.get(info.role, "?"), "address": address}
-    row["workers"] = _workers(info, address)
-    async with transport.open_channel(address, security=security) as channel:
-        try:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2.0)
-            row["health"] = _HEALTH.get(reply.status, "unknown")
-            admin = admin_grpc.AdminServiceStub(channel)
-            server = await admin.GetServerInfo(admin_pb.GetServerInfoRequest(), timeout=2.0)
-            first = await admin.GetCounters(admin_pb.GetCountersRequest(), timeout=2.0)
-            await asyncio.sleep(interval)
-            second = await admin.GetCounters(admin_pb.GetCountersRequest(), timeout=2.0)
-        except grpc.aio.AioRpcError as e:
-            row["health"] = (
-                "down"
-                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-                else (f"error: {e.code().name}")
-            )
-            return row
-    elapsed = max(second.uptime_seconds - first.uptime_seconds, 1e-9)
-    row.update(
-        pid=server.pid,
-        worker=server.worker,
-        metrics_address=server.metrics_address,
-        uptime_seconds=round(server.uptime_seconds, 1),
-        in_flight=second.in_flight,
-        calls_per_second=round((second.calls_total - first.calls_total) / elapsed, 1),
-        calls_total=second.calls_total,
-        retries=dict(second.retries),
-        non_monotonic_histories=dict(second.non_monotonic_histories),
-        version=server.version,
-        config_hash=server.config_hash,
-        profiling=server.profiling,
-        open_files=server.open_files,
-        open_files_limit=server.open_files_limit,
-    )
-    return row
+@click.command("profile")
+@click.argument("names", nargs=-1)
+@registry_option
+@click.option("--limit", type=click.IntRange(min=1), default=30, show_default=True, help="Functions per server.")
+@security_options
+def profile_command(names: tuple[str, ...], registry: str, limit: int, security: Security) -> None:
+    """The current profile (name ncall tsub ttot tavg, by ttot) of NAMES, or of every server."""
 
+    async def ask() -> list[tuple[str, str, str]]:
+        async with connect(registry, security) as reg:
+            return await observe.profiles(reg, list(names), limit)
 
-async def status(registry: Registry, interval: float = 1.0) -> list[dict[str, Any]]:
-    """One row per address of every registered server: health, its worker processes (pid,
-    metrics address) as the registry lists them, and from the worker that answered (`worker`,
-    `pid`): uptime, in flight, calls/s, the retries of requests to engines by failure class,
-    and open files."""
-    servers = await registry.list()
-    return list(await asyncio.gather(*(_one(s, a, interval, registry.security) for s in servers for a in s.addresses)))
-
-
-def format_status(rows: list[dict[str, Any]]) -> str:
-    header = f"{'server':<22} {'role':<10} {'address':<22} {'health':<12} {'pid':>7} {'uptime':>9} "
-    header += f"{'in flight':>9} {'calls/s':>9} {'retries':>8} {'open files':>16}"
-    lines = [header]
-    for row in rows:
-        if "pid" in row:
-            files = f"{row['open_files']} of {row['open_files_limit'] or 'any'}"
-            tail = (
-                f"{row['pid']:>7} {row['uptime_seconds']:>8.0f}s {row['in_flight']:>9} {row['calls_per_second']:>9.1f}"
-                f" {sum(row['retries'].values()):>8} {files:>16}"
-            )
-        else:
-            tail = f"{'-':>7} {'-':>9} {'-':>9} {'-':>9} {'-':>8} {'-':>16}"
-        lines.append(f"{row['name']:<22} {row['role']:<10} {row['address']:<22} {row['health']:<12} {tail}")
-        workers = row.get("workers", [])
-        if len(workers) > 1 or any(w["metrics_address"] for w in workers):
-            lines.extend(_worker_line(worker, row) for worker in workers)
-    return "\n".join(lines)
-
-
-def _worker_line(worker: dict[str, Any], row: dict[str, Any]) -> str:
-    """One worker process of a server, under its row: pid, metrics endpoint, restarts, whether it answered."""
-    text = f"  worker {worker['index']}: pid {worker['pid']}"
-    if worker["metrics_address"]:
-        text += f", metrics http://{worker['metrics_address']}{metrics.PATH}"
-    if worker["restarts"]:
-        text += f", restarted {worker['restarts']}x"
-    if "pid" in row and row["worker"] == worker["index"]:
-        text += " (answered; the figures above are this worker's)"
-    return text
-
-
-async def profiles(registry: Registry, names: list[str], limit: int) -> list[tuple[str, str, str]]:
-    """(server, address, profile table or why there is none) for the named servers (all when none)."""
-    servers = [s for s in await registry.list() if not names or s.name in names]
-    unknown = sorted(set(names) - {s.name for s in servers})
-    found = [(name, "-", "no such server") for name in unknown]
-    for server in servers:
-        for address in server.addresses:
-            async with transport.open_channel(address, security=registry.security) as channel:
-                try:
-                    reply = await admin_grpc.AdminServiceStub(channel).GetProfile(
-                        admin_pb.GetProfileRequest(limit=limit), timeout=10.0
-                    )
-                except grpc.aio.AioRpcError as e:
-                    found.append((server.name, address, f"unreachable: {e.code().name}"))
-                    continue
-            text = reply.table if reply.enabled else "profiling is off (run with profiling_enabled=true)"
-            found.append((server.name, address, text))
-    return found
+    for name, address, text in asyncio.run(ask()):
+        click.echo(f"== {name} ({address})\n{text}")

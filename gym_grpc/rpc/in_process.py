@@ -1,7 +1,7 @@
 """Calls between servers that share a process, without gRPC.
 
 Servers named in one `process:` group of a configuration run in one worker
-process (see cli/runner.py). Each still serves its own gRPC port for every
+process (see launch/runner.py). Each still serves its own gRPC port for every
 other caller, but the typed clients of that process call a server of the group
 through its `InProcessServer`: the same handler a gRPC call reaches, with no
 HTTP/2, no C-core and no hop through the event loop's socket.

@@ -33,6 +33,7 @@ from typing import Any, Literal
 from gym_grpc import errors
 from gym_grpc.client.training import RolloutResult, TokenTurn
 from gym_grpc.data import jsonl, record
+from gym_grpc.data.rows import RowError
 
 NonMonotonicPolicy = Literal["split", "refuse"]
 StalePolicy = Literal["mask", "drop"]
@@ -186,7 +187,8 @@ def samples_of(
     seen: list[int] = []
     for number, turn in enumerate(rollout.turns):
         if len(turn.generation_log_probs) != len(turn.generation_token_ids):
-            raise ValueError(
+            raise RowError(
+                "generation_log_probs",
                 f"rollout {key}: turn {number} has {len(turn.generation_token_ids)} generated ids but "
                 f"{len(turn.generation_log_probs)} log-probs"
             )

@@ -1,4 +1,4 @@
-"""`gym-grpc run`: start the servers of a configuration and serve the registry.
+"""Start the servers of a configuration and serve the registry (what `gym-grpc run` does).
 
 Each server runs in its own process (`python -m gym_grpc.server.worker`), bound to
 its configured port or to port 0 with the bound port read back from it; the
@@ -26,14 +26,15 @@ import time
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
+from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gym_grpc import errors
-from gym_grpc.cli.config import ConfigError, GymConfig, ServerSpec
-from gym_grpc.cli.server_log import ServerLog
+from gym_grpc.launch.config import ConfigError, GymConfig, ServerSpec
+from gym_grpc.launch.server_log import ServerLog
 from gym_grpc.policy_version import ServedVersion
 from gym_grpc.rpc import transport
 from gym_grpc.rpc.registry import REGISTRY_SERVICE, SERVER_ROLES, RegistryServicer, closest
@@ -42,7 +43,7 @@ from gym_grpc.server.serving import DEFAULT_GRACE_SECONDS, GymServer, Running, s
 from gym_grpc.v1 import registry_service_pb2 as reg
 from gym_grpc.v1 import registry_service_pb2_grpc as reg_grpc
 
-log = logging.getLogger("gym_grpc.cli.runner")
+log = logging.getLogger("gym_grpc.launch.runner")
 
 #: Seconds a server may take from process start to healthy.
 DEFAULT_STARTUP_TIMEOUT = 120.0
@@ -207,6 +208,18 @@ class RegistryHost:
         check_references(infos)
         for info in infos.values():
             self.servicer.add(info)
+
+    def ready(self) -> dict[str, Any]:
+        """What `gym-grpc run --ready-json` prints once every server is healthy: this process's pid,
+        the registry's address and every server's registry entry (`gym.v1.ServerInfo` in protobuf's
+        JSON mapping, as ListServers gives it: addresses, replicas, worker pids, references)."""
+        return {
+            "pid": os.getpid(),
+            "registry": self.registry_address,
+            "servers": [
+                json_format.MessageToDict(s.info, preserving_proto_field_name=True) for s in self.servers.values()
+            ],
+        }
 
     async def stop(self) -> None:
         await self._stop_registry()

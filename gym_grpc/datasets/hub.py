@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 from gym_grpc import errors
-from gym_grpc.cli.config import MASK, DatasetType
+from gym_grpc.launch.config import MASK, DatasetType
 
 SPLITS: tuple[str, ...] = get_args(DatasetType)
 _PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")

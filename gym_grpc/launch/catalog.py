@@ -42,9 +42,9 @@ from typing import Any
 import yaml
 
 from gym_grpc import bundled
-from gym_grpc.cli.config import GymConfig, load_config
 from gym_grpc.data.jsonl import count_rows
 from gym_grpc.errors import ConfigError
+from gym_grpc.launch.config import GymConfig, load_config
 
 ENV_PATH_VARIABLE = "GYM_GRPC_ENV_PATH"
 CONFIG_NAME = "config.yaml"
@@ -308,7 +308,7 @@ def _probe(servers: list[dict[str, Any]], timeout: float) -> dict[str, dict[str,
     if not servers:
         return {}
     child = subprocess.Popen(
-        [sys.executable, "-m", "gym_grpc.cli.catalog_probe"],
+        [sys.executable, "-m", "gym_grpc.launch.catalog_probe"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

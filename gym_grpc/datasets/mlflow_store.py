@@ -27,7 +27,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from gym_grpc import errors
-from gym_grpc.cli.config import MASK
+from gym_grpc.launch.config import MASK
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -43,21 +43,21 @@ RUN_TAG = "gym_grpc.dataset"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
-class RegistryError(errors.FrameworkError):
-    """The registry refused or failed; the message names the dataset and never holds the token."""
+class MlflowError(errors.FrameworkError):
+    """The MLflow server refused or failed; the message names the dataset and never holds the token."""
 
-    reason = errors.Reason.REGISTRY_FAILED
+    reason = errors.Reason.MLFLOW_FAILED
 
 
 @dataclass(frozen=True)
-class RegistrySettings:
+class MlflowSettings:
     """Which MLflow server, and the token for it."""
 
     tracking_uri: str | None = None
     token: str | None = None
 
     @classmethod
-    def from_env(cls, env: dict[str, Any], environ: dict[str, str] | None = None) -> RegistrySettings:
+    def from_env(cls, env: dict[str, Any], environ: dict[str, str] | None = None) -> MlflowSettings:
         """env.yaml's `mlflow_tracking_uri` and `mlflow_tracking_token`, each else its MLFLOW_ variable."""
         environ = dict(os.environ) if environ is None else environ
 
@@ -75,27 +75,27 @@ class RegistrySettings:
 
 def check_name(name: str) -> str:
     if not _NAME.match(name):
-        raise RegistryError(f"dataset name {name!r}: use letters, digits, '.', '_' and '-' (not first)")
+        raise MlflowError(f"dataset name {name!r}: use letters, digits, '.', '_' and '-' (not first)")
     return name
 
 
 def check_artifact_fpath(artifact_fpath: str) -> PurePosixPath:
     path = PurePosixPath(artifact_fpath)
     if not artifact_fpath or path.is_absolute() or ".." in path.parts or not path.name:
-        raise RegistryError(f"artifact path {artifact_fpath!r}: give a relative path such as train.jsonl")
+        raise MlflowError(f"artifact path {artifact_fpath!r}: give a relative path such as train.jsonl")
     return path
 
 
-def client(settings: RegistrySettings) -> MlflowClient:
+def client(settings: MlflowSettings) -> MlflowClient:
     """An MlflowClient for the configured server; a clear error without the package or a server."""
     try:
         from mlflow import MlflowClient
     except ImportError:
-        raise RegistryError(
+        raise MlflowError(
             f"the MLflow registry needs the mlflow client: pip install '{EXTRA}' (or mlflow-skinny)"
         ) from None
     if not settings.tracking_uri:
-        raise RegistryError(
+        raise MlflowError(
             "no MLflow server: set MLFLOW_TRACKING_URI, or mlflow_tracking_uri in env.yaml "
             "(GitLab's is <gitlab>/api/v4/projects/<project id>/ml/mlflow)"
         )
@@ -105,8 +105,8 @@ def client(settings: RegistrySettings) -> MlflowClient:
     return MlflowClient(tracking_uri=settings.tracking_uri, registry_uri=settings.tracking_uri)
 
 
-def _failure(settings: RegistrySettings, what: str, error: Exception) -> RegistryError:
-    return RegistryError(settings.mask(f"{what}: {type(error).__name__}: {error}"))
+def _failure(settings: MlflowSettings, what: str, error: Exception) -> MlflowError:
+    return MlflowError(settings.mask(f"{what}: {type(error).__name__}: {error}"))
 
 
 def _code(error: Exception) -> str | None:
@@ -134,12 +134,12 @@ def _datasets(mlflow: MlflowClient) -> str:
     return f"datasets there: {', '.join(names)}" if names else "the registry holds no datasets"
 
 
-def _missing_dataset(mlflow: MlflowClient, name: str, settings: RegistrySettings) -> RegistryError:
-    return RegistryError(f"no dataset {name!r} at {settings.tracking_uri}; {_datasets(mlflow)}")
+def _missing_dataset(mlflow: MlflowClient, name: str, settings: MlflowSettings) -> MlflowError:
+    return MlflowError(f"no dataset {name!r} at {settings.tracking_uri}; {_datasets(mlflow)}")
 
 
-def _require_dataset(mlflow: MlflowClient, name: str, settings: RegistrySettings) -> None:
-    """RegistryError naming the datasets there are when `name` is none of them."""
+def _require_dataset(mlflow: MlflowClient, name: str, settings: MlflowSettings) -> None:
+    """MlflowError naming the datasets there are when `name` is none of them."""
     from mlflow.exceptions import MlflowException
 
     try:
@@ -150,7 +150,7 @@ def _require_dataset(mlflow: MlflowClient, name: str, settings: RegistrySettings
         raise _missing_dataset(mlflow, name, settings) from None
 
 
-def resolve(mlflow: MlflowClient, name: str, version: str | None, settings: RegistrySettings) -> ModelVersion:
+def resolve(mlflow: MlflowClient, name: str, version: str | None, settings: MlflowSettings) -> ModelVersion:
     """The version of a dataset that `version` names (a number or an uploaded label), or its latest."""
     from mlflow.exceptions import MlflowException
 
@@ -163,14 +163,14 @@ def resolve(mlflow: MlflowClient, name: str, version: str | None, settings: Regi
     found = versions(mlflow, name)
     if not found:
         _require_dataset(mlflow, name, settings)
-        raise RegistryError(f"dataset {name!r} has no versions")
+        raise MlflowError(f"dataset {name!r} has no versions")
     if version is None:
         return found[-1]
     for candidate in found:
         if candidate.version == version or (candidate.tags or {}).get(VERSION_TAG) == version:
             return candidate
     listed = ", ".join(label(v) for v in found)
-    raise RegistryError(f"dataset {name!r} has no version {version!r}; its versions: {listed}")
+    raise MlflowError(f"dataset {name!r} has no version {version!r}; its versions: {listed}")
 
 
 def _files(mlflow: MlflowClient, run_id: str, directory: str = "") -> list[str]:
@@ -219,7 +219,7 @@ def _labelled(mlflow: MlflowClient, name: str, version: str) -> ModelVersion | N
         return labelled[-1] if labelled else None
     # a plain MLflow server numbers its versions: a label must not be taken for one of them
     if version.isdigit() and (found.tags or {}).get(VERSION_TAG) != version:
-        raise RegistryError(
+        raise MlflowError(
             f"dataset {name!r} already has a version {version} (with no such label): "
             "give a label that is not one of its version numbers"
         )
@@ -230,7 +230,7 @@ def upload(
     path: Path,
     name: str,
     artifact_fpath: str,
-    settings: RegistrySettings,
+    settings: MlflowSettings,
     *,
     version: str | None = None,
     description: str | None = None,
@@ -254,7 +254,7 @@ def upload(
         if target is not None and target.run_id:
             files = _files(mlflow, target.run_id)
             if str(in_registry) in files:
-                raise RegistryError(
+                raise MlflowError(
                     f"version {label(target)} of dataset {name!r} already has {in_registry}: a version's "
                     "files are never replaced; upload without --version (or with a new one) for a new version"
                 )
@@ -273,7 +273,7 @@ def upload(
         if created.run_id and created.run_id != run_id:
             # GitLab makes a run (its "candidate") of its own for each version: the files go there.
             _log(mlflow, created.run_id, path, in_registry)
-    except RegistryError:
+    except MlflowError:
         raise
     except Exception as e:  # MLflow raises REST, HTTP and OS errors alike
         raise _failure(settings, f"uploading {path} to dataset {name!r}", e) from None
@@ -281,7 +281,7 @@ def upload(
 
 
 def download(
-    name: str, version: str | None, artifact_fpath: str, destination: Path, settings: RegistrySettings
+    name: str, version: str | None, artifact_fpath: str, destination: Path, settings: MlflowSettings
 ) -> tuple[str, Path]:
     """Download one file of a version (the latest without `version`) to `destination`; the version's label."""
     check_name(name)
@@ -290,10 +290,10 @@ def download(
     try:
         found = resolve(mlflow, name, version, settings)
         if not found.run_id:
-            raise RegistryError(f"version {label(found)} of dataset {name!r} has no run, so no files")
+            raise MlflowError(f"version {label(found)} of dataset {name!r} has no run, so no files")
         files = _files(mlflow, found.run_id)
         if str(in_registry) not in files:
-            raise RegistryError(
+            raise MlflowError(
                 f"version {label(found)} of dataset {name!r} has no file {in_registry}; "
                 f"its files: {', '.join(files) or 'none'}"
             )
@@ -303,7 +303,7 @@ def download(
             temporary = destination.with_name(f".{destination.name}.tmp")
             shutil.copyfile(local, temporary)
             temporary.replace(destination)
-    except RegistryError:
+    except MlflowError:
         raise
     except Exception as e:
         raise _failure(settings, f"downloading {in_registry} of dataset {name!r}", e) from None
@@ -325,7 +325,7 @@ class Deletion:
         return f"version {listed} of dataset {self.name!r}"
 
 
-def to_delete(name: str, version: str | None, settings: RegistrySettings) -> Deletion:
+def to_delete(name: str, version: str | None, settings: MlflowSettings) -> Deletion:
     """What deleting a dataset (or one of its versions) would remove; an error naming it if it does not exist."""
 
     check_name(name)
@@ -335,13 +335,13 @@ def to_delete(name: str, version: str | None, settings: RegistrySettings) -> Del
             return Deletion(name, [resolve(mlflow, name, version, settings)], whole=False)
         _require_dataset(mlflow, name, settings)
         return Deletion(name, versions(mlflow, name), whole=True)
-    except RegistryError:
+    except MlflowError:
         raise
     except Exception as e:
         raise _failure(settings, f"looking up dataset {name!r}", e) from None
 
 
-def delete(deletion: Deletion, settings: RegistrySettings) -> None:
+def delete(deletion: Deletion, settings: MlflowSettings) -> None:
     """Delete what `to_delete` found, with the runs gym-grpc created for its versions."""
     mlflow = client(settings)
     try:

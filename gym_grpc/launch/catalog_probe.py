@@ -1,6 +1,6 @@
 """What servers say about themselves without serving, for `gym-grpc envs`: run in a child process.
 
-    python -m gym_grpc.cli.catalog_probe < servers.json > described.json
+    python -m gym_grpc.launch.catalog_probe < servers.json > described.json
 
 The input is a JSON list of `{"name", "entrypoint", "config"}`, the servers of
 one config file; the output a JSON object with, for each name, its role and

@@ -44,9 +44,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gym_grpc import errors
-from gym_grpc.cli.config import DatasetSpec, GymConfig
 from gym_grpc.data import jsonl, rows
 from gym_grpc.data.dataset_stats import differences, statistics, write_statistics
+from gym_grpc.launch.config import DatasetSpec, GymConfig
 from gym_grpc.rpc.registry import closest
 from gym_grpc.v1 import task_pb2
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from gym_grpc.cli.main import main
-from tests.test_cli import _gym, _rows, _tool
+from gym_grpc.cli.app import main
+from tests.support import gym, read_rows, tool
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +43,7 @@ def server(tmp_path_factory):
     log = (root / "server.log").open("w")
     process = subprocess.Popen(
         [
-            _tool("mlflow"),
+            tool("mlflow"),
             "server",
             "--backend-store-uri",
             f"sqlite:///{root / 'mlflow.db'}",
@@ -223,7 +223,7 @@ def test_delete_asks_first_and_deletes_nothing_without_a_yes(author, server, req
     (first_run,) = [v.run_id for v in registry.search_model_versions(f"name = '{name}'") if v.version == "1"]
 
     # a script with no terminal: stdin is closed, nothing is answered
-    closed = _gym(
+    closed = gym(
         "dataset", "delete", "--from", "mlflow", "--dataset-name", name, "--version", "1",
         cwd=author, env={**os.environ}, stdin=subprocess.DEVNULL,
     )  # fmt: skip
@@ -283,12 +283,12 @@ def test_prepare_data_downloads_a_nemo_gym_config_unchanged(author, server, requ
     (author / "env.yaml").write_text(f"mlflow_tracking_uri: {server}\n")
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
 
-    without = _gym("prepare-data", "config.yaml", "--mode", "train_preparation", cwd=author, env=env)
+    without = gym("prepare-data", "config.yaml", "--mode", "train_preparation", cwd=author, env=env)
     assert without.returncode == 1
     assert "pass --download to fetch it from the MLflow registry" in without.stderr
     assert "pass --download to fetch it from the Hub or the MLflow registry" in without.stderr
 
-    done = _gym(
+    done = gym(
         "prepare-data", "config.yaml", "--mode", "train_preparation", "--should-download", "--data-source", "gitlab",
         cwd=author, env=env,
     )  # fmt: skip
@@ -297,7 +297,7 @@ def test_prepare_data_downloads_a_nemo_gym_config_unchanged(author, server, requ
     assert f"from dataset {name!r} version 2" in done.stderr
     assert (author / "data" / "train.jsonl").read_bytes() == TRAIN.read_bytes()
     assert (author / "data" / "validation.jsonl").read_bytes() == VALIDATION.read_bytes()
-    assert len(_rows(author / "prepared_data" / "train.jsonl")) == 64
+    assert len(read_rows(author / "prepared_data" / "train.jsonl")) == 64
     assert not list(author.glob("mlruns")) and not list(author.glob("mlflow.db"))
 
 
@@ -331,7 +331,7 @@ def test_no_server_configured_is_a_clear_error(author, monkeypatch):
 
 def test_without_the_mlflow_package_the_error_names_the_extra(author):
     # the package made unimportable in this process only, as if the extra were not installed
-    script = "import sys; sys.modules['mlflow'] = None; from gym_grpc.cli.main import main; main()"
+    script = "import sys; sys.modules['mlflow'] = None; from gym_grpc.cli.app import main; main()"
     done = subprocess.run(
         [sys.executable, "-c", script, "dataset", "download", "--from", "mlflow", "--dataset-name", "x",
          "--split", "train", "--output", "o"],

@@ -26,13 +26,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from gym_grpc.cli.config import ConfigError, GymConfig, ServerSpec
-from gym_grpc.cli.runner import RegistryHost, StartupError
+from gym_grpc.launch.config import ConfigError, GymConfig, ServerSpec
+from gym_grpc.launch.runner import RegistryHost, StartupError
 from gym_grpc.rpc.registry import SERVER_ROLES
 from gym_grpc.server.serving import Running, serve
 from gym_grpc.v1 import registry_service_pb2 as reg
 
-log = logging.getLogger("gym_grpc.cli.ray_runner")
+log = logging.getLogger("gym_grpc.launch.ray_runner")
 
 #: Seconds a replica has to answer a poll before it is taken out of the registry.
 POLL_TIMEOUT_SECONDS = 10.0

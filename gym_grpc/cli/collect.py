@@ -1,0 +1,276 @@
+"""`gym-grpc collect` and `gym-grpc reverify`: rollouts of a file of tasks, and scoring them again."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import TypeVar
+
+import click
+
+from gym_grpc import errors
+from gym_grpc.batch.collector import CollectOptions, collect
+from gym_grpc.batch.jobs import TIMEOUT_SECONDS, BatchSummary
+from gym_grpc.batch.overrides import NEMO_OPTIONS, OverrideError
+from gym_grpc.batch.overrides import parse as parse_overrides
+from gym_grpc.batch.reverify import ReverifyOptions, reverify
+from gym_grpc.cli.options import (
+    no_unknown_options,
+    progress_option,
+    range_option,
+    registry_option,
+    security_options,
+    threshold_option,
+    window_option,
+    with_registry,
+)
+from gym_grpc.cli.report import export_options, export_reports
+from gym_grpc.data.jsonl import count_rows, failures_path
+from gym_grpc.report import stats
+from gym_grpc.rpc import event_loop
+from gym_grpc.rpc.security import Security
+
+T = TypeVar("T")
+
+
+def print_summary(
+    summary: BatchSummary, output: Path, what: str, estimate_for: int = 0, *, collected: bool = False
+) -> None:
+    """The end-of-run lines. `collected` for a collect: it generated tokens (reverify does
+    not), and its re-run with changed rows or options needs --force."""
+    click.echo(
+        f"{summary.done} rollouts {what}, {summary.failed} failed, {summary.skipped} already done, "
+        f"{summary.bad_rows} bad rows, in {summary.seconds:.2f} s -> {output}",
+        err=True,
+    )
+    for kind, count in summary.failure_counts.items():
+        click.echo(f"{kind}: {count:,}", err=True)
+    lines = summary.run.lines(summary.seconds, estimate_for, failed=summary.failed, tokens=collected)
+    for line in lines:
+        click.echo(line, err=True)
+    if summary.failed:
+        click.echo(f"failures are in {failures_path(output)}; run the same command again to retry them", err=True)
+    if summary.bad_rows:
+        click.echo(
+            f"{summary.bad_rows:,} input rows could not be used (each is in {failures_path(output)} with its line "
+            "and field); running again will not change that: fix the rows, or give what they lack (--agent)"
+            + (", and add --force since the run is then another" if collected else ""),
+            err=True,
+        )
+    for warning in summary.warnings:
+        click.echo(f"warning: {warning}", err=True)
+
+
+def _interruptible(coroutine: Awaitable[T], output: Path) -> T:
+    """Run a batch. Ctrl-C (SIGINT) says how many rows the output holds and exits 130;
+    an output that cannot be written (a full disk) is one line and exit 1."""
+    # A shell starts a background job with SIGINT ignored, and Python keeps it so:
+    # `kill -INT` must stop a collection wherever it runs.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return event_loop.run(coroutine)  # type: ignore[arg-type]
+    except KeyboardInterrupt:
+        held = count_rows(output) if output.exists() else 0
+        click.echo(
+            f"interrupted; {held:,} rows are in {output}, every finished rollout among them: "
+            "run the same command again to resume",
+            err=True,
+        )
+        sys.exit(130)
+    except errors.OutputError as e:
+        raise errors.OutputError(
+            f"{e}. Stopped; every rollout written before is kept in {output}: "
+            "make room, then run the same command again to resume"
+        ) from None
+
+
+@click.command("collect", context_settings={"ignore_unknown_options": True})
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...", callback=no_unknown_options)
+@click.option(
+    "--input",
+    "input_path",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="JSONL of tasks.",
+)
+@click.option(
+    "--output",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="JSONL of rollouts; appended to, and keys already in it are skipped.",
+)
+@click.option("--agent", help="Agent for rows without an agent_ref.")
+@registry_option
+@click.option("--limit", type=click.IntRange(min=0), help="Use only the first N task rows.")
+@click.option("--num-repeats", type=click.IntRange(min=1), default=1, show_default=True, help="Rollouts per task.")
+@window_option
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=TIMEOUT_SECONDS,
+    show_default=True,
+    help="Seconds one rollout may take.",
+)
+@click.option(
+    "--events",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also record every step of every rollout (model outputs, tool calls, verification) here.",
+)
+@click.option("--skip-verify", is_flag=True, help="Do not verify now; score later with `gym-grpc reverify`.")
+@click.option(
+    "--placeholder-reward", type=float, default=0.0, show_default=True, help="The reward written with --skip-verify."
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Resume into an OUTPUT that holds rollouts of another run (other input, agent, overrides, repeats).",
+)
+@range_option
+@threshold_option
+@click.option(
+    "--estimate",
+    "estimate_for",
+    type=click.IntRange(min=0),
+    default=10_000,
+    show_default=True,
+    help="Say how long this many more rollouts would take at the measured rate.",
+)
+@progress_option
+@export_options
+@security_options
+def collect_command(
+    overrides: tuple[str, ...],
+    input_path: Path,
+    output: Path,
+    agent: str | None,
+    registry: str,
+    limit: int | None,
+    num_repeats: int,
+    max_in_flight: int,
+    timeout: float,
+    events: Path | None,
+    skip_verify: bool,
+    placeholder_reward: float,
+    force: bool,
+    reward_range: tuple[float, float],
+    pass_threshold: float,
+    estimate_for: int,
+    no_progress: bool,
+    wandb_project: str | None,
+    mlflow_experiment: str | None,
+    export_rows: int,
+    security: Security,
+) -> None:
+    """Run the tasks of INPUT through an agent and write scored rollouts to OUTPUT.
+
+    OVERRIDES are KEY=VALUE pairs that replace the rows' responses_create_params
+    values, such as temperature=0.6 or reasoning.effort=high (VALUE is read as JSON,
+    else as text), checked before the first rollout. NeMo Gym's spellings work too:
+    +responses_create_params.temperature=0.6, +num_repeats=4, +limit=10.
+
+    Running the same command again resumes: keys already in OUTPUT are skipped.
+    OUTPUT.run.json records what defines the run (input rows, agent, overrides,
+    repeats, verification); another run into the same OUTPUT is refused unless --force.
+    """
+    try:
+        parsed = parse_overrides(list(overrides))
+    except OverrideError as e:
+        raise click.UsageError(str(e)) from None
+    ctx = click.get_current_context()
+    for key, value in parsed.options.items():
+        if ctx.get_parameter_source(key) is not click.core.ParameterSource.DEFAULT:
+            raise click.UsageError(f"+{key}={value} and {NEMO_OPTIONS[key]} are both given: keep one")
+    num_repeats = parsed.options.get("num_repeats", num_repeats)
+    limit = parsed.options.get("limit", limit)
+    for warning in parsed.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    options = CollectOptions(
+        input=input_path,
+        output=output,
+        agent=agent,
+        limit=limit,
+        num_repeats=num_repeats,
+        max_in_flight=max_in_flight,
+        timeout=timeout,
+        overrides=parsed.params,
+        events=events,
+        skip_verify=skip_verify,
+        placeholder_reward=placeholder_reward,
+        force=force,
+        reward_range=reward_range,
+        pass_threshold=pass_threshold,
+        progress=not no_progress,
+    )
+    summary = _interruptible(
+        with_registry(registry, agent, lambda reg: collect(reg, options), security, rows=input_path), output
+    )
+    print_summary(summary, output, "collected", estimate_for, collected=True)
+    click.echo(json.dumps(summary.metrics, indent=2))
+    if wandb_project or mlflow_experiment:
+        export_reports([stats.read(output)], pass_threshold, wandb_project, mlflow_experiment, export_rows)
+    if summary.failed or summary.bad_rows:
+        sys.exit(1)
+
+
+@click.command("reverify")
+@click.argument("input_path", metavar="IN.jsonl", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "--output",
+    "--out",
+    "output",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="JSONL of re-scored rollouts; appended to, and keys already in it are skipped.",
+)
+@click.option("--agent", help="Agent for rows without an agent_ref (its resources server verifies).")
+@click.option("--resources", help="Resources server that verifies every row, instead of the agents' own.")
+@registry_option
+@window_option
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=TIMEOUT_SECONDS,
+    show_default=True,
+    help="Seconds one verification may take (as long as a whole rollout may in collect).",
+)
+@range_option
+@threshold_option
+@progress_option
+@security_options
+def reverify_command(
+    input_path: Path,
+    output: Path,
+    agent: str | None,
+    resources: str | None,
+    registry: str,
+    max_in_flight: int,
+    timeout: float,
+    reward_range: tuple[float, float],
+    pass_threshold: float,
+    no_progress: bool,
+    security: Security,
+) -> None:
+    """Score the rollouts of IN.jsonl again (verify only, no inference) into --out."""
+    options = ReverifyOptions(
+        input=input_path,
+        output=output,
+        agent=agent,
+        resources=resources,
+        max_in_flight=max_in_flight,
+        timeout=timeout,
+        reward_range=reward_range,
+        pass_threshold=pass_threshold,
+        progress=not no_progress,
+    )
+    summary, changes = _interruptible(
+        with_registry(registry, resources or agent, lambda reg: reverify(reg, options), security, rows=input_path),
+        output,
+    )
+    print_summary(summary, output, "re-verified")
+    click.echo(changes.line(), err=True)
+    click.echo(json.dumps(summary.metrics, indent=2))
+    if summary.failed or summary.bad_rows:
+        sys.exit(1)
