@@ -112,7 +112,7 @@ def model_counters(address: str) -> dict:
 
 def tito_available() -> bool:
     """Whether this checkout's vllm_model has the token-in-token-out switch."""
-    from servers.models.vllm_model.server import VLLMModelConfig
+    from gym_grpc.bundled.servers.models.vllm_model.server import VLLMModelConfig
 
     return "token_in_token_out" in VLLMModelConfig.model_fields
 

@@ -10,8 +10,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
-from servers.resources.math.server import check_answer
+from gym_grpc.bundled.servers.resources.math.server import check_answer
 
 REPO = Path(__file__).resolve().parent.parent
 WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}

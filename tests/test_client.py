@@ -7,6 +7,9 @@ import logging
 import threading
 
 import pytest
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
+from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
+from gym_grpc.bundled.servers.resources.weather.server import WeatherEnv
 
 from gym_grpc import errors
 from gym_grpc.batch.collector import CollectOptions, collect
@@ -14,9 +17,6 @@ from gym_grpc.client import training as client_module
 from gym_grpc.client.training import GymClient, max_concurrent_rollouts, set_max_concurrent_rollouts
 from gym_grpc.data.jsonl import failures_path
 from gym_grpc.rpc.registry import Registry
-from servers.agents.simple_agent.agent import SimpleAgent
-from servers.models.local_policy.server import LocalPolicyModel
-from servers.resources.weather.server import WeatherEnv
 from tests.support import REPO, Calculator, EchoModel, eventually, static_registry
 
 WEATHER_ROW = json.loads((REPO / "servers/resources/weather/data/example.jsonl").read_text().splitlines()[0])

@@ -14,6 +14,8 @@ import json
 from typing import Any
 
 import pytest
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
+from gym_grpc.bundled.servers.models.openai_model.server import OpenAIModel
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,8 +23,6 @@ from gym_grpc.client.stubs import AgentClient, ModelClient
 from gym_grpc.data import record, rows
 from gym_grpc.testing.fake_engine import FakeEngine
 from gym_grpc.v1 import responses_pb2 as r
-from servers.agents.simple_agent.agent import SimpleAgent
-from servers.models.openai_model.server import OpenAIModel
 from tests.corpus import nemo_gym_lines
 from tests.support import Calculator, static_registry
 

@@ -10,6 +10,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
+from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
+from gym_grpc.bundled.servers.resources.math.server import MathEnv
+from gym_grpc.bundled.servers.resources.mcqa.server import MCQAEnv
 
 from gym_grpc.batch.collector import CollectOptions, collect
 from gym_grpc.batch.reverify import ReverifyOptions, reverify
@@ -18,10 +22,6 @@ from gym_grpc.data import record
 from gym_grpc.data.record import KEY, NEMO_KEY
 from gym_grpc.report import stats as report_stats
 from gym_grpc.rpc.registry import Registry
-from servers.agents.simple_agent.agent import SimpleAgent
-from servers.models.local_policy.server import LocalPolicyModel
-from servers.resources.math.server import MathEnv
-from servers.resources.mcqa.server import MCQAEnv
 from tests.corpus import nemo_gym_file
 from tests.nemo_gym import nemo_gym_python, python313
 from tests.support import REPO

@@ -4,6 +4,10 @@ import asyncio
 import io
 import json
 
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
+from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
+from gym_grpc.bundled.servers.resources.math.server import MathEnv
+
 from gym_grpc.batch.collector import CollectOptions, collect
 from gym_grpc.batch.reverify import ReverifyOptions, _scan, reverify
 from gym_grpc.data import json_input
@@ -13,9 +17,6 @@ from gym_grpc.resources import ResourcesServer, Session
 from gym_grpc.responses import final_text
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.v1 import responses_pb2 as r
-from servers.agents.simple_agent.agent import SimpleAgent
-from servers.models.local_policy.server import LocalPolicyModel
-from servers.resources.math.server import MathEnv
 from tests.support import REPO, nested_json
 
 MATH = REPO / "servers/resources/math/data/example.jsonl"

@@ -20,9 +20,9 @@ import json
 from pathlib import Path
 
 import pytest
+from gym_grpc.bundled.servers.resources.weather.server import forecast
 
 from gym_grpc.engines import local_vllm
-from servers.resources.weather.server import forecast
 from tests.real_engine import gym_cli
 
 pytestmark = pytest.mark.real_engine

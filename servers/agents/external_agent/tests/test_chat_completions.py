@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from gym_grpc.bundled.servers.agents.external_agent import chat_completions
+from gym_grpc.bundled.servers.agents.external_agent.endpoint import _responses_answer
 from openai.types.chat import ChatCompletion
 from openai.types.responses import Response as SDKResponse
 
@@ -11,8 +13,6 @@ from gym_grpc.data import rows
 from gym_grpc.responses import assistant_message, new_response
 from gym_grpc.testing import call
 from gym_grpc.v1 import responses_pb2 as r
-from servers.agents.external_agent import chat_completions
-from servers.agents.external_agent.endpoint import _responses_answer
 
 WEATHER_TOOL = {
     "type": "function",

@@ -11,6 +11,10 @@ from pathlib import Path
 import grpc
 import openai
 import pytest
+from gym_grpc.bundled.servers.agents.external_agent.agent import ExternalAgent
+from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
+from gym_grpc.bundled.servers.models.vllm_model.server import VLLMModel
+from gym_grpc.bundled.servers.resources.weather.server import WeatherEnv
 
 from gym_grpc import errors
 from gym_grpc.client.stubs import AgentClient
@@ -23,10 +27,6 @@ from gym_grpc.testing import calculator_task as task
 from gym_grpc.testing.fake_engine import IM_END, IM_START, Turn, encode
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
-from servers.agents.external_agent.agent import ExternalAgent
-from servers.models.local_policy.server import LocalPolicyModel
-from servers.models.vllm_model.server import VLLMModel
-from servers.resources.weather.server import WeatherEnv
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "example_agent.py"
 
@@ -275,7 +275,10 @@ def test_the_program_is_given_as_a_command_or_a_python_module_and_not_both():
     with pytest.raises(ConfigError, match="config.comand.*did you mean 'command'"):
         ExternalAgent({**base, "comand": ["a"]}, name="ext")
     beside = ExternalAgent({**base, "python": ".example_agent:main"}, name="ext").argv
-    assert beside[0] == sys.executable and beside[-2:] == ["servers.agents.external_agent.example_agent", "main"]
+    assert beside[0] == sys.executable and beside[-2:] == [
+        "gym_grpc.bundled.servers.agents.external_agent.example_agent",
+        "main",
+    ]
     assert ExternalAgent({**base, "python": "my.agent"}, name="ext").argv == [sys.executable, "-m", "my.agent"]
 
 

@@ -5,6 +5,9 @@ import time
 
 import grpc
 import pytest
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
+from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
+from gym_grpc.bundled.servers.resources.weather.server import WeatherEnv
 
 from gym_grpc import errors
 from gym_grpc.client.stubs import AgentClient, ResourcesClient
@@ -20,9 +23,6 @@ from gym_grpc.v1 import agent_service_pb2 as agent_pb
 from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
-from servers.agents.simple_agent.agent import SimpleAgent
-from servers.models.local_policy.server import LocalPolicyModel
-from servers.resources.weather.server import WeatherEnv
 
 
 async def _rollout(start, model, *, max_steps=10, the_task=None):

@@ -6,14 +6,14 @@ import math
 from pathlib import Path
 
 import pytest
+from gym_grpc.bundled.servers.models.local_policy import policy, tokenizer
+from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
 
 from gym_grpc.client.stubs import ModelClient
 from gym_grpc.data import rows
 from gym_grpc.responses import final_text, function_calls, item_body
 from gym_grpc.testing import call, static_registry
 from gym_grpc.v1 import responses_pb2 as r
-from servers.models.local_policy import policy, tokenizer
-from servers.models.local_policy.server import LocalPolicyModel
 
 HERE = Path(__file__).resolve().parent
 MATH_DATA = HERE.parents[2] / "resources" / "math" / "data" / "example.jsonl"

@@ -1,6 +1,8 @@
 """The Responses-API model server against a fake engine speaking OpenAI's /v1/responses."""
 
 import pytest
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
+from gym_grpc.bundled.servers.models.openai_model.server import OpenAIModel
 
 from gym_grpc import errors
 from gym_grpc.client.stubs import AgentClient, ModelClient
@@ -9,8 +11,6 @@ from gym_grpc.testing import Calculator, call, static_registry
 from gym_grpc.testing import calculator_task as task
 from gym_grpc.testing.fake_engine import FakeEngine, Turn
 from gym_grpc.v1 import responses_pb2 as r
-from servers.agents.simple_agent.agent import SimpleAgent
-from servers.models.openai_model.server import OpenAIModel
 
 
 @pytest.fixture

@@ -6,6 +6,9 @@ import json
 
 import grpc
 import pytest
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
+from gym_grpc.bundled.servers.models.vllm_model.server import VLLMModel
+from gym_grpc.bundled.servers.models.vllm_model.tool_calls import Hermes
 
 from gym_grpc import errors
 from gym_grpc.client.stubs import AgentClient, ModelClient
@@ -14,9 +17,6 @@ from gym_grpc.testing import Calculator, static_registry
 from gym_grpc.testing import calculator_task as task
 from gym_grpc.testing.fake_engine import IM_END, IM_START, FakeEngine, Turn, encode
 from gym_grpc.v1 import responses_pb2 as r
-from servers.agents.simple_agent.agent import SimpleAgent
-from servers.models.vllm_model.server import VLLMModel
-from servers.models.vllm_model.tool_calls import Hermes
 
 
 @pytest.fixture

@@ -9,6 +9,9 @@ import time
 
 import grpc
 import pytest
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
+from gym_grpc.bundled.servers.models.vllm_model import chat
+from gym_grpc.bundled.servers.models.vllm_model.server import VLLMModel
 
 from gym_grpc import errors
 from gym_grpc.client.stubs import AgentClient, ModelClient
@@ -20,9 +23,6 @@ from gym_grpc.testing import calculator_task as task
 from gym_grpc.testing.fake_engine import Turn
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
-from servers.agents.simple_agent.agent import SimpleAgent
-from servers.models.vllm_model import chat
-from servers.models.vllm_model.server import VLLMModel
 
 FAST_RETRIES = {"backoff_seconds": 0.01, "max_backoff_seconds": 0.05}
 

@@ -11,6 +11,9 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from gym_grpc.bundled.servers.resources.code_exec import checker
+from gym_grpc.bundled.servers.resources.code_exec.checker import run_tests
+from gym_grpc.bundled.servers.resources.code_exec.server import CodeExecEnv, extract_code
 
 from gym_grpc import errors
 from gym_grpc.client.stubs import ResourcesClient
@@ -21,9 +24,6 @@ from gym_grpc.testing import ResourcesConformance, example_rows, static_registry
 from gym_grpc.v1 import resources_service_pb2 as res_pb
 from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
 from gym_grpc.v1 import responses_pb2 as r
-from servers.resources.code_exec import checker
-from servers.resources.code_exec.checker import run_tests
-from servers.resources.code_exec.server import CodeExecEnv, extract_code
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "data" / "example.jsonl"
 

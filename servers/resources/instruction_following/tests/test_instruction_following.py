@@ -8,6 +8,14 @@ from pathlib import Path
 
 import grpc
 import pytest
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
+from gym_grpc.bundled.servers.resources.instruction_following.server import (
+    CHECKS,
+    InstructionFollowingEnv,
+    component_names,
+    count_words,
+    read_instructions,
+)
 
 from gym_grpc import errors
 from gym_grpc.batch.collector import CollectOptions, collect
@@ -16,14 +24,6 @@ from gym_grpc.data import rows
 from gym_grpc.responses import assistant_message
 from gym_grpc.testing import ResourcesConformance, ScriptedModel, example_rows, say, static_registry
 from gym_grpc.v1 import responses_pb2 as r
-from servers.agents.simple_agent.agent import SimpleAgent
-from servers.resources.instruction_following.server import (
-    CHECKS,
-    InstructionFollowingEnv,
-    component_names,
-    count_words,
-    read_instructions,
-)
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "example.jsonl"
 
@@ -114,7 +114,7 @@ def test_components_are_named_by_type_with_an_index_only_when_a_type_repeats():
 
 
 def test_every_check_type_is_documented_in_the_module():
-    from servers.resources.instruction_following import server
+    from gym_grpc.bundled.servers.resources.instruction_following import server
 
     for kind in CHECKS:
         assert f"`{kind}`" in server.__doc__

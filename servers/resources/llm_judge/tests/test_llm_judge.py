@@ -7,6 +7,8 @@ from pathlib import Path
 import grpc
 import pytest
 import pytest_asyncio
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
+from gym_grpc.bundled.servers.resources.llm_judge.server import LLMJudgeEnv
 
 from gym_grpc import errors
 from gym_grpc.client.stubs import AgentClient, ResourcesClient
@@ -18,8 +20,6 @@ from gym_grpc.rpc import transport
 from gym_grpc.testing import ResourcesConformance, ScriptedModel, Servers, example_rows, say, static_registry
 from gym_grpc.testing.checks import Probe
 from gym_grpc.v1 import responses_pb2 as r
-from servers.agents.simple_agent.agent import SimpleAgent
-from servers.resources.llm_judge.server import LLMJudgeEnv
 from tests.support import eventually
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "data" / "example.jsonl"

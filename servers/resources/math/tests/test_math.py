@@ -4,6 +4,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from gym_grpc.bundled.servers.resources.math.server import MathEnv
 
 from gym_grpc import errors
 from gym_grpc.client.stubs import ResourcesClient
@@ -11,7 +12,6 @@ from gym_grpc.data import rows
 from gym_grpc.responses import assistant_message
 from gym_grpc.testing import ResourcesConformance, example_rows, static_registry
 from gym_grpc.v1 import responses_pb2 as r
-from servers.resources.math.server import MathEnv
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "data" / "example.jsonl"
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from gym_grpc.bundled.servers.resources.mcp_tools.server import McpToolsEnv
 
 from gym_grpc import errors
 from gym_grpc.client.stubs import ResourcesClient
@@ -19,7 +20,6 @@ from gym_grpc.responses import assistant_message
 from gym_grpc.testing import ResourcesConformance, call, static_registry
 from gym_grpc.testing.servers import Servers
 from gym_grpc.v1 import responses_pb2 as r
-from servers.resources.mcp_tools.server import McpToolsEnv
 from tests.support import alive
 
 HERE = Path(__file__).resolve().parent

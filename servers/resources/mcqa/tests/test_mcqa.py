@@ -5,6 +5,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from gym_grpc.bundled.servers.resources.mcqa.server import MCQAEnv, boxed, extract, letter_of, read_question
 
 from gym_grpc import errors
 from gym_grpc.client.stubs import ResourcesClient
@@ -12,7 +13,6 @@ from gym_grpc.data import rows
 from gym_grpc.responses import assistant_message
 from gym_grpc.testing import ResourcesConformance, example_rows, static_registry
 from gym_grpc.v1 import responses_pb2 as r
-from servers.resources.mcqa.server import MCQAEnv, boxed, extract, letter_of, read_question
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "example.jsonl"
 

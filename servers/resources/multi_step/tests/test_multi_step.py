@@ -5,6 +5,8 @@ import re
 from pathlib import Path
 
 import pytest
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
+from gym_grpc.bundled.servers.resources.multi_step.server import ORDERS, CustomerSupportEnv, find_customer, grade
 
 from gym_grpc import errors
 from gym_grpc.client.stubs import AgentClient, ResourcesClient
@@ -13,8 +15,6 @@ from gym_grpc.responses import assistant_message, tool_error_output
 from gym_grpc.testing import ResourcesConformance, ScriptedModel, call, example_rows, say, static_registry
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
-from servers.agents.simple_agent.agent import SimpleAgent
-from servers.resources.multi_step.server import ORDERS, CustomerSupportEnv, find_customer, grade
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "data" / "example.jsonl"
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
+from gym_grpc.bundled.servers.resources.session_state.server import CATALOG, Cart, ShoppingCartEnv, quantities, score
 
 from gym_grpc import errors
 from gym_grpc.client.stubs import AgentClient, ResourcesClient
@@ -18,8 +20,6 @@ from gym_grpc.v1 import resources_service_pb2 as res_pb
 from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
-from servers.agents.simple_agent.agent import SimpleAgent
-from servers.resources.session_state.server import CATALOG, Cart, ShoppingCartEnv, quantities, score
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "data" / "example.jsonl"
 

@@ -4,13 +4,13 @@ import json
 from pathlib import Path
 
 import pytest
+from gym_grpc.bundled.servers.resources.weather.server import WeatherEnv, forecast
 
 from gym_grpc.client.stubs import ResourcesClient
 from gym_grpc.data import rows
 from gym_grpc.responses import assistant_message
 from gym_grpc.testing import ResourcesConformance, call, example_rows, static_registry
 from gym_grpc.v1 import responses_pb2 as r
-from servers.resources.weather.server import WeatherEnv, forecast
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "data" / "example.jsonl"
 
