@@ -36,7 +36,6 @@ import os
 import platform
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,8 @@ import time
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
+
+from gym_grpc.testing.processes import GymRun
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -144,22 +145,11 @@ class Stack:
 
     def __init__(self, config: Path, *overrides: str) -> None:
         started = time.monotonic()
-        self.process = subprocess.Popen(
-            [_gym(), "run", str(config), *overrides], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-        )
-        lines = []
-        for line in self.process.stdout:
-            lines.append(line)
-            if "servers healthy" in line:
-                break
-        else:
-            raise RuntimeError("gym-grpc run failed:\n" + "".join(lines))
+        self.run = GymRun.start(config, *overrides)
         self.ready_seconds = time.monotonic() - started
-        self.registry = re.search(r"^registry\s+(\S+)", lines[0]).group(1)
-        # "role name address ...": under --ray one line per replica, named "name#index"
-        self.servers = {m.group(2): m.group(3) for m in (re.match(r"(\S+)\s+(\S+)\s+(\S+)", x) for x in lines[1:-1])}
-        ps = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.process.pid)], capture_output=True, text=True)
-        self.pids = [int(p) for p in ps.stdout.split()]
+        self.registry = self.run.registry
+        self.servers = self.run.servers
+        self.pids = sorted({pid for name in self.servers for pid in self.run.pids(name)})
 
     def cpu(self) -> float:
         return sum(_cpu_seconds(pid) for pid in self.pids)
@@ -168,8 +158,7 @@ class Stack:
         return [round(_memory_mb(pid, key), 1) for pid in self.pids]
 
     def stop(self) -> None:
-        self.process.send_signal(signal.SIGINT)
-        self.process.wait(timeout=60)
+        self.run.stop()
 
 
 def server_names(stack: Stack) -> dict[int, str]:
@@ -622,7 +611,7 @@ def bench_replicas(tmp: Path, counts: list[int], rollouts: int, window: int, wat
             stack = Stack(_replicas_config(tmp, replicas), *ray)
             try:
                 servers = {name: [pid for pid, _ in found] for name, found in _replicas(stack.registry).items()}
-                processes = _descendants([stack.process.pid, *(ray_pids if replicas else [])])
+                processes = _descendants([stack.run.process.pid, *(ray_pids if replicas else [])])
                 tries = []
                 for _ in range(repeats):
                     before = {name: _cpu_of(pids) for name, pids in servers.items()}

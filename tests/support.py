@@ -5,23 +5,31 @@ they are named here too, as the tests have always imported them."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import json
 import os
+import resource
+import shutil
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from gym_grpc.responses import input_items, message_text
 from gym_grpc.testing import Calculator, ScriptedModel, call, say, static_registry
 from gym_grpc.testing import calculator_task as task
+from gym_grpc.testing.processes import GymRun, gym_grpc_command
 from gym_grpc.v1 import responses_pb2 as r
 
 __all__ = ["REPO", "Calculator", "EchoModel", "ScriptedModel", "call", "nested_json", "say", "static_registry", "task"]
 
 REPO = Path(__file__).resolve().parent.parent
+#: The virtualenv's scripts: gym-grpc, grpcurl.
+BIN = Path(sys.executable).parent
+WEATHER = REPO / "servers" / "resources" / "weather" / "data" / "example.jsonl"
+MATH = REPO / "servers" / "resources" / "math" / "data" / "example.jsonl"
+QUICKSTART = REPO / "configs" / "quickstart.yaml"
 
 
 def nested_json(levels: int) -> str:
@@ -81,32 +89,69 @@ def alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
-def gym_grpc(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run the `gym-grpc` command of this interpreter's environment to its end."""
-    command = str(Path(sys.executable).with_name("gym-grpc"))
-    return subprocess.run([command, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+def tool(name: str) -> str:
+    """A command of this virtualenv (else of PATH), such as grpcurl."""
+    path = shutil.which(name, path=str(BIN)) or shutil.which(name)
+    assert path, f"{name} is not installed: pip install -e '.[test]'"
+    return path
 
 
-@contextlib.contextmanager
-def gym_grpc_run(*args: str, cwd: Path = REPO) -> Iterator[str]:
-    """A real `gym-grpc run ARGS --registry 127.0.0.1:0` process, once its servers are healthy;
-    yields its registry address and stops it (SIGTERM) at the end."""
-    stderr = tempfile.NamedTemporaryFile("w+", prefix="gym-grpc-run-", suffix=".log")
-    command = str(Path(sys.executable).with_name("gym-grpc"))
-    process = subprocess.Popen(
-        [command, "run", *args, "--registry", "127.0.0.1:0"], stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=cwd
-    )
-    try:
-        lines = []
-        for line in process.stdout or ():
-            lines.append(line)
-            if "servers healthy" in line:
-                break
-        else:
-            stderr.seek(0)
-            raise AssertionError("gym-grpc run stopped before it was ready:\n" + "".join(lines) + stderr.read())
-        yield lines[0].split()[1]
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
-        stderr.close()
+def gym(*args: str, timeout: float = 300, **kwargs: Any) -> subprocess.CompletedProcess:
+    """Run the `gym-grpc` command of this interpreter's environment to its end (output captured as text)."""
+    return subprocess.run([gym_grpc_command(), *args], capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def grpcurl(*args: str) -> str:
+    """grpcurl -plaintext ARGS's output; the call must succeed."""
+    done = subprocess.run([tool("grpcurl"), "-plaintext", *args], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The JSON objects of a JSONL file."""
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def limit_open_files(soft: int, hard: int) -> Callable[[], None]:
+    """For `preexec_fn`: start a process with these limits on its open files."""
+    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def start_run(
+    *overrides: str, configs: tuple[Path, ...] = (), open_files: tuple[int, int] | None = None, **kwargs: Any
+) -> GymRun:
+    """`gym-grpc run` of `configs` (the quickstart's when none) and `overrides`, once every server is healthy,
+    with `open_files` as its (soft, hard) limits on open files if given."""
+    preexec_fn = limit_open_files(*open_files) if open_files else None
+    return GymRun.start(*(configs or (QUICKSTART,)), *overrides, preexec_fn=preexec_fn, **kwargs)
+
+
+def run_status(registry: str) -> tuple[int, dict[str, dict]]:
+    """`gym-grpc status --json` of a run: its exit code and each server's row by name."""
+    done = gym("status", "--registry", registry, "--json", "--interval", "0.2")
+    return done.returncode, {row["name"]: row for row in json.loads(done.stdout)}
+
+
+def listening_pids(port: int) -> list[int]:
+    """Processes with a socket listening on a TCP port (Linux /proc)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):  # grpc listens on v4-mapped IPv6 sockets
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":
+                inodes.add(f"socket:[{fields[9]}]")
+    pids = []
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            if any(os.readlink(fd) in inodes for fd in fd_dir.iterdir()):
+                pids.append(int(fd_dir.parent.name))
+        except OSError:
+            continue
+    return sorted(pids)
+
+
+def cpu_ticks(pid: int) -> int:
+    """The CPU time a process used so far, in clock ticks (user + system)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime

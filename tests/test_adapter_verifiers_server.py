@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import verifiers.v1 as vf
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
+from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
 from verifiers.v1.graph import MessageNode
 
 from examples.verifiers_taskset import CAPITALS, CapitalsState, CapitalsTaskset, CapitalsTasksetConfig
@@ -28,9 +30,7 @@ from gym_grpc.responses import new_id, tool_error_output
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.testing import ResourcesConformance, ScriptedModel, call, say
 from gym_grpc.v1 import responses_pb2 as r
-from servers.agents.simple_agent.agent import SimpleAgent
-from servers.models.local_policy.server import LocalPolicyModel
-from tests.support import REPO, collect_args, gym_grpc_run
+from tests.support import REPO, collect_args, start_run
 
 TASKSET = "examples.verifiers_taskset:CapitalsTaskset"
 TASKS = REPO / "examples" / "verifiers_tasks.jsonl"
@@ -180,8 +180,8 @@ async def test_gym_grpc_run_and_collect_score_the_rollouts_as_verifiers_does(tmp
     assert dumped.returncode == 0, dumped.stderr
     assert _file_rows(tasks) == _file_rows(TASKS)
     output = tmp_path / "rollouts.jsonl"
-    with gym_grpc_run(str(CONFIG)) as registry:
-        collected = _run(*collect_args(registry, "capitals_agent", tasks, output), "--num-repeats", "4")
+    with start_run(configs=(CONFIG,)) as run:
+        collected = _run(*collect_args(run.registry, "capitals_agent", tasks, output), "--num-repeats", "4")
         assert collected.returncode == 0, collected.stderr
     written = _file_rows(output)
     assert len(written) == 5 * 4

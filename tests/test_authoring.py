@@ -10,8 +10,7 @@ import pytest
 from gym_grpc.data import json_input
 from gym_grpc.data.dataset_stats import approx_tokens, differences, statistics
 from gym_grpc.data.rows import task_from_row
-from tests.support import REPO, nested_json
-from tests.test_cli import _gym, _rows, _start_run, _tool
+from tests.support import REPO, gym, nested_json, read_rows, start_run, tool
 
 LOCAL_POLICY = REPO / "configs" / "local_policy.yaml"
 MATH_CONFIG = REPO / "servers" / "resources" / "math" / "config.yaml"
@@ -22,7 +21,7 @@ WEATHER_CONFIG = REPO / "servers" / "resources" / "weather" / "config.yaml"
 def scaffold(tmp_path_factory) -> Path:
     """`gym-grpc init-env capital_quiz` in an empty directory outside the repository."""
     where = tmp_path_factory.mktemp("authoring")
-    done = _gym("init-env", "capital_quiz", "--dir", str(where), cwd=where)
+    done = gym("init-env", "capital_quiz", "--dir", str(where), cwd=where)
     assert done.returncode == 0, done.stderr
     assert f"gym-grpc test {where / 'capital_quiz'}" in done.stdout
     return where / "capital_quiz"
@@ -41,26 +40,26 @@ def test_init_env_writes_a_server_config_data_and_tests(scaffold):
         "tests/__init__.py",
         "tests/test_capital_quiz.py",
     ]
-    assert len(_rows(scaffold / "data" / "example.jsonl")) == 5
+    assert len(read_rows(scaffold / "data" / "example.jsonl")) == 5
 
 
 def test_the_scaffolds_own_tests_pass_untouched(scaffold):
-    done = _gym("test", str(scaffold), "-p", "no:cacheprovider", cwd=scaffold.parent)
+    done = gym("test", str(scaffold), "-p", "no:cacheprovider", cwd=scaffold.parent)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "16 passed" in done.stdout  # its five tests and the eleven of the conformance kit
 
 
 def test_the_scaffold_is_lint_clean(scaffold):
     for check in (["check"], ["format", "--check"]):
-        done = subprocess.run([_tool("ruff"), *check, str(scaffold)], capture_output=True, text=True)
+        done = subprocess.run([tool("ruff"), *check, str(scaffold)], capture_output=True, text=True)
         assert done.returncode == 0, done.stdout
 
 
 def test_the_scaffold_runs_with_the_embedded_model_and_earns_rewards(scaffold, tmp_path):
-    run = _start_run(configs=(LOCAL_POLICY, scaffold / "config.yaml"))
+    run = start_run(configs=(LOCAL_POLICY, scaffold / "config.yaml"))
     try:
         output = tmp_path / "out.jsonl"
-        done = _gym(
+        done = gym(
             "collect",
             "--registry",
             run.registry,
@@ -78,14 +77,14 @@ def test_the_scaffold_runs_with_the_embedded_model_and_earns_rewards(scaffold, t
         assert done.returncode == 0, done.stderr
     finally:
         run.stop()
-    written = _rows(output)
+    written = read_rows(output)
     assert len(written) == 10 and all(row["reward"] == 1.0 and row["used_tool"] for row in written)
 
 
 def test_a_scaffold_with_a_bad_name_or_over_an_existing_directory_is_refused(scaffold):
-    done = _gym("init-env", "Capital-Quiz", "--dir", str(scaffold.parent))
+    done = gym("init-env", "Capital-Quiz", "--dir", str(scaffold.parent))
     assert done.returncode != 0 and "lower-case letters" in done.stderr
-    done = _gym("init-env", "capital_quiz", "--dir", str(scaffold.parent))
+    done = gym("init-env", "capital_quiz", "--dir", str(scaffold.parent))
     assert done.returncode != 0 and "already exists" in done.stderr
 
 
@@ -94,7 +93,7 @@ def test_gym_grpc_test_reports_a_failing_server(scaffold, tmp_path):
     shutil.copytree(scaffold, broken, ignore=shutil.ignore_patterns("__pycache__"))
     server = broken / "server.py"
     server.write_text(server.read_text().replace("reward=1.0 if answered else 0.0", "reward=0.0"))
-    done = _gym("test", str(broken), "-p", "no:cacheprovider", cwd=tmp_path)
+    done = gym("test", str(broken), "-p", "no:cacheprovider", cwd=tmp_path)
     assert done.returncode == 1
     assert "test_naming_the_expected_answer_earns_the_reward" in done.stdout
 
@@ -107,14 +106,14 @@ def test_gym_grpc_test_all_runs_every_servers_tests(tmp_path, scaffold):
     for copy in ("quiz_one", "quiz_two"):  # distinct test module names
         tests = servers / copy / "tests"
         (tests / "test_capital_quiz.py").rename(tests / f"test_{copy}.py")
-    done = _gym("test", "--all", "-p", "no:cacheprovider", cwd=tmp_path)
+    done = gym("test", "--all", "-p", "no:cacheprovider", cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "32 passed" in done.stdout  # 16 in each copy
     assert "testing 2 server(s)" in done.stderr
 
 
 def test_gym_grpc_test_needs_a_path_or_all():
-    done = _gym("test")
+    done = gym("test")
     assert done.returncode == 2 and "give a server's directory, or --all" in done.stderr
 
 
@@ -122,7 +121,7 @@ def test_gym_grpc_test_needs_a_path_or_all():
 
 
 def _prepare(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return _gym("prepare-data", *args, cwd=cwd)
+    return gym("prepare-data", *args, cwd=cwd)
 
 
 def test_prepare_data_validates_the_repositorys_examples(tmp_path):
@@ -130,9 +129,9 @@ def test_prepare_data_validates_the_repositorys_examples(tmp_path):
         str(WEATHER_CONFIG), str(MATH_CONFIG), "--mode", "example-validation", "--output-dir", "out", cwd=tmp_path
     )
     assert done.returncode == 0, done.stderr
-    collated = _rows(tmp_path / "out" / "example.jsonl")
-    weather = _rows(WEATHER_CONFIG.parent / "data" / "example.jsonl")
-    math = _rows(MATH_CONFIG.parent / "data" / "example.jsonl")
+    collated = read_rows(tmp_path / "out" / "example.jsonl")
+    weather = read_rows(WEATHER_CONFIG.parent / "data" / "example.jsonl")
+    math = read_rows(MATH_CONFIG.parent / "data" / "example.jsonl")
     assert collated == [{**row, "agent_ref": {"name": "weather_agent"}} for row in weather] + [
         {**row, "agent_ref": {"name": "math_agent"}} for row in math
     ]
@@ -143,11 +142,11 @@ def test_prepare_data_collates_train_and_validation_with_repeats(tmp_path):
     # NeMo Gym's spelling of the mode (train_preparation) works as ours does
     done = _prepare(str(MATH_CONFIG), "--mode", "train_preparation", "--output-dir", "out", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    train = _rows(tmp_path / "out" / "train.jsonl")
-    source = _rows(MATH_CONFIG.parent / "data" / "train.jsonl")
+    train = read_rows(tmp_path / "out" / "train.jsonl")
+    source = read_rows(MATH_CONFIG.parent / "data" / "train.jsonl")
     assert len(train) == 2 * len(source)  # num_repeats: 2
     assert train[0] == train[1] == {**source[0], "agent_ref": {"name": "math_agent"}}
-    assert len(_rows(tmp_path / "out" / "validation.jsonl")) == 16
+    assert len(read_rows(tmp_path / "out" / "validation.jsonl")) == 16
     assert "train: 128 rows" in done.stdout
 
 
@@ -266,15 +265,15 @@ def test_the_collated_files_feed_collect(tmp_path):
         str(WEATHER_CONFIG), str(MATH_CONFIG), "--mode", "example-validation", "--output-dir", "out", cwd=tmp_path
     )
     assert done.returncode == 0, done.stderr
-    run = _start_run()
+    run = start_run()
     try:
         output = tmp_path / "rollouts.jsonl"
         args = ["--registry", run.registry, "--input", str(tmp_path / "out" / "example.jsonl"), "--output", str(output)]
-        done = _gym("collect", *args, "--no-progress")
+        done = gym("collect", *args, "--no-progress")
         assert done.returncode == 0, done.stderr
     finally:
         run.stop()
-    agents = [row["agent_ref"]["name"] for row in _rows(output)]
+    agents = [row["agent_ref"]["name"] for row in read_rows(output)]
     assert sorted(agents) == ["math_agent"] * 6 + ["weather_agent"] * 5
 
 

@@ -6,12 +6,13 @@ import json
 
 import grpc
 import pytest
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 
 from gym_grpc import errors
 from gym_grpc.batch.collector import CollectOptions, collect
-from gym_grpc.cli.runner import RegistryServer
 from gym_grpc.data import json_input
 from gym_grpc.data.jsonl import failures_path
+from gym_grpc.launch.runner import RegistryServer
 from gym_grpc.rpc import transport
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
@@ -24,9 +25,7 @@ from gym_grpc.v1 import resources_service_pb2 as res_pb
 from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
-from servers.agents.simple_agent.agent import SimpleAgent
-from tests.support import Calculator, EchoModel, call, nested_json, static_registry, task
-from tests.test_cli import _gym
+from tests.support import Calculator, EchoModel, call, gym, nested_json, static_registry, task
 
 
 def _params(*items: r.Item) -> r.CreateParams:
@@ -313,13 +312,13 @@ async def test_rows_nested_too_deep_go_to_the_sidecar_by_line_and_the_rest_is_co
 def test_bad_command_line_values_are_usage_errors(option, tmp_path):
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text(GOOD + "\n")
-    done = _gym("collect", "--input", str(tasks), "--output", str(tmp_path / "o.jsonl"), *option)
+    done = gym("collect", "--input", str(tasks), "--output", str(tmp_path / "o.jsonl"), *option)
     assert done.returncode == 2 and option[0] in done.stderr
 
 
 def test_an_empty_task_file_collects_nothing_without_error(tmp_path):
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("\n\n")
-    done = _gym("collect", "--input", str(tasks), "--output", str(tmp_path / "o.jsonl"), "--registry", "127.0.0.1:1")
+    done = gym("collect", "--input", str(tasks), "--output", str(tmp_path / "o.jsonl"), "--registry", "127.0.0.1:1")
     assert done.returncode == 0, done.stderr
     assert "0 rollouts collected" in done.stderr

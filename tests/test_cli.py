@@ -3,116 +3,41 @@
 import functools
 import json
 import os
-import re
-import resource
-import shutil
 import signal
 import struct
 import subprocess
-import sys
-import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 import pytest
 
-from tests.support import REPO, collect_args
-
-BIN = Path(sys.executable).parent
-WEATHER = REPO / "servers" / "resources" / "weather" / "data" / "example.jsonl"
-MATH = REPO / "servers" / "resources" / "math" / "data" / "example.jsonl"
-
-
-def _tool(name: str) -> str:
-    path = shutil.which(name, path=str(BIN)) or shutil.which(name)
-    assert path, f"{name} is not installed: pip install -e '.[test]'"
-    return path
-
-
-def _gym(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([_tool("gym-grpc"), *args], capture_output=True, text=True, timeout=120, **kwargs)
-
-
-def _grpcurl(*args: str) -> str:
-    done = subprocess.run([_tool("grpcurl"), "-plaintext", *args], capture_output=True, text=True, timeout=30)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
-
-
-def _rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-@dataclass
-class Run:
-    """A `gym-grpc run` in the background: its process, its output and its addresses."""
-
-    process: subprocess.Popen
-    lines: list[str]
-    registry: str
-    servers: dict[str, str]
-    stderr: IO[str]
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-            self.process.wait(timeout=30)
-
-    def log(self) -> str:
-        """What the runner and its servers wrote to stderr so far."""
-        self.stderr.flush()
-        with open(self.stderr.name) as f:
-            return f.read()
-
-
-def _limit_open_files(soft: int, hard: int) -> Callable[[], None]:
-    """For `preexec_fn`: start a process with these limits on its open files."""
-    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
-
-def _start_run(*overrides: str, configs: tuple[Path, ...] = (), open_files: tuple[int, int] | None = None) -> Run:
-    """Start `gym-grpc run configs/quickstart.yaml` (or `configs`; port 0 registry) and wait until it is healthy,
-    with `open_files` as its (soft, hard) limits on open files if given.
-
-    Its stderr goes to a file: a pipe nobody reads would fill and block the servers' logging."""
-    configs = configs or (REPO / "configs" / "quickstart.yaml",)
-    stderr = tempfile.NamedTemporaryFile("w+", prefix="gym-grpc-run-", suffix=".log")
-    process = subprocess.Popen(
-        [_tool("gym-grpc"), "run", *map(str, configs), "--registry", "127.0.0.1:0", *overrides],
-        stdout=subprocess.PIPE,
-        stderr=stderr,
-        text=True,
-        preexec_fn=_limit_open_files(*open_files) if open_files else None,
-    )
-    lines = []
-    for line in process.stdout:
-        lines.append(line)
-        if "servers healthy" in line:
-            break
-    else:
-        process.wait(timeout=30)
-        stderr.seek(0)
-        pytest.fail("gym-grpc run stopped before it was ready:\n" + "".join(lines) + stderr.read())
-    registry = re.search(r"^registry\s+(\S+)", lines[0]).group(1)
-    # "role name address ...": under --ray one line per replica, named "name#index"
-    servers = {m.group(2): m.group(3) for m in (re.match(r"(\S+)\s+(\S+)\s+(\S+)", x) for x in lines[1:-1])}
-    return Run(process, lines, registry, servers, stderr)
+from tests.support import (
+    MATH,
+    REPO,
+    WEATHER,
+    collect_args,
+    cpu_ticks,
+    grpcurl,
+    gym,
+    listening_pids,
+    read_rows,
+    run_status,
+    start_run,
+    tool,
+)
 
 
 @pytest.mark.slow
 def test_quickstart_end_to_end(tmp_path):
-    done = _gym("quickstart", "--output-dir", str(tmp_path), "--num-repeats", "2", cwd=tmp_path)
+    done = gym("quickstart", "--output-dir", str(tmp_path), "--num-repeats", "2", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     metrics = json.loads(done.stdout)
     assert set(metrics) == {"weather_agent", "math_agent"}
     assert metrics["weather_agent"]["rollouts"] == 5 * 2 and metrics["math_agent"]["rollouts"] == 6 * 2
     for agent, data in (("weather_agent", WEATHER), ("math_agent", MATH)):
         assert 0.0 <= metrics[agent]["reward"] <= 1.0
-        written = _rows(tmp_path / f"{agent}_rollouts.jsonl")
-        tasks = _rows(data)
+        written = read_rows(tmp_path / f"{agent}_rollouts.jsonl")
+        tasks = read_rows(data)
         assert sorted((row["task_index"], row["repeat_index"]) for row in written) == [
             (t, k) for t in range(len(tasks)) for k in range(2)
         ]
@@ -126,26 +51,24 @@ def test_quickstart_end_to_end(tmp_path):
 @pytest.fixture(scope="module")
 def live():
     """`gym-grpc run configs/quickstart.yaml` in the background, with its addresses."""
-    run = _start_run()
-    yield {"process": run.process, "registry": run.registry, "servers": run.servers, "output": run.lines}
-    if run.process.poll() is None:
-        run.process.kill()
+    with start_run() as run:
+        yield {"process": run.process, "registry": run.registry, "servers": run.servers}
 
 
 def test_run_serves_every_server_and_grpcurl_lists_them(live):
     assert set(live["servers"]) == {"policy_model", "weather", "weather_agent", "math", "math_agent"}
-    assert "gym.v1.RegistryService" in _grpcurl(live["registry"], "list")
+    assert "gym.v1.RegistryService" in grpcurl(live["registry"], "list")
     expected = {
         "policy_model": "gym.v1.ModelService",
         "weather": "gym.v1.ResourcesService",
         "weather_agent": "gym.v1.AgentService",
     }
     for name, service in expected.items():
-        listed = _grpcurl(live["servers"][name], "list").split()
+        listed = grpcurl(live["servers"][name], "list").split()
         assert service in listed and "grpc.health.v1.Health" in listed
-    described = _grpcurl(live["servers"]["weather"], "describe", "gym.v1.ResourcesService")
+    described = grpcurl(live["servers"]["weather"], "describe", "gym.v1.ResourcesService")
     assert "rpc CallTool ( .gym.v1.CallToolRequest ) returns ( .gym.v1.CallToolResponse )" in described
-    listing = json.loads(_grpcurl(live["registry"], "gym.v1.RegistryService/ListServers"))
+    listing = json.loads(grpcurl(live["registry"], "gym.v1.RegistryService/ListServers"))
     agent = next(s for s in listing["servers"] if s["name"] == "weather_agent")
     assert agent["references"] == {"model": "policy_model", "resources": "weather"}
 
@@ -157,14 +80,16 @@ def test_grpcurl_runs_a_rollout_and_calls_a_tool(live):
             "data": {"expected_answer": "42"},
         }
     }
-    rollout = json.loads(_grpcurl("-d", json.dumps(request), live["servers"]["math_agent"], "gym.v1.AgentService/Run"))
+    rollout = json.loads(
+        grpcurl("-d", json.dumps(request), live["servers"]["math_agent"], "gym.v1.AgentService/Run")
+    )
     assert rollout["rollout"]["reward"] == 1
     assert rollout["rollout"]["stop_reason"] == "STOP_REASON_FINAL_MESSAGE"
     seed = {"session_id": "grpcurl-1", "task": {"responses_create_params": {"input_text": "hi"}}}
     weather = live["servers"]["weather"]
-    _grpcurl("-d", json.dumps(seed), weather, "gym.v1.ResourcesService/SeedSession")
+    grpcurl("-d", json.dumps(seed), weather, "gym.v1.ResourcesService/SeedSession")
     call = {"session_id": "grpcurl-1", "name": "get_weather", "arguments": '{"city": "Oslo"}'}
-    output = json.loads(_grpcurl("-d", json.dumps(call), weather, "gym.v1.ResourcesService/CallTool"))
+    output = json.loads(grpcurl("-d", json.dumps(call), weather, "gym.v1.ResourcesService/CallTool"))
     assert json.loads(output["output"])["city"] == "Oslo"
 
 
@@ -178,14 +103,14 @@ def test_collect_writes_rollouts_and_a_second_run_resumes(live, tmp_path):
         "4",
         "--no-progress",
     ]
-    first = _gym(*args)
+    first = gym(*args)
     assert first.returncode == 0, first.stderr
     assert json.loads(first.stdout)["math_agent"]["rollouts"] == 12
-    assert len(_rows(out)) == 12
-    second = _gym(*args)
+    assert len(read_rows(out)) == 12
+    second = gym(*args)
     assert second.returncode == 0, second.stderr
     assert "12 already done" in second.stderr
-    assert len(_rows(out)) == 12
+    assert len(read_rows(out)) == 12
 
 
 def _wandb_records(run_file: Path) -> list:
@@ -214,7 +139,7 @@ def _wandb_records(run_file: Path) -> list:
 
 def _report_metrics(output: Path) -> dict[str, float]:
     """`gym-grpc report --json`'s metrics of the file's one agent, named as the exporters name them."""
-    done = _gym("report", str(output), "--json")
+    done = gym("report", str(output), "--json")
     assert done.returncode == 0, done.stderr
     [(agent, data)] = json.loads(done.stdout)["files"][0]["agents"].items()
     return {f"{agent}/{k.replace('@', '_at_')}": v for k, v in data["metrics"].items() if v is not None}
@@ -224,7 +149,7 @@ def test_collect_logs_its_report_to_wandb_offline(live, tmp_path):
     out = tmp_path / "rollouts.jsonl"
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
     args = [*collect_args(live["registry"], "math_agent", str(MATH), str(out)), "--num-repeats", "2", "--no-progress"]
-    done = _gym(*args, "--wandb", "gym-grpc-tests", env=env, cwd=tmp_path)
+    done = gym(*args, "--wandb", "gym-grpc-tests", env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert f"W&B: {out} -> " in done.stderr
     [run_dir] = (tmp_path / "wandb").glob("offline-run-*")
@@ -254,9 +179,9 @@ def test_report_logs_to_mlflow_a_run_per_file_with_metrics_parameters_and_tables
 
     out = tmp_path / "rollouts.jsonl"
     args = [*collect_args(live["registry"], "math_agent", str(MATH), str(out)), "--num-repeats", "2", "--no-progress"]
-    assert _gym(*args).returncode == 0
+    assert gym(*args).returncode == 0
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    done = _gym(
+    done = gym(
         "report", str(out), "--mlflow", "gym-grpc-tests", env={**os.environ, "MLFLOW_TRACKING_URI": uri}, cwd=tmp_path
     )
     assert done.returncode == 0, done.stderr
@@ -286,10 +211,10 @@ def test_an_exporter_that_cannot_log_says_why_and_leaves_the_rollouts(live, tmp_
     out = tmp_path / "rollouts.jsonl"
     args = [*collect_args(live["registry"], "math_agent", str(MATH), str(out)), "--limit", "2", "--no-progress"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    done = _gym(*args, "--wandb", "p", env={**env, "HOME": str(tmp_path)}, cwd=tmp_path, stdin=subprocess.DEVNULL)
+    done = gym(*args, "--wandb", "p", env={**env, "HOME": str(tmp_path)}, cwd=tmp_path, stdin=subprocess.DEVNULL)
     assert done.returncode == 1
     assert "W&B: " in done.stderr and "WANDB_API_KEY" in done.stderr and "gym-grpc report" in done.stderr
-    assert len(_rows(out)) == 2
+    assert len(read_rows(out)) == 2
 
 
 def test_collect_into_the_output_of_another_run_is_refused_and_says_what_differs(live, tmp_path):
@@ -297,12 +222,12 @@ def test_collect_into_the_output_of_another_run_is_refused_and_says_what_differs
 
     def weather(*extra: str) -> subprocess.CompletedProcess:
         args = collect_args(live["registry"], "weather_agent", str(WEATHER), str(out))
-        return _gym(*args, "--limit", "2", "--no-progress", *extra)
+        return gym(*args, "--limit", "2", "--no-progress", *extra)
 
     first = weather()
     assert first.returncode == 0, first.stderr
     written = out.read_text()
-    math = _gym(*collect_args(live["registry"], "math_agent", str(MATH), str(out)), "--limit", "2", "--no-progress")
+    math = gym(*collect_args(live["registry"], "math_agent", str(MATH), str(out)), "--limit", "2", "--no-progress")
     assert math.returncode == 1
     assert "holds rollouts of another run" in math.stderr and "the input rows differ" in math.stderr
     assert '--agent was "weather_agent", is "math_agent" now' in math.stderr
@@ -312,7 +237,7 @@ def test_collect_into_the_output_of_another_run_is_refused_and_says_what_differs
     assert out.read_text() == written  # nothing of the refused runs was written
     again = weather("--limit", "3")  # the same run, extended: resumes
     assert again.returncode == 0, again.stderr
-    assert "2 already done" in again.stderr and len(_rows(out)) == 3
+    assert "2 already done" in again.stderr and len(read_rows(out)) == 3
     forced = weather("temperature=0.9", "--force")
     assert forced.returncode == 0, forced.stderr
     recorded = json.loads((tmp_path / "rollouts.run.json").read_text())
@@ -321,19 +246,19 @@ def test_collect_into_the_output_of_another_run_is_refused_and_says_what_differs
 
 def test_a_mistyped_option_is_refused_with_a_suggestion_not_taken_as_an_override_or_a_path(tmp_path):
     out = str(tmp_path / "out.jsonl")
-    collect = _gym("collect", "--input", str(WEATHER), "--output", out, "--num-repeat", "4")
+    collect = gym("collect", "--input", str(WEATHER), "--output", out, "--num-repeat", "4")
     assert collect.returncode == 2
     assert "No such option '--num-repeat'. Did you mean '--num-repeats'?" in collect.stderr
-    run = _gym("run", str(REPO / "configs" / "quickstart.yaml"), "--registy", "127.0.0.1:1")
+    run = gym("run", str(REPO / "configs" / "quickstart.yaml"), "--registy", "127.0.0.1:1")
     assert run.returncode == 2 and "No such option '--registy'. Did you mean '--registry'?" in run.stderr
-    dump = _gym("dump-config", str(REPO / "configs" / "quickstart.yaml"), "--env-fil", "x")
+    dump = gym("dump-config", str(REPO / "configs" / "quickstart.yaml"), "--env-fil", "x")
     assert dump.returncode == 2 and "Did you mean '--env-file'?" in dump.stderr
     assert not Path(out).exists()
 
 
 def test_collect_without_verifying_then_reverify(live, tmp_path):
     out, scored = tmp_path / "unverified.jsonl", tmp_path / "scored.jsonl"
-    done = _gym(
+    done = gym(
         *collect_args(live["registry"], "math_agent", str(MATH), str(out)),
         "--skip-verify",
         "--no-progress",
@@ -344,13 +269,13 @@ def test_collect_without_verifying_then_reverify(live, tmp_path):
     assert "rollouts are not verified yet" in done.stderr
     assert "tokens/s:" in done.stderr and "slowest stage:" in done.stderr
     assert "at this rate 5,000 more rollouts take" in done.stderr
-    assert all(row["verification_skipped"] for row in _rows(out))
-    done = _gym("reverify", str(out), "--out", str(scored), "--registry", live["registry"], "--no-progress")
+    assert all(row["verification_skipped"] for row in read_rows(out))
+    done = gym("reverify", str(out), "--out", str(scored), "--registry", live["registry"], "--no-progress")
     assert done.returncode == 0, done.stderr
     assert "6 rollouts re-verified" in done.stderr and "no row had a verified reward before" in done.stderr
     metrics = json.loads(done.stdout)["math_agent"]
     assert metrics["rollouts"] == 6 and 0 <= metrics["reward"] <= 1 and "unverified" not in metrics
-    again = _gym("reverify", str(scored), "--output", str(tmp_path / "again.jsonl"), "--registry", live["registry"])
+    again = gym("reverify", str(scored), "--output", str(tmp_path / "again.jsonl"), "--registry", live["registry"])
     assert "0 of 6 rewards changed" in again.stderr  # the same verifier agrees with itself
 
 
@@ -362,7 +287,7 @@ def test_collect_reports_a_bad_row_by_line_and_collects_the_rest(live, tmp_path)
     text = "\n".join([good, bad, "{not json", good]) + "\n"
     tasks.write_bytes(text.encode() + b'{"bad": "\xff"}\n' + f"{deep}\n{good}\n".encode())
     out = tmp_path / "rollouts.jsonl"
-    done = _gym(
+    done = gym(
         *collect_args(live["registry"], "math_agent", str(tasks), str(out)),
         "--no-progress",
     )
@@ -371,14 +296,14 @@ def test_collect_reports_a_bad_row_by_line_and_collects_the_rest(live, tmp_path)
     assert f"bad rows in {tasks}: 4\n" in done.stderr  # and how many in all
     assert "4 input rows could not be used" in done.stderr and "running again will not change that" in done.stderr
     assert "retry them" not in done.stderr  # no rollout failed: a re-run would change nothing
-    failures = {row["line"]: row["error"]["message"] for row in _rows(tmp_path / "rollouts.failures.jsonl")}
+    failures = {row["line"]: row["error"]["message"] for row in read_rows(tmp_path / "rollouts.failures.jsonl")}
     assert sorted(failures) == [2, 3, 5, 6] and failures[3].startswith("not JSON") and "not UTF-8" in failures[5]
     assert failures[6].startswith("nested deeper than 32 levels")
-    assert sorted(row["task_index"] for row in _rows(out)) == [0, 3, 6]
+    assert sorted(row["task_index"] for row in read_rows(out)) == [0, 3, 6]
 
 
 def test_collect_with_an_unknown_agent_names_the_known_ones(live, tmp_path):
-    done = _gym(
+    done = gym(
         *collect_args(live["registry"], "math_agnt", str(MATH), str(tmp_path / "out.jsonl")),
     )
     assert done.returncode == 1
@@ -393,7 +318,7 @@ def test_without_a_running_registry_collect_and_reverify_say_so_once(command, tm
         json.dumps({"responses_create_params": {"input": "hi"}, "agent_ref": {"name": "a"}, "response": {}}) + "\n"
     )
     io = ["--input", str(rows), "--output"] if command == "collect" else [str(rows), "--out"]
-    done = _gym(command, "--registry", "127.0.0.1:1", *io, str(tmp_path / "out.jsonl"), "--no-progress")
+    done = gym(command, "--registry", "127.0.0.1:1", *io, str(tmp_path / "out.jsonl"), "--no-progress")
     assert done.returncode == 1
     assert "is `gym-grpc run` up with its registry at 127.0.0.1:1?" in done.stderr
     assert not (tmp_path / "out.failures.jsonl").exists()
@@ -406,19 +331,19 @@ def test_ctrl_c_stops_every_server(live):
     assert process.wait(timeout=30) == 0
     for address in addresses:
         done = subprocess.run(
-            [_tool("grpcurl"), "-plaintext", "-max-time", "2", address, "list"], capture_output=True, text=True
+            [tool("grpcurl"), "-plaintext", "-max-time", "2", address, "list"], capture_output=True, text=True
         )
         assert done.returncode != 0  # nothing answers any more
 
 
 @pytest.mark.slow
 def test_a_collector_killed_mid_run_resumes_with_every_key_exactly_once(tmp_path):
-    run = _start_run("servers.policy_model.config.latency_seconds=0.05")
+    run = start_run("servers.policy_model.config.latency_seconds=0.05")
     try:
         tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
         tasks.write_text("".join(MATH.read_text() for _ in range(10)))  # 60 tasks
         args = [
-            _tool("gym-grpc"),
+            tool("gym-grpc"),
             *collect_args(run.registry, "math_agent", str(tasks), str(out)),
             "--num-repeats",
             "4",
@@ -435,7 +360,7 @@ def test_a_collector_killed_mid_run_resumes_with_every_key_exactly_once(tmp_path
         assert 40 <= written < 240
         again = subprocess.run(args, capture_output=True, text=True, timeout=120)
         assert again.returncode == 0, again.stderr
-        keys = [(row["task_index"], row["repeat_index"]) for row in _rows(out)]
+        keys = [(row["task_index"], row["repeat_index"]) for row in read_rows(out)]
         assert sorted(keys) == [(t, k) for t in range(60) for k in range(4)]
         assert json.loads(again.stdout)["math_agent"]["rollouts"] == 240
     finally:
@@ -446,11 +371,11 @@ def test_a_collector_killed_mid_run_resumes_with_every_key_exactly_once(tmp_path
 def test_sigint_stops_a_background_collect_with_130_and_says_how_to_resume(tmp_path):
     """The collector starts with SIGINT ignored, as a shell starts a background job (`&`).
     240 rollouts, 8 at a time, 0.2 s each: the run lasts 6 s, and is stopped after 20."""
-    run = _start_run("servers.policy_model.config.latency_seconds=0.2")
+    run = start_run("servers.policy_model.config.latency_seconds=0.2")
     try:
         tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
         tasks.write_text("".join(MATH.read_text() for _ in range(10)))
-        args = [_tool("gym-grpc"), *collect_args(run.registry, "math_agent", str(tasks), str(out)), "--no-progress"]
+        args = [tool("gym-grpc"), *collect_args(run.registry, "math_agent", str(tasks), str(out)), "--no-progress"]
         ignoring = functools.partial(signal.signal, signal.SIGINT, signal.SIG_IGN)
         collector = subprocess.Popen(
             [*args, "--num-repeats", "4", "--max-in-flight", "8"],
@@ -488,7 +413,7 @@ def test_a_full_disk_stops_collect_with_one_error_and_the_same_command_resumes_a
     --map-root-user`: root, or unprivileged user namespaces, is needed). The tmpfs ends with
     the namespace, so both collects run in one script inside it, space being freed between
     them by deleting a filler file; what the test checks is copied out."""
-    run = _start_run()
+    run = start_run()
     try:
         tasks, disk = tmp_path / "tasks.jsonl", tmp_path / "disk"
         tasks.write_text(WEATHER.read_text() * 20)  # 100 rows of about 7 KB: more than 256 KiB
@@ -497,7 +422,7 @@ def test_a_full_disk_stops_collect_with_one_error_and_the_same_command_resumes_a
         args = ["--registry", run.registry, "--agent", "weather_agent", "--input", str(tasks), "--no-progress"]
         done = subprocess.run(
             ["unshare", "--mount", "--map-root-user", "sh", "full.sh", str(disk)]
-            + [_tool("gym-grpc"), "collect", *args, "--output", str(disk / "out.jsonl")],
+            + [tool("gym-grpc"), "collect", *args, "--output", str(disk / "out.jsonl")],
             cwd=tmp_path,
             capture_output=True,
             text=True,
@@ -510,85 +435,57 @@ def test_a_full_disk_stops_collect_with_one_error_and_the_same_command_resumes_a
         (error,) = first_log.splitlines()  # one clear line, no traceback
         assert "out.jsonl: No space left on device" in error and "run the same command again" in error
         first = (tmp_path / "first.jsonl").read_text()
-        assert first.endswith("\n") and 0 < len(_rows(tmp_path / "first.jsonl")) < 100  # no torn row
+        assert first.endswith("\n") and 0 < len(read_rows(tmp_path / "first.jsonl")) < 100  # no torn row
         second_log = (tmp_path / "second.log").read_text()
         assert (tmp_path / "second.rc").read_text().strip() == "0", second_log
         second = (tmp_path / "second.jsonl").read_text()
         assert second.startswith(first)  # nothing written before is lost
-        keys = sorted((row["task_index"], row["repeat_index"]) for row in _rows(tmp_path / "second.jsonl"))
+        keys = sorted((row["task_index"], row["repeat_index"]) for row in read_rows(tmp_path / "second.jsonl"))
         assert keys == [(t, 0) for t in range(100)]
         assert f"{len(first.splitlines())} already done" in second_log
     finally:
         run.stop()
 
 
-def _listening_pids(port: int) -> list[int]:
-    """Processes with a socket listening on a TCP port (Linux /proc)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):  # grpc listens on v4-mapped IPv6 sockets
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":
-                inodes.add(f"socket:[{fields[9]}]")
-    pids = []
-    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
-        try:
-            if any(os.readlink(fd) in inodes for fd in fd_dir.iterdir()):
-                pids.append(int(fd_dir.parent.name))
-        except OSError:
-            continue
-    return sorted(pids)
-
-
-def _cpu_ticks(pid: int) -> int:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])  # utime + stime
-
-
 @pytest.mark.slow
 def test_num_workers_serve_one_port_and_share_the_calls(tmp_path):
-    run = _start_run("servers.policy_model.num_workers=2")
+    run = start_run("servers.policy_model.num_workers=2")
     try:
-        assert "(6 processes)" in run.lines[-1]
-        model = json.loads(_grpcurl("-d", '{"name": "policy_model"}', run.registry, "gym.v1.RegistryService/GetServer"))
+        assert "servers healthy" in run.log() and "(6 processes)" in run.log()
+        model = json.loads(grpcurl("-d", '{"name": "policy_model"}', run.registry, "gym.v1.RegistryService/GetServer"))
         assert model["server"]["workers"] == 2
-        workers = _listening_pids(int(model["server"]["addresses"][0].rsplit(":", 1)[1]))
+        workers = listening_pids(int(model["server"]["addresses"][0].rsplit(":", 1)[1]))
         assert len(workers) == 2
-        before = {pid: _cpu_ticks(pid) for pid in workers}
+        before = {pid: cpu_ticks(pid) for pid in workers}
         tasks = tmp_path / "tasks.jsonl"
         tasks.write_text("".join(WEATHER.read_text() for _ in range(100)))
         out = tmp_path / "out.jsonl"
-        done = _gym(
+        done = gym(
             *collect_args(run.registry, "weather_agent", str(tasks), str(out)),
             "--no-progress",
         )
         assert done.returncode == 0, done.stderr
-        used = {pid: _cpu_ticks(pid) - before[pid] for pid in workers}
+        used = {pid: cpu_ticks(pid) - before[pid] for pid in workers}
         assert all(ticks > 0 for ticks in used.values()), used  # both workers answered model calls
     finally:
         run.stop()
 
 
-def _status(registry: str) -> tuple[int, dict[str, dict]]:
-    done = _gym("status", "--registry", registry, "--json", "--interval", "0.2")
-    return done.returncode, {row["name"]: row for row in json.loads(done.stdout)}
-
-
 @pytest.mark.slow
 def test_a_server_that_dies_is_shown_down_and_the_others_keep_serving(tmp_path):
-    run = _start_run()
+    run = start_run()
     try:
-        code, rows = _status(run.registry)
+        code, rows = run_status(run.registry)
         assert code == 0 and all(row["health"] == "serving" and row["pid"] > 0 for row in rows.values())
         os.kill(rows["weather"]["pid"], signal.SIGKILL)
         for _ in range(100):
-            code, rows = _status(run.registry)
+            code, rows = run_status(run.registry)
             if rows["weather"]["health"] == "down":
                 break
             time.sleep(0.1)
         assert code == 1 and rows["weather"]["health"] == "down" and "pid" not in rows["weather"]
         assert all(row["health"] == "serving" for name, row in rows.items() if name != "weather")
-        done = _gym(
+        done = gym(
             *collect_args(run.registry, "math_agent", str(MATH), str(tmp_path / "out.jsonl")),
             "--no-progress",
         )
@@ -612,7 +509,7 @@ def test_a_reference_to_a_missing_server_fails_startup_naming_the_closest(tmp_pa
         "    config: {model_server: polcy_model, resources_server: weather}\n"
     )
     began = time.monotonic()
-    done = _gym("run", str(config), "registry.port=0")
+    done = gym("run", str(config), "registry.port=0")
     assert done.returncode == 1
     assert "calls model server 'polcy_model'" in done.stderr and "did you mean 'policy_model'" in done.stderr
     assert time.monotonic() - began < 60

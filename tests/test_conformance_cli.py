@@ -16,8 +16,7 @@ from gym_grpc.resources import Session
 from gym_grpc.testing import Calculator, ScriptedModel, say, serving
 from gym_grpc.testing.checks import AGENT_CHECKS, RESOURCES_CHECKS, name_of
 from gym_grpc.v1 import task_pb2
-from tests.support import REPO
-from tests.test_cli import _gym, _start_run, _tool
+from tests.support import REPO, gym, start_run, tool
 
 WEATHER_ROWS = REPO / "servers" / "resources" / "weather" / "data" / "example.jsonl"
 
@@ -25,7 +24,7 @@ WEATHER_ROWS = REPO / "servers" / "resources" / "weather" / "data" / "example.js
 async def _conformance(*args: str) -> tuple[int, str, str]:
     """`gym-grpc conformance ARGS` in a child process, while this event loop goes on serving."""
     child = await asyncio.create_subprocess_exec(
-        _tool("gym-grpc"), "conformance", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        tool("gym-grpc"), "conformance", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )
     out, err = await asyncio.wait_for(child.communicate(), timeout=120)
     assert child.returncode is not None
@@ -38,13 +37,13 @@ def _lines(stdout: str, label: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def quickstart():
-    run = _start_run()
+    run = start_run()
     yield run
     run.stop()
 
 
 def test_the_weather_environment_of_a_real_run_passes(quickstart):
-    done = _gym("conformance", quickstart.servers["weather"], "--row", str(WEATHER_ROWS))
+    done = gym("conformance", quickstart.servers["weather"], "--row", str(WEATHER_ROWS))
     assert done.returncode == 0, done.stdout + done.stderr
     passed = _lines(done.stdout, "PASS")
     assert len(passed) + len(_lines(done.stdout, "SKIP")) == len(RESOURCES_CHECKS)
@@ -53,14 +52,14 @@ def test_the_weather_environment_of_a_real_run_passes(quickstart):
 
 
 def test_the_weather_agent_of_a_real_run_passes(quickstart):
-    done = _gym("conformance", quickstart.servers["weather_agent"], "--row", str(WEATHER_ROWS))
+    done = gym("conformance", quickstart.servers["weather_agent"], "--row", str(WEATHER_ROWS))
     assert done.returncode == 0, done.stdout + done.stderr
     assert [line.split("  ", 1)[1] for line in _lines(done.stdout, "PASS")] == [name_of(c) for c in AGENT_CHECKS]
     assert "agent server 'weather_agent'" in done.stdout
 
 
 def test_a_model_server_is_refused_by_its_role(quickstart):
-    done = _gym("conformance", quickstart.servers["policy_model"])
+    done = gym("conformance", quickstart.servers["policy_model"])
     assert done.returncode == 1
     assert "SERVER_ROLE_MODEL: conformance checks are for resources and agents" in done.stderr
 
@@ -170,13 +169,13 @@ async def test_a_scripted_model_is_not_checked_as_a_resources_server_unless_aske
 
 
 def test_an_address_nobody_serves_is_one_clear_line():
-    done = _gym("conformance", "127.0.0.1:1")
+    done = gym("conformance", "127.0.0.1:1")
     assert done.returncode == 1
     assert done.stderr.startswith("Error: 127.0.0.1:1: UNAVAILABLE")
 
 
 def test_a_row_that_is_not_a_task_is_a_usage_error(tmp_path):
-    done = _gym("conformance", "127.0.0.1:1", "--row", '{"no": "params"}')
+    done = gym("conformance", "127.0.0.1:1", "--row", '{"no": "params"}')
     assert done.returncode == 2 and "--row" in done.stderr and "responses_create_params" in done.stderr
-    done = _gym("conformance", "127.0.0.1:1", "--row", str(tmp_path / "missing.jsonl"))
+    done = gym("conformance", "127.0.0.1:1", "--row", str(tmp_path / "missing.jsonl"))
     assert done.returncode == 2 and "neither a JSON object nor a file" in done.stderr

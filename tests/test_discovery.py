@@ -15,11 +15,15 @@ import pytest
 from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
+from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
+from gym_grpc.bundled.servers.models.openai_model.server import OpenAIModel
+from gym_grpc.bundled.servers.models.vllm_model.server import VLLMModel
 
 from gym_grpc import errors
-from gym_grpc.cli.runner import RegistryServer
 from gym_grpc.client.stubs import AgentClient, ModelClient, ResourcesClient
 from gym_grpc.client.training import GymClient
+from gym_grpc.launch.runner import RegistryServer
 from gym_grpc.rpc import protocol, transport
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.server import reflection
@@ -28,18 +32,13 @@ from gym_grpc.v1 import agent_service_pb2 as agent_pb
 from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
 from gym_grpc.v1 import registry_service_pb2 as reg
 from gym_grpc.v1 import task_pb2
-from servers.agents.simple_agent.agent import SimpleAgent
-from servers.models.local_policy.server import LocalPolicyModel
-from servers.models.openai_model.server import OpenAIModel
-from servers.models.vllm_model.server import VLLMModel
-from tests.support import REPO, Calculator, static_registry, task
-from tests.test_cli import _tool
+from tests.support import REPO, Calculator, static_registry, task, tool
 
 
 async def _grpcurl(*args: str) -> str:
     """grpcurl in a thread: the server under test runs on this event loop."""
     done = await asyncio.to_thread(
-        subprocess.run, [_tool("grpcurl"), "-plaintext", *args], capture_output=True, text=True, timeout=60
+        subprocess.run, [tool("grpcurl"), "-plaintext", *args], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr
     return done.stdout
@@ -141,7 +140,7 @@ async def test_collect_refuses_an_agent_of_another_major_version_before_any_roll
     args = ["collect", "--registry", registry_server.address, "--agent", "agent", "--input", str(tasks)]
     done = await asyncio.to_thread(
         subprocess.run,
-        [_tool("gym-grpc"), *args, "--output", str(out), "--no-progress"],
+        [tool("gym-grpc"), *args, "--output", str(out), "--no-progress"],
         capture_output=True,
         text=True,
         timeout=120,

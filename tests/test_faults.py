@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 
 from gym_grpc import errors
 from gym_grpc.batch.collector import CollectOptions, collect
@@ -20,9 +21,18 @@ from gym_grpc.resources import ResourcesServer, Session
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
-from servers.agents.simple_agent.agent import SimpleAgent
-from tests.support import REPO, EchoModel, collect_args, static_registry
-from tests.test_cli import MATH, _gym, _rows, _start_run, _status, _tool
+from tests.support import (
+    MATH,
+    REPO,
+    EchoModel,
+    collect_args,
+    gym,
+    read_rows,
+    run_status,
+    start_run,
+    static_registry,
+    tool,
+)
 
 
 @pytest.mark.slow
@@ -39,12 +49,12 @@ def test_a_server_killed_and_restarted_mid_collection_costs_at_most_its_calls_in
     The deadline is generous on purpose: on a loaded 2-core machine the restarted
     process takes more than 10 s to start, and a call whose deadline passes while
     it waits is lost for that reason, not because the server died under it."""
-    run = _start_run(f"servers.{victim}.restart=true", "servers.policy_model.config.latency_seconds=0.1")
+    run = start_run(f"servers.{victim}.restart=true", "servers.policy_model.config.latency_seconds=0.1")
     try:
         tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
         tasks.write_text(MATH.read_text() * 20)  # 120 tasks: about 1.5 s at 8 in flight
         args = [
-            _tool("gym-grpc"),
+            tool("gym-grpc"),
             *collect_args(run.registry, "math_agent", str(tasks), str(out)),
             "--max-in-flight",
             "8",
@@ -52,7 +62,7 @@ def test_a_server_killed_and_restarted_mid_collection_costs_at_most_its_calls_in
             "120",
             "--no-progress",
         ]
-        _, before = _status(run.registry)
+        _, before = run_status(run.registry)
         report = tmp_path / "collect.log"
         with report.open("w") as log:
             collector = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log)
@@ -61,21 +71,21 @@ def test_a_server_killed_and_restarted_mid_collection_costs_at_most_its_calls_in
         os.kill(before[victim]["pid"], signal.SIGKILL)
         collector.wait(timeout=300)  # no hang
         failures = tmp_path / "out.failures.jsonl"
-        failed = len(_rows(failures)) if failures.exists() else 0
-        why = [f"{row['error']['class']}: {row['error']['message']}" for row in _rows(failures)] if failed else []
+        failed = len(read_rows(failures)) if failures.exists() else 0
+        why = [f"{row['error']['class']}: {row['error']['message']}" for row in read_rows(failures)] if failed else []
         assert failed <= 2 * 8, why  # what was in flight (--max-in-flight 8), and what was started as it closed
         assert all(reason.startswith("Unavailable: ") for reason in why), why
         assert collector.returncode == (1 if failed else 0), report.read_text()
-        assert len(_rows(out)) + failed == 120
+        assert len(read_rows(out)) + failed == 120
         for _ in range(100):  # the runner starts it again on its port
-            code, after = _status(run.registry)
+            code, after = run_status(run.registry)
             if after[victim]["health"] == "serving" and after[victim].get("pid") != before[victim]["pid"]:
                 break
             time.sleep(0.1)
         assert after[victim]["health"] == "serving" and after[victim]["pid"] != before[victim]["pid"]
-        again = _gym(*args[1:])
+        again = gym(*args[1:])
         assert again.returncode == 0, again.stderr
-        keys = sorted((row["task_index"], row["repeat_index"]) for row in _rows(out))
+        keys = sorted((row["task_index"], row["repeat_index"]) for row in read_rows(out))
         assert keys == [(t, 0) for t in range(120)]
     finally:
         run.stop()
@@ -107,14 +117,14 @@ def _wait_for(condition, what: str, seconds: float = 120.0) -> None:
 @pytest.mark.slow
 def test_a_replacement_that_crashes_before_it_is_healthy_is_retried_until_one_serves(tmp_path):
     config, crashes = _crashing_config(tmp_path)
-    run = _start_run(configs=(config,))
+    run = start_run(configs=(config,))
     try:
-        _, before = _status(run.registry)
+        _, before = run_status(run.registry)
         crashes.write_text("1")  # the first replacement crashes, the second serves
         os.kill(before["crashing"]["pid"], signal.SIGKILL)
 
         def back() -> bool:
-            _, now = _status(run.registry)
+            _, now = run_status(run.registry)
             return now["crashing"]["health"] == "serving" and now["crashing"]["pid"] != before["crashing"]["pid"]
 
         _wait_for(back, "the second replacement to serve")
@@ -131,14 +141,14 @@ def test_a_replacement_that_crashes_before_it_is_healthy_is_retried_until_one_se
 @pytest.mark.slow
 def test_a_server_whose_replacements_keep_crashing_is_given_up_with_its_last_log_lines(tmp_path):
     config, crashes = _crashing_config(tmp_path)
-    run = _start_run(configs=(config,))
+    run = start_run(configs=(config,))
     try:
-        _, before = _status(run.registry)
+        _, before = run_status(run.registry)
         crashes.write_text("100")
         os.kill(before["crashing"]["pid"], signal.SIGKILL)
         _wait_for(lambda: "giving up on server 'crashing'" in run.log(), "the runner to give up")
         assert crashes.read_text() == "95"  # five attempts, no more
-        _, after = _status(run.registry)
+        _, after = run_status(run.registry)
         assert after["crashing"]["health"] == "down" and after["steady"]["health"] == "serving"
         assert run.process.poll() is None  # the run goes on with the other server
     finally:
@@ -155,7 +165,7 @@ def test_a_server_whose_replacements_keep_crashing_is_given_up_with_its_last_log
 def test_a_server_that_crashes_before_it_is_ready_fails_startup_quoting_its_last_log_lines(tmp_path):
     config, crashes = _crashing_config(tmp_path)
     crashes.write_text("1")
-    done = _gym("run", str(config), "registry.port=0")
+    done = gym("run", str(config), "registry.port=0")
     assert done.returncode == 1
     error = done.stderr[done.stderr.index("Error: ") :]
     assert error.startswith("Error: server 'crashing' exited with code 3 before it was ready; its last log lines:\n")

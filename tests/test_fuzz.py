@@ -20,7 +20,7 @@ from gym_grpc.v1 import (
     registry_service_pb2,
     resources_service_pb2,
 )
-from tests.test_cli import _start_run
+from tests.support import start_run
 
 FD = d.FieldDescriptor
 _INTS = {
@@ -118,7 +118,7 @@ METHODS = [(kind, method.name) for kind, service in SERVICES.items() for method 
 
 @pytest.fixture(scope="module")
 def live():
-    run = _start_run()
+    run = start_run()
     addresses = {kind: run.servers[name] for kind, name in TARGETS.items()} | {"registry": run.registry}
     channels = {kind: grpc.insecure_channel(address) for kind, address in addresses.items()}
     yield run, channels

@@ -17,15 +17,14 @@ from google.protobuf import json_format
 
 from gym_grpc.data import rows
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
-from tests.support import REPO
-from tests.test_cli import WEATHER, _start_run, _status, _tool
+from tests.support import REPO, WEATHER, run_status, start_run, tool
 
 
 @pytest.mark.slow
 def test_streams_cancelled_timed_out_or_killed_mid_call_never_crash_the_agent():
-    run = _start_run("servers.policy_model.config.latency_seconds=0.05")
+    run = start_run("servers.policy_model.config.latency_seconds=0.05")
     try:
-        _, before = _status(run.registry)
+        _, before = run_status(run.registry)
         agent = run.servers["weather_agent"]
         # 1,000 RunStream calls and 1,000 RunMany calls (with up to 4 runs each, some cancelled
         # by id) in four client processes, each call ended early by a cancel or a deadline.
@@ -69,7 +68,7 @@ def test_streams_cancelled_timed_out_or_killed_mid_call_never_crash_the_agent():
             _killed_mid_stream(agent, "RunStream", json_format.MessageToJson(agent_pb.RunStreamRequest(task=task)))
             _killed_mid_stream(agent, "RunMany", json.dumps({"runs": runs}))
 
-        _, after = _status(run.registry)
+        _, after = run_status(run.registry)
         assert after["weather_agent"]["health"] == "serving"
         assert after["weather_agent"]["pid"] == before["weather_agent"]["pid"]  # never died, never restarted
     finally:
@@ -82,7 +81,7 @@ def _killed_mid_stream(agent: str, method: str, request: str) -> None:
     """grpcurl calls `method` with `request` and is SIGKILLed once the first reply arrived. On
     RunMany its input is left open, as a client's that could send more runs."""
     client = subprocess.Popen(
-        [_tool("grpcurl"), "-plaintext", "-d", "@", agent, f"gym.v1.AgentService/{method}"],
+        [tool("grpcurl"), "-plaintext", "-d", "@", agent, f"gym.v1.AgentService/{method}"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.fake_hub import FakeHub
-from tests.test_cli import _gym, _rows
+from tests.support import gym, read_rows
 
 TOKEN = "hf_fake_secret_token_123"
 MATH_TRAIN = Path(__file__).resolve().parent.parent / "servers" / "resources" / "math" / "data" / "train.jsonl"
@@ -32,7 +32,7 @@ def author(tmp_path, hub):
 
 def _dataset(author, *args: str):
     cwd, env = author
-    done = _gym("dataset", *args, cwd=cwd, env=env)
+    done = gym("dataset", *args, cwd=cwd, env=env)
     assert TOKEN not in done.stdout + done.stderr, "the token was printed"
     return done
 
@@ -163,11 +163,11 @@ def test_prepare_data_downloads_missing_training_data_from_the_hub(author, hub):
     (cwd / "config.yaml").write_text(
         json.dumps({"servers": {"math_agent": {"entrypoint": "a.py:A", "datasets": [spec]}}})
     )
-    without = _gym("prepare-data", "config.yaml", "--mode", "train-preparation", cwd=cwd, env=env)
+    without = gym("prepare-data", "config.yaml", "--mode", "train-preparation", cwd=cwd, env=env)
     assert without.returncode == 1 and "pass --download to fetch it from the Hub" in without.stderr
 
-    done = _gym("prepare-data", "config.yaml", "--mode", "train-preparation", "--download", cwd=cwd, env=env)
+    done = gym("prepare-data", "config.yaml", "--mode", "train-preparation", "--download", cwd=cwd, env=env)
     assert done.returncode == 0, done.stderr
     assert (cwd / "data" / "train.jsonl").read_bytes() == MATH_TRAIN.read_bytes()
-    assert len(_rows(cwd / "prepared_data" / "train.jsonl")) == 64
+    assert len(read_rows(cwd / "prepared_data" / "train.jsonl")) == 64
     assert TOKEN not in done.stdout + done.stderr

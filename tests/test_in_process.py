@@ -11,12 +11,15 @@ import time
 
 import grpc
 import pytest
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
+from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
+from gym_grpc.bundled.servers.resources.weather.server import WeatherEnv
 
 from gym_grpc import errors
 from gym_grpc.batch.collector import CollectOptions, collect
-from gym_grpc.cli.config import ConfigError, load_config
 from gym_grpc.client.stubs import ModelClient, ResourcesClient
 from gym_grpc.client.training import GymClient
+from gym_grpc.launch.config import ConfigError, load_config
 from gym_grpc.policy_version import requested
 from gym_grpc.responses import final_text
 from gym_grpc.rpc import in_process, transport
@@ -24,11 +27,17 @@ from gym_grpc.rpc.registry import Registry
 from gym_grpc.testing.doubles import Calculator, ScriptedModel, calculator_task, call, say
 from gym_grpc.v1 import model_service_pb2 as model_pb
 from gym_grpc.v1 import responses_pb2 as r
-from servers.agents.simple_agent.agent import SimpleAgent
-from servers.models.local_policy.server import LocalPolicyModel
-from servers.resources.weather.server import WeatherEnv
-from tests.support import EchoModel, static_registry
-from tests.test_cli import WEATHER, _cpu_ticks, _listening_pids, _rows, _start_run, _status, _tool
+from tests.support import (
+    WEATHER,
+    EchoModel,
+    cpu_ticks,
+    listening_pids,
+    read_rows,
+    run_status,
+    start_run,
+    static_registry,
+    tool,
+)
 
 GROUP = [f"servers.{name}.process=rollout" for name in ("policy_model", "weather", "weather_agent")]
 
@@ -251,7 +260,7 @@ async def test_a_collection_through_a_grouped_agent_keeps_every_rollout(start, t
     summary = await collect(registry, CollectOptions(agent="agent", input=tasks, output=out, max_in_flight=64))
     await registry.close()
     assert summary.failed == 0
-    assert sorted(row["reward"] for row in _rows(out)) == [1.0] * 200  # each echo holds its own number
+    assert sorted(row["reward"] for row in read_rows(out)) == [1.0] * 200  # each echo holds its own number
 
 
 def test_config_refuses_a_group_whose_servers_disagree_on_workers_or_restart(tmp_path):
@@ -284,25 +293,26 @@ def test_gym_grpc_run_serves_a_group_from_one_process_that_restarts_as_one(tmp_p
     """The quickstart with the weather agent, its environment and the policy in one process:
     status lists the three with one pid, a collection goes through without a connection to the
     grouped model server, and a killed group comes back whole."""
-    run = _start_run(*GROUP, *(f"servers.{n}.restart=true" for n in ("policy_model", "weather", "weather_agent")))
+    run = start_run(*GROUP, *(f"servers.{n}.restart=true" for n in ("policy_model", "weather", "weather_agent")))
     try:
-        assert "healthy" in run.lines[-1] and "(3 processes)" in run.lines[-1]
-        assert sum("(in process 'rollout')" in line for line in run.lines) == 3
-        _, before = _status(run.registry)
+        table = run.log()
+        assert "healthy" in table and "(3 processes)" in table
+        assert sum("(in process 'rollout')" in line for line in table.splitlines()) == 3
+        _, before = run_status(run.registry)
         pids = {before[name]["pid"] for name in ("policy_model", "weather", "weather_agent")}
         assert len(pids) == 1 and before["math"]["pid"] not in pids
         out = tmp_path / "out.jsonl"
         args = ["collect", "--registry", run.registry, "--agent", "weather_agent", "--input", str(WEATHER)]
         args += ["--output", str(out), "--num-repeats", "4", "--no-progress"]
-        done = subprocess.run([_tool("gym-grpc"), *args], capture_output=True, text=True, timeout=300)
+        done = subprocess.run([tool("gym-grpc"), *args], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
-        assert len(_rows(out)) == 4 * len(WEATHER.read_text().splitlines())
+        assert len(read_rows(out)) == 4 * len(WEATHER.read_text().splitlines())
         # Over gRPC the agent would hold a connection to the model server for its lifetime.
         assert _established_to(_port(run, "policy_model")) == 0
         os.kill(pids.pop(), signal.SIGKILL)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            _, after = _status(run.registry)
+            _, after = run_status(run.registry)
             new = {after[name].get("pid") for name in ("policy_model", "weather", "weather_agent")}
             if all(after[n]["health"] == "serving" for n in ("policy_model", "weather", "weather_agent")) and (
                 len(new) == 1 and new != {before["weather"]["pid"]}
@@ -312,7 +322,7 @@ def test_gym_grpc_run_serves_a_group_from_one_process_that_restarts_as_one(tmp_p
         else:
             pytest.fail(f"the group did not come back: {after}")
         out.unlink()
-        done = subprocess.run([_tool("gym-grpc"), *args], capture_output=True, text=True, timeout=300)
+        done = subprocess.run([tool("gym-grpc"), *args], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
     finally:
         run.stop()
@@ -325,20 +335,20 @@ def test_a_group_with_num_workers_runs_rollouts_in_every_worker_and_calls_in_pro
     """The group in two worker processes on its ports (the layout bench/nemo_gym_peer.py
     measures): both workers run rollouts, each with in-process calls to its own model server."""
     workers = [f"servers.{n}.num_workers=2" for n in ("policy_model", "weather", "weather_agent")]
-    run = _start_run(*GROUP, *workers)
+    run = start_run(*GROUP, *workers)
     try:
-        pids = _listening_pids(_port(run, "weather_agent"))
-        assert len(pids) == 2 and pids == _listening_pids(_port(run, "policy_model"))
-        before = {pid: _cpu_ticks(pid) for pid in pids}
+        pids = listening_pids(_port(run, "weather_agent"))
+        assert len(pids) == 2 and pids == listening_pids(_port(run, "policy_model"))
+        before = {pid: cpu_ticks(pid) for pid in pids}
         tasks = tmp_path / "tasks.jsonl"
         tasks.write_text("".join(WEATHER.read_text() for _ in range(50)))
         out = tmp_path / "out.jsonl"
         args = ["collect", "--registry", run.registry, "--agent", "weather_agent", "--input", str(tasks)]
         args += ["--output", str(out), "--no-progress"]
-        done = subprocess.run([_tool("gym-grpc"), *args], capture_output=True, text=True, timeout=300)
+        done = subprocess.run([tool("gym-grpc"), *args], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
-        assert len(_rows(out)) == len(tasks.read_text().splitlines())
-        used = {pid: _cpu_ticks(pid) - before[pid] for pid in pids}
+        assert len(read_rows(out)) == len(tasks.read_text().splitlines())
+        used = {pid: cpu_ticks(pid) - before[pid] for pid in pids}
         assert all(ticks > 0 for ticks in used.values()), used  # the collector's connections reach both
         assert _established_to(_port(run, "policy_model")) == 0
     finally:

@@ -6,9 +6,8 @@ import subprocess
 
 import pytest
 
-from gym_grpc.cli.config import check_servers, load_config
-from tests.support import REPO
-from tests.test_cli import _gym, _rows, _start_run, _tool
+from gym_grpc.launch.config import check_servers, load_config
+from tests.support import REPO, gym, read_rows, start_run, tool
 
 LOCAL_POLICY = REPO / "configs" / "local_policy.yaml"
 JUDGE_CONFIG = REPO / "servers" / "resources" / "llm_judge" / "config.yaml"
@@ -18,11 +17,11 @@ OPENAI_JUDGE = REPO / "configs" / "openai_judge.yaml"
 
 @pytest.mark.slow
 def test_collect_through_the_bundled_config_records_each_judgement(tmp_path):
-    run = _start_run(configs=(LOCAL_POLICY, JUDGE_CONFIG))
+    run = start_run(configs=(LOCAL_POLICY, JUDGE_CONFIG))
     try:
         listing = json.loads(
             subprocess.run(
-                [_tool("grpcurl"), "-plaintext", run.registry, "gym.v1.RegistryService/ListServers"],
+                [tool("grpcurl"), "-plaintext", run.registry, "gym.v1.RegistryService/ListServers"],
                 capture_output=True,
                 text=True,
                 timeout=30,
@@ -31,13 +30,13 @@ def test_collect_through_the_bundled_config_records_each_judgement(tmp_path):
         )
         output = tmp_path / "judged.jsonl"
         args = ["--registry", run.registry, "--agent", "llm_judge_agent", "--input", str(JUDGE_TASKS)]
-        done = _gym("collect", *args, "--output", str(output), "--no-progress")
+        done = gym("collect", *args, "--output", str(output), "--no-progress")
         assert done.returncode == 0, done.stderr
     finally:
         run.stop()
     judge = next(s for s in listing["servers"] if s["name"] == "llm_judge")
     assert judge["references"] == {"model": "policy_model"}
-    written = _rows(output)
+    written = read_rows(output)
     assert sorted(row["task_index"] for row in written) == list(range(5))
     for row in written:
         # The embedded policy is no language model: as a judge it writes text without a verdict.
@@ -52,7 +51,7 @@ def test_collect_through_the_bundled_config_records_each_judgement(tmp_path):
 def test_a_judge_that_is_not_in_the_configuration_is_refused_at_start():
     done = subprocess.run(
         [
-            _tool("gym-grpc"),
+            tool("gym-grpc"),
             "run",
             str(LOCAL_POLICY),
             str(JUDGE_CONFIG),

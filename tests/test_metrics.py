@@ -26,8 +26,7 @@ from gym_grpc.v1 import registry_service_pb2_grpc as reg_grpc
 from gym_grpc.v1 import resources_service_pb2 as res_pb
 from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
 from gym_grpc.v1 import responses_pb2 as r
-from tests.support import ScriptedModel, alive, say, task
-from tests.test_cli import _gym, _listening_pids, _start_run
+from tests.support import ScriptedModel, alive, gym, listening_pids, say, start_run, task
 
 
 class GatedModel(ScriptedModel):
@@ -194,7 +193,7 @@ async def _watch_until_restarted(registry: str, worker: int) -> reg.Worker:
 
 
 def _status(registry: str) -> dict:
-    done = _gym("status", "--registry", registry, "--json", "--interval", "0.1")
+    done = gym("status", "--registry", registry, "--json", "--interval", "0.1")
     assert done.returncode == 0, done.stderr
     (row,) = json.loads(done.stdout)
     return row
@@ -204,7 +203,7 @@ def _status(registry: str) -> dict:
 def test_status_lists_every_worker_with_its_pid_and_metrics_and_each_worker_counts_its_own_calls(tmp_path):
     config = tmp_path / "two_workers.yaml"
     config.write_text(TWO_WORKERS)
-    run = _start_run(configs=(config,))
+    run = start_run(configs=(config,))
     try:
         row = _status(run.registry)
         workers = row["workers"]
@@ -212,12 +211,12 @@ def test_status_lists_every_worker_with_its_pid_and_metrics_and_each_worker_coun
         pids = [w["pid"] for w in workers]
         assert len(set(pids)) == 2 and all(alive(pid) for pid in pids)
         port = int(row["address"].rsplit(":", 1)[1])
-        assert sorted(pids) == _listening_pids(port)  # exactly the processes serving the port
+        assert sorted(pids) == listening_pids(port)  # exactly the processes serving the port
         assert row["pid"] == pids[row["worker"]]  # the one that answered is one of them
         metrics = [w["metrics_address"] for w in workers]
         assert len(set(metrics)) == 2 and all(m.startswith("127.0.0.1:") for m in metrics)
 
-        table = _gym("status", "--registry", run.registry, "--interval", "0.1").stdout
+        table = gym("status", "--registry", run.registry, "--interval", "0.1").stdout
         for worker in workers:
             assert (
                 f"worker {worker['index']}: pid {worker['pid']}, metrics http://{worker['metrics_address']}/metrics"

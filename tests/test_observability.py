@@ -17,8 +17,18 @@ from gym_grpc.v1 import model_service_pb2 as model_pb
 from gym_grpc.v1 import model_service_pb2_grpc as model_grpc
 from gym_grpc.v1 import registry_service_pb2 as reg
 from gym_grpc.v1 import responses_pb2 as r
-from tests.support import REPO, Calculator, EchoModel, collect_args, static_registry, task
-from tests.test_cli import WEATHER, _grpcurl, _gym, _start_run
+from tests.support import (
+    REPO,
+    WEATHER,
+    Calculator,
+    EchoModel,
+    collect_args,
+    grpcurl,
+    gym,
+    start_run,
+    static_registry,
+    task,
+)
 
 
 async def _admin(server):
@@ -90,24 +100,24 @@ async def test_a_deadline_that_passes_counts_as_deadline_exceeded_and_a_cancel_a
 @pytest.mark.slow
 def test_profiling_writes_a_log_with_the_verifiers_call_count_and_the_admin_answers_grpcurl(tmp_path):
     profiles = tmp_path / "profiles"
-    run = _start_run("profiling_enabled=true", f"profiling_results_dirpath={profiles}")
+    run = start_run("profiling_enabled=true", f"profiling_results_dirpath={profiles}")
     try:
         weather = run.servers["weather"]
-        info = json.loads(_grpcurl(weather, "gym.v1.AdminService/GetServerInfo"))
+        info = json.loads(grpcurl(weather, "gym.v1.AdminService/GetServerInfo"))
         assert info["name"] == "weather" and info["profiling"] is True and info["role"] == "SERVER_ROLE_RESOURCES"
         tasks = tmp_path / "tasks.jsonl"
         tasks.write_text(WEATHER.read_text() * 3)  # 15 rollouts
-        done = _gym(
+        done = gym(
             *collect_args(run.registry, "weather_agent", str(tasks), str(tmp_path / "out.jsonl")),
             "--no-progress",
         )
         assert done.returncode == 0, done.stderr
-        counters = json.loads(_grpcurl(weather, "gym.v1.AdminService/GetCounters"))
+        counters = json.loads(grpcurl(weather, "gym.v1.AdminService/GetCounters"))
         verify = next(m for m in counters["methods"] if m["method"] == "Verify")
         assert verify["calls_by_status"] == {"OK": "15"}
-        agent = json.loads(_grpcurl(run.servers["weather_agent"], "gym.v1.AdminService/GetCounters"))
+        agent = json.loads(grpcurl(run.servers["weather_agent"], "gym.v1.AdminService/GetCounters"))
         assert {s["stage"] for s in agent["stages"]} == {"model", "tools", "verify"}
-        live = _gym("profile", "weather", "--registry", run.registry, "--limit", "200")
+        live = gym("profile", "weather", "--registry", run.registry, "--limit", "200")
         assert "WeatherEnv.verify" in live.stdout and "ncall" in live.stdout
     finally:
         run.process.send_signal(signal.SIGINT)
@@ -127,24 +137,24 @@ def test_profiling_writes_a_log_with_the_verifiers_call_count_and_the_admin_answ
 
 @pytest.mark.slow
 def test_profiling_off_means_no_profile(tmp_path):
-    run = _start_run()
+    run = start_run()
     try:
-        done = _gym("profile", "weather", "--registry", run.registry)
+        done = gym("profile", "weather", "--registry", run.registry)
         assert "profiling is off" in done.stdout
-        assert _gym("profile", "nosuch", "--registry", run.registry).stdout.strip().endswith("no such server")
+        assert gym("profile", "nosuch", "--registry", run.registry).stdout.strip().endswith("no such server")
     finally:
         run.stop()
 
 
 def test_status_without_a_running_config_says_so():
-    done = _gym("status", "--registry", "127.0.0.1:1")
+    done = gym("status", "--registry", "127.0.0.1:1")
     assert done.returncode == 1 and "is `gym-grpc run` up" in done.stderr
 
 
 @pytest.mark.slow
 def test_grpcurl_lists_the_admin_service(tmp_path):
-    run = _start_run()
+    run = start_run()
     try:
-        assert "gym.v1.AdminService" in _grpcurl(run.servers["math"], "list")
+        assert "gym.v1.AdminService" in grpcurl(run.servers["math"], "list")
     finally:
         run.stop()

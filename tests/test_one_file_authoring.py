@@ -13,15 +13,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
 
 from gym_grpc.client.stubs import AgentClient
 from gym_grpc.data.rows import task_from_row
 from gym_grpc.server.entrypoints import load_entrypoint
 from gym_grpc.testing import AgentConformance, ResourcesConformance, ScriptedModel, Servers, call, static_registry
 from gym_grpc.v1 import responses_pb2 as r
-from servers.models.local_policy.server import LocalPolicyModel
-from tests.support import REPO
-from tests.test_cli import _gym, _rows, _start_run
+from tests.support import REPO, gym, read_rows, start_run
 
 EXAMPLES = REPO / "examples"
 ENV_FILE, AGENT_FILE = EXAMPLES / "one_file_env.py", EXAMPLES / "one_file_agent.py"
@@ -70,10 +69,10 @@ async def test_the_agent_sends_its_system_prompt_and_forbids_tools_on_its_last_s
 
 
 def test_the_pair_runs_in_gym_grpc_run_passes_conformance_and_earns_rewards(tmp_path):
-    run = _start_run(configs=(EXAMPLES / "one_file.yaml",))
+    run = start_run(configs=(EXAMPLES / "one_file.yaml",))
     try:
         for name in ("opposites", "opposites_agent"):
-            done = _gym("conformance", run.servers[name], "--row", str(TASKS))
+            done = gym("conformance", run.servers[name], "--row", str(TASKS))
             assert done.returncode == 0, done.stdout + done.stderr
             assert "0 failed" in done.stdout
         output = tmp_path / "out.jsonl"
@@ -87,11 +86,11 @@ def test_the_pair_runs_in_gym_grpc_run_passes_conformance_and_earns_rewards(tmp_
             "--output",
             str(output),
         ]
-        done = _gym("collect", *args, "--no-progress", "temperature=0")
+        done = gym("collect", *args, "--no-progress", "temperature=0")
         assert done.returncode == 0, done.stderr
     finally:
         run.stop()
-    written = _rows(output)
+    written = read_rows(output)
     assert len(written) == 3 and all(row["reward"] == 1.0 and row["used_tool"] for row in written)
 
 
@@ -100,7 +99,7 @@ def test_the_env_file_serves_itself_and_gym_grpc_conformance_passes_it():
     try:
         address = server.stdout.readline().strip()
         assert address.startswith("127.0.0.1:"), address
-        done = _gym("conformance", address, "--row", str(TASKS))
+        done = gym("conformance", address, "--row", str(TASKS))
         assert done.returncode == 0, done.stdout + done.stderr
         assert "resources server 'opposites'" in done.stdout
     finally:

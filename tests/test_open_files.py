@@ -7,19 +7,18 @@ import subprocess
 
 import pytest
 
-from tests.support import REPO
-from tests.test_cli import MATH, WEATHER, _gym, _limit_open_files, _rows, _start_run, _status, _tool
+from tests.support import MATH, REPO, WEATHER, gym, limit_open_files, read_rows, run_status, start_run, tool
 
 
 @pytest.mark.slow
 def test_every_server_raises_its_open_file_limit_to_the_hard_limit_and_status_shows_it():
-    run = _start_run(open_files=(256, 4096))
+    run = start_run(open_files=(256, 4096))
     try:
-        code, rows = _status(run.registry)
+        code, rows = run_status(run.registry)
         assert code == 0
         assert {name: row["open_files_limit"] for name, row in rows.items()} == {name: 4096 for name in rows}
         assert all(0 < row["open_files"] < 4096 for row in rows.values())
-        table = _gym("status", "--registry", run.registry, "--interval", "0.2").stdout
+        table = gym("status", "--registry", run.registry, "--interval", "0.2").stdout
         assert all(" of 4096" in line for line in table.splitlines()[1:])
     finally:
         run.stop()
@@ -38,13 +37,13 @@ def test_a_model_server_out_of_open_files_says_so_once_and_its_calls_fail_as_res
         f"    entrypoint: '{REPO / 'servers' / 'models' / 'openai_model' / 'server.py'}:OpenAIModel'\n"
         f"    config: {{base_url: 'http://127.0.0.1:{engine.getsockname()[1]}/v1', model: m}}\n"
     )
-    run = _start_run(configs=(config,), open_files=(128, 128))  # a hard limit: raising cannot help
+    run = start_run(configs=(config,), open_files=(128, 128))  # a hard limit: raising cannot help
     try:
-        _, rows = _status(run.registry)
+        _, rows = run_status(run.registry)
         assert rows["policy_model"]["open_files_limit"] == 128
         tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
         tasks.write_text(WEATHER.read_text() * 60)  # 300 rollouts at once: more connections than files
-        done = _gym(
+        done = gym(
             "collect",
             *("--registry", run.registry, "--agent", "weather_agent", "--input", str(tasks), "--output", str(out)),
             *("--max-in-flight", "300", "--timeout", "5", "--no-progress"),
@@ -53,7 +52,7 @@ def test_a_model_server_out_of_open_files_says_so_once_and_its_calls_fail_as_res
     finally:
         run.stop()
         engine.close()
-    failures = _rows(tmp_path / "out.failures.jsonl")
+    failures = read_rows(tmp_path / "out.failures.jsonl")
     assert len(failures) == 300
     out_of_files = [f["error"] for f in failures if f["error"]["code"] == "RESOURCE_EXHAUSTED"]
     assert out_of_files, done.stderr
@@ -69,7 +68,7 @@ def test_a_model_server_out_of_open_files_says_so_once_and_its_calls_fail_as_res
 @pytest.fixture(scope="module")
 def many_channels():
     """The quickstart with math_agent on 4 processes: a collector opens 32 connections to it."""
-    run = _start_run("servers.math_agent.num_workers=4")
+    run = start_run("servers.math_agent.num_workers=4")
     yield run
     run.stop()
 
@@ -80,11 +79,11 @@ def _collect_60(run, tmp_path, open_files: tuple[int, int]) -> subprocess.Comple
     tasks.write_text(MATH.read_text() * 10)
     args = ["--registry", run.registry, "--agent", "math_agent", "--input", str(tasks)]
     return subprocess.run(
-        [_tool("gym-grpc"), "collect", *args, "--output", str(tmp_path / "out.jsonl"), "--no-progress"],
+        [tool("gym-grpc"), "collect", *args, "--output", str(tmp_path / "out.jsonl"), "--no-progress"],
         capture_output=True,
         text=True,
         timeout=120,
-        preexec_fn=_limit_open_files(*open_files),
+        preexec_fn=limit_open_files(*open_files),
     )
 
 
@@ -92,7 +91,7 @@ def _collect_60(run, tmp_path, open_files: tuple[int, int]) -> subprocess.Comple
 def test_collect_raises_its_open_file_limit_so_a_low_soft_limit_costs_nothing(many_channels, tmp_path):
     done = _collect_60(many_channels, tmp_path, (32, 4096))  # 32 is fewer than it needs
     assert done.returncode == 0, done.stderr
-    assert len(_rows(tmp_path / "out.jsonl")) == 60
+    assert len(read_rows(tmp_path / "out.jsonl")) == 60
 
 
 def test_collect_out_of_open_files_says_so_once_and_records_every_rollout_it_cost(many_channels, tmp_path):
@@ -103,6 +102,6 @@ def test_collect_out_of_open_files_says_so_once_and_records_every_rollout_it_cos
     assert len(said) == 1, done.stderr
     # Its rollouts travel on RunMany calls (client/run_many.py); the call that could not be opened is named.
     assert "gym-grpc collect is out of open files (EMFILE) calling agent 'math_agent' RunMany: limit 32" in said[0]
-    failures = _rows(tmp_path / "out.failures.jsonl")
+    failures = read_rows(tmp_path / "out.failures.jsonl")
     assert failures and all(f["error"]["code"] == "RESOURCE_EXHAUSTED" for f in failures)
-    assert len(_rows(tmp_path / "out.jsonl")) + len(failures) == 60  # nothing lost, nothing twice
+    assert len(read_rows(tmp_path / "out.jsonl")) + len(failures) == 60  # nothing lost, nothing twice

@@ -12,14 +12,13 @@ import time
 
 import pytest
 
-from tests.support import collect_args
-from tests.test_cli import WEATHER, _rows, _start_run, _status, _tool
+from tests.support import WEATHER, collect_args, read_rows, run_status, start_run, tool
 
 
 def _collect(run, out, repeats: int, max_in_flight: int, timeout: float, log) -> subprocess.Popen:
     return subprocess.Popen(
         [
-            _tool("gym-grpc"),
+            tool("gym-grpc"),
             *collect_args(run.registry, "weather_agent", str(WEATHER), str(out)),
             "--num-repeats",
             str(repeats),
@@ -36,9 +35,9 @@ def _collect(run, out, repeats: int, max_in_flight: int, timeout: float, log) ->
 
 @pytest.mark.slow
 def test_an_agent_paused_while_the_collector_connects_costs_no_rollout(tmp_path):
-    run = _start_run()
+    run = start_run()
     try:
-        _, servers = _status(run.registry)
+        _, servers = run_status(run.registry)
         agent = servers["weather_agent"]["pid"]
         out, log = tmp_path / "out.jsonl", (tmp_path / "collect.log").open("w")
         os.kill(agent, signal.SIGSTOP)
@@ -49,7 +48,7 @@ def test_an_agent_paused_while_the_collector_connects_costs_no_rollout(tmp_path)
         finally:
             os.kill(agent, signal.SIGCONT)
         assert collector.wait(timeout=120) == 0, (tmp_path / "collect.log").read_text()[-2000:]
-        assert len(_rows(out)) == 5 * 80
+        assert len(read_rows(out)) == 5 * 80
         assert not (tmp_path / "out.failures.jsonl").exists()
     finally:
         run.stop()
@@ -59,9 +58,9 @@ def test_an_agent_paused_while_the_collector_connects_costs_no_rollout(tmp_path)
 def test_an_agent_paused_longer_than_grpcs_30_s_queue_limit_mid_run_costs_no_rollout(tmp_path):
     """grpc cancels calls that wait more than 30 s for the application by default;
     the pause has to be longer than that for this test to mean anything."""
-    run = _start_run("servers.policy_model.config.latency_seconds=0.2")
+    run = start_run("servers.policy_model.config.latency_seconds=0.2")
     try:
-        _, servers = _status(run.registry)
+        _, servers = run_status(run.registry)
         agent = servers["weather_agent"]["pid"]
         out, log = tmp_path / "out.jsonl", (tmp_path / "collect.log").open("w")
         collector = _collect(run, out, repeats=400, max_in_flight=2000, timeout=300, log=log)
@@ -74,7 +73,7 @@ def test_an_agent_paused_longer_than_grpcs_30_s_queue_limit_mid_run_costs_no_rol
         finally:
             os.kill(agent, signal.SIGCONT)
         assert collector.wait(timeout=300) == 0, (tmp_path / "collect.log").read_text()[-2000:]
-        assert len(_rows(out)) == 5 * 400
+        assert len(read_rows(out)) == 5 * 400
         assert not (tmp_path / "out.failures.jsonl").exists()
     finally:
         run.stop()

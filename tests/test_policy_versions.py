@@ -9,6 +9,10 @@ real `gym-grpc run` with two worker processes for the model server."""
 import asyncio
 import json
 
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
+from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
+from gym_grpc.bundled.servers.resources.weather.server import WeatherEnv
+
 from gym_grpc import training
 from gym_grpc.client import GymClient
 from gym_grpc.rpc import transport
@@ -18,11 +22,7 @@ from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from gym_grpc.v1 import model_service_pb2 as model_pb
 from gym_grpc.v1 import model_service_pb2_grpc as model_grpc
 from gym_grpc.v1 import responses_pb2 as r
-from servers.agents.simple_agent.agent import SimpleAgent
-from servers.models.local_policy.server import LocalPolicyModel
-from servers.resources.weather.server import WeatherEnv
-from tests.support import REPO
-from tests.test_cli import _gym, _start_run
+from tests.support import REPO, gym, start_run
 
 WEATHER = REPO / "servers/resources/weather/data/example.jsonl"
 
@@ -94,10 +94,10 @@ def _params() -> r.CreateParams:
 
 
 def test_every_worker_process_of_a_model_server_stamps_the_version_it_was_told_once(tmp_path):
-    run = _start_run("servers.policy_model.num_workers=2")
+    run = start_run("servers.policy_model.num_workers=2")
     try:
         address = run.servers["policy_model"]
-        told = _gym("set-policy-version", "policy_model", "7", "--registry", run.registry)
+        told = gym("set-policy-version", "policy_model", "7", "--registry", run.registry)
         assert told.returncode == 0, told.stderr
         assert "policy_model serves policy version 7" in told.stderr
 

@@ -9,8 +9,7 @@ import subprocess
 import pytest
 
 from gym_grpc.rpc import protocol
-from tests.support import REPO
-from tests.test_cli import BIN, _start_run
+from tests.support import BIN, REPO, start_run
 
 NODE_CLIENT = REPO / "clients" / "node"
 RECIPES = REPO / "clients" / "grpcurl"
@@ -18,7 +17,7 @@ RECIPES = REPO / "clients" / "grpcurl"
 
 @pytest.fixture(scope="module")
 def live():
-    run = _start_run()
+    run = start_run()
     yield run
     run.stop()
 

@@ -8,14 +8,13 @@ import subprocess
 
 import grpc
 import pytest
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 
 from gym_grpc.rpc import transport
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
 from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
-from servers.agents.simple_agent.agent import SimpleAgent
 from tests.corpus import nemo_gym_lines
-from tests.support import Calculator, EchoModel, static_registry
-from tests.test_cli import _start_run, _tool
+from tests.support import Calculator, EchoModel, start_run, static_registry, tool
 
 
 @pytest.mark.slow
@@ -25,12 +24,12 @@ def test_grpcurl_rolls_out_a_nemo_gym_row_and_gets_its_rollout_row(tmp_path):
     line = next(raw for name, _, raw in nemo_gym_lines("example.jsonl") if name.startswith("environments/pi_math/"))
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_bytes(line + b"\n")
-    run = _start_run()
+    run = start_run()
     try:
         agent = run.servers["math_agent"]
         pipeline = (
             f"jq -c '{{row_json: tojson}}' {tasks} | "
-            f"{_tool('grpcurl')} -plaintext -d @ {agent} gym.v1.AgentService/RunJson | jq -r .rollout_json"
+            f"{tool('grpcurl')} -plaintext -d @ {agent} gym.v1.AgentService/RunJson | jq -r .rollout_json"
         )
         done = subprocess.run(pipeline, shell=True, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr

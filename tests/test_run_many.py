@@ -13,6 +13,7 @@ import subprocess
 import grpc
 import pytest
 from grpc_status import rpc_status
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 
 from gym_grpc import errors
 from gym_grpc.client import run_many as _run_many_client
@@ -24,9 +25,7 @@ from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
 from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
 from gym_grpc.v1 import task_pb2
-from servers.agents.simple_agent.agent import SimpleAgent
-from tests.support import Calculator, EchoModel, collect_args, eventually, static_registry, task
-from tests.test_cli import MATH, _start_run, _tool
+from tests.support import MATH, Calculator, EchoModel, collect_args, eventually, start_run, static_registry, task, tool
 from tests.test_replicas import replicated
 
 
@@ -294,12 +293,12 @@ def test_collect_opens_one_run_many_call_on_each_worker_process_of_an_agent(tmp_
     """An agent with `num_workers: 2` behind one port, the collector's connections spread over
     both by the kernel: one RunMany call reaches each worker (asked with GetServerInfo which
     worker a connection reaches), and both run rollouts."""
-    run = _start_run("servers.math_agent.num_workers=2")
+    run = start_run("servers.math_agent.num_workers=2")
     try:
         tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
         tasks.write_text(MATH.read_text() * 20)
         args = [*collect_args(run.registry, "math_agent", tasks, out), "--max-in-flight", "64", "--no-progress"]
-        done = subprocess.run([_tool("gym-grpc"), *args], capture_output=True, text=True, timeout=300)
+        done = subprocess.run([tool("gym-grpc"), *args], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
         counters = asyncio.run(_counters_by_worker(run.servers["math_agent"], workers=2))
     finally:

@@ -10,6 +10,7 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 
 from gym_grpc import errors
 from gym_grpc.client.stubs import AgentClient, ResourcesClient
@@ -22,10 +23,8 @@ from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from gym_grpc.v1 import resources_service_pb2 as res_pb
 from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
 from gym_grpc.v1 import responses_pb2 as r
-from servers.agents.simple_agent.agent import SimpleAgent
 from tests.certs import make_certs
-from tests.support import REPO, Calculator, ScriptedModel, say, task
-from tests.test_cli import MATH, _gym, _start_run, _tool
+from tests.support import MATH, REPO, Calculator, ScriptedModel, gym, say, start_run, task, tool
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +114,7 @@ async def test_an_unauthenticated_huge_message_is_refused_without_being_read(tmp
     config = tmp_path / "weather.yaml"
     config.write_text(f"servers:\n  weather:\n    entrypoint: {REPO}/servers/resources/weather/server.py:WeatherEnv\n")
     token = "s3cret-token"
-    run = _start_run(f"security.token={token}", configs=(config,))
+    run = start_run(f"security.token={token}", configs=(config,))
     size = 200 * 1024 * 1024
     try:
         address = run.servers["weather"]
@@ -182,28 +181,26 @@ def test_tls_and_token_through_gym_grpc_run_and_secrets_stay_out_of_logs(certs, 
         "security.tls.require_client_cert=true",
         "security.token=${gym_token}",
     ]
-    run = _start_run(*settings, "--env-file", str(env))
+    run = start_run(*settings, "--env-file", str(env))
     try:
         client = ["--ca", certs.ca, "--cert", certs.client[0], "--key", certs.client[1]]
         args = ["collect", "--registry", run.registry, "--agent", "math_agent", "--input", str(MATH), "--no-progress"]
-        refused = _gym(*args, "--output", str(tmp_path / "refused.jsonl"), *client)  # no token
+        refused = gym(*args, "--output", str(tmp_path / "refused.jsonl"), *client)  # no token
         assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
-        done = _gym(
-            *args, "--output", str(tmp_path / "out.jsonl"), *client, env={**os.environ, "GYM_GRPC_TOKEN": token}
-        )
+        done = gym(*args, "--output", str(tmp_path / "out.jsonl"), *client, env={**os.environ, "GYM_GRPC_TOKEN": token})
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout)["math_agent"]["rollouts"] == 6
-        status = _gym(
+        status = gym(
             "status", "--registry", run.registry, "--json", *client, env={**os.environ, "GYM_GRPC_TOKEN": token}
         )
         assert all(row["health"] == "serving" for row in json.loads(status.stdout))
         plain = subprocess.run(
-            [_tool("grpcurl"), "-plaintext", "-max-time", "3", run.registry, "list"], capture_output=True, text=True
+            [tool("grpcurl"), "-plaintext", "-max-time", "3", run.registry, "list"], capture_output=True, text=True
         )
         assert plain.returncode != 0  # TLS only
     finally:
         run.stop()
-    logs = run.log() + "".join(run.lines) + refused.stderr + done.stderr + status.stderr
+    logs = run.log() + refused.stderr + done.stderr + status.stderr
     assert token not in logs and "sk-also-secret-1234" not in logs
-    dumped = _gym("dump-config", str(REPO / "configs/quickstart.yaml"), *settings, "--env-file", str(env)).stdout
+    dumped = gym("dump-config", str(REPO / "configs/quickstart.yaml"), *settings, "--env-file", str(env)).stdout
     assert token not in dumped and "token: '***'" in dumped and certs.ca in dumped

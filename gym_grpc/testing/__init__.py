@@ -11,6 +11,8 @@
   model server and a small environment to run an agent against.
 - `run_checks(address)`: the conformance checks against any running server,
   as `gym-grpc conformance HOST:PORT` runs them.
+- `GymRun`, `gym_grpc_command`: a real `gym-grpc run` process, started and waited
+  for through its `--ready-json` line, for tests of what a user runs.
 
 Only the conformance classes need pytest (and pytest-asyncio); the rest does not.
 """
@@ -26,6 +28,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr_
     from gym_grpc.testing.doubles import Calculator, ScriptedModel, calculator_task, call, say
     from gym_grpc.testing.fake_engine import FakeEngine
     from gym_grpc.testing.fake_engine import Turn as EngineTurn
+    from gym_grpc.testing.processes import GymRun, gym_grpc_command
     from gym_grpc.testing.servers import Servers, serving, static_registry
 
 #: Where each name lives; a module loads on first use of one of its names, so that
@@ -46,6 +49,8 @@ _HOMES = {
     "say": "doubles",
     "FakeEngine": "fake_engine",
     "EngineTurn": "fake_engine",
+    "GymRun": "processes",
+    "gym_grpc_command": "processes",
     "Servers": "servers",
     "serving": "servers",
     "static_registry": "servers",
@@ -58,6 +63,7 @@ __all__ = [
     "CheckSkipped",
     "EngineTurn",
     "FakeEngine",
+    "GymRun",
     "Outcome",
     "Report",
     "ResourcesConformance",
@@ -66,6 +72,7 @@ __all__ = [
     "calculator_task",
     "call",
     "example_rows",
+    "gym_grpc_command",
     "run_checks",
     "say",
     "serving",

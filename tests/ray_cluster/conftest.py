@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from tests.support import REPO
-from tests.test_cli import Run, _start_run
+from gym_grpc.testing.processes import GymRun
+from tests.support import REPO, start_run
 
 #: CPUs of each node. The replicas ask for a quarter CPU each (see CONFIG), so
 #: that all of them fit on two nodes when the third is lost.
@@ -75,18 +75,11 @@ def cluster() -> Iterator[Any]:
     cluster.shutdown()
 
 
-def start_ray_run(cluster: Any, directory: Path, latency: float = 0.0, *overrides: str) -> Run:
+def start_ray_run(cluster: Any, directory: Path, latency: float = 0.0, *overrides: str) -> GymRun:
     """`gym-grpc run CONFIG --ray ADDRESS registry.port=0` until it says the servers are healthy."""
     config = directory / "scale_out.yaml"
     config.write_text(CONFIG.format(repo=REPO, latency=latency))
-    return _start_run("--ray", cluster.address, *overrides, configs=(config,))
-
-
-def stop(run: Run) -> int:
-    """Stop a run with Ctrl-C as a user would; its exit code."""
-    if run.process.poll() is None:
-        run.process.send_signal(signal.SIGINT)
-    return run.process.wait(timeout=60)
+    return start_run("--ray", cluster.address, *overrides, configs=(config,))
 
 
 def _descendants(pid: int) -> list[int]:

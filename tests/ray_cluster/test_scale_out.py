@@ -23,8 +23,8 @@ from gym_grpc.rpc.registry import Registry
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from gym_grpc.v1 import registry_service_pb2 as reg
-from tests.ray_cluster.conftest import AGENT, MATH_TASKS, NODES, TASKS, kill_node, start_ray_run, stop
-from tests.test_cli import _tool
+from tests.ray_cluster.conftest import AGENT, MATH_TASKS, NODES, TASKS, kill_node, start_ray_run
+from tests.support import tool
 
 pytestmark = [pytest.mark.ray_cluster, pytest.mark.slow]
 
@@ -33,7 +33,7 @@ TASK_ROWS = len(TASKS.read_text().splitlines())
 
 def collect_command(registry: str, output: Path, repeats: int, *extra: str) -> list[str]:
     return [
-        _tool("gym-grpc"),
+        tool("gym-grpc"),
         "collect",
         "--registry",
         registry,
@@ -127,7 +127,7 @@ def test_replicas_spread_over_the_nodes_share_the_calls_and_keep_their_sessions(
         math_verifies = [c.get("Verify", 0) for c in asyncio.run(calls_per_replica(servers["math"]))]
         assert sum(math_verifies) == len(rows) and min(math_verifies) > 0, math_verifies
     finally:
-        assert stop(run) == 0, run.log()
+        assert run.stop() == 0, run.log()
 
 
 async def _through_the_client_library(registry: str, rows: list[dict[str, Any]]) -> list[Any]:
@@ -162,7 +162,7 @@ def test_a_replica_lost_for_good_leaves_the_registry_and_the_others_serve(cluste
         assert len(keys(output)) == TASK_ROWS * 20
         assert len(asyncio.run(entries(run.registry))["session_state"].replicas) == len(before.replicas) - 1
     finally:
-        code = stop(run)
+        code = run.stop()
     assert code == 1
     assert "session_state#0 is lost for good (Ray gave up after 0 restarts)" in run.log()
 
@@ -178,7 +178,7 @@ def test_a_replica_that_cannot_start_stops_the_run_with_its_reason(cluster, tmp_
     config.write_text(
         f"servers:\n  weather:\n    entrypoint: {TASKS.parents[2]}/weather/server.py:WeatherEnvv\n    replicas: 2\n"
     )
-    command = [_tool("gym-grpc"), "run", str(config), "--ray", cluster.address, "registry.port=0"]
+    command = [tool("gym-grpc"), "run", str(config), "--ray", cluster.address, "registry.port=0"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1
     assert "Error: replica weather#" in done.stderr
@@ -250,6 +250,6 @@ def test_a_node_lost_mid_collection_costs_its_rollouts_only_and_a_rerun_complete
         assert len(final) == len(set(final)) == total
         assert Counter(final) == Counter((t, r) for t in range(TASK_ROWS) for r in range(repeats))
     finally:
-        code = stop(run)
+        code = run.stop()
     assert code == 1  # a replica died during the run, as the local runner reports a dead server
     assert "restarted by Ray" in run.log()

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from gym_grpc.engines import local_vllm
-from tests.support import REPO
-from tests.test_cli import Run, _start_run, _tool
+from gym_grpc.testing.processes import GymRun
+from tests.support import REPO, start_run, tool
 
 VLLM = REPO / "configs" / "vllm.yaml"
 OPENAI = REPO / "configs" / "openai.yaml"
@@ -35,19 +35,19 @@ def env_file(engine: local_vllm.Engine, directory: Path) -> Path:
 @contextlib.contextmanager
 def serving(
     engine: local_vllm.Engine, directory: Path, *configs: Path, overrides: tuple[str, ...] = ()
-) -> Iterator[Run]:
+) -> Iterator[GymRun]:
     """`gym-grpc run CONFIGS --env-file ENV` (port 0 registry) until the block ends."""
-    run = _start_run("--env-file", str(env_file(engine, directory)), *overrides, configs=configs)
+    run = start_run("--env-file", str(env_file(engine, directory)), *overrides, configs=configs)
     try:
         yield run
     finally:
         run.stop()
 
 
-def collect_args(run: Run, agent: str, tasks: Path, output: Path, *extra: str) -> list[str]:
+def collect_args(run: GymRun, agent: str, tasks: Path, output: Path, *extra: str) -> list[str]:
     """The `gym-grpc collect` command line (extra: more options, then KEY=VALUE overrides)."""
     return [
-        _tool("gym-grpc"),
+        tool("gym-grpc"),
         "collect",
         "--registry",
         run.registry,
@@ -62,7 +62,7 @@ def collect_args(run: Run, agent: str, tasks: Path, output: Path, *extra: str) -
     ]
 
 
-def collect(run: Run, agent: str, tasks: Path, output: Path, *extra: str) -> subprocess.CompletedProcess:
+def collect(run: GymRun, agent: str, tasks: Path, output: Path, *extra: str) -> subprocess.CompletedProcess:
     """Run `gym-grpc collect` to its end. The time-out only bounds a hang: a slow, shared
     2-core machine may take many minutes."""
     return subprocess.run(collect_args(run, agent, tasks, output, *extra), capture_output=True, text=True, timeout=3600)

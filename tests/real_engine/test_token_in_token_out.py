@@ -21,8 +21,9 @@ from typing import Any
 import pytest
 
 from gym_grpc.engines import local_vllm
+from gym_grpc.testing.processes import GymRun
 from tests.real_engine.gym_cli import REPO, WEATHER_CONFIG, WEATHER_TASKS, collect, post_json, rows, serving
-from tests.test_cli import Run, _tool
+from tests.support import tool
 
 pytestmark = pytest.mark.real_engine
 
@@ -39,7 +40,7 @@ def stack(engine: local_vllm.Engine, tmp_path: Path) -> Iterator[Any]:
         )
 
 
-def _collected(run: Run, agent: str, tasks: Path, output: Path, *args: str) -> list[dict[str, Any]]:
+def _collected(run: GymRun, agent: str, tasks: Path, output: Path, *args: str) -> list[dict[str, Any]]:
     done = collect(run, agent, tasks, output, *args)
     assert done.returncode == 0, done.stderr[-3000:] + run.log()[-3000:]
     return rows(output)
@@ -87,10 +88,10 @@ def test_multi_turn_tool_rollouts_extend_the_sampled_ids_on_every_turn(engine, s
     assert counters.get("non_monotonic_histories", {}) == {}
 
 
-def _post_counters(running: Run) -> dict[str, Any]:
+def _post_counters(running: GymRun) -> dict[str, Any]:
     """The policy model server's row of `gym-grpc status --json`."""
     done = subprocess.run(
-        [_tool("gym-grpc"), "status", "--registry", running.registry, "--json"],
+        [tool("gym-grpc"), "status", "--registry", running.registry, "--json"],
         capture_output=True,
         text=True,
         timeout=60,

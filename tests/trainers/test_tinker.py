@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 
 from gym_grpc.engines import local_vllm
+from gym_grpc.testing.processes import GymRun
 from tests.real_engine.gym_cli import post_json
-from tests.support import REPO
-from tests.test_cli import Run, _start_run
+from tests.support import REPO, start_run
 
 pytestmark = pytest.mark.trainers
 
@@ -55,7 +55,7 @@ def _write(path: Path, rows: list[dict[str, Any]]) -> str:
 
 @pytest.fixture(scope="module")
 def servers() -> Any:
-    run = _start_run(configs=(LOCAL_POLICY, WEATHER, MATH))
+    run = start_run(configs=(LOCAL_POLICY, WEATHER, MATH))
     yield run
     run.stop()
 
@@ -109,7 +109,7 @@ def _answer_policy(model_dir: Path, text: str) -> Any:
 
 
 async def test_group_rollouts_of_training_and_evaluation_share_one_logged_limit(
-    servers: Run, model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    servers: GymRun, model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     from tinker_cookbook.rl.rollouts import do_group_rollout
 
@@ -156,7 +156,7 @@ async def test_group_rollouts_of_training_and_evaluation_share_one_logged_limit(
 
 
 async def test_a_rollout_the_environment_fails_is_dropped_by_tinkers_strategy_never_scored_zero(
-    servers: Run, model_dir: Path, caplog: pytest.LogCaptureFixture
+    servers: GymRun, model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     from tinker_cookbook.exceptions import AllTrajectoriesFailedError
     from tinker_cookbook.rl.rollout_strategy import MinViableGroup, RetryOnFailure
@@ -193,7 +193,7 @@ async def test_a_rollout_the_environment_fails_is_dropped_by_tinkers_strategy_ne
 
 
 async def test_smollm2_on_the_cpu_vllm_drives_the_math_environment_through_tinkers_rollouts(
-    engine: local_vllm.Engine, servers: Run, model_dir: Path
+    engine: local_vllm.Engine, servers: GymRun, model_dir: Path
 ) -> None:
     """The policy is the real model: its samples, with the engine's log-probs, scored by the math env."""
     from tinker_cookbook.completers import TokenCompleter, TokensWithLogprobs

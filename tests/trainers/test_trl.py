@@ -16,7 +16,7 @@ import pytest
 
 from gym_grpc.engines import local_vllm
 from tests.real_engine.gym_cli import MATH_CONFIG, VLLM, serving
-from tests.test_cli import _start_run
+from tests.support import start_run
 
 pytestmark = pytest.mark.trainers
 
@@ -125,7 +125,7 @@ def test_failed_rollouts_reach_trl_as_unscorable_members_not_reward_zero(model_d
         {"responses_create_params": {"input": [{"role": "user", "content": "What is 2 + 2?"}]}},
     ]
     seen: list[dict[str, Any]] = []
-    run = _start_run(configs=QUICKSTART_MATH)
+    run = start_run(configs=QUICKSTART_MATH)
     try:
         rollouts = GymRollouts("math_agent", tasks, run.registry)
 
@@ -170,7 +170,7 @@ def test_a_tool_calling_rollout_is_one_completion_with_the_tools_ids_masked(mode
     tasks = [json.loads(line) for line in lines[:2]]
     for task in tasks:
         task["responses_create_params"]["temperature"] = 0.0  # the local policy calls the tool without slips
-    run = _start_run(configs=(QUICKSTART_MATH[0], Path(__file__).parents[2] / "servers/resources/weather/config.yaml"))
+    run = start_run(configs=(QUICKSTART_MATH[0], Path(__file__).parents[2] / "servers/resources/weather/config.yaml"))
     try:
         rollouts = GymRollouts("weather_agent", tasks, run.registry)
         dataset = rollouts.dataset()

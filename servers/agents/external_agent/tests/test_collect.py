@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import gym_grpc_run
+from tests.support import start_run
 
 HERE = Path(__file__).resolve().parent.parent
 TASKS = HERE.parent.parent / "resources" / "weather" / "data" / "example.jsonl"
@@ -38,8 +38,8 @@ def registry(tmp_path_factory):
         "    config: {model_server: policy_model, resources_server: weather, python: .example_agent:main,\n"
         "             env: {EXAMPLE_AGENT_API: responses}}\n"
     )
-    with gym_grpc_run(str(config)) as address:
-        yield address
+    with start_run(configs=(config,)) as run:
+        yield run.registry
 
 
 def _collect(registry: str, agent: str, output: Path) -> list[dict]:

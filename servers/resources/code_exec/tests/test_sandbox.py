@@ -8,17 +8,17 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-from gym_grpc import errors
-from servers.resources.code_exec import sandbox
-from servers.resources.code_exec.server import CodeExecEnv
-from servers.resources.code_exec.tests.test_code_exec import (
+from gym_grpc.bundled.servers.resources.code_exec import sandbox
+from gym_grpc.bundled.servers.resources.code_exec.server import CodeExecEnv
+from gym_grpc.bundled.servers.resources.code_exec.tests.test_code_exec import (
     ADD,
     EXAMPLES,
     _serve,
     _verdict,
     assert_nothing_left_running,
 )
+
+from gym_grpc import errors
 
 ONE_TEST = [{"args": [1, 2], "expected": 3}]
 
@@ -231,8 +231,7 @@ class EchoCode(ModelServer):
 
 @pytest.mark.slow
 def test_collect_through_gym_grpc_run_scores_each_answer_in_the_sandbox(tmp_path, listener):
-    from tests.support import REPO, collect_args
-    from tests.test_cli import _gym, _rows, _start_run
+    from tests.support import REPO, collect_args, gym, read_rows, start_run
 
     port, accepted = listener
     secret = tmp_path / "secret.txt"
@@ -264,12 +263,12 @@ def test_collect_through_gym_grpc_run_scores_each_answer_in_the_sandbox(tmp_path
             answer = f"```python\n{_program(body)}\n```"
             row = {"responses_create_params": {"input": f"{name}\n{answer}"}, "function_name": "add", "tests": ONE_TEST}
             f.write(json.dumps(row) + "\n")
-    run = _start_run(configs=(config,))
+    run = start_run(configs=(config,))
     try:
         output = tmp_path / "rollouts.jsonl"
-        done = _gym(*collect_args(run.registry, "code_exec_agent", tasks, output), "--no-progress")
+        done = gym(*collect_args(run.registry, "code_exec_agent", tasks, output), "--no-progress")
         assert done.returncode == 0, done.stderr
-        verdicts = {row["task_index"]: (row["reward"], row["error"]) for row in _rows(output)}
+        verdicts = {row["task_index"]: (row["reward"], row["error"]) for row in read_rows(output)}
         assert [verdicts[i][0] for i in range(len(answers))] == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
         errors_seen = [verdicts[i][1] for i in range(len(answers))]
         assert errors_seen[0] == ""
@@ -294,7 +293,7 @@ def test_a_virtualenv_with_a_copied_interpreter_runs_in_the_sandbox(tmp_path):
 
     venv.EnvBuilder(symlinks=False, with_pip=False).create(tmp_path / "venv")
     check = (
-        "from servers.resources.code_exec.checker import run_tests\n"
+        "from gym_grpc.bundled.servers.resources.code_exec.checker import run_tests\n"
         f"print(run_tests({ADD!r}, 'add', {ONE_TEST!r}, test_timeout=5, memory_mb=512, startup_seconds=10))\n"
     )
     done = subprocess.run(

@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from gym_grpc.bundled.servers.resources.mcp_tools.example_server import COUNTRIES
 
 from gym_grpc.responses import tool_error_output
-from servers.resources.mcp_tools.example_server import COUNTRIES
-from tests.support import REPO, alive, collect_args
-from tests.test_cli import _gym, _rows, _start_run
+from tests.support import REPO, alive, collect_args, gym, read_rows, start_run
 
 pytestmark = pytest.mark.slow
 
@@ -107,18 +106,18 @@ def _check_adds(written: list[dict]) -> None:
 
 
 def test_the_bundled_config_runs_and_collects_with_the_example_mcp_server(tmp_path):
-    run = _start_run(configs=(LOCAL_POLICY, MCP_CONFIG))
+    run = start_run(configs=(LOCAL_POLICY, MCP_CONFIG))
     try:
         mcp = _mcp_processes(run.process.pid, "mcp_tools.example_server")
         assert len(mcp) == 1  # one shared process for every rollout
         output = tmp_path / "rollouts.jsonl"
         tasks = HERE.parent / "data" / "example.jsonl"
-        done = _gym(*collect_args(run.registry, "mcp_tools_agent", tasks, output), "--num-repeats", "2")
+        done = gym(*collect_args(run.registry, "mcp_tools_agent", tasks, output), "--num-repeats", "2")
         assert done.returncode == 0, done.stderr
         assert _mcp_processes(run.process.pid, "mcp_tools.example_server") == mcp  # no restart
     finally:
         run.stop()
-    written = _rows(output)
+    written = read_rows(output)
     assert len(written) == 5 * 2
     facts = {"capital_of": 0, "currency_of": 1, "calling_code_of": 2}
     for row in written:
@@ -143,25 +142,25 @@ def test_an_mcp_server_crashing_mid_run_costs_its_calls_and_the_collection_goes_
     crash = write("crash.jsonl", [("Please crash the process.", "never")])
     adds = write("adds.jsonl", ADDS)
     crashed, added = tmp_path / "crashed.jsonl", tmp_path / "added.jsonl"
-    run = _start_run(configs=(LOCAL_POLICY, config))
+    run = start_run(configs=(LOCAL_POLICY, config))
     try:
         first = _mcp_processes(run.process.pid, str(FIXTURE))
         assert len(first) == 1
-        done = _gym(*collect_args(run.registry, "fixture_agent", crash, crashed))
+        done = gym(*collect_args(run.registry, "fixture_agent", crash, crashed))
         assert done.returncode == 0, done.stderr
         assert [p for p in first if alive(p)] == []  # the process died in the call
-        done = _gym(*collect_args(run.registry, "fixture_agent", adds, added), "--num-repeats", "3")
+        done = gym(*collect_args(run.registry, "fixture_agent", adds, added), "--num-repeats", "3")
         assert done.returncode == 0, done.stderr
         second = _mcp_processes(run.process.pid, str(FIXTURE))
         assert len(second) == 1 and not (first & second)  # started again for the next call
     finally:
         run.stop()
     assert "MCP server 'fx': its connection closed; starting it again" in run.log()
-    (row,) = _rows(crashed)  # the rollout completed: the crash cost its tool call, not the rollout
+    (row,) = read_rows(crashed)  # the rollout completed: the crash cost its tool call, not the rollout
     ((name, _, answer),) = _tool_turns(row)
     assert name == "crash" and row["reward"] == 0.0
     assert "MCP server 'fx' is unavailable" in answer and "the call to 'crash' was lost" in answer
-    _check_adds(_rows(added))
+    _check_adds(read_rows(added))
     assert [p for p in second if alive(p)] == []
 
 
@@ -174,14 +173,14 @@ def test_over_streamable_http_run_and_collect_call_the_mcp_servers_tools(tmp_pat
         assert line.startswith("PORT "), line
         config = _config(tmp_path, {"url": f"http://127.0.0.1:{int(line.split()[1])}/mcp"})
         adds = _tasks_writer(tmp_path)("adds.jsonl", ADDS)
-        run = _start_run(configs=(LOCAL_POLICY, config))
+        run = start_run(configs=(LOCAL_POLICY, config))
         try:
             output = tmp_path / "added.jsonl"
-            done = _gym(*collect_args(run.registry, "fixture_agent", adds, output), "--num-repeats", "3")
+            done = gym(*collect_args(run.registry, "fixture_agent", adds, output), "--num-repeats", "3")
             assert done.returncode == 0, done.stderr
         finally:
             run.stop()
-        _check_adds(_rows(output))
+        _check_adds(read_rows(output))
     finally:
         server.kill()
         server.wait(timeout=30)

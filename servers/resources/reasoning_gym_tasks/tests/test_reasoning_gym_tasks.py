@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import reasoning_gym
 import yaml
+from gym_grpc.bundled.servers.resources.reasoning_gym_tasks.server import ReasoningGymEnv, extract
 from reasoning_gym.composite import CompositeConfig, CompositeDataset, DatasetSpec
 
 from gym_grpc import errors
@@ -17,8 +18,7 @@ from gym_grpc.responses import assistant_message
 from gym_grpc.testing import ResourcesConformance, example_rows, static_registry
 from gym_grpc.testing.fake_engine import FakeEngine, Turn
 from gym_grpc.v1 import responses_pb2 as r
-from servers.resources.reasoning_gym_tasks.server import ReasoningGymEnv, extract
-from tests.support import REPO, collect_args, gym_grpc, gym_grpc_run
+from tests.support import REPO, collect_args, gym, start_run
 
 HERE = Path(__file__).resolve().parent.parent
 CONFIG = HERE / "config.yaml"
@@ -202,7 +202,7 @@ def test_a_config_that_reasoning_gym_would_refuse_is_a_config_error(config, wher
 
 
 def test_gym_grpc_run_refuses_an_unknown_dataset_naming_it():
-    done = gym_grpc(
+    done = gym(
         "run",
         str(REPO / "configs" / "local_policy.yaml"),
         str(CONFIG),
@@ -251,9 +251,9 @@ def test_prepare_data_generates_the_rows_from_the_servers_configuration(tmp_path
         )
     )
     out = tmp_path / "prepared"
-    missing = gym_grpc("prepare-data", str(config), "--mode", "train-preparation", "--output-dir", str(out))
+    missing = gym("prepare-data", str(config), "--mode", "train-preparation", "--output-dir", str(out))
     assert missing.returncode != 0 and "pass --generate to write it with server 'rg'" in missing.stderr
-    done = gym_grpc("prepare-data", str(config), "--mode", "train-preparation", "--output-dir", str(out), "--generate")
+    done = gym("prepare-data", str(config), "--mode", "train-preparation", "--output-dir", str(out), "--generate")
     assert done.returncode == 0, done.stderr
     assert "generated 40 rows of train with rg" in done.stderr
     written = [json.loads(line) for line in data.read_text().splitlines()]
@@ -261,7 +261,7 @@ def test_prepare_data_generates_the_rows_from_the_servers_configuration(tmp_path
     prepared = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
     assert [row["reasoning_gym_index"] for row in prepared] == list(range(40))
     assert all(row["agent_ref"] == {"name": "rg_agent"} for row in prepared)
-    again = gym_grpc("prepare-data", str(config), "--mode", "train-preparation", "--output-dir", str(out), "--generate")
+    again = gym("prepare-data", str(config), "--mode", "train-preparation", "--output-dir", str(out), "--generate")
     assert again.returncode == 0, again.stderr  # the same tasks again: the statistics still match
 
 
@@ -276,7 +276,7 @@ def test_prepare_data_refuses_a_generator_that_is_no_server_of_the_configuration
     }
     rg = {"entrypoint": str(HERE / "server.py") + ":ReasoningGymEnv", "config": MIX}
     config.write_text(yaml.safe_dump({"servers": {"rg": rg, "rg_agent": agent}}))
-    done = gym_grpc("prepare-data", str(config), "--mode", "example-validation", "--generate", cwd=tmp_path)
+    done = gym("prepare-data", str(config), "--mode", "example-validation", "--generate", cwd=tmp_path)
     assert done.returncode != 0
     assert "dataset 'example' of rg_agent: generated_by.server: no server 'rgg' in the configuration" in done.stderr
 
@@ -306,15 +306,14 @@ async def test_gym_grpc_run_and_collect_score_each_rollout_as_reasoning_gym_does
     base_url = await engine.start()
     output = tmp_path / "rollouts.jsonl"
     try:
-        with gym_grpc_run(
-            str(REPO / "configs" / "openai.yaml"),
-            str(CONFIG),
+        with start_run(
             f"policy_base_url={base_url}",
             "policy_api_key=none",
             "policy_model_name=scripted",
-        ) as registry:
+            configs=(REPO / "configs" / "openai.yaml", CONFIG),
+        ) as run:
             collected = await asyncio.to_thread(
-                gym_grpc, *collect_args(registry, "reasoning_gym_agent", EXAMPLES, output), "--num-repeats", "2"
+                gym, *collect_args(run.registry, "reasoning_gym_agent", EXAMPLES, output), "--num-repeats", "2"
             )
             assert collected.returncode == 0, collected.stderr
     finally:

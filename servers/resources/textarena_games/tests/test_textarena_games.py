@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import textarena as ta
 import yaml
+from gym_grpc.bundled.servers.resources.textarena_games.server import TextArenaEnv
 
 from gym_grpc import errors
 from gym_grpc.client.stubs import ResourcesClient
@@ -18,8 +19,7 @@ from gym_grpc.responses import assistant_message
 from gym_grpc.testing import ResourcesConformance, call, example_rows, static_registry
 from gym_grpc.testing.fake_engine import FakeEngine, Turn
 from gym_grpc.v1 import responses_pb2 as r
-from servers.resources.textarena_games.server import TextArenaEnv
-from tests.support import REPO, collect_args, gym_grpc, gym_grpc_run
+from tests.support import REPO, collect_args, gym, start_run
 
 HERE = Path(__file__).resolve().parent.parent
 CONFIG = HERE / "config.yaml"
@@ -223,7 +223,7 @@ async def test_a_game_that_cannot_start_stops_the_server_naming_it(start):
 
 
 def test_gym_grpc_run_refuses_an_unknown_game_naming_it():
-    done = gym_grpc(
+    done = gym(
         "run",
         str(REPO / "configs" / "local_policy.yaml"),
         str(CONFIG),
@@ -272,15 +272,14 @@ async def test_gym_grpc_run_and_collect_play_whole_games_and_record_the_games_re
     base_url = await engine.start()
     output = tmp_path / "rollouts.jsonl"
     try:
-        with gym_grpc_run(
-            str(REPO / "configs" / "openai.yaml"),
-            str(CONFIG),
+        with start_run(
             f"policy_base_url={base_url}",
             "policy_api_key=none",
             "policy_model_name=scripted",
             "servers.textarena.config.games=[GuessTheNumber-v0]",
-        ) as registry:
-            collected = await asyncio.to_thread(gym_grpc, *collect_args(registry, "textarena_agent", tasks, output))
+            configs=(REPO / "configs" / "openai.yaml", CONFIG),
+        ) as run:
+            collected = await asyncio.to_thread(gym, *collect_args(run.registry, "textarena_agent", tasks, output))
             assert collected.returncode == 0, collected.stderr
     finally:
         await engine.stop()
