@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from gym_grpc.batch.collector import CollectOptions, collect
+from gym_grpc.batch.summary import GroupIndex, summarise_file
 from gym_grpc.cli.main import main
 from gym_grpc.data.jsonl import failures_path
 from gym_grpc.data.rollout_stats import TaskScores, pass_at_k
@@ -166,3 +167,21 @@ async def test_collect_and_report_give_the_same_numbers_for_a_file_with_failed_a
         collected["pass@4"],
     )
     assert report["tasks"]["1"]["rollouts"] == 1 and report["tasks"]["0"]["rollouts"] == 4
+
+
+def test_the_summary_counts_a_failed_key_once_and_not_when_a_later_run_wrote_it(tmp_path):
+    """Task 0: repeat 0 failed twice (two runs), repeat 1 failed once then was written. Task 1 (another
+    agent): both repeats failed, no row. A failure of a task beyond the input is not counted."""
+    output = tmp_path / "out.jsonl"
+    output.write_text(json.dumps(_row(0, 1, 1.0)) + "\n")
+    error = {"class": "GymError", "code": "UNAVAILABLE"}
+    keys = [(0, 0, "agent"), (0, 1, "agent"), (0, 0, "agent"), (1, 0, "other"), (1, 1, "other"), (5, 0, "agent")]
+    failures_path(output).write_text(
+        "".join(json.dumps({"task_index": t, "repeat_index": k, "group": g, "error": error}) + "\n" for t, k, g in keys)
+    )
+    groups = GroupIndex(2)
+    groups.set(0, "agent")
+    groups.set(1, "other")
+    summary = summarise_file(output, groups, 2)
+    assert summary.metrics["agent"]["failed"] == 1 and summary.metrics["agent"]["rollouts"] == 1
+    assert summary.metrics["other"] == {"rollouts": 0, "failed": 2}  # every rollout failed: still shown
