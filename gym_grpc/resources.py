@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from pydantic.json_schema import GenerateJsonSchema
 
 from gym_grpc import errors
-from gym_grpc.data import json_input, metrics
+from gym_grpc.data import json_input, rollout_stats
 from gym_grpc.data.rows import dumps, json_field, params_to_json, task_data
 from gym_grpc.server import validation
 from gym_grpc.server.serving import GymServer, ServerConfig, rpc_method
@@ -296,7 +296,9 @@ class ResourcesServer(GymServer):
         """Hook: release what seed_session or the tools acquired."""
 
     async def aggregate_metrics(self, results: list[task_pb2.VerificationResult]) -> dict[str, Any]:
-        """Metrics over many verified rollouts; by default the mean of every numeric field."""
+        """Metrics over many verified rollouts; by default the mean of every numeric field (the reward, the
+        verifier's fields, each reward component: `rollout_stats.numeric_means`). `collect` adds them to
+        its summary beside its own numbers, which win for a name both have."""
         rows = [
             {
                 "reward": x.reward,
@@ -305,7 +307,7 @@ class ResourcesServer(GymServer):
             }
             for x in results
         ]
-        return {"num_rollouts": len(rows), **metrics.numeric_means(rows)}
+        return {"num_rollouts": len(rows), **rollout_stats.numeric_means(rows)}
 
     # --- plumbing -----------------------------------------------------------
 

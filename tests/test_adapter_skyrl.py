@@ -16,10 +16,10 @@ import re
 
 import pytest
 import skyrl_gym
-from gym_grpc.bundled.servers.resources.session_state.server import ShoppingCartEnv
-from gym_grpc.bundled.servers.resources.weather.server import WeatherEnv, forecast
 
 import gym_grpc.adapters.skyrl as adapter
+from gym_grpc.bundled.servers.resources.session_state.server import ShoppingCartEnv
+from gym_grpc.bundled.servers.resources.weather.server import WeatherEnv, forecast
 from gym_grpc.launch.runner import RegistryServer
 from gym_grpc.resources import Session
 from gym_grpc.v1 import registry_service_pb2 as reg

@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 import verifiers.v1 as vf
-from gym_grpc.bundled.servers.resources.session_state.server import ShoppingCartEnv
-from gym_grpc.bundled.servers.resources.weather.server import WeatherEnv, forecast
 from verifiers.v1.graph import MessageNode
 from verifiers.v1.mcp import server as mcp_server
 
@@ -29,6 +27,8 @@ from gym_grpc.adapters.verifiers import (
     GymGrpcTasksetConfig,
     GymGrpcToolset,
 )
+from gym_grpc.bundled.servers.resources.session_state.server import ShoppingCartEnv
+from gym_grpc.bundled.servers.resources.weather.server import WeatherEnv, forecast
 from gym_grpc.launch.runner import RegistryServer
 from gym_grpc.resources import Session
 from gym_grpc.v1 import registry_service_pb2 as reg

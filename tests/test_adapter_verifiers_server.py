@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 import verifiers.v1 as vf
-from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
-from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
 from verifiers.v1.graph import MessageNode
 
 from examples.verifiers_taskset import CAPITALS, CapitalsState, CapitalsTaskset, CapitalsTasksetConfig
 from gym_grpc import errors
 from gym_grpc.adapters.verifiers_server import TASK_KEY, VerifiersTasksetServer, task_rows
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
+from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
 from gym_grpc.client.stubs import AgentClient, ResourcesClient
 from gym_grpc.data import rows
 from gym_grpc.responses import new_id, tool_error_output

@@ -6,10 +6,10 @@ import json
 
 import grpc
 import pytest
-from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 
 from gym_grpc import errors
 from gym_grpc.batch.collector import CollectOptions, collect
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 from gym_grpc.data import json_input
 from gym_grpc.data.jsonl import failures_path
 from gym_grpc.launch.runner import RegistryServer

@@ -10,6 +10,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
 from gym_grpc.bundled.servers.resources.math.server import check_answer
 
 REPO = Path(__file__).resolve().parent.parent

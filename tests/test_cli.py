@@ -80,9 +80,7 @@ def test_grpcurl_runs_a_rollout_and_calls_a_tool(live):
             "data": {"expected_answer": "42"},
         }
     }
-    rollout = json.loads(
-        grpcurl("-d", json.dumps(request), live["servers"]["math_agent"], "gym.v1.AgentService/Run")
-    )
+    rollout = json.loads(grpcurl("-d", json.dumps(request), live["servers"]["math_agent"], "gym.v1.AgentService/Run"))
     assert rollout["rollout"]["reward"] == 1
     assert rollout["rollout"]["stop_reason"] == "STOP_REASON_FINAL_MESSAGE"
     seed = {"session_id": "grpcurl-1", "task": {"responses_create_params": {"input_text": "hi"}}}

@@ -7,12 +7,12 @@ import logging
 import threading
 
 import pytest
-from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
-from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
-from gym_grpc.bundled.servers.resources.weather.server import WeatherEnv
 
 from gym_grpc import errors
 from gym_grpc.batch.collector import CollectOptions, collect
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
+from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
+from gym_grpc.bundled.servers.resources.weather.server import WeatherEnv
 from gym_grpc.client import training as client_module
 from gym_grpc.client.training import GymClient, max_concurrent_rollouts, set_max_concurrent_rollouts
 from gym_grpc.data.jsonl import failures_path

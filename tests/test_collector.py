@@ -7,11 +7,11 @@ import json
 import time
 
 import pytest
-from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 
 from gym_grpc import errors
 from gym_grpc.batch import collector
 from gym_grpc.batch.collector import CollectOptions, collect
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 from gym_grpc.client.stubs import ResourcesClient
 from gym_grpc.data.jsonl import failures_path
 from gym_grpc.launch.runner import RegistryServer

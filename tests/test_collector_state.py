@@ -7,8 +7,9 @@ import random
 import pytest
 
 from gym_grpc.batch.collector import PackedResults
-from gym_grpc.batch.summary import Quantiles, RunStats
+from gym_grpc.batch.summary import RunStats
 from gym_grpc.data import jsonl, record
+from gym_grpc.data.rollout_stats import Quantiles
 from gym_grpc.v1 import task_pb2
 
 

@@ -15,12 +15,12 @@ import pytest
 from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
+
+from gym_grpc import errors
 from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
 from gym_grpc.bundled.servers.models.openai_model.server import OpenAIModel
 from gym_grpc.bundled.servers.models.vllm_model.server import VLLMModel
-
-from gym_grpc import errors
 from gym_grpc.client.stubs import AgentClient, ModelClient, ResourcesClient
 from gym_grpc.client.training import GymClient
 from gym_grpc.launch.runner import RegistryServer

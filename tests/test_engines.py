@@ -13,11 +13,11 @@ from email.utils import format_datetime
 
 import grpc
 import pytest
-from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
-from gym_grpc.bundled.servers.models.vllm_model.server import VLLMModel
 
 from gym_grpc import errors
 from gym_grpc.batch.collector import CollectOptions, collect
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
+from gym_grpc.bundled.servers.models.vllm_model.server import VLLMModel
 from gym_grpc.client.stubs import ModelClient
 from gym_grpc.data import rows
 from gym_grpc.engines.http import Engine, EngineError, EngineSettings

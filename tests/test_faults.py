@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
-from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 
 from gym_grpc import errors
 from gym_grpc.batch.collector import CollectOptions, collect
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 from gym_grpc.client.stubs import ResourcesClient
 from gym_grpc.resources import ResourcesServer, Session
 from gym_grpc.rpc.registry import Registry

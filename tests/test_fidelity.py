@@ -14,11 +14,11 @@ import json
 from typing import Any
 
 import pytest
-from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
-from gym_grpc.bundled.servers.models.openai_model.server import OpenAIModel
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
+from gym_grpc.bundled.servers.models.openai_model.server import OpenAIModel
 from gym_grpc.client.stubs import AgentClient, ModelClient
 from gym_grpc.data import record, rows
 from gym_grpc.testing.fake_engine import FakeEngine

@@ -11,12 +11,12 @@ import time
 
 import grpc
 import pytest
-from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
-from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
-from gym_grpc.bundled.servers.resources.weather.server import WeatherEnv
 
 from gym_grpc import errors
 from gym_grpc.batch.collector import CollectOptions, collect
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
+from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
+from gym_grpc.bundled.servers.resources.weather.server import WeatherEnv
 from gym_grpc.client.stubs import ModelClient, ResourcesClient
 from gym_grpc.client.training import GymClient
 from gym_grpc.launch.config import ConfigError, load_config

@@ -22,7 +22,7 @@ MAY_IMPORT = {
     "engines": {"rpc", "server", "data"},
     "batch": {"rpc", "server", "client", "data"},
     "testing": {"rpc", "server", "data"},
-    "report": {"batch", "data"},
+    "report": {"data"},
     "training": {"client", "data"},
     "judge": {"rpc", "client", "data"},
     "adapters": {"rpc", "client", "data", "training", "bundled"},

@@ -10,14 +10,14 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
-from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
-from gym_grpc.bundled.servers.resources.math.server import MathEnv
-from gym_grpc.bundled.servers.resources.mcqa.server import MCQAEnv
 
 from gym_grpc.batch.collector import CollectOptions, collect
 from gym_grpc.batch.reverify import ReverifyOptions, reverify
 from gym_grpc.batch.summary import GroupIndex, summarise_file
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
+from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
+from gym_grpc.bundled.servers.resources.math.server import MathEnv
+from gym_grpc.bundled.servers.resources.mcqa.server import MCQAEnv
 from gym_grpc.data import record
 from gym_grpc.data.record import KEY, NEMO_KEY
 from gym_grpc.report import stats as report_stats

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
 
+from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
 from gym_grpc.client.stubs import AgentClient
 from gym_grpc.data.rows import task_from_row
 from gym_grpc.server.entrypoints import load_entrypoint

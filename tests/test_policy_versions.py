@@ -9,11 +9,10 @@ real `gym-grpc run` with two worker processes for the model server."""
 import asyncio
 import json
 
+from gym_grpc import training
 from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
 from gym_grpc.bundled.servers.resources.weather.server import WeatherEnv
-
-from gym_grpc import training
 from gym_grpc.client import GymClient
 from gym_grpc.rpc import transport
 from gym_grpc.rpc.registry import Registry

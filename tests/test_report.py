@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 
 from gym_grpc.batch.collector import CollectOptions, collect
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 from gym_grpc.cli.app import main
 from gym_grpc.client.stubs import ResourcesClient
 from gym_grpc.data import record
@@ -19,13 +19,6 @@ from gym_grpc.data.jsonl import failures_path
 from gym_grpc.report import stats, text
 from tests.corpus import nemo_gym_file, nemo_gym_files
 from tests.support import Calculator, EchoModel, static_registry, task
-
-
-def test_pass_at_k_is_the_chance_that_one_of_k_drawn_without_replacement_passes():
-    assert stats.pass_at_k(4, 1, 1) == 0.25
-    assert stats.pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2) = 1 - 3/6
-    assert stats.pass_at_k(4, 0, 4) == 0.0
-    assert stats.pass_at_k(4, 3, 2) == 1.0  # one failure cannot fill two draws
 
 
 async def _stack(start, env=None):

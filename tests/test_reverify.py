@@ -4,12 +4,11 @@ import asyncio
 import io
 import json
 
+from gym_grpc.batch.collector import CollectOptions, collect
+from gym_grpc.batch.reverify import ReverifyOptions, _scan, reverify
 from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
 from gym_grpc.bundled.servers.resources.math.server import MathEnv
-
-from gym_grpc.batch.collector import CollectOptions, collect
-from gym_grpc.batch.reverify import ReverifyOptions, _scan, reverify
 from gym_grpc.data import json_input
 from gym_grpc.data.jsonl import failures_path
 from gym_grpc.data.record import KEY, NEMO_KEY

@@ -8,8 +8,8 @@ import subprocess
 
 import grpc
 import pytest
-from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 from gym_grpc.rpc import transport
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
 from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc

@@ -13,9 +13,9 @@ import subprocess
 import grpc
 import pytest
 from grpc_status import rpc_status
-from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 
 from gym_grpc import errors
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 from gym_grpc.client import run_many as _run_many_client
 from gym_grpc.client.stubs import AgentClient
 from gym_grpc.rpc import transport

@@ -10,9 +10,9 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 
 from gym_grpc import errors
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 from gym_grpc.client.stubs import AgentClient, ResourcesClient
 from gym_grpc.rpc import transport
 from gym_grpc.rpc.registry import Registry

@@ -11,13 +11,13 @@ import json
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
+
+from gym_grpc import training
+from gym_grpc.batch.collector import CollectOptions, collect
 from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
 from gym_grpc.bundled.servers.resources.math.server import MathEnv
 from gym_grpc.bundled.servers.resources.multi_step.server import CustomerSupportEnv
-
-from gym_grpc import training
-from gym_grpc.batch.collector import CollectOptions, collect
 from gym_grpc.cli.app import main
 from gym_grpc.client import GymClient, TokenTurn
 from gym_grpc.rpc.registry import Registry

@@ -25,6 +25,7 @@ from gym_grpc.batch.jobs import TIMEOUT_SECONDS, BadInput, Batch, BatchSummary, 
 from gym_grpc.client.stubs import AgentClient, ResourcesClient
 from gym_grpc.data import jsonl, record, rows
 from gym_grpc.data.jsonl import count_rows
+from gym_grpc.data.rollout_stats import verified_reward
 from gym_grpc.rpc import transport
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.v1 import responses_pb2 as r
@@ -168,7 +169,7 @@ class _Verified:
         self.too_large: set[str] = set()
 
     def add(self, group: str, row: dict[str, Any]) -> None:
-        if group in self.too_large or row.get("verification_skipped"):
+        if group in self.too_large or verified_reward(row) is None:
             return
         packed = self.groups.setdefault(group, PackedResults())
         packed.append(record.verification(row))

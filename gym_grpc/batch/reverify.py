@@ -22,6 +22,7 @@ from gym_grpc import errors
 from gym_grpc.batch.jobs import TIMEOUT_SECONDS, BadInput, Batch, BatchSummary, Job, RunOptions
 from gym_grpc.client.stubs import ResourcesClient
 from gym_grpc.data import jsonl, record, rows
+from gym_grpc.data.rollout_stats import verified_reward
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
@@ -166,8 +167,8 @@ async def reverify(
         kept = {k: v for k, v in old.items() if k not in replaced}
         row = record.with_verdict(kept, verdict.reward, rows.json_field(verdict, "fields"), verdict.reward_components)
         row["timings"] = {**(old.get("timings") or {}), "verify": seconds}
-        before = old.get("reward")
-        if isinstance(before, int | float) and not old.get("verification_skipped"):
+        before = verified_reward(old)
+        if before is not None:
             changes.compared += 1
             changes.changed += before != verdict.reward
             changes.before += before

@@ -3,8 +3,11 @@
 `summarise_file` reads a whole output file (every run that wrote to it):
 per group (agent), the mean of every numeric field the rollouts produced
 (the reward, the fields its verifier listed in `verifier_fields`,
-`model_calls`, `timings`), pass@1, pass@k and mean@k over complete groups of
-repeats, and warnings for the usual signs of a broken verifier or data set.
+`model_calls`, `timings`), pass@1, pass@k and mean@k with repeats, the
+unverified and failed rollouts beside them, and warnings for the usual signs
+of a broken verifier or data set. What each number means, and how failed and
+unverified rollouts count, is gym_grpc/data/rollout_stats.py's (the same
+numbers as `gym-grpc report`).
 
 `RunStats` follows the rows this run wrote: rollouts/s, tokens/s from the
 responses' usage, and the median and p95 of each stage's time. It keeps the
@@ -15,17 +18,14 @@ histograms with 1% wide buckets (`Quantiles`), not a list of every time.
 from __future__ import annotations
 
 import math
-import statistics
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gym_grpc.data import jsonl, record
-from gym_grpc.data.metrics import Means
-
-STAGES = ("model", "tools", "verify")
+from gym_grpc.data.rollout_stats import STAGES, Means, Quantiles, TaskScores, verified_reward
 
 
 def _numbers(prefix: str, value: Any, out: dict[str, float]) -> None:
@@ -68,12 +68,14 @@ def summarise_file(
     pass_threshold: float = 1.0,
     visit: Callable[[str, dict[str, Any]], None] | None = None,
 ) -> FileSummary:
-    """Metrics and warnings per group over every rollout of `path` whose task is in `groups`.
+    """Metrics and warnings per group over every rollout of `path` whose task is in `groups`, and the
+    failures of its sidecar that no row made good.
 
     `visit(group name, row)` sees each row counted, in the same pass (a million-row output
     is read once for everything the end of a run needs from it)."""
     n_tasks = len(groups.group_of)
-    rewards = array("d", [math.nan]) * (n_tasks * repeats)
+    # Per task, not per rollout: n, passes, sum (rollout_stats.TaskScores); none without repeats.
+    scores = TaskScores(pass_threshold, n_tasks) if repeats > 1 else None
     seen = jsonl.KeyBits(n_tasks * repeats)
     means: dict[int, Means] = {}
     empty: dict[int, int] = {}
@@ -100,27 +102,33 @@ def summarise_file(
         _numbers("reward_components", row.get("reward_components"), produced)
         _numbers("model_calls", row.get("model_calls"), produced)
         _numbers("timings", row.get("timings"), produced)
-        if row.get("verification_skipped"):
+        reward = verified_reward(row)
+        if reward is None:
             unverified[group] = unverified.get(group, 0) + 1
-        elif isinstance(row.get("reward"), int | float):
-            reward = float(row["reward"])
-            rewards[slot] = reward
+        else:
             produced["reward"] = reward
+            if scores is not None:
+                scores.add(slot // repeats, reward)
             if not low <= reward <= high:
                 outside.setdefault(group, []).append(reward)
         means.setdefault(group, Means()).add(produced)
         if not record.has_answer(row.get("response")):
             empty[group] = empty.get(group, 0) + 1
+    failed = _failed(path, groups, repeats, seen)
 
     summary = FileSummary()
-    for group, m in sorted(means.items(), key=lambda item: groups.names[item[0]]):
+    for group in sorted(means.keys() | failed.keys(), key=lambda group: groups.names[group]):
         name = groups.names[group]
+        m = means.get(group) or Means()
         metrics: dict[str, float] = {"rollouts": m.count, **m.means()}
         if unverified.get(group):
             metrics["unverified"] = unverified[group]
             summary.warnings.append(f"{name}: {unverified[group]} rollouts are not verified yet (gym-grpc reverify)")
-        if repeats > 1:
-            metrics.update(_group_metrics(rewards, groups.group_of, group, repeats, pass_threshold))
+        if failed.get(group):
+            metrics["failed"] = failed[group]
+        if scores is not None:
+            tasks = (t for t, owner in enumerate(groups.group_of) if owner == group)
+            metrics.update(_at_k(scores, tasks, repeats))
         summary.metrics[name] = metrics
         lowest, highest = m.min("reward"), m.max("reward")
         verified = m.count - unverified.get(group, 0)
@@ -140,101 +148,37 @@ def summarise_file(
     return summary
 
 
-def _group_metrics(rewards: array, group_of: array, group: int, repeats: int, threshold: float) -> dict[str, float]:
-    """pass@1, pass@k and mean@k over the tasks of one group whose k repeats are all verified."""
-    complete = passed_any = 0
-    pass_one = mean_k = 0.0
-    for t, owner in enumerate(group_of):
-        if owner != group:
+def _at_k(scores: TaskScores, tasks: Iterable[int], repeats: int) -> dict[str, float]:
+    """pass@1 over the group's tasks with a verified rollout; pass@k and mean@k (k = the repeats) over
+    those with all k verified (`complete_tasks`); a number without such tasks is left out."""
+    at = scores.at_k((1, repeats), tasks)
+    out: dict[str, float] = {}
+    if at[repeats].tasks:
+        out["complete_tasks"] = at[repeats].tasks
+    if at[1].tasks:
+        out["pass@1"] = at[1].pass_at
+    if at[repeats].tasks:
+        out[f"pass@{repeats}"] = at[repeats].pass_at
+        out[f"mean@{repeats}"] = at[repeats].mean_at
+    return out
+
+
+def _failed(path: Path, groups: GroupIndex, repeats: int, written: jsonl.KeyBits) -> dict[int, int]:
+    """Failures of the sidecar, per group, whose key no row of the file holds (a key that failed in
+    several runs counts once), for the tasks of `groups` alone, as the rows are."""
+    n_tasks = len(groups.group_of)
+    counted = jsonl.KeyBits(n_tasks * repeats)
+    failed: dict[int, int] = {}
+    for key, _ in jsonl.failure_records(path):
+        _, task, repeat = key
+        if task is None or repeat is None or task >= n_tasks or repeat >= repeats:
             continue
-        rollouts = rewards[t * repeats : (t + 1) * repeats]
-        if any(math.isnan(x) for x in rollouts):
+        group, slot = groups.group_of[task], task * repeats + repeat
+        if group < 0 or slot in written or slot in counted:
             continue
-        complete += 1
-        passes = sum(x >= threshold for x in rollouts)
-        passed_any += passes > 0
-        pass_one += passes / repeats
-        mean_k += sum(rollouts) / repeats
-    if not complete:
-        return {}
-    return {
-        "complete_tasks": complete,
-        "pass@1": pass_one / complete,
-        f"pass@{repeats}": passed_any / complete,
-        f"mean@{repeats}": mean_k / complete,
-    }
-
-
-class Quantiles:
-    """Quantiles of non-negative numbers (seconds), exact up to `EXACT` values, then to within
-    half a bucket (0.5%) in constant memory.
-
-    The first `EXACT` values are kept as they are. Past that, every value goes to a bucket
-    [LOW * RATIO**(i - 1), LOW * RATIO**i), and a quantile is the middle of its bucket, clamped
-    to the smallest and largest value seen. Values up to LOW (zero among them) share bucket 0,
-    values above the top the last one: 4,000 buckets from 1 ns reach ~2e8 s. At most ~64 KB
-    however many values are added."""
-
-    EXACT = 4096
-    LOW = 1e-9
-    RATIO = 1.01
-    BUCKETS = 4000
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.low = math.inf
-        self.high = -math.inf
-        self._exact: array | None = array("d")
-        self._buckets = array("Q", bytes(8 * self.BUCKETS))
-
-    def add(self, value: float) -> None:
-        self.count += 1
-        if value < self.low:
-            self.low = value
-        if value > self.high:
-            self.high = value
-        if self._exact is None:
-            self._bucket(value)
-        elif len(self._exact) < self.EXACT:
-            self._exact.append(value)
-        else:
-            for kept in self._exact:
-                self._bucket(kept)
-            self._bucket(value)
-            self._exact = None
-
-    def _bucket(self, value: float) -> None:
-        i = math.ceil((math.log(value) - _LOG_LOW) * _PER_LOG_RATIO) if value > self.LOW else 0
-        self._buckets[i if i < self.BUCKETS else self.BUCKETS - 1] += 1
-
-    def __len__(self) -> int:
-        return self.count
-
-    def median(self) -> float:
-        """The median (the mean of the two middle values of an even count while exact)."""
-        if self._exact is not None and self._exact:
-            return statistics.median(self._exact)
-        return self.quantile(0.5)
-
-    def quantile(self, q: float) -> float:
-        """The value of rank ceil(q * count) (1-based, at least 1); nan when empty."""
-        if not self.count:
-            return math.nan
-        rank = max(1, math.ceil(q * self.count))
-        if self._exact is not None:
-            return sorted(self._exact)[min(rank, self.count) - 1]
-        if rank == 1 or rank >= self.count:
-            return self.low if rank == 1 else self.high
-        i = seen = 0
-        while seen + self._buckets[i] < rank:
-            seen += self._buckets[i]
-            i += 1
-        middle = self.LOW * self.RATIO ** (i - 0.5) if i else 0.0
-        return min(max(middle, self.low), self.high)
-
-
-_LOG_LOW = math.log(Quantiles.LOW)
-_PER_LOG_RATIO = 1 / math.log(Quantiles.RATIO)
+        counted.add(slot)
+        failed[group] = failed.get(group, 0) + 1
+    return failed
 
 
 class RunStats:
@@ -252,8 +196,9 @@ class RunStats:
         tokens_in, tokens_out = record.usage_of(row)
         self.input_tokens += tokens_in
         self.output_tokens += tokens_out
-        if not row.get("verification_skipped") and isinstance(row.get("reward"), int | float):
-            self.reward.add({"reward": row["reward"]})
+        reward = verified_reward(row)
+        if reward is not None:
+            self.reward.add_number("reward", reward)
         timings = row.get("timings") or {}
         for stage in STAGES:
             if isinstance(timings.get(stage), int | float):

@@ -123,12 +123,25 @@ class SidecarFailures:
     bad_rows: int = 0
 
 
+def failure_records(output: Path) -> Iterator[tuple[record.RolloutKey, dict[str, Any]]]:
+    """The failed rollouts of `output`'s failures sidecar, in the order written: each one's key and
+    `error` (a key may come again from a later run). Records of input rows that did not load are
+    left out: `sidecar_failures` counts them."""
+    for entry in iter_rows(failures_path(output)):
+        if not _is_bad_row(entry):
+            yield record.failure_key(entry), entry["error"]
+
+
+def _is_bad_row(entry: dict[str, Any]) -> bool:
+    return "line" in entry or not isinstance(entry.get("error"), dict)
+
+
 def sidecar_failures(output: Path, written: Container[record.RolloutKey]) -> SidecarFailures:
     """Read `output`'s failures sidecar against the keys of the rows `output` holds."""
     found = SidecarFailures()
     recovered: set[record.RolloutKey] = set()
     for entry in iter_rows(failures_path(output)):
-        if "line" in entry or not isinstance(entry.get("error"), dict):
+        if _is_bad_row(entry):
             found.bad_rows += 1
             continue
         key = record.failure_key(entry)

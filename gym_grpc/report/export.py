@@ -30,6 +30,7 @@ from typing import Any
 
 from gym_grpc import errors
 from gym_grpc.data import jsonl, record
+from gym_grpc.data.rollout_stats import verified_reward
 from gym_grpc.errors import ConfigError
 from gym_grpc.report.stats import FileReport
 
@@ -103,12 +104,11 @@ def rollout_lines(path: Path, limit: int) -> Iterator[list[Any]]:
         agent, task, repeat = record.rollout_key(row)
         tokens_in, tokens_out = record.usage_of(row)
         timings = row.get("timings") if isinstance(row.get("timings"), dict) else {}
-        reward = row.get("reward") if isinstance(row.get("reward"), int | float) else None
         yield [
             agent,
             task,
             repeat,
-            None if row.get("verification_skipped") else reward,
+            verified_reward(row),
             row.get("model_calls"),
             tokens_in,
             tokens_out,
@@ -120,10 +120,9 @@ def rollout_lines(path: Path, limit: int) -> Iterator[list[Any]]:
 
 def task_lines(report: FileReport, threshold: float) -> list[list[Any]]:
     return [
-        [agent.name, index, len(task.rewards), task.mean, task.std, task.kind(threshold)]
+        [agent.name, index, task.rollouts, task.mean, task.std, task.kind]
         for agent in report.agents.values()
-        for index, task in sorted(agent.tasks.items())
-        if task.rewards
+        for index, task in agent.tasks(threshold).items()
     ]
 
 

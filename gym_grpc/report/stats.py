@@ -7,10 +7,10 @@ those an RL step learns from: a group whose rewards all agree has no
 advantage), tokens, stage times, and the failures of its sidecar
 (`<stem>.failures.jsonl`) that no later run made good.
 
-pass@k is the unbiased estimate over each task's n verified rollouts of which
-c passed (1 - C(n-c, k) / C(n, k), Chen et al. 2021), averaged over the tasks
-with at least k: what NeMo Gym reports as pass@k for binary rewards. A rollout
-passes when its reward is at least the threshold.
+The numbers themselves (which rollouts count, the pass@k estimator, means,
+stage times) are gym_grpc/data/rollout_stats.py's, the same code as
+`collect`'s end-of-run summary: read it for what pass@k means here and how
+failed and unverified rollouts count. This module reads the file into them.
 
 Rows as NeMo Gym writes them are read too (`_ng_task_index`, no `agent_ref`).
 A row without a task key counts for its agent but for no task; a key seen twice
@@ -26,45 +26,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gym_grpc.batch.summary import Quantiles
 from gym_grpc.data import jsonl, record
-
-#: The stage times a row carries in `timings`, in this order.
-STAGES = ("model", "tools", "verify", "total")
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """The chance that at least one of k rollouts drawn from n, c of which passed, passes."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-@dataclass
-class TaskStats:
-    """The verified rewards of one task's rollouts, in the order they were read."""
-
-    rewards: list[float] = field(default_factory=list)
-
-    @property
-    def mean(self) -> float:
-        return sum(self.rewards) / len(self.rewards)
-
-    @property
-    def std(self) -> float:
-        """Population standard deviation: the spread a GRPO group's advantages are scaled by."""
-        mean = self.mean
-        return math.sqrt(sum((x - mean) ** 2 for x in self.rewards) / len(self.rewards))
-
-    def passes(self, threshold: float) -> int:
-        return sum(x >= threshold for x in self.rewards)
-
-    def kind(self, threshold: float) -> str | None:
-        """ "always", "never" or "mixed" for a task with at least two verified rollouts."""
-        if len(self.rewards) < 2:
-            return None
-        passed = self.passes(threshold)
-        return "always" if passed == len(self.rewards) else "never" if not passed else "mixed"
+from gym_grpc.data.rollout_stats import (
+    TIMINGS,
+    Means,
+    Quantiles,
+    TaskScores,
+    TaskSummary,
+    finite,
+    spread,
+    verified_reward,
+)
 
 
 @dataclass
@@ -73,70 +45,85 @@ class AgentStats:
 
     name: str
     rollouts: int = 0
-    #: Rollouts written with `--skip-verify` and not re-verified: no reward.
+    #: Rollouts with no verified reward (`--skip-verify` and not re-verified, or no usable reward).
     unverified: int = 0
     #: Rollouts without a task key: counted here, in no task.
     keyless: int = 0
+    #: Every verified reward, in the order read (the histogram's), and the task slot of each (-1: no task).
     rewards: array = field(default_factory=lambda: array("d"))
-    tasks: dict[int, TaskStats] = field(default_factory=dict)
+    reward_tasks: array = field(default_factory=lambda: array("l"))
+    #: The slot of each task index with a verified rollout, in the order first seen.
+    task_slots: dict[int, int] = field(default_factory=dict)
     input_tokens: int = 0
     output_tokens: int = 0
     model_calls: int = 0
-    stages: dict[str, Quantiles] = field(default_factory=lambda: {stage: Quantiles() for stage in STAGES})
+    stages: dict[str, Quantiles] = field(default_factory=lambda: {stage: Quantiles() for stage in TIMINGS})
     #: When each rollout ended (the row's `finished_at`, else its response's `created_at`), in Unix seconds.
     finished_at: array = field(default_factory=lambda: array("d"))
     #: When the first rollout began (its end less its `timings.total`).
     first_start: float = math.inf
     #: Failures of the sidecar that no row of the file made good, by "Class (CODE)".
     failures: Counter[str] = field(default_factory=Counter)
+    _reward: Means = field(default_factory=Means, repr=False, compare=False)
+    #: The tasks scored at each pass threshold asked for.
+    _scored: dict[float, TaskScores] = field(default_factory=dict, repr=False, compare=False)
 
     def add(self, row: dict[str, Any], task_index: int | None) -> None:
         self.rollouts += 1
         if task_index is None:
             self.keyless += 1
-        reward = None if row.get("verification_skipped") else _number(row.get("reward"))
+        reward = verified_reward(row)
         if reward is None:
             self.unverified += 1
         else:
             self.rewards.append(reward)
-            if task_index is not None:
-                self.tasks.setdefault(task_index, TaskStats()).rewards.append(reward)
+            slot = -1 if task_index is None else self.task_slots.setdefault(task_index, len(self.task_slots))
+            self.reward_tasks.append(slot)
+            self._reward.add_number("reward", reward)
+            self._scored.clear()
         tokens_in, tokens_out = record.usage_of(row)
         self.input_tokens += tokens_in
         self.output_tokens += tokens_out
-        self.model_calls += int(_number(row.get("model_calls")) or 0)
+        self.model_calls += int(finite(row.get("model_calls")) or 0)
         timings = row["timings"] if isinstance(row.get("timings"), dict) else {}
-        for stage in STAGES:
-            seconds = _number(timings.get(stage))
+        for stage in TIMINGS:
+            seconds = finite(timings.get(stage))
             if seconds is not None and seconds >= 0:
                 self.stages[stage].add(seconds)
-        end = _number(row.get("finished_at"))
+        end = finite(row.get("finished_at"))
         if end is None:  # NeMo Gym's rows: when the last response began
-            end = _number((row.get("response") or {}).get("created_at"))
+            end = finite((row.get("response") or {}).get("created_at"))
         if end:
             self.finished_at.append(end)
-            self.first_start = min(self.first_start, end - (_number(timings.get("total")) or 0.0))
+            self.first_start = min(self.first_start, end - (finite(timings.get("total")) or 0.0))
+
+    def _scores(self, threshold: float) -> TaskScores:
+        """The verified rewards per task slot, passing at `threshold` (made once per threshold)."""
+        scores = self._scored.get(threshold)
+        if scores is None:
+            scores = self._scored[threshold] = TaskScores(threshold, len(self.task_slots))
+            for reward, slot in zip(self.rewards, self.reward_tasks, strict=True):
+                if slot >= 0:
+                    scores.add(slot, reward)
+        return scores
+
+    def tasks(self, threshold: float) -> dict[int, TaskSummary]:
+        """Each task with a verified rollout, by task index in order."""
+        scores = self._scores(threshold)
+        return {index: scores.task(slot) for index, slot in sorted(self.task_slots.items())}
 
     @property
     def reward_mean(self) -> float:
-        return sum(self.rewards) / len(self.rewards) if self.rewards else math.nan
+        mean = self._reward.mean("reward")
+        return math.nan if mean is None else mean
 
     @property
     def reward_std(self) -> float:
-        if not self.rewards:
-            return math.nan
-        mean = self.reward_mean
-        return math.sqrt(sum((x - mean) ** 2 for x in self.rewards) / len(self.rewards))
+        return spread(self.rewards, self.reward_mean)
 
     def pass_curve(self, threshold: float) -> dict[int, float]:
         """pass@k for k = 1 up to the most verified rollouts any task has, each over the tasks with ≥ k."""
-        counts = [(len(t.rewards), t.passes(threshold)) for t in self.tasks.values() if t.rewards]
-        top = max((n for n, _ in counts), default=0)
-        curve = {}
-        for k in range(1, top + 1):
-            values = [pass_at_k(n, c, k) for n, c in counts if n >= k]
-            curve[k] = sum(values) / len(values)
-        return curve
+        return self._scores(threshold).pass_curve()
 
     @property
     def failed(self) -> int:
@@ -161,7 +148,7 @@ class AgentStats:
             "reward_mean": self.reward_mean,
             "reward_std": self.reward_std,
             **{f"pass@{k}": v for k, v in self.pass_curve(threshold).items()},
-            "tasks": len(self.tasks),
+            "tasks": len(self.task_slots),
             "tasks_always_solved": kinds["always"],
             "tasks_never_solved": kinds["never"],
             "tasks_mixed": kinds["mixed"],
@@ -177,7 +164,7 @@ class AgentStats:
 
     def task_kinds(self, threshold: float) -> Counter[str]:
         """How many tasks (of those with ≥ 2 verified rollouts) are always, never, or sometimes solved."""
-        return Counter(kind for t in self.tasks.values() if (kind := t.kind(threshold)) is not None)
+        return self._scores(threshold).kinds()
 
 
 @dataclass
@@ -198,13 +185,6 @@ class FileReport:
     @property
     def rollouts(self) -> int:
         return sum(agent.rollouts for agent in self.agents.values())
-
-
-def _number(value: Any) -> float | None:
-    """A finite JSON number (not a boolean) as a float, else None."""
-    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
-    return None
 
 
 def read(path: Path) -> FileReport:

@@ -11,7 +11,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from gym_grpc.report.stats import STAGES, AgentStats, FileReport
+from gym_grpc.data.rollout_stats import TIMINGS
+from gym_grpc.report.stats import AgentStats, FileReport
 
 
 def _number(value: float, digits: int = 3) -> str:
@@ -47,7 +48,7 @@ def _lines(agent: AgentStats, threshold: float, ks: Sequence[int]) -> dict[str, 
     tokens = f"{_number(m['input_tokens_per_rollout'], 4)} / {_number(m['output_tokens_per_rollout'], 4)}"
     lines.append(("tokens in / out per rollout", tokens, m["output_tokens_per_rollout"]))
     lines.append(("model calls per rollout", _number(m["model_calls_per_rollout"]), m["model_calls_per_rollout"]))
-    for stage in STAGES:
+    for stage in TIMINGS:
         median = m[f"{stage}_median_s"]
         lines.append((f"{stage} median / p95 ms", f"{_ms(median)} / {_ms(m[f'{stage}_p95_s'])}", 1000 * median))
     lines.append(("rollouts/s", _number(m["rollouts_per_second"]), m["rollouts_per_second"]))
@@ -124,15 +125,14 @@ def render(reports: Sequence[FileReport], threshold: float, *, tasks: bool = Fal
 
 
 def _task_table(name: str, agents: Sequence[AgentStats | None], names: Sequence[str], threshold: float) -> list[str]:
-    indices = sorted({i for agent in agents if agent for i in agent.tasks})
+    tasks = [agent.tasks(threshold) if agent else {} for agent in agents]
+    indices = sorted({i for each in tasks for i in each})
     rows = [[f"{name} task", *(f"{n}: mean (n) kind" for n in names)]]
     for index in indices:
         cells = []
-        for agent in agents:
-            task = agent.tasks.get(index) if agent else None
-            cells.append(
-                "" if task is None else f"{_number(task.mean)} ({len(task.rewards)}) {task.kind(threshold) or ''}"
-            )
+        for each in tasks:
+            task = each.get(index)
+            cells.append("" if task is None else f"{_number(task.mean)} ({task.rollouts}) {task.kind or ''}")
         rows.append([str(index), *cells])
     return _table(rows)
 
@@ -147,14 +147,13 @@ def to_json(reports: Sequence[FileReport], threshold: float) -> dict[str, Any]:
     def task_json(agent: AgentStats) -> dict[str, Any]:
         return {
             str(index): {
-                "rollouts": len(task.rewards),
+                "rollouts": task.rollouts,
                 "reward_mean": task.mean,
                 "reward_std": task.std,
-                "passed": task.passes(threshold),
-                "kind": task.kind(threshold),
+                "passed": task.passed,
+                "kind": task.kind,
             }
-            for index, task in sorted(agent.tasks.items())
-            if task.rewards
+            for index, task in agent.tasks(threshold).items()
         }
 
     return {

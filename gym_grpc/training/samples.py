@@ -190,7 +190,7 @@ def samples_of(
             raise RowError(
                 "generation_log_probs",
                 f"rollout {key}: turn {number} has {len(turn.generation_token_ids)} generated ids but "
-                f"{len(turn.generation_log_probs)} log-probs"
+                f"{len(turn.generation_log_probs)} log-probs",
             )
         current = samples[-1] if samples else None
         if current is not None and turn.prompt_token_ids[: len(seen)] != seen:

@@ -20,8 +20,8 @@ import json
 from pathlib import Path
 
 import pytest
-from gym_grpc.bundled.servers.resources.weather.server import forecast
 
+from gym_grpc.bundled.servers.resources.weather.server import forecast
 from gym_grpc.engines import local_vllm
 from tests.real_engine import gym_cli
 

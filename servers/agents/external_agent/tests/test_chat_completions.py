@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from gym_grpc.bundled.servers.agents.external_agent import chat_completions
-from gym_grpc.bundled.servers.agents.external_agent.endpoint import _responses_answer
 from openai.types.chat import ChatCompletion
 from openai.types.responses import Response as SDKResponse
 
 from gym_grpc import errors
+from gym_grpc.bundled.servers.agents.external_agent import chat_completions
+from gym_grpc.bundled.servers.agents.external_agent.endpoint import _responses_answer
 from gym_grpc.data import rows
 from gym_grpc.responses import assistant_message, new_response
 from gym_grpc.testing import call

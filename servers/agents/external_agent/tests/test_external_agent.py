@@ -11,12 +11,12 @@ from pathlib import Path
 import grpc
 import openai
 import pytest
+
+from gym_grpc import errors
 from gym_grpc.bundled.servers.agents.external_agent.agent import ExternalAgent
 from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
 from gym_grpc.bundled.servers.models.vllm_model.server import VLLMModel
 from gym_grpc.bundled.servers.resources.weather.server import WeatherEnv
-
-from gym_grpc import errors
 from gym_grpc.client.stubs import AgentClient
 from gym_grpc.errors import ConfigError
 from gym_grpc.responses import item_body

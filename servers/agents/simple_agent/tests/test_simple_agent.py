@@ -5,11 +5,11 @@ import time
 
 import grpc
 import pytest
+
+from gym_grpc import errors
 from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
 from gym_grpc.bundled.servers.resources.weather.server import WeatherEnv
-
-from gym_grpc import errors
 from gym_grpc.client.stubs import AgentClient, ResourcesClient
 from gym_grpc.data import rows
 from gym_grpc.resources import ResourcesServer, tool

@@ -6,9 +6,9 @@ import math
 from pathlib import Path
 
 import pytest
+
 from gym_grpc.bundled.servers.models.local_policy import policy, tokenizer
 from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
-
 from gym_grpc.client.stubs import ModelClient
 from gym_grpc.data import rows
 from gym_grpc.responses import final_text, function_calls, item_body

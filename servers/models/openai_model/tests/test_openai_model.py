@@ -1,10 +1,10 @@
 """The Responses-API model server against a fake engine speaking OpenAI's /v1/responses."""
 
 import pytest
-from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
-from gym_grpc.bundled.servers.models.openai_model.server import OpenAIModel
 
 from gym_grpc import errors
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
+from gym_grpc.bundled.servers.models.openai_model.server import OpenAIModel
 from gym_grpc.client.stubs import AgentClient, ModelClient
 from gym_grpc.responses import final_text, user_message
 from gym_grpc.testing import Calculator, call, static_registry

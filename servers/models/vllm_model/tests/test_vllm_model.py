@@ -9,11 +9,11 @@ import time
 
 import grpc
 import pytest
+
+from gym_grpc import errors
 from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 from gym_grpc.bundled.servers.models.vllm_model import chat
 from gym_grpc.bundled.servers.models.vllm_model.server import VLLMModel
-
-from gym_grpc import errors
 from gym_grpc.client.stubs import AgentClient, ModelClient
 from gym_grpc.data import record
 from gym_grpc.responses import final_text, function_calls, user_message

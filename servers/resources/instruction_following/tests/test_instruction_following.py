@@ -8,6 +8,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+
+from gym_grpc import errors
+from gym_grpc.batch.collector import CollectOptions, collect
 from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 from gym_grpc.bundled.servers.resources.instruction_following.server import (
     CHECKS,
@@ -16,9 +19,6 @@ from gym_grpc.bundled.servers.resources.instruction_following.server import (
     count_words,
     read_instructions,
 )
-
-from gym_grpc import errors
-from gym_grpc.batch.collector import CollectOptions, collect
 from gym_grpc.client.stubs import ResourcesClient
 from gym_grpc.data import rows
 from gym_grpc.responses import assistant_message

@@ -7,10 +7,10 @@ from pathlib import Path
 import grpc
 import pytest
 import pytest_asyncio
-from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
-from gym_grpc.bundled.servers.resources.llm_judge.server import LLMJudgeEnv
 
 from gym_grpc import errors
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
+from gym_grpc.bundled.servers.resources.llm_judge.server import LLMJudgeEnv
 from gym_grpc.client.stubs import AgentClient, ResourcesClient
 from gym_grpc.data import rows
 from gym_grpc.judge import read

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from gym_grpc.bundled.servers.resources.math.server import MathEnv
 
 from gym_grpc import errors
+from gym_grpc.bundled.servers.resources.math.server import MathEnv
 from gym_grpc.client.stubs import ResourcesClient
 from gym_grpc.data import rows
 from gym_grpc.responses import assistant_message

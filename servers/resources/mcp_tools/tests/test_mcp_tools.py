@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from gym_grpc.bundled.servers.resources.mcp_tools.server import McpToolsEnv
 
 from gym_grpc import errors
+from gym_grpc.bundled.servers.resources.mcp_tools.server import McpToolsEnv
 from gym_grpc.client.stubs import ResourcesClient
 from gym_grpc.data import rows
 from gym_grpc.resources import Session

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from gym_grpc.bundled.servers.resources.mcp_tools.example_server import COUNTRIES
 
+from gym_grpc.bundled.servers.resources.mcp_tools.example_server import COUNTRIES
 from gym_grpc.responses import tool_error_output
 from tests.support import REPO, alive, collect_args, gym, read_rows, start_run
 

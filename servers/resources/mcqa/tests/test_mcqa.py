@@ -5,9 +5,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from gym_grpc.bundled.servers.resources.mcqa.server import MCQAEnv, boxed, extract, letter_of, read_question
 
 from gym_grpc import errors
+from gym_grpc.bundled.servers.resources.mcqa.server import MCQAEnv, boxed, extract, letter_of, read_question
 from gym_grpc.client.stubs import ResourcesClient
 from gym_grpc.data import rows
 from gym_grpc.responses import assistant_message

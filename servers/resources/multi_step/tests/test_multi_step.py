@@ -5,10 +5,10 @@ import re
 from pathlib import Path
 
 import pytest
-from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
-from gym_grpc.bundled.servers.resources.multi_step.server import ORDERS, CustomerSupportEnv, find_customer, grade
 
 from gym_grpc import errors
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
+from gym_grpc.bundled.servers.resources.multi_step.server import ORDERS, CustomerSupportEnv, find_customer, grade
 from gym_grpc.client.stubs import AgentClient, ResourcesClient
 from gym_grpc.data import rows
 from gym_grpc.responses import assistant_message, tool_error_output

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import reasoning_gym
 import yaml
-from gym_grpc.bundled.servers.resources.reasoning_gym_tasks.server import ReasoningGymEnv, extract
 from reasoning_gym.composite import CompositeConfig, CompositeDataset, DatasetSpec
 
 from gym_grpc import errors
+from gym_grpc.bundled.servers.resources.reasoning_gym_tasks.server import ReasoningGymEnv, extract
 from gym_grpc.client.stubs import ResourcesClient
 from gym_grpc.data import rows
 from gym_grpc.responses import assistant_message

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
-from gym_grpc.bundled.servers.resources.session_state.server import CATALOG, Cart, ShoppingCartEnv, quantities, score
 
 from gym_grpc import errors
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
+from gym_grpc.bundled.servers.resources.session_state.server import CATALOG, Cart, ShoppingCartEnv, quantities, score
 from gym_grpc.client.stubs import AgentClient, ResourcesClient
 from gym_grpc.data import rows
 from gym_grpc.responses import assistant_message

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import textarena as ta
 import yaml
-from gym_grpc.bundled.servers.resources.textarena_games.server import TextArenaEnv
 
 from gym_grpc import errors
+from gym_grpc.bundled.servers.resources.textarena_games.server import TextArenaEnv
 from gym_grpc.client.stubs import ResourcesClient
 from gym_grpc.data import rows
 from gym_grpc.responses import assistant_message

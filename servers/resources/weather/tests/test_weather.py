@@ -4,8 +4,8 @@ import json
 from pathlib import Path
 
 import pytest
-from gym_grpc.bundled.servers.resources.weather.server import WeatherEnv, forecast
 
+from gym_grpc.bundled.servers.resources.weather.server import WeatherEnv, forecast
 from gym_grpc.client.stubs import ResourcesClient
 from gym_grpc.data import rows
 from gym_grpc.responses import assistant_message
