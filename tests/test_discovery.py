@@ -300,8 +300,9 @@ def test_the_wheel_ships_protos_that_compile_on_their_own(tmp_path):
     not installed; `python -m gym_grpc.protos` runs from it, and protoc gets only that copy
     and its own well-known types (google/protobuf/*.proto) as include paths."""
     source = tmp_path / "source"
-    shutil.copytree(REPO / "gym_grpc", source / "gym_grpc", ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("gym_grpc", "servers", "configs", "proto"):
+        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(REPO / name, source / name)
     build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
     built = subprocess.run([*build, "-w", str(tmp_path / "dist"), str(source)], capture_output=True, text=True)
