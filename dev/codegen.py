@@ -1,7 +1,7 @@
-"""Regenerate the checked-in Python stubs of the gym.v1 protocol, and what ships beside them.
+"""Regenerate the checked-in Python stubs of the gym.v1 protocol.
 
-    python dev/codegen.py           # rewrite gym_grpc/v1 and gym_grpc/protos/gym/v1 from proto/
-    python dev/codegen.py --check   # exit 1 when either is stale
+    python dev/codegen.py           # rewrite gym_grpc/v1 from proto/
+    python dev/codegen.py --check   # exit 1 when it is stale
 
 Configured by [tool.gym-grpc.codegen] in pyproject.toml. protoc writes imports
 as `from gym.v1 import x_pb2` (the proto package); they are rewritten to the
@@ -12,8 +12,9 @@ Beside the stubs it writes `descriptor_set.binpb`: every .proto of the package
 and every third-party one shipped in `shipped_protos` (health, reflection,
 google.rpc), with the files they import, compiled with their source info, so
 that server reflection can show the .proto comments (the descriptors inside
-_pb2 modules have none). And it copies the package's .proto files into
-`shipped_protos`, for client authors in other languages.
+_pb2 modules have none). The package's .proto files themselves are not copied:
+the wheel takes them from proto/ (setup.py maps proto/gym/v1 to
+gym_grpc/protos/gym/v1), so the repository holds one copy.
 """
 
 from __future__ import annotations
@@ -61,9 +62,8 @@ def _shipped_root() -> Path:
     return ROOT / _config()["shipped_protos"]
 
 
-def generate(out_dir: Path, protos_dir: Path) -> None:
-    """Generate the stubs and the descriptor set for every .proto of the package into
-    out_dir, and copy the package's .proto files into protos_dir."""
+def generate(out_dir: Path) -> None:
+    """Generate the stubs and the descriptor set for every .proto of the package into out_dir."""
     import grpc_tools
     from grpc_tools import protoc
 
@@ -74,11 +74,7 @@ def generate(out_dir: Path, protos_dir: Path) -> None:
     messages = [str(p.relative_to(proto_root)) for p in protos]
     services = [m for m in messages if m.endswith("_service.proto")]
     shipped = _shipped_root()
-    third_party = sorted(
-        str(p.relative_to(shipped))
-        for p in shipped.rglob("*.proto")
-        if not p.relative_to(shipped).is_relative_to(cfg["proto_package"])
-    )
+    third_party = sorted(str(p.relative_to(shipped)) for p in shipped.rglob("*.proto"))
     include = Path(grpc_tools.__file__).parent / "_proto"
     with tempfile.TemporaryDirectory() as tmp:
         base = [
@@ -113,30 +109,23 @@ def generate(out_dir: Path, protos_dir: Path) -> None:
             (out_dir / src.name).write_text(text)
         (out_dir / "__init__.py").write_text(INIT_TEXT)
         shutil.copyfile(Path(tmp) / DESCRIPTOR_SET, out_dir / DESCRIPTOR_SET)
-    copies = protos_dir / cfg["proto_package"]
-    copies.mkdir(parents=True, exist_ok=True)
-    for proto in protos:
-        shutil.copyfile(proto, copies / proto.name)
 
 
 def _target() -> Path:
     return ROOT.joinpath(*_config()["python_package"].split("."))
 
 
-def _snapshot(stubs: Path, protos: Path) -> dict[str, bytes]:
-    """Every generated file by its path: the stubs, and the package's .proto copies."""
-    package = _config()["proto_package"]
-    files = {p.name: p for p in stubs.glob("*") if p.is_file()}
-    files |= {f"{package}/{p.name}": p for p in (protos / package).glob("*.proto")}
-    return {name: files[name].read_bytes() for name in sorted(files)}
+def _snapshot(stubs: Path) -> dict[str, bytes]:
+    """Every generated file by its name."""
+    return {p.name: p.read_bytes() for p in sorted(stubs.glob("*")) if p.is_file()}
 
 
 def check() -> list[str]:
     """Return a diff per stale file (empty when the checked-in stubs are fresh)."""
     with tempfile.TemporaryDirectory() as tmp:
-        generate(Path(tmp) / "stubs", Path(tmp) / "protos")
-        fresh = _snapshot(Path(tmp) / "stubs", Path(tmp) / "protos")
-    current = _snapshot(_target(), _shipped_root())
+        generate(Path(tmp) / "stubs")
+        fresh = _snapshot(Path(tmp) / "stubs")
+    current = _snapshot(_target())
     problems = []
     for name in sorted(fresh.keys() | current.keys()):
         if fresh.get(name) != current.get(name):
@@ -169,11 +158,8 @@ def main() -> None:
     target = _target()
     if target.exists():
         shutil.rmtree(target)
-    copies = _shipped_root() / _config()["proto_package"]
-    if copies.exists():
-        shutil.rmtree(copies)
-    generate(target, _shipped_root())
-    print(f"wrote {target.relative_to(ROOT)} and {copies.relative_to(ROOT)}")
+    generate(target)
+    print(f"wrote {target.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

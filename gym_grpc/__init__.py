@@ -15,7 +15,3 @@ import os
 # docs say to turn the handlers off for; a value the user set is kept. gRPC reads it when it is
 # imported: a program that imports grpc before gym_grpc keeps gRPC's default.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
-
-from gym_grpc import _moved  # noqa: E402  (after the line above: nothing here imports grpc)
-
-_moved.install()

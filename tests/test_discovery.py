@@ -12,7 +12,7 @@ import zipfile
 
 import grpc
 import pytest
-from google.protobuf import descriptor_pb2
+from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
 
@@ -207,13 +207,101 @@ async def test_grpcurl_describe_shows_the_proto_comments(start):
     assert "grpc.reflection.v1.ServerReflection is a service" in everything
 
 
+def _fields_set(message) -> set[str]:
+    """Full names of every field set anywhere in `message`, nested messages included."""
+    found = set()
+    for field, value in message.ListFields():
+        found.add(field.full_name)
+        if field.message_type is None or field.message_type.GetOptions().map_entry:
+            continue  # no gym.v1 map holds messages
+        for inner in value if field.is_repeated else [value]:
+            found |= _fields_set(inner)
+    return found
+
+
+async def test_the_handshake_lists_the_deprecated_fields_the_server_leaves_empty(start):
+    """Every server lists them (grpcurl reads the list through reflection too), and what a rollout
+    brings back (Run, RunStream's events, Verify, DescribeTools) has none of them set, while the
+    fields written in their place are: the verifier's fields, the tools' schemas."""
+    registry, agent = await _agent(start)
+    listed = sorted(protocol.UNFILLED)
+    assert "gym.v1.Rollout.verifier_fields" in listed and "gym.v1.FunctionTool.parameters" in listed
+    for client in (AgentClient(registry, "agent"), ModelClient(registry, "model"), ResourcesClient(registry, "calc")):
+        assert list((await client.server_info()).unfilled_fields) == listed
+    by_grpcurl = json.loads(await _grpcurl(agent.address, "gym.v1.AdminService/GetServerInfo"))
+    assert by_grpcurl["unfilled_fields"] == listed
+
+    the_task = task("What is 2 + 3? Use the add tool.")
+    the_task.data_json = json.dumps({"expected_answer": "5"})  # as a client of today sends it
+    replies = []
+    async with transport.open_channel(agent.address) as channel:
+        run = await agent_grpc.AgentServiceStub(channel).Run(agent_pb.RunRequest(task=the_task), timeout=60)
+        replies.append(run)
+        stream = agent_grpc.AgentServiceStub(channel).RunStream(agent_pb.RunStreamRequest(task=the_task), timeout=60)
+        replies += [event async for event in stream]
+    calc = ResourcesClient(registry, "calc")
+    await calc.seed_session("s-unfilled", the_task)
+    replies.append(await calc.verify("s-unfilled", the_task, run.rollout.response))
+    await calc.close_session("s-unfilled")
+    replies.append(await calc.describe_tools())
+    written = set().union(*(_fields_set(reply) for reply in replies))
+    assert written & set(listed) == set()
+    assert {"gym.v1.Rollout.verifier_fields_json", "gym.v1.VerificationEvent.fields_json"} <= written
+    assert {"gym.v1.VerifyResponse.fields_json", "gym.v1.FunctionTool.parameters_json"} <= written
+    await registry.close()
+
+
+async def test_a_client_that_reads_a_field_the_server_no_longer_writes_is_refused(start):
+    env = await start(Calculator(name="calc"))
+    registry = static_registry(calc=env)
+    info = await ResourcesClient(registry, "calc").server_info()
+    await registry.close()
+    with pytest.raises(
+        errors.IncompatibleServer,
+        match=r"server 'calc' \(gym protocol 1\.\d+\) no longer writes the deprecated gym\.v1\.VerifyResponse\.fields, "
+        r"which this client reads; it writes gym\.v1\.VerifyResponse\.fields_json instead",
+    ):
+        protocol.check(info, "server 'calc'", reads=["gym.v1.VerifyResponse.reward", "gym.v1.VerifyResponse.fields"])
+    protocol.check(info, "server 'calc'", reads=["gym.v1.VerifyResponse.reward", "gym.v1.VerifyResponse.fields_json"])
+    protocol.check(info, "server 'calc'")  # reads nothing deprecated
+    with pytest.raises(ValueError, match="'gym.v1.VerifyResponse.feilds' is not a gym.v1 field"):
+        protocol.check(info, "server 'calc'", reads=["gym.v1.VerifyResponse.feilds"])
+
+
+def test_what_a_server_leaves_empty_is_what_it_lists_or_for_an_older_one_what_1_0_stopped_writing():
+    def info(minor: int, unfilled: list[str] | None = None) -> admin_pb.GetServerInfoResponse:
+        return admin_pb.GetServerInfoResponse(
+            protocol=admin_pb.ProtocolVersion(major=1, minor=minor), unfilled_fields=unfilled or []
+        )
+
+    reads = ["gym.v1.Task.data"]
+    for older in (admin_pb.GetServerInfoResponse(), info(0), info(5)):  # none of them sends a list
+        assert protocol.unfilled(older) == set(protocol.UNFILLED)
+        with pytest.raises(errors.IncompatibleServer, match="no longer writes the deprecated gym.v1.Task.data"):
+            protocol.check(older, "x", reads=reads)
+    protocol.check(info(6), "x", reads=reads)  # a 1.6 server that lists nothing writes them all
+    later = info(9, ["gym.v1.Rollout.reward"])  # a field deprecated after this client was built
+    with pytest.raises(errors.IncompatibleServer, match=r"gym.v1.Rollout.reward, which this client reads; see what"):
+        protocol.check(later, "x", reads=["gym.v1.Rollout.reward"])
+
+
+def test_each_unfilled_field_is_deprecated_and_names_a_field_that_is_not():
+    pool = descriptor_pool.Default()
+    for name, field in protocol.UNFILLED.items():
+        assert pool.FindFieldByName(name).GetOptions().deprecated, name
+        instead = pool.FindFieldByName(field.instead)
+        assert not instead.GetOptions().deprecated and instead.containing_type.full_name == name.rpartition(".")[0]
+        assert field.since <= protocol.VERSION
+
+
 def test_the_wheel_ships_protos_that_compile_on_their_own(tmp_path):
     """The wheel is built from a copy of the source (the checkout stays clean) and unpacked,
     not installed; `python -m gym_grpc.protos` runs from it, and protoc gets only that copy
     and its own well-known types (google/protobuf/*.proto) as include paths."""
     source = tmp_path / "source"
-    shutil.copytree(REPO / "gym_grpc", source / "gym_grpc", ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("gym_grpc", "servers", "configs", "proto"):
+        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(REPO / name, source / name)
     build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
     built = subprocess.run([*build, "-w", str(tmp_path / "dist"), str(source)], capture_output=True, text=True)

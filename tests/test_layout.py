@@ -1,4 +1,4 @@
-"""The package's layout is its architecture: layers import downwards only, and old import paths still work."""
+"""The package's layout is its architecture: layers import downwards only."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import gym_grpc
-from gym_grpc import _moved
 
 PACKAGE = Path(gym_grpc.__file__).parent
 
@@ -92,23 +91,6 @@ def test_each_folder_imports_only_the_layers_below_it():
             if theirs in MAY_IMPORT and theirs != folder and theirs not in MAY_IMPORT[folder]:
                 wrong.append(f"{name} imports {other}")
     assert wrong == []
-
-
-def test_old_import_paths_reach_the_moved_modules_and_say_where_they_went():
-    """In a fresh interpreter: the first import by an old name warns, and both names are one module."""
-    checks = "; ".join(
-        f"import {old} as a, {new} as b; assert a is b and a.__spec__.name == {new!r}"
-        for old, new in _moved.MOVED.items()
-    )
-    done = subprocess.run(
-        [sys.executable, "-W", "always::DeprecationWarning", "-c", checks],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    for old, new in _moved.MOVED.items():
-        assert f"{old} moved to {new}" in done.stderr
 
 
 def test_importing_the_worker_leaves_the_importers_stdout_alone():

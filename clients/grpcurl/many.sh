@@ -9,7 +9,7 @@ shift
 runs=() id=0
 while [ $# -ge 2 ]; do
     id=$((id + 1))
-    runs+=("{\"id\": $id, \"timeout_seconds\": 60, \"run\": {\"task\": {\"responses_create_params\": {\"input_text\": \"$1\", \"temperature\": 0}, \"data\": {\"expected_answer\": \"$2\"}}}}")
+    runs+=("{\"id\": $id, \"timeout_seconds\": 60, \"run\": {\"task\": {\"responses_create_params\": {\"input_text\": \"$1\", \"temperature\": 0}, \"data_json\": \"{\\\"expected_answer\\\": \\\"$2\\\"}\"}}}")
     shift 2
 done
 IFS=,

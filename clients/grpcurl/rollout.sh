@@ -4,5 +4,5 @@
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 "$GRPCURL" "${FLAGS[@]}" -max-time 60 -d @ "$1" gym.v1.AgentService/Run <<JSON
-{"task": {"responses_create_params": {"input_text": "$2", "temperature": 0}, "data": {"expected_answer": "${3:-}"}}}
+{"task": {"responses_create_params": {"input_text": "$2", "temperature": 0}, "data_json": "{\"expected_answer\": \"${3:-}\"}"}}
 JSON

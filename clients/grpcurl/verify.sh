@@ -6,7 +6,7 @@ source "$(dirname "$0")/common.sh"
 "$GRPCURL" "${FLAGS[@]}" -d @ "$1" gym.v1.ResourcesService/Verify <<JSON
 {
   "session_id": "grpcurl-verify",
-  "task": {"responses_create_params": {"input_text": "(not used)"}, "data": {"expected_answer": "$2"}},
+  "task": {"responses_create_params": {"input_text": "(not used)"}, "data_json": "{\"expected_answer\": \"$2\"}"},
   "response": {"output": [{"message": {"role": "ROLE_ASSISTANT", "text": "$3"}}]}
 }
 JSON

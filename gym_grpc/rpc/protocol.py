@@ -3,21 +3,29 @@
 `AdminService.GetServerInfo` answers it on every server (see
 admin_service.proto, field by field). A client in any language calls it once
 before its first rollout and refuses a server whose major version differs
-from its own; `clients.AgentClient` does before its first rollout.
+from its own; `clients.AgentClient` does before its first rollout. A client
+that reads a deprecated field also checks that the server still writes it
+(`check(info, where, reads=[...])`); docs/changes.md holds the policy and every
+version.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from google.protobuf import descriptor_pool
 
 from gym_grpc import errors
 from gym_grpc.rpc import transport
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
+from gym_grpc.v1 import agent_service_pb2, resources_service_pb2  # noqa: F401  (every gym.v1 message, for reads)
 
 #: Version of the gym protocol this package speaks: (major, minor). The major
 #: version is the package's (gym.v1); the minor grows with each addition.
+#: docs/changes.md says what each one changed on the wire (a test keeps it in step).
+#: 1.0: the handshake: GetServerInfoResponse.protocol, .services and .capabilities (a server
+#:      that sends no version speaks 1.0).
 #: 1.1: CallToolResponse.is_error (a tool that raised is answered OK, not ABORTED).
 #: 1.2: replicas: ServerInfo.replicas and RegistryService.WatchServer;
 #:      SeedSessionResponse.replica (session affinity); GetServerInfoResponse.instance_id.
@@ -27,7 +35,38 @@ from gym_grpc.v1 import admin_service_pb2 as admin_pb
 #:      CreateResponseRequest.policy_version, ModelService.SetPolicyVersion, the assistant
 #:      items' policy_version and Rollout.policy_version.
 #: 1.5: AgentService.RunMany (many runs over one call).
-VERSION = (1, 5)
+#: 1.6: GetServerInfoResponse.unfilled_fields (the deprecated fields a server no longer writes).
+VERSION = (1, 6)
+
+
+class Unfilled(NamedTuple):
+    """A deprecated field servers no longer write."""
+
+    #: The protocol version from which servers leave it empty.
+    since: tuple[int, int]
+    #: Full name of the field they write instead.
+    instead: str
+
+
+#: The deprecated fields gym-grpc servers no longer write, in their replies or in the requests
+#: they make (a message a client sent is passed on as it came), by full name. The handshake lists them
+#: (GetServerInfoResponse.unfilled_fields). A field deprecated later keeps being written until
+#: a minor version adds it here and docs/changes.md says so. These nine went unwritten in 1.0
+#: itself, before the handshake existed, when the `*_json` fields beside them replaced them.
+UNFILLED: dict[str, Unfilled] = {
+    "gym.v1.CreateParams.extra": Unfilled((1, 0), "gym.v1.CreateParams.extra_json"),
+    "gym.v1.FunctionTool.parameters": Unfilled((1, 0), "gym.v1.FunctionTool.parameters_json"),
+    "gym.v1.OutputText.annotations": Unfilled((1, 0), "gym.v1.OutputText.annotations_json"),
+    "gym.v1.Rollout.verifier_fields": Unfilled((1, 0), "gym.v1.Rollout.verifier_fields_json"),
+    "gym.v1.Task.data": Unfilled((1, 0), "gym.v1.Task.data_json"),
+    "gym.v1.TextFormat.schema": Unfilled((1, 0), "gym.v1.TextFormat.schema_json"),
+    "gym.v1.VerificationEvent.fields": Unfilled((1, 0), "gym.v1.VerificationEvent.fields_json"),
+    "gym.v1.VerificationResult.fields": Unfilled((1, 0), "gym.v1.VerificationResult.fields_json"),
+    "gym.v1.VerifyResponse.fields": Unfilled((1, 0), "gym.v1.VerifyResponse.fields_json"),
+}
+
+#: The version from which servers list their unfilled fields in the handshake.
+_LISTED_SINCE = (1, 6)
 
 
 def version() -> admin_pb.ProtocolVersion:
@@ -60,10 +99,27 @@ def base_capabilities() -> admin_pb.Capabilities:
     )
 
 
-def check(info: admin_pb.GetServerInfoResponse, where: str) -> None:
-    """Raise IncompatibleServer when the server's major version is not ours.
+def unfilled(info: admin_pb.GetServerInfoResponse) -> set[str]:
+    """The deprecated fields the server that answered `info` leaves empty.
+
+    A server of 1.6 or later says so itself. An older one sends no list; what it leaves empty
+    is known: the fields UNFILLED dates at or before its version (a server that sends no
+    version is taken for 1.0, so for all of them)."""
+    speaks = (info.protocol.major or 1, info.protocol.minor)
+    if speaks >= _LISTED_SINCE:
+        return set(info.unfilled_fields)
+    return {name for name, field in UNFILLED.items() if field.since <= speaks}
+
+
+def check(info: admin_pb.GetServerInfoResponse, where: str, reads: Iterable[str] = ()) -> None:
+    """Raise IncompatibleServer when the server's major version is not ours, or when it no
+    longer writes a deprecated field the caller says it `reads` (full names, such as
+    "gym.v1.Rollout.verifier_fields"; ValueError for a name gym.v1 does not have).
 
     A server that sends no version (major 0) predates the handshake and speaks 1.0."""
+    reads = sorted(set(reads))
+    for name in reads:
+        _field(name)
     major = info.protocol.major or 1
     if major != VERSION[0]:
         raise errors.IncompatibleServer(
@@ -72,3 +128,22 @@ def check(info: admin_pb.GetServerInfoResponse, where: str) -> None:
             "matches on both sides",
             metadata={"server_protocol": f"{major}.{info.protocol.minor}"},
         )
+    gone = [name for name in reads if name in unfilled(info)]
+    if gone:
+        known = [UNFILLED[name].instead for name in gone if name in UNFILLED]
+        instead = f"it writes {', '.join(known)} instead" if len(known) == len(gone) else "see what replaced them"
+        raise errors.IncompatibleServer(
+            f"{where} (gym protocol {major}.{info.protocol.minor}) no longer writes the deprecated "
+            f"{', '.join(gone)}, which this client reads; {instead} (docs/changes.md)",
+            metadata={"server_protocol": f"{major}.{info.protocol.minor}", "unfilled_fields": ",".join(gone)},
+        )
+
+
+def _field(name: str) -> None:
+    """Raise ValueError unless `name` is the full name of a gym.v1 field."""
+    try:
+        if not name.startswith("gym.v1."):
+            raise KeyError(name)
+        descriptor_pool.Default().FindFieldByName(name)
+    except KeyError:
+        raise ValueError(f"reads: {name!r} is not a gym.v1 field (a full name, such as 'gym.v1.Task.data')") from None

@@ -28,7 +28,7 @@ from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from gym_grpc.v1 import registry_service_pb2 as reg
 from gym_grpc.v1 import registry_service_pb2_grpc as reg_grpc
 
-log = logging.getLogger("gym_grpc.registry")
+log = logging.getLogger("gym_grpc.rpc.registry")
 
 #: Seconds before asking a registry that could not be watched again; doubles up to the max.
 WATCH_RETRY_FIRST_SECONDS = 0.5

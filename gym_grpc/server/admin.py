@@ -84,6 +84,7 @@ class AdminServicer(admin_grpc.AdminServiceServicer):
             protocol=protocol.version(),
             services=self.services,
             capabilities=app.capabilities(),
+            unfilled_fields=sorted(protocol.UNFILLED),
         )
 
     async def GetCounters(self, request: admin_pb.GetCountersRequest, context: Any) -> admin_pb.GetCountersResponse:

@@ -4,7 +4,8 @@ isort:skip_file
 The admin service every gym-grpc server offers: what it is, what it is
 doing, and where its CPU time goes. GetServerInfo is also the handshake: a
 client in any language calls it once before its first rollout and checks
-the protocol version and capabilities it needs.
+the protocol version and capabilities it needs, and that the deprecated
+fields it reads are still written (unfilled_fields).
 """
 
 from collections import abc as _abc
@@ -62,6 +63,7 @@ class GetServerInfoResponse(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     WORKER_FIELD_NUMBER: _builtins.int
     METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
+    UNFILLED_FIELDS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name of the server in its configuration."""
     role: _registry_service_pb2.ServerRole.ValueType
@@ -124,6 +126,24 @@ class GetServerInfoResponse(_message.Message):
     def capabilities(self) -> Global___Capabilities:
         """What its methods can do and the limits they hold to."""
 
+    @_builtins.property
+    def unfilled_fields(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Full names of the deprecated fields (marked `deprecated` in gym.v1) that
+        this server no longer writes, in its replies or in the requests it makes
+        to other servers, sorted: for example "gym.v1.Rollout.verifier_fields".
+        (A message a client sent with one set is passed on as it came: an agent
+        passes on the task it was given.) Each field's comment names the field
+        written in its place (here verifier_fields_json). The policy: a field
+        marked deprecated keeps being written until a minor version lists it
+        here, and docs/changes.md says from which version. A client that reads a
+        deprecated field checks that it is not listed; when it is, the client
+        reads its replacement or refuses the server. A client may check any field
+        it reads the same way, since a field may be deprecated later. A server
+        older than 1.6 sends no list; it leaves empty every field a 1.6 server
+        lists (the google.protobuf.Struct fields that `*_json` fields replaced in
+        1.0) (protocol 1.6).
+        """
+
     def __init__(
         self,
         *,
@@ -143,10 +163,11 @@ class GetServerInfoResponse(_message.Message):
         instance_id: _builtins.str = ...,
         worker: _builtins.int = ...,
         metrics_address: _builtins.str = ...,
+        unfilled_fields: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "protocol", b"protocol"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "config_hash", b"config_hash", "entrypoint", b"entrypoint", "instance_id", b"instance_id", "metrics_address", b"metrics_address", "name", b"name", "open_files", b"open_files", "open_files_limit", b"open_files_limit", "pid", b"pid", "profiling", b"profiling", "protocol", b"protocol", "role", b"role", "services", b"services", "uptime_seconds", b"uptime_seconds", "version", b"version", "worker", b"worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "config_hash", b"config_hash", "entrypoint", b"entrypoint", "instance_id", b"instance_id", "metrics_address", b"metrics_address", "name", b"name", "open_files", b"open_files", "open_files_limit", b"open_files_limit", "pid", b"pid", "profiling", b"profiling", "protocol", b"protocol", "role", b"role", "services", b"services", "unfilled_fields", b"unfilled_fields", "uptime_seconds", b"uptime_seconds", "version", b"version", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -156,7 +177,10 @@ Global___GetServerInfoResponse: _TypeAlias = GetServerInfoResponse  # noqa: Y015
 class ProtocolVersion(_message.Message):
     """Version of the gym protocol. Within one major version every change keeps
     the wire compatible (new fields, new methods, new enum values); a change
-    that does not is a new major version and a new package (gym.v2).
+    that does not is a new major version and a new package (gym.v2). A field
+    marked deprecated stops being written only in a minor version that lists it
+    in GetServerInfoResponse.unfilled_fields; docs/changes.md records every
+    version.
     """
 
     DESCRIPTOR: _descriptor.Descriptor

@@ -4,7 +4,8 @@ isort:skip_file
 The admin service every gym-grpc server offers: what it is, what it is
 doing, and where its CPU time goes. GetServerInfo is also the handshake: a
 client in any language calls it once before its first rollout and checks
-the protocol version and capabilities it needs.
+the protocol version and capabilities it needs, and that the deprecated
+fields it reads are still written (unfilled_fields).
 """
 
 from collections import abc as _abc

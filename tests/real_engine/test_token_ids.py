@@ -2,7 +2,7 @@
 generated ids as log-probs as the response's output tokens, and the engine's own
 /detokenize of the generated ids gives back the item's content.
 
-How the text relates to the ids (SmolLM2 with gym_grpc/local_vllm/hermes_tools.jinja):
+How the text relates to the ids (SmolLM2 with gym_grpc/engines/local_vllm/hermes_tools.jinja):
 a message's detokenized ids are its text followed by <|im_end|>, or its text alone when
 the turn was cut at max_output_tokens, where the text may have lost the whitespace
 around it (vllm_model's Chat Completions path strips it; the ids keep it); a tool call's begin with
