@@ -104,9 +104,10 @@ def conformance_command(address: str, row: str | None, answer: str, role: str | 
                 address, task_row, answer=answer, role=role, security=security, on_outcome=report
             )
         )
-    except (errors.GymError, grpc.aio.AioRpcError) as e:
-        e.add_note(f"(the server at {address})")
-        raise
+    except grpc.aio.AioRpcError as e:
+        raise errors.from_rpc_error(e, address) from None
+    except errors.GymError as e:
+        raise errors.GymError(f"{address}: {e.message}", code=e.code, reason=e.reason) from None
     counts = {status: sum(o.status == status for o in done.outcomes) for status in ("passed", "failed", "skipped")}
     who = f"{done.role} server {done.server!r}" if done.server else f"{done.role} server"
     click.echo(f"{who} at {address}: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
