@@ -34,7 +34,7 @@ from gym_grpc.v1 import task_pb2
 
 log = logging.getLogger("gym_grpc.agent")
 
-#: Seconds a session close may take; it runs even when the rollout failed.
+#: Seconds a session close may take; it runs whatever ended the rollout, past its deadline too.
 CLOSE_TIMEOUT = 5.0
 
 
@@ -81,10 +81,41 @@ class AgentServer(GymServer):
 
     role = reg.SERVER_ROLE_AGENT
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._closing: set[asyncio.Task[None]] = set()
+
     async def run(self, task: task_pb2.Task, events: RolloutEvents, *, verify: bool = True) -> task_pb2.Rollout:
         """Roll the task out to the end, reporting steps to `events`, and return it
         verified; without `verify`, unverified (reward 0, verification_skipped)."""
         raise NotImplementedError(f"{type(self).__name__} must implement run")
+
+    async def close_session(self, resources: ResourcesClient, session_id: str) -> None:
+        """Close a rollout's session on `resources`, whatever ended the rollout.
+
+        The close runs in a task of its own, within CLOSE_TIMEOUT and not the rollout's deadline,
+        and a cancellation of the caller does not cut it off: a rollout past its deadline is
+        cancelled as the close starts, and over RunMany both the run's deadline and the client's
+        cancel of it reach the rollout (two cancellations), which a plain `await` in a `finally`
+        would not survive. The caller waits for the close unless it is cancelled while it does. A
+        session that cannot be closed is logged and counted (GetCounters.sessions_not_closed); the
+        environment closes it at its idle time-out."""
+        closing = asyncio.ensure_future(self._close(resources, session_id))
+        self._closing.add(closing)
+        closing.add_done_callback(self._closing.discard)
+        await asyncio.shield(closing)
+
+    async def _close(self, resources: ResourcesClient, session_id: str) -> None:
+        try:
+            await resources.close_session(session_id, timeout=CLOSE_TIMEOUT)
+        except errors.GymError as e:
+            self.counters.sessions_not_closed += 1
+            log.warning("%s: could not close session %s: %s", self.name, session_id, e.message)
+
+    async def stop(self) -> None:
+        if self._closing:  # the sessions of the last rollouts, closing; each within CLOSE_TIMEOUT
+            await asyncio.wait(self._closing)
+        await super().stop()
 
     def add_services(self, server: grpc.aio.Server) -> list[str]:
         agent_grpc.add_AgentServiceServicer_to_server(_AgentServicer(self), server)
@@ -233,16 +264,13 @@ class ToolLoopAgent(AgentServer):
         started = time.monotonic()
         session_id = uuid.uuid4().hex
         stateful = not await self._environment_is_stateless()
-        if stateful:
-            await self.resources.seed_session(session_id, task)
         try:
+            if stateful:  # a seed cut off by the deadline may still have opened it: closed below either way
+                await self.resources.seed_session(session_id, task)
             rollout = await self._rollout(session_id, task, events, verify)
         finally:
             if stateful:
-                try:
-                    await self.resources.close_session(session_id, timeout=CLOSE_TIMEOUT)
-                except errors.GymError as e:
-                    log.warning("could not close session %s: %s", session_id, e.message)
+                await self.close_session(self.resources, session_id)
         rollout.timings.total_seconds = time.monotonic() - started
         return rollout
 

@@ -251,6 +251,7 @@ class ResourcesServer(GymServer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.sessions: dict[str, Session] = {}
+        self.counters.sessions_open = lambda: len(self.sessions)
         self._sweeper: asyncio.Task | None = None
 
     def capabilities(self) -> admin_pb.Capabilities:

@@ -63,6 +63,8 @@ async def _one(info: reg.ServerInfo, address: str, interval: float, security: Se
         calls_total=second.calls_total,
         retries=dict(second.retries),
         non_monotonic_histories=dict(second.non_monotonic_histories),
+        sessions_open=second.sessions_open,
+        sessions_not_closed=second.sessions_not_closed,
         version=server.version,
         config_hash=server.config_hash,
         profiling=server.profiling,

@@ -36,7 +36,8 @@ from gym_grpc.v1 import agent_service_pb2, resources_service_pb2  # noqa: F401  
 #:      items' policy_version and Rollout.policy_version.
 #: 1.5: AgentService.RunMany (many runs over one call).
 #: 1.6: GetServerInfoResponse.unfilled_fields (the deprecated fields a server no longer writes).
-VERSION = (1, 6)
+#: 1.7: GetCountersResponse.sessions_open (resources servers) and .sessions_not_closed (agents).
+VERSION = (1, 7)
 
 
 class Unfilled(NamedTuple):

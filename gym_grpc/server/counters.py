@@ -1,7 +1,8 @@
 """Live counters of a server: calls by method and status, in flight, latency
 percentiles over recent calls, the time agents' rollouts spend per stage, and
-the retries of requests to engines by failure class, and histories that did
-not extend their token ids, by cause.
+the retries of requests to engines by failure class, histories that did
+not extend their token ids, by cause, and the sessions open (an environment's)
+or not closed (an agent's).
 
 Recording a call costs two clock reads and a few dict and array updates;
 percentiles are computed only when someone asks (AdminService.GetCounters).
@@ -16,7 +17,9 @@ import time
 from array import array
 from bisect import bisect_left
 from collections import Counter
+from collections.abc import Callable
 
+from gym_grpc.data.rollout_stats import STAGES
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import task_pb2
 
@@ -68,9 +71,13 @@ class Counters:
     def __init__(self) -> None:
         self.started = time.monotonic()
         self.methods: dict[str, _Method] = {}
-        self.stages = {stage: _Recent() for stage in ("model", "tools", "verify")}
+        self.stages = {stage: _Recent() for stage in STAGES}
         self.retries: Counter[str] = Counter()
         self.histories: Counter[str] = Counter()
+        #: How many sessions are open now (a resources server sets it to read its own).
+        self.sessions_open: Callable[[], int] = lambda: 0
+        #: Sessions of this agent's rollouts whose CloseSession failed.
+        self.sessions_not_closed = 0
 
     def begin(self, method: str) -> float:
         """A call started; returns the time to pass to end()."""
@@ -111,7 +118,11 @@ class Counters:
 
     def to_proto(self) -> admin_pb.GetCountersResponse:
         reply = admin_pb.GetCountersResponse(
-            uptime_seconds=self.uptime(), retries=dict(self.retries), non_monotonic_histories=dict(self.histories)
+            uptime_seconds=self.uptime(),
+            retries=dict(self.retries),
+            non_monotonic_histories=dict(self.histories),
+            sessions_open=self.sessions_open(),
+            sessions_not_closed=self.sessions_not_closed,
         )
         for name, counters in sorted(self.methods.items()):
             ordered = counters.latency.sorted()

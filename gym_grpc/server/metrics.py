@@ -104,6 +104,17 @@ class CountersCollector(Collector):
             "cause",
             dict(counters.histories),
         )
+        sessions = GaugeMetricFamily(
+            "gym_server_sessions_open", "Resources servers: sessions open now.", labels=["server"]
+        )
+        sessions.add_metric([server], counters.sessions_open())
+        not_closed = CounterMetricFamily(
+            "gym_server_sessions_not_closed",
+            "Agents: sessions of their rollouts whose CloseSession failed.",
+            labels=["server"],
+        )
+        not_closed.add_metric([server], counters.sessions_not_closed)
+        yield from (sessions, not_closed)
 
 
 def _by_label(name: str, documentation: str, server: str, label: str, counts: dict[str, int]) -> Metric:

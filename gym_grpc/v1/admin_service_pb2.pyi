@@ -497,12 +497,24 @@ class GetCountersResponse(_message.Message):
     STAGES_FIELD_NUMBER: _builtins.int
     RETRIES_FIELD_NUMBER: _builtins.int
     NON_MONOTONIC_HISTORIES_FIELD_NUMBER: _builtins.int
+    SESSIONS_OPEN_FIELD_NUMBER: _builtins.int
+    SESSIONS_NOT_CLOSED_FIELD_NUMBER: _builtins.int
     in_flight: _builtins.int
     """Calls running now, over all methods."""
     calls_total: _builtins.int
     """Calls finished since start, over all methods."""
     uptime_seconds: _builtins.float
     """Seconds since the server started serving."""
+    sessions_open: _builtins.int
+    """Resources servers: sessions open now (seeded and not closed yet, by
+    CloseSession or the idle time-out). Sessions still open once no rollout
+    runs are sessions an agent did not close.
+    """
+    sessions_not_closed: _builtins.int
+    """Agents: sessions of their rollouts whose CloseSession failed, since
+    start; each is also logged. The environment closes them at its idle
+    time-out.
+    """
     @_builtins.property
     def methods(self) -> _containers.RepeatedCompositeFieldContainer[Global___MethodCounters]:
         """One entry per method that has been called."""
@@ -542,10 +554,12 @@ class GetCountersResponse(_message.Message):
         stages: _abc.Iterable[Global___StageCounters] | None = ...,
         retries: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         non_monotonic_histories: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        sessions_open: _builtins.int = ...,
+        sessions_not_closed: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls_total", b"calls_total", "in_flight", b"in_flight", "methods", b"methods", "non_monotonic_histories", b"non_monotonic_histories", "retries", b"retries", "stages", b"stages", "uptime_seconds", b"uptime_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls_total", b"calls_total", "in_flight", b"in_flight", "methods", b"methods", "non_monotonic_histories", b"non_monotonic_histories", "retries", b"retries", "sessions_not_closed", b"sessions_not_closed", "sessions_open", b"sessions_open", "stages", b"stages", "uptime_seconds", b"uptime_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
