@@ -3,6 +3,8 @@ names the field or line, and nothing else is lost."""
 
 import io
 import json
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -25,7 +27,19 @@ from gym_grpc.v1 import resources_service_pb2 as res_pb
 from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
-from tests.support import Calculator, EchoModel, call, gym, nested_json, static_registry, task
+from tests.support import (
+    MATH,
+    Calculator,
+    EchoModel,
+    call,
+    collect_args,
+    gym,
+    gym_grpc_command,
+    nested_json,
+    start_run,
+    static_registry,
+    task,
+)
 
 
 def _params(*items: r.Item) -> r.CreateParams:
@@ -322,3 +336,41 @@ def test_an_empty_task_file_collects_nothing_without_error(tmp_path):
     done = gym("collect", "--input", str(tasks), "--output", str(tmp_path / "o.jsonl"), "--registry", "127.0.0.1:1")
     assert done.returncode == 0, done.stderr
     assert "0 rollouts collected" in done.stderr
+
+
+#: Runs a command and prints the peak memory (KiB) of it and what it started.
+_PEAK_RSS = (
+    "import resource, subprocess, sys; done = subprocess.run(sys.argv[1:]); "
+    "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, done.returncode)"
+)
+
+
+@pytest.mark.slow
+def test_a_row_too_large_to_send_is_a_bad_row_and_costs_no_other(tmp_path):
+    """A 257 MiB row among 40 good ones, collected by real processes: it goes to the sidecar by line
+    with the limit named, before anything is sent, the 40 are collected, a re-run sends it neither,
+    and the collector never holds it (its peak memory stays far below the row's size)."""
+    good = MATH.read_text().splitlines()
+    huge = json.dumps({"responses_create_params": {"input": "What is 1 + 1?"}, "padding": "x" * (257 * 2**20)})
+    tasks = tmp_path / "tasks.jsonl"
+    with tasks.open("w") as f:
+        for i in range(40):
+            f.write(good[i % len(good)] + "\n")
+            if i == 19:
+                f.write(huge + "\n")
+    del huge
+    out = tmp_path / "out.jsonl"
+    with start_run() as run:
+        args = [*collect_args(run.registry, "math_agent", tasks, out), "--no-progress"]
+        done = subprocess.run(
+            [sys.executable, "-c", _PEAK_RSS, gym_grpc_command(), *args], capture_output=True, text=True, timeout=600
+        )
+        peak_kib, code = map(int, done.stdout.splitlines()[-1].split())  # after what collect printed
+        assert code == 1, done.stderr  # 1 for the bad row
+        assert len(out.read_text().splitlines()) == 40
+        (bad,) = [json.loads(line) for line in failures_path(out).read_text().splitlines()]
+        assert (bad["line"], bad["task_index"]) == (21, 20)
+        assert "over the 268,435,456 bytes one gRPC message between gym-grpc peers carries" in bad["error"]["message"]
+        assert peak_kib < 512 * 1024, f"the collector peaked at {peak_kib / 1024:.0f} MiB"
+        again = gym(*args)
+        assert again.returncode == 1 and "40 already done" in again.stderr and "1 bad rows" in again.stderr

@@ -352,3 +352,39 @@ async def test_agent_client_splits_runs_into_messages_an_agent_with_grpcs_defaul
     )
     assert [r.reward for r in rollouts] == [1.0] * 30
     await registry.close()
+
+
+class _FourMiBAgent(SimpleAgent):
+    """An agent that takes messages of up to 4 MiB (gRPC's default, as another implementation
+    might keep) and says so in its handshake."""
+
+    def capabilities(self) -> admin_pb.Capabilities:
+        capabilities = super().capabilities()
+        capabilities.max_receive_message_bytes = 4 * 2**20
+        return capabilities
+
+
+async def test_a_run_larger_than_the_agent_takes_fails_alone_and_is_never_sent(start, monkeypatch):
+    """A 5 MB run among ten small ones on the same RunMany call: it fails with INVALID_ARGUMENT
+    naming the task and the agent's limit, before it is sent (sent, it would end the call and
+    every run on it), and the ten succeed."""
+    model = await start(EchoModel(delay=0.2))
+    env = await start(Calculator(name="calc"))
+    monkeypatch.setattr(transport, "MAX_MESSAGE_BYTES", 4 * 2**20)  # for the agent's server only
+    agent = await start(
+        _FourMiBAgent(
+            {"model_server": "model", "resources_server": "calc"},
+            name="agent",
+            registry=static_registry(model=model, calc=env),
+        )
+    )
+    monkeypatch.undo()
+    registry = static_registry(agent=agent)
+    client = AgentClient(registry, "agent")
+    small = [client.run(task(f"{i}", expected_answer=i), timeout=60) for i in range(10)]
+    large = client.run(task("x" * 5_000_000, expected_answer=0), timeout=60)
+    *rollouts, failed = await asyncio.gather(*small, large, return_exceptions=True)
+    assert [r.reward for r in rollouts] == [1.0] * 10
+    assert isinstance(failed, errors.InvalidArgument) and failed.field == "task"
+    assert "over the 4,194,304 bytes a message to it may have" in failed.message
+    await registry.close()

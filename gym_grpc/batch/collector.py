@@ -58,24 +58,43 @@ class _Task:
     task: task_pb2.Task
 
 
+#: The most bytes a task row (a line of the input, and its task as a message) may have: what
+#: one gRPC message carries between gym-grpc peers. A larger row is a bad row, not sent.
+ROW_LIMIT_BYTES = transport.MAX_MESSAGE_BYTES
+
+
+def _too_large(what: str, size: int) -> str:
+    return (
+        f"{what} is {size:,} bytes, over the {ROW_LIMIT_BYTES:,} bytes one gRPC message between gym-grpc "
+        "peers carries: not sent"
+    )
+
+
 def _jobs(options: CollectOptions) -> Iterator[Job[_Task] | BadInput]:
-    """The task rows of the input, overrides applied, each num_repeats times."""
+    """The task rows of the input, overrides applied, each num_repeats times. A row too large to
+    send is a bad row, read through without being held, so that it costs no other row."""
     task_index = -1
     with options.input.open("rb") as f:
-        for line_no, raw in enumerate(f, 1):
-            if not raw.strip():
+        for line in jsonl.lines(f, ROW_LIMIT_BYTES):
+            raw = line.raw
+            if raw is not None and not raw.strip():
                 continue
             task_index += 1
             if options.limit is not None and task_index >= options.limit:
                 return
+            if raw is None:
+                yield BadInput(task_index, line.number, _too_large("the row", line.size), None, options.num_repeats)
+                continue
             try:
                 row = jsonl.parse_line(raw)
                 if isinstance(row, dict) and isinstance(row.get(rows.PARAMS_KEY), dict) and options.overrides:
                     overrides.apply(row[rows.PARAMS_KEY], options.overrides)
                 task = rows.task_from_row(row)
                 agent = rows.agent_name(row, options.agent, " and no --agent was given")
+                if task.ByteSize() > ROW_LIMIT_BYTES:
+                    raise ValueError(_too_large("its task, as a gym.v1 message,", task.ByteSize()))
             except ValueError as e:
-                yield BadInput(task_index, line_no, str(e), getattr(e, "field", None), jobs=options.num_repeats)
+                yield BadInput(task_index, line.number, str(e), getattr(e, "field", None), jobs=options.num_repeats)
                 continue
             if "agent_ref" not in row:  # say which agent ran it, for reverify and for readers
                 row["agent_ref"] = {"name": agent}

@@ -302,6 +302,8 @@ class AgentClient(_Client):
     def __init__(self, registry: Registry, name: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
         super().__init__(registry, name, timeout=timeout)
         self._run_many: run_many.RunMany | None = None
+        #: The largest run the agent takes: its handshake's max_receive_message_bytes, or ours.
+        self._largest_run = transport.MAX_MESSAGE_BYTES
 
     async def run(
         self,
@@ -314,6 +316,12 @@ class AgentClient(_Client):
         """One rollout; `policy_version`: the version the trainer asks it under (see policy_version.py)."""
         await self.check_protocol()
         request = agent_pb.RunRequest(task=task, skip_verification=skip_verification, policy_version=policy_version)
+        if request.ByteSize() > self._largest_run:  # never sent: on a RunMany call it would end the other runs too
+            raise errors.InvalidArgument(
+                f"agent {self.name!r}: the run is {request.ByteSize():,} bytes, over the {self._largest_run:,} "
+                "bytes a message to it may have",
+                field="task",
+            )
         if self._run_many is None or self.name in self.registry.in_process:
             reply = await self._call("Run", request, timeout)
             return reply.rollout
@@ -326,6 +334,8 @@ class AgentClient(_Client):
 
     def _shook_hands(self, info: admin_pb.GetServerInfoResponse) -> None:
         """Rollouts go over RunMany calls when the agent serves it (see client/run_many.py)."""
+        if info.capabilities.max_receive_message_bytes:
+            self._largest_run = min(self._largest_run, info.capabilities.max_receive_message_bytes)
         if run_many.METHOD in protocol.methods(info, self._service):
             self._run_many = run_many.RunMany(self._connections, self._error)
 

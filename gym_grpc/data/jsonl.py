@@ -20,7 +20,7 @@ import os
 from collections.abc import Container, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import orjson
 
@@ -153,10 +153,52 @@ def sidecar_failures(output: Path, written: Container[record.RolloutKey]) -> Sid
     return found
 
 
+#: Bytes read at a time past a line's size limit, looking for its end.
+_SKIP_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Line:
+    """One line of a file as `lines` reads it: its bytes (None when it is over the size limit,
+    which were passed over, never held), its size, and its number (from 1)."""
+
+    number: int
+    size: int
+    raw: bytes | None
+
+
+def lines(f: IO[bytes], limit: int) -> Iterator[Line]:
+    """The lines of a binary file, each held only when it has at most `limit` bytes (its newline
+    not counted). A line is read in chunks of a MiB: one that grows past `limit` is let go of and
+    read through, so that a line of any size costs at most `limit` bytes of memory."""
+    number = 0
+    while True:
+        chunk = f.readline(_SKIP_CHUNK)
+        if not chunk:
+            return
+        number += 1
+        chunks: list[bytes] | None = [chunk]
+        size = len(chunk)
+        while not chunk.endswith(b"\n"):
+            chunk = f.readline(_SKIP_CHUNK)
+            if not chunk:
+                break
+            size += len(chunk)
+            if chunks is not None:
+                chunks.append(chunk)
+                if size - chunk.endswith(b"\n") > limit:
+                    chunks = None  # too long to keep: read through the rest
+        size -= chunk.endswith(b"\n")
+        if chunks is None or size > limit:
+            yield Line(number, size, None)
+        else:
+            yield Line(number, size, chunks[0] if len(chunks) == 1 else b"".join(chunks))
+
+
 def count_rows(path: Path, limit: int | None = None) -> int:
-    """Non-blank lines of a file, at most `limit`."""
+    """Non-blank lines of a file, at most `limit` (a long line is counted, not held)."""
     with path.open("rb") as f:
-        count = sum(1 for line in f if line.strip())
+        count = sum(1 for line in lines(f, _SKIP_CHUNK) if line.raw is None or line.raw.strip())
     return count if limit is None else min(count, limit)
 
 
