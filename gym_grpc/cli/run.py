@@ -16,6 +16,7 @@ from gym_grpc.launch.config import GymConfig, dump_config, load_config
 from gym_grpc.launch.ray_runner import RayRunner
 from gym_grpc.launch.ray_runner import describe as describe_ray
 from gym_grpc.launch.runner import Runner, describe
+from gym_grpc.server import stderr
 
 
 async def _serve(config: GymConfig, grace: float, ready_json: bool) -> int:
@@ -73,6 +74,7 @@ def run(
     env_file: Path | None,
 ) -> None:
     """Start the servers of CONFIG files (then KEY=VALUE overrides) and serve the registry."""
+    stderr.install()  # what the runner and its servers say must never stop them when nobody reads it
     files, overrides = split_args(args)
     if ray_address is not None:
         overrides = [*overrides, f"ray.address={ray_address}"]

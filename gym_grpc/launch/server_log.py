@@ -4,7 +4,8 @@ Every line is forwarded to the runner's own stderr as it comes, unchanged,
 and the last lines are kept so that the runner can quote them when the
 server dies before it is healthy. Each process's stderr is a pipe read by a
 thread of its own: a pipe nobody drains would block the server's logging,
-and a write to a slow stderr must never hold up the runner's event loop.
+and a write to a slow stderr must never hold up the runner's event loop (the
+runner's stderr is a `server.stderr.Stderr`, whose writes never block).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import os
 import threading
 from collections import deque
 from typing import Any
+
+from gym_grpc.server import stderr
 
 #: Lines of a server's log kept to quote when it fails.
 KEPT_LINES = 20
@@ -61,17 +64,7 @@ class ServerLog:
     def _forward(self, read: int) -> None:
         with open(read, "rb") as pipe:
             for line in pipe:
-                _write_stderr(line)
+                stderr.write_bytes(line)  # never blocks under `gym-grpc run` (server/stderr.py)
                 text = line.decode("utf-8", "replace").rstrip()
                 if text:
                     self._last.append(text[:KEPT_LINE_CHARS])
-
-
-def _write_stderr(data: bytes) -> None:
-    """Write all of `data` on descriptor 2; if that fails, drop it (the pipe must still be drained)."""
-    view = memoryview(data)
-    try:
-        while view:
-            view = view[os.write(2, view) :]
-    except OSError:
-        pass

@@ -28,7 +28,7 @@ from gym_grpc.policy_version import ServedVersion
 from gym_grpc.rpc import event_loop
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.rpc.security import Security
-from gym_grpc.server import open_files
+from gym_grpc.server import open_files, stderr
 from gym_grpc.server.entrypoints import load_entrypoint
 from gym_grpc.server.profiling import Profiler
 from gym_grpc.server.serving import GymServer, Running, serve
@@ -128,6 +128,7 @@ def _app(spec: dict[str, Any], security: Security, profiled: bool) -> GymServer:
 
 def main() -> None:
     _take_stdout()
+    stderr.install()  # logging must never block the event loop on a pipe nobody drains
     message = json.loads(sys.stdin.readline())
     specs = _specs(message)
     name = message["name"]  # the server's, or the group's
