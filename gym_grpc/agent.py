@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 from pydantic import Field
@@ -76,10 +76,22 @@ class RolloutEvents:
             self._put(agent_pb.RunStreamResponse(verification=event))
 
 
+class AgentConfig(ServerConfig):
+    """Settings every agent has; an agent's own Config extends it."""
+
+    run_many_max_runs: int = Field(
+        run_many.MAX_RUNS,
+        ge=1,
+        description="runs one RunMany call may hold (in flight, or with a result not sent yet) before the "
+        "agent stops reading it until some go out (flow control for a client that does not read)",
+    )
+
+
 class AgentServer(GymServer):
     """Base of an agent. Implement run; reach other servers through self.registry."""
 
     role = reg.SERVER_ROLE_AGENT
+    Config: ClassVar[type[ServerConfig]] = AgentConfig
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -193,7 +205,7 @@ class _AgentServicer(agent_grpc.AgentServiceServicer):
                 rollout.exception()  # retrieved: a failure the client never saw is not logged as lost
 
 
-class ToolLoopConfig(ServerConfig):
+class ToolLoopConfig(AgentConfig):
     model_server: str = Field(description="name of the model server to call")
     resources_server: str = Field(description="name of the resources server (environment)")
     max_steps: int = Field(10, ge=1, description="most model calls in one rollout")

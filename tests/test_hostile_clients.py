@@ -6,16 +6,21 @@ clients are separate processes (a Python client, grpcurl) that cancel streams
 are SIGKILLed while a stream is open.
 """
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 
+import grpc
 import pytest
 from google.protobuf import json_format
 
 from gym_grpc.data import rows
+from gym_grpc.v1 import admin_service_pb2 as admin_pb
+from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
 from tests.support import REPO, WEATHER, run_status, start_run, tool
 
@@ -96,3 +101,57 @@ def _killed_mid_stream(agent: str, method: str, request: str) -> None:
     client.wait()
     for pipe in (client.stdin, client.stdout):
         pipe.close()
+
+
+def _run_counts(address: str) -> tuple[int, int]:
+    """(Run calls finished, Run calls in flight) of the agent at `address`, from its GetCounters."""
+    with grpc.insecure_channel(address) as channel:
+        counters = admin_grpc.AdminServiceStub(channel).GetCounters(admin_pb.GetCountersRequest(), timeout=10)
+    run = next((m for m in counters.methods if m.method == "Run"), None)
+    return (0, 0) if run is None else (sum(run.calls_by_status.values()), run.in_flight)
+
+
+@pytest.mark.slow
+def test_a_client_that_sends_runs_and_reads_no_result_gets_no_more_read_than_the_agent_may_hold():
+    """100,000 runs on one RunMany call from a client process that reads nothing. The agent reads and
+    runs as many as its run_many_max_runs (here 1,000) and what gRPC buffers of their results allow,
+    then reads no more: gRPC's flow control holds the client's writes. Before, it read all 100,000
+    (about 1 GB of the agent's memory). The agent keeps serving others."""
+    run = start_run("servers.weather_agent.config.run_many_max_runs=1000")
+    agent = run.servers["weather_agent"]
+    client = subprocess.Popen(
+        [sys.executable, "-m", "tests.programs.unread_run_many", agent, "100000"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert client.stdout is not None
+    os.set_blocking(client.stdout.fileno(), False)
+    try:
+        said, deadline = b"", time.monotonic() + 300  # (a bound on a hang)
+        while True:
+            with contextlib.suppress(BlockingIOError):
+                said += os.read(client.stdout.fileno(), 1 << 16)
+            sent = max(map(int, said.split() or [0]))
+            finished, in_flight = _run_counts(agent)
+            if sent == 100_000 or (finished >= 1000 and in_flight == 0):  # all sent, or the agent stopped reading
+                break
+            assert client.poll() is None, client.stderr.read() if client.stderr else ""
+            assert time.monotonic() < deadline, f"{sent} runs sent, {finished} finished, {in_flight} in flight"
+            time.sleep(0.2)
+        assert finished + in_flight < 50_000, f"the agent read {finished + in_flight} of the {sent} runs sent"
+        (pid,) = run.pids("weather_agent")
+        rss_kib = int(next(x for x in open(f"/proc/{pid}/status") if x.startswith("VmRSS")).split()[1])
+        assert rss_kib < 400 * 1024, f"the agent holds {rss_kib / 1024:.0f} MiB"
+        request = json.dumps({"task": {"responses_create_params": {"input_text": "hi"}}})
+        done = subprocess.run(  # the agent still serves others
+            [tool("grpcurl"), "-plaintext", "-d", request, agent, "gym.v1.AgentService/Run"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+    finally:
+        client.kill()
+        client.wait()
+        run.stop()

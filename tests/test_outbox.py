@@ -34,3 +34,15 @@ def test_once_the_filling_message_is_taken_the_next_item_starts_a_new_one():
     assert [r.id for r in taken.runs] == [1] and [r.id for r in outbox.take().runs] == [2]
     with pytest.raises(IndexError):
         outbox.take()
+
+
+def test_its_size_is_the_bytes_of_the_items_not_taken():
+    outbox = Outbox(agent_pb.RunManyResponse)
+    third = MESSAGE_BYTES // 3
+    for run_id in range(4):
+        outbox.filling(third).results.add(id=run_id)
+    assert outbox.size == 4 * third
+    outbox.take()  # the first three
+    assert outbox.size == third
+    outbox.take()
+    assert outbox.size == 0 and not outbox

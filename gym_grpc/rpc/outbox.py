@@ -24,20 +24,25 @@ class Outbox(Generic[M]):
     def __init__(self, new_message: Callable[[], M]) -> None:
         self._new_message = new_message
         self._messages: deque[M] = deque()
-        self._filling_bytes = 0
+        self._sizes: deque[int] = deque()  # the bytes of the items in each message
+        #: Bytes of the items in messages not taken yet (as `filling` was told them).
+        self.size = 0
 
     def filling(self, size: int = 0) -> M:
         """The message to put an item of `size` bytes in: the newest, or a new one when
         there is none or the item would take it past MESSAGE_BYTES."""
-        if not self._messages or self._filling_bytes + size > MESSAGE_BYTES:
+        if not self._messages or self._sizes[-1] + size > MESSAGE_BYTES:
             self._messages.append(self._new_message())
-            self._filling_bytes = 0
-        self._filling_bytes += size
+            self._sizes.append(0)
+        self._sizes[-1] += size
+        self.size += size
         return self._messages[-1]
 
     def take(self) -> M:
         """The oldest message, to write (IndexError when there is none)."""
-        return self._messages.popleft()
+        message = self._messages.popleft()
+        self.size -= self._sizes.popleft()
+        return message
 
     def __bool__(self) -> bool:
         return bool(self._messages)

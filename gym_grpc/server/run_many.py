@@ -6,6 +6,12 @@ error details), so that a result is exactly what Run would have answered.
 Results go back as they come: the results that are ready by the time the
 previous message has gone out go together in the next one (rpc/outbox.py).
 
+The agent reads runs only while it can answer them: once a call has MAX_RUNS runs in flight
+or waiting to be sent, or its results waiting to be sent reach MAX_UNSENT_BYTES (a client that
+does not read them), it stops reading that call until they go out, and gRPC's flow control holds
+the client's writes. So a client that sends 100,000 runs and reads nothing costs the agent a
+bounded memory, not one that grows with what it sends.
+
 Every run read gets a result. So when the agent stops (gracefully: a scale-down,
 the end of `gym-grpc run`), it answers each run it reads from then on with
 UNAVAILABLE and reason SERVER_STOPPING, without starting it, finishes the runs
@@ -31,6 +37,12 @@ from gym_grpc.v1 import agent_service_pb2 as agent_pb
 if TYPE_CHECKING:
     from gym_grpc.server.serving import GymServer
 
+#: Runs of one call in flight or with a result not sent yet, past which the agent stops reading it.
+MAX_RUNS = 16_384
+
+#: Bytes of one call's results not sent yet, past which the agent stops reading it.
+MAX_UNSENT_BYTES = 64 * 2**20
+
 #: The agent's Run handler: (request, context) -> reply.
 Run = Callable[[agent_pb.RunRequest, Any], Coroutine[Any, Any, agent_pb.RunResponse]]
 
@@ -55,7 +67,23 @@ class _Runs:
         self.in_flight: dict[int, asyncio.Task[None]] = {}
         self._cancelled: set[int] = set()
         self.replies: Outbox[agent_pb.RunManyResponse] = Outbox(agent_pb.RunManyResponse)
+        #: Results in `replies`, not sent yet.
+        self.unsent = 0
         self.changed = asyncio.Event()
+        #: Set when a run ends or results go out: the reader may read more.
+        self.room = asyncio.Event()
+
+    def full(self) -> bool:
+        """Whether the call holds as many runs, or results not sent, as it may (see the module's docstring)."""
+        most = getattr(self._agent.config, "run_many_max_runs", MAX_RUNS)  # an agent's config may not say
+        return len(self.in_flight) + self.unsent >= most or self.replies.size >= MAX_UNSENT_BYTES
+
+    def take(self) -> agent_pb.RunManyResponse:
+        """The oldest reply, to send."""
+        reply = self.replies.take()
+        self.unsent -= len(reply.results)
+        self.room.set()
+        return reply
 
     def start(self, item: agent_pb.RunManyItem) -> None:
         if self._agent.stopping.is_set():
@@ -90,10 +118,12 @@ class _Runs:
             self._result(item.id, reply.rollout.ByteSize()).rollout.CopyFrom(reply.rollout)
         finally:
             del self.in_flight[item.id]
+            self.room.set()
 
     def _result(self, run_id: int, size: int = 0) -> agent_pb.RunManyResult:
         """A new result, of about `size` bytes, in the reply that is filling."""
         self.changed.set()
+        self.unsent += 1
         return self.replies.filling(size).results.add(id=run_id)
 
     def cancel_all(self) -> None:
@@ -117,6 +147,9 @@ async def serve(
                     runs.start(item)
                 for run_id in request.cancel_ids:
                     runs.cancel(run_id)
+                while runs.full():  # read no more until runs end and their results go out
+                    runs.room.clear()
+                    await runs.room.wait()
         finally:
             runs.changed.set()
 
@@ -126,7 +159,7 @@ async def serve(
     try:
         while True:
             if runs.replies:
-                yield runs.replies.take()
+                yield runs.take()
                 continue
             if reader.done():
                 reader.result()  # a request that could not be read ends the call with its error
