@@ -20,6 +20,7 @@ import grpc
 from pydantic import Field
 
 from gym_grpc import errors, policy_version
+from gym_grpc.client import stubs
 from gym_grpc.client.stubs import ModelClient, ResourcesClient, ToolResult
 from gym_grpc.data import jsonl, record, rows
 from gym_grpc.responses import function_calls, input_items, new_id, tool_error_output
@@ -209,6 +210,12 @@ class ToolLoopConfig(AgentConfig):
     model_server: str = Field(description="name of the model server to call")
     resources_server: str = Field(description="name of the resources server (environment)")
     max_steps: int = Field(10, ge=1, description="most model calls in one rollout")
+    model_call_timeout_seconds: float | None = Field(
+        None,
+        gt=0,
+        description="most seconds one model call may take; null: what is left of the rollout's deadline "
+        f"({stubs.DEFAULT_TIMEOUT:g} s when the rollout has none)",
+    )
 
 
 def _add_usage(total: r.Usage, usage: r.Usage) -> None:
@@ -240,7 +247,9 @@ class ToolLoopAgent(AgentServer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.model = ModelClient(self.registry, self.config.model_server)
+        self.model = ModelClient(
+            self.registry, self.config.model_server, timeout=self.config.model_call_timeout_seconds
+        )
         self.resources = ResourcesClient(self.registry, self.config.resources_server)
         self._stateless: bool | None = None
         self._describing = asyncio.Lock()

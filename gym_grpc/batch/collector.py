@@ -21,7 +21,7 @@ from typing import Any, TextIO
 
 from gym_grpc import errors
 from gym_grpc.batch import fingerprint, overrides
-from gym_grpc.batch.jobs import TIMEOUT_SECONDS, BadInput, Batch, BatchSummary, Job, RunOptions
+from gym_grpc.batch.jobs import BadInput, Batch, BatchSummary, Job, RunOptions
 from gym_grpc.client.stubs import AgentClient, ResourcesClient
 from gym_grpc.data import jsonl, record, rows
 from gym_grpc.data.jsonl import count_rows
@@ -39,8 +39,6 @@ class CollectOptions(RunOptions):
     #: Use only the first `limit` task rows.
     limit: int | None = None
     num_repeats: int = 1
-    #: Seconds one rollout may take before it fails.
-    timeout: float = TIMEOUT_SECONDS
     #: `responses_create_params` values that win over each row's, by dotted key.
     overrides: dict[str, Any] = field(default_factory=dict)
     #: Where to record each rollout's events (RunStream), if anywhere.

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from gym_grpc import errors
 from gym_grpc.batch.summary import GroupIndex, RunStats, summarise_file
+from gym_grpc.batch.window import Window
 from gym_grpc.data import jsonl, record
 
 #: What a job carries to the function that produces its row: collect's task, reverify's rollout.
@@ -61,6 +62,8 @@ class BatchOptions:
     #: Jobs the progress bar expects; default n_tasks * repeats.
     total: int | None = None
     max_in_flight: int = 4096
+    #: Seconds one job may take (its deadline), which the window keeps jobs within (batch/window.py).
+    timeout: float | None = None
     reward_range: tuple[float, float] = (0.0, 1.0)
     pass_threshold: float = 1.0
     progress: bool = True
@@ -84,6 +87,8 @@ class RunOptions:
     #: Agent for rows that have no `agent_ref`.
     agent: str | None = None
     max_in_flight: int = 4096
+    #: Seconds one job (a rollout, a verification) may take.
+    timeout: float = TIMEOUT_SECONDS
     #: Rewards outside this range are reported.
     reward_range: tuple[float, float] = (0.0, 1.0)
     #: A rollout passes (for pass@k) when its reward is at least this.
@@ -99,6 +104,7 @@ class RunOptions:
             repeats=repeats,
             total=total,
             max_in_flight=self.max_in_flight,
+            timeout=self.timeout,
             reward_range=self.reward_range,
             pass_threshold=self.pass_threshold,
             progress=self.progress,
@@ -165,13 +171,11 @@ class Batch(Generic[P]):
     """Runs jobs through a bounded window into the output file, counting and reporting what fails."""
 
     def __init__(self, options: BatchOptions, log: TextIO) -> None:
-        if options.max_in_flight < 1:
-            raise ValueError("max_in_flight must be at least 1")
         self.options = options
         self.log = log
         self.summary = BatchSummary()
         self.groups = GroupIndex(options.n_tasks)
-        self.window = asyncio.Semaphore(options.max_in_flight)
+        self.window = Window(options.max_in_flight, options.timeout)
         self.bar: tqdm | None = None
         self.tally = FailureTally(self.report, options.report_every)
         self.failures: jsonl.Appender | None = None
@@ -216,6 +220,7 @@ class Batch(Generic[P]):
 
     async def _one(self, job: Job[P], produce: Produce[P], out: jsonl.Appender) -> None:
         assert self.bar is not None
+        began, past_deadline = time.monotonic(), False
         try:
             try:
                 row = await produce(job)
@@ -224,7 +229,9 @@ class Batch(Generic[P]):
             except errors.OutputError:
                 raise
             except Exception as e:  # a failure costs this job, never the run
-                self._failed(job, errors.Failure.of(e))
+                failure = errors.Failure.of(e)
+                past_deadline = failure.code == "DEADLINE_EXCEEDED"
+                self._failed(job, failure)
                 return
             self.summary.run.add(row)
             self._progress()
@@ -232,7 +239,7 @@ class Batch(Generic[P]):
             self._halt(e)
         finally:
             self.bar.update(1)
-            self.window.release()
+            self.window.release(time.monotonic() - began, past_deadline)
 
     def _failed(self, job: Job[P], failure: errors.Failure) -> None:
         self.summary.failed += 1
@@ -329,4 +336,7 @@ class Batch(Generic[P]):
             visit=visit,
         )
         self.summary.metrics, self.summary.warnings = file_summary.metrics, file_summary.warnings
+        note = self.window.note()
+        if note is not None:
+            self.summary.warnings.append(note)
         return self.summary

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gym_grpc import errors
-from gym_grpc.batch.jobs import TIMEOUT_SECONDS, BadInput, Batch, BatchSummary, Job, RunOptions
+from gym_grpc.batch.jobs import BadInput, Batch, BatchSummary, Job, RunOptions
 from gym_grpc.client.stubs import ResourcesClient
 from gym_grpc.data import jsonl, record, rows
 from gym_grpc.data.rollout_stats import verified_reward
@@ -34,8 +34,6 @@ class ReverifyOptions(RunOptions):
 
     #: The resources server that verifies every row (instead of the agents' own).
     resources: str | None = None
-    #: Seconds one verification may take.
-    timeout: float = TIMEOUT_SECONDS
 
 
 @dataclass

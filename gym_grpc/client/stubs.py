@@ -2,7 +2,8 @@
 
 Each resolves its server by name through a `Registry`, gives every call a
 deadline (what is left of the current call's deadline when called from a
-handler, else the client's default timeout) and turns a failed call into a
+handler, capped by the client's `timeout` when it has one; with neither,
+DEFAULT_TIMEOUT) and turns a failed call into a
 `GymError` that names the server and method. A server that answered before
 is waited for while it cannot be reached (see `transport.Connection`): a
 pause or a restart costs time, not the rollout.
@@ -34,7 +35,7 @@ from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
 
-#: Default timeout of one call, in seconds, when the caller has no deadline.
+#: Timeout of one call, in seconds, when neither the caller's deadline nor the client's `timeout` gives one.
 DEFAULT_TIMEOUT = 600.0
 
 
@@ -43,12 +44,21 @@ class _Client:
     _kind: str
     _service: str  # its full name, for in-process calls
 
-    def __init__(self, registry: Registry, name: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, registry: Registry, name: str, *, timeout: float | None = None) -> None:
         self.registry = registry
         self.name = name
+        #: The most one call may take; None: what is left of the caller's deadline (DEFAULT_TIMEOUT without one).
         self.timeout = timeout
         self._next = 0
         self._handshake: asyncio.Future[None] | None = None
+
+    def _deadline(self, timeout: float | None = None) -> float:
+        """The timeout of a call: `timeout`, else the client's, capped by what is left of the caller's
+        deadline; with neither, what is left of that deadline, or DEFAULT_TIMEOUT when there is none.
+        So a call made in a rollout of an hour may take the hour, not DEFAULT_TIMEOUT."""
+        chosen = timeout if timeout is not None else self.timeout
+        left = transport.timeout_for(chosen)
+        return left if left is not None else DEFAULT_TIMEOUT
 
     async def _peer(self) -> tuple[Any, transport.Connection]:
         """A stub and its connection for the next call: calls go round the server's
@@ -131,13 +141,14 @@ class _Client:
         the caller's deadline (for cleanup); a failure with a code in `passing` is returned, not raised.
         Given the `connection`, the call goes there (a session's replica), not round the server's;
         without one, a server of this process (a `process:` group) is called in-process."""
-        timeout = timeout if timeout is not None else self.timeout
+        if detached:  # its own timeout (a cleanup), whatever is left of the caller's deadline
+            timeout = timeout if timeout is not None else self.timeout if self.timeout is not None else DEFAULT_TIMEOUT
+        else:
+            timeout = self._deadline(timeout)
         local = None if connection is not None or admin else self.registry.in_process.get(self.name)
         if local is not None:
             try:
-                return await local.call(
-                    f"/{self._service}/{method}", request, timeout if detached else transport.timeout_for(timeout)
-                )
+                return await local.call(f"/{self._service}/{method}", request, timeout)
             except grpc.aio.AioRpcError as e:
                 if e.code() in passing:
                     return e
@@ -149,9 +160,7 @@ class _Client:
         if admin:
             stub = connection.stub(admin_grpc.AdminServiceStub)
         wait = connection.wait
-        call = getattr(stub, method)(
-            request, timeout=timeout if detached else transport.timeout_for(timeout), wait_for_ready=wait
-        )
+        call = getattr(stub, method)(request, timeout=timeout, wait_for_ready=wait)
         if wait:
             connection.waiting(call)
         try:
@@ -237,7 +246,7 @@ class ResourcesClient(_Client):
     _kind = "resources server"
     _service = res_pb.DESCRIPTOR.services_by_name["ResourcesService"].full_name
 
-    def __init__(self, registry: Registry, name: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, registry: Registry, name: str, *, timeout: float | None = None) -> None:
         super().__init__(registry, name, timeout=timeout)
         self._sessions: dict[str, str] = {}  # session id -> the address of the replica holding it
 
@@ -299,7 +308,7 @@ class AgentClient(_Client):
     _kind = "agent"
     _service = agent_pb.DESCRIPTOR.services_by_name["AgentService"].full_name
 
-    def __init__(self, registry: Registry, name: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, registry: Registry, name: str, *, timeout: float | None = None) -> None:
         super().__init__(registry, name, timeout=timeout)
         self._run_many: run_many.RunMany | None = None
         #: The largest run the agent takes: its handshake's max_receive_message_bytes, or ours.
@@ -326,9 +335,7 @@ class AgentClient(_Client):
             reply = await self._call("Run", request, timeout)
             return reply.rollout
         try:
-            return await self._run_many.run(
-                request, transport.timeout_for(timeout if timeout is not None else self.timeout)
-            )
+            return await self._run_many.run(request, self._deadline(timeout))
         except grpc.aio.AioRpcError as e:
             raise await self._error(e, "Run", None) from None
 
@@ -353,7 +360,7 @@ class AgentClient(_Client):
         wait = connection.wait
         call = stub.RunStream(
             agent_pb.RunStreamRequest(task=task, skip_verification=skip_verification, policy_version=policy_version),
-            timeout=transport.timeout_for(timeout if timeout is not None else self.timeout),
+            timeout=self._deadline(timeout),
             wait_for_ready=wait,
         )
         if wait:

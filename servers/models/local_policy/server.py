@@ -15,10 +15,12 @@ would.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import sys
 import zlib
 from array import array
+from typing import Any
 
 from pydantic import Field
 
@@ -43,11 +45,22 @@ class LocalPolicyConfig(ServerConfig):
     model_name: str = Field("local-policy", description="model name reported in responses")
     seed: int = Field(0, description="seed of the sampling, combined with the session id")
     latency_seconds: float = Field(0.0, ge=0.0, description="wait this long per call, as a slow engine would")
+    max_concurrent_calls: int | None = Field(
+        None,
+        ge=1,
+        description="at most this many calls take their latency_seconds at once; the others queue, as in "
+        "an engine that serves fewer requests than it is sent; null: no limit",
+    )
 
 
 class LocalPolicyModel(ModelServer):
     Config = LocalPolicyConfig
     config: LocalPolicyConfig
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        limit = self.config.max_concurrent_calls
+        self._serving = asyncio.Semaphore(limit) if limit is not None else contextlib.nullcontext()
 
     def capabilities(self) -> admin_pb.Capabilities:
         # Its tokenizer renders history exactly as generated: later prompts begin with earlier ids.
@@ -57,7 +70,8 @@ class LocalPolicyModel(ModelServer):
 
     async def create_response(self, params: r.CreateParams, session_id: str) -> r.Response:
         if self.config.latency_seconds:
-            await asyncio.sleep(self.config.latency_seconds)
+            async with self._serving:
+                await asyncio.sleep(self.config.latency_seconds)
         items = input_items(params)
         prompt_ids = tokenizer.render_prompt(params.instructions, params.tools, items)
         temperature = params.temperature if params.HasField("temperature") else 1.0

@@ -182,6 +182,39 @@ async def test_the_callers_deadline_reaches_the_model_server(start):
     assert env.app.sessions == {}
 
 
+async def _timeout_the_model_sees(start, rollout_timeout: float, **config) -> float:
+    """What is left of the model call's deadline as the model server sees it, in a rollout asked with
+    `rollout_timeout` of an agent with `config`."""
+    seen = []
+
+    class Recording(ScriptedModel):
+        async def create_response(self, params, session_id):
+            seen.append(transport.timeout_for(None))
+            return await super().create_response(params, session_id)
+
+    model = await start(Recording([say("2")]))
+    env = await start(Calculator())
+    registry = static_registry(model=model, calc=env)
+    config = {"model_server": "model", "resources_server": "calc", **config}
+    agent = await start(SimpleAgent(config, name="agent", registry=registry))
+    client = AgentClient(static_registry(agent=agent), "agent")
+    await client.run(task("1 + 1?", expected_answer=2), timeout=rollout_timeout)
+    await client.registry.close()
+    (left,) = seen
+    assert left is not None
+    return left
+
+
+async def test_a_model_call_may_take_what_is_left_of_a_long_rollouts_deadline(start):
+    """Not the clients' 600 s default: a rollout of an hour against a slow engine may wait on it for the
+    hour (each model call of a collect against a CPU vLLM failed at 600 s while the rollouts had 3,600)."""
+    assert 3000 < await _timeout_the_model_sees(start, 3600)
+
+
+async def test_an_agents_model_call_timeout_caps_each_model_call(start):
+    assert await _timeout_the_model_sees(start, 3600, model_call_timeout_seconds=30) < 31
+
+
 def test_a_rollout_has_an_id_and_text_helpers_find_the_answer():
     response = r.Response(id=new_id("resp"), output=[*say("first"), *say("final")])
     assert response.id.startswith("resp_") and final_text(response) == "final"

@@ -1,0 +1,71 @@
+"""How many rollouts a batch runs at once: at most `--max-in-flight`, and no more than end in time.
+
+A rollout's deadline (`--timeout`) counts from the moment it starts. When the engine behind the
+agents serves fewer than are started (a real engine on a CPU makes 10-20 tokens a second), the
+rest wait in its queue, on their deadlines: with a window of 4,096 against such an engine every
+rollout failed. So the window starts small and widens as rollouts end well within their deadline,
+and narrows when they do not:
+
+* it starts at `START` (or `--max-in-flight` when that is smaller);
+* a rollout that ends within a quarter of its deadline widens it by one, up to `--max-in-flight`
+  (against a fast engine it doubles each time the rollouts in flight end: a few seconds to 4,096);
+* one that takes more than half its deadline, or fails past it, halves it (down to 1), at most once
+  per window's worth of rollouts ended, as TCP's congestion window does once per round trip.
+
+This is a guard that keeps the default from failing, not a controller that reads the engine's
+load; what it does is reported once (`note`), for the summary to tell.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+#: The window's first size.
+START = 16
+
+
+class Window:
+    """The rollouts running now and how many may: `acquire` before one starts, `release` when it ends."""
+
+    def __init__(self, most: int, deadline: float | None) -> None:
+        if most < 1:
+            raise ValueError("max_in_flight must be at least 1")
+        self.most = most
+        self.deadline = deadline
+        self.size = min(most, START)
+        self.running = 0
+        #: The smallest size it narrowed to, when it did (for the summary to say).
+        self.narrowest: int | None = None
+        self._room = asyncio.Event()
+        self._ended_since_narrowing = most  # narrowing is allowed at once
+
+    async def acquire(self) -> None:
+        while self.running >= self.size:
+            self._room.clear()
+            await self._room.wait()
+        self.running += 1
+
+    def release(self, seconds: float, past_deadline: bool = False) -> None:
+        """A rollout ended after `seconds` (`past_deadline`: it failed with DEADLINE_EXCEEDED)."""
+        self.running -= 1
+        self._ended_since_narrowing += 1
+        if self.deadline is not None:
+            if past_deadline or seconds > self.deadline / 2:
+                if self._ended_since_narrowing >= self.size and self.size > 1:
+                    self.size //= 2
+                    self._ended_since_narrowing = 0
+                    self.narrowest = self.size if self.narrowest is None else min(self.narrowest, self.size)
+            elif seconds < self.deadline / 4 and self.size < self.most:
+                self.size += 1
+        if self.running < self.size:
+            self._room.set()
+
+    def note(self) -> str | None:
+        """What to tell when the window narrowed: the rollouts were slow for their deadline."""
+        if self.narrowest is None:
+            return None
+        return (
+            f"rollouts took more than half of their --timeout ({self.deadline:g} s), so at most "
+            f"{self.narrowest:,} ran at once at times (of --max-in-flight {self.most:,}): what they call "
+            "(an engine, most likely) serves fewer at once than were started"
+        )
