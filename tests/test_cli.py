@@ -445,6 +445,39 @@ def test_a_full_disk_stops_collect_with_one_error_and_the_same_command_resumes_a
         run.stop()
 
 
+UNWRITABLE_SCRIPT = """
+mkdir ro full
+mount -t tmpfs -o size=1m,ro tmpfs ro || exit 90
+mount -t tmpfs -o size=64k tmpfs full || exit 90
+dd if=/dev/zero of=full/filler bs=1k count=64 2>/dev/null  # no room left at all
+"$@" --output ro/out.jsonl 2> ro.log; echo $? > ro.rc
+"$@" --output full/out.jsonl 2> full.log; echo $? > full.rc
+"""
+
+
+@pytest.mark.slow
+def test_an_output_that_cannot_be_written_from_the_start_is_one_error_line(tmp_path):
+    """A read-only place and a disk already full (tmpfs mounts in a private mount namespace, as the
+    full-disk test makes them): collect says so in one line, no traceback, and exits 1."""
+    (tmp_path / "unwritable.sh").write_text(UNWRITABLE_SCRIPT)
+    with start_run() as run:
+        args = ["--registry", run.registry, "--agent", "weather_agent", "--input", str(WEATHER), "--no-progress"]
+        done = subprocess.run(
+            ["unshare", "--mount", "--map-root-user", "sh", "unwritable.sh", tool("gym-grpc"), "collect", *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    if done.returncode == 90 or "unshare failed" in done.stderr:
+        pytest.skip(f"cannot mount a tmpfs in a private mount namespace here: {done.stderr.strip()}")
+    for place, cause in (("ro", "Read-only file system"), ("full", "No space left on device")):
+        log = (tmp_path / f"{place}.log").read_text()
+        assert (tmp_path / f"{place}.rc").read_text().strip() == "1", log
+        (error,) = log.splitlines()  # one clear line, no traceback
+        assert error.startswith("Error: ") and f"{place}/out" in error and cause in error
+
+
 @pytest.mark.slow
 def test_num_workers_serve_one_port_and_share_the_calls(tmp_path):
     run = start_run("servers.policy_model.num_workers=2")

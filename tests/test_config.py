@@ -219,6 +219,40 @@ def test_dump_config_masks_every_secret_variable_wherever_it_is_interpolated(tmp
     }
 
 
+def test_dump_config_masks_values_shaped_like_secrets_whatever_holds_them(tmp_path):
+    """A name that does not look secret still holds one: a URL's password, a key with a well-known
+    prefix, a long random word; and a name with `credentials` is a secret's too."""
+    _write(tmp_path / "free_server.py", FREE_SERVER)
+    config = _write(
+        tmp_path / "model.yaml",
+        "servers:\n  m:\n    entrypoint: free_server.py:Free\n    config:\n"
+        "      proxy: ${proxy_credentials}\n"
+        "      upstream: http://bob:hunter2@proxy:3128\n"
+        "      header: 'Bearer ${bearer}'\n"
+        "      opaque: ${opaque}\n"
+        "      model: SmolLM2-135M-Instruct\n"
+        "      base_url: http://127.0.0.1:8000/v1\n",
+    )
+    env = _write(
+        tmp_path / "env.yaml",
+        "proxy_credentials: alice:wonderland\n"
+        "bearer: sk-proj-abcdefghijklmnop0123456789\n"
+        "opaque: Zx81Kq0pL4mN7bV2cX9aS3dF6gH1jK5l\n",
+    )
+    dumped = dump_config([config], [], env_file=env)
+    for secret in ("wonderland", "hunter2", "sk-proj-abcdefghijklmnop0123456789", "Zx81Kq0pL4mN7bV2cX9aS3dF6gH1jK5l"):
+        assert secret not in dumped
+    config_block = yaml.safe_load(dumped)["servers"]["m"]["config"]
+    assert config_block == {
+        "proxy": "***",
+        "upstream": "http://bob:***@proxy:3128",
+        "header": "Bearer ***",
+        "opaque": "***",
+        "model": "SmolLM2-135M-Instruct",  # neither a secret's name nor a secret's shape
+        "base_url": "http://127.0.0.1:8000/v1",
+    }
+
+
 def test_set_env_values_keeps_other_keys_and_comments(tmp_path):
     env = _write(
         tmp_path / "env.yaml",

@@ -86,8 +86,11 @@ def check_and_record(output: Path, fingerprint: dict[str, Any], *, force: bool =
                 f"{output} holds rollouts of another run ({record}): " + "; ".join(differences) + ". "
                 "Write to a new --output, or pass --force to resume into it anyway (the keys it holds are skipped)"
             )
-    output.parent.mkdir(parents=True, exist_ok=True)
-    record.write_text(json.dumps(fingerprint, indent=2) + "\n")
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps(fingerprint, indent=2) + "\n")
+    except OSError as e:  # a read-only place, a disk already full: nothing of the run is written yet
+        raise errors.OutputError(f"cannot write {record}: {e.strerror or e}") from None
 
 
 def _difference(key: str, before: Any, now: Any) -> str:

@@ -400,8 +400,18 @@ def _references(value: Any, where: str = "") -> dict[str, list[str]]:
 
 
 #: Names of settings and variables (env.yaml keys, `${NAME}` environment variables) whose values
-#: are secrets: api_key, token, hf_token, OPENAI_API_KEY, DB_PASSWORD, ...
-_SECRET_NAME = re.compile(r"(^|_)(key|token|secret|password)$", re.I)
+#: are secrets: api_key, token, hf_token, OPENAI_API_KEY, DB_PASSWORD, proxy_credentials, ...
+_SECRET_NAME = re.compile(r"(^|_)(key|token|secret|password|passwd|credentials?|auth)$", re.I)
+#: Values that are secrets by their shape, whatever holds them: the password of a URL
+#: (scheme://user:PASSWORD@host), a key with a well-known prefix (OpenAI's sk-, Hugging Face's
+#: hf_, GitHub's, GitLab's, Slack's, AWS's, a JWT), or a word of 32 or more letters and digits.
+_SECRET_SHAPES = (
+    re.compile(r"(?<=://)[^:/@\s]*:([^@/\s]+)(?=@)"),
+    re.compile(r"\b((?:sk|hf|ghp|gho|ghs|github_pat|glpat|xox[abp]|AKIA|AIza|eyJ)[-_A-Za-z0-9.]{16,})"),
+    re.compile(
+        r"(?<![-_A-Za-z0-9./])((?=[-_A-Za-z0-9]*\d)(?=[-_A-Za-z0-9]*[A-Za-z])[-_A-Za-z0-9]{32,})(?![-_A-Za-z0-9./])"
+    ),
+)
 MASK = "***"
 _VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _SECTIONS = ("registry", "servers", "security", "ray", "profiling_enabled", "profiling_results_dirpath")
@@ -416,6 +426,13 @@ def _secret_text(name: str, value: Any) -> str | None:
         return None
     text = str(value)
     return text if len(text) >= 4 else None
+
+
+def _mask_shapes(text: str) -> str:
+    """`text` with every value that looks like a secret (`_SECRET_SHAPES`) masked, whatever its name."""
+    for shape in _SECRET_SHAPES:
+        text = shape.sub(lambda m: m.group(0).replace(m.group(1), MASK), text)
+    return text
 
 
 def _interpolate(value: Any, variables: dict[str, Any], where: str, secrets: set[str]) -> Any:
@@ -498,6 +515,7 @@ def _mask(value: Any, secrets: list[str], key: str = "") -> Any:
     if isinstance(value, str):
         for secret in secrets:
             value = value.replace(secret, MASK)
+        value = _mask_shapes(value)
     return value
 
 
