@@ -12,6 +12,15 @@ def test_it_starts_at_start_or_the_most_when_that_is_smaller():
     assert Window(4096, 60).size == START and Window(4, 60).size == 4
 
 
+def test_a_given_max_in_flight_is_exactly_how_many_run_at_once_whatever_they_take():
+    window = Window.sized(300, deadline=5)
+    assert window.size == 300
+    window.running = 1
+    window.release(seconds=10, past_deadline=True)
+    assert window.size == 300 and window.note() is None
+    assert Window.sized(None, deadline=5).size == START
+
+
 def test_rollouts_that_end_within_a_quarter_of_their_deadline_widen_it_up_to_the_most():
     window = Window(START + 3, deadline=100)
     for _ in range(10):

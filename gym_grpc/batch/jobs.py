@@ -2,7 +2,7 @@
 
 Shared by `collect` and `reverify`. Each job has a key (task_index,
 repeat_index); keys already in the output are skipped, so running the same
-command again resumes. At most `max_in_flight` jobs run at once. A finished
+command again resumes. The window (window.py) says how many jobs run at once. A finished
 row is written whole at once; a failed job (or an input line that cannot be
 used) goes to the failures sidecar with its error's class, code and message,
 and the rest goes on. The terminal gets the first failure of each kind and a
@@ -61,7 +61,8 @@ class BatchOptions:
     repeats: int
     #: Jobs the progress bar expects; default n_tasks * repeats.
     total: int | None = None
-    max_in_flight: int = 4096
+    #: The most jobs at once; None: the window adapts, up to window.MOST (batch/window.py).
+    max_in_flight: int | None = None
     #: Seconds one job may take (its deadline), which the window keeps jobs within (batch/window.py).
     timeout: float | None = None
     reward_range: tuple[float, float] = (0.0, 1.0)
@@ -86,7 +87,8 @@ class RunOptions:
     output: Path
     #: Agent for rows that have no `agent_ref`.
     agent: str | None = None
-    max_in_flight: int = 4096
+    #: The most rollouts at once; None: the window adapts, up to window.MOST (batch/window.py).
+    max_in_flight: int | None = None
     #: Seconds one job (a rollout, a verification) may take.
     timeout: float = TIMEOUT_SECONDS
     #: Rewards outside this range are reported.
@@ -175,7 +177,7 @@ class Batch(Generic[P]):
         self.log = log
         self.summary = BatchSummary()
         self.groups = GroupIndex(options.n_tasks)
-        self.window = Window(options.max_in_flight, options.timeout)
+        self.window = Window.sized(options.max_in_flight, options.timeout)
         self.bar: tqdm | None = None
         self.tally = FailureTally(self.report, options.report_every)
         self.failures: jsonl.Appender | None = None

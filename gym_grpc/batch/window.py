@@ -1,14 +1,16 @@
-"""How many rollouts a batch runs at once: at most `--max-in-flight`, and no more than end in time.
+"""How many rollouts a batch runs at once: `--max-in-flight` when it is given, else no more than
+end in time, up to `MOST`.
 
 A rollout's deadline (`--timeout`) counts from the moment it starts. When the engine behind the
 agents serves fewer than are started (a real engine on a CPU makes 10-20 tokens a second), the
 rest wait in its queue, on their deadlines: with a window of 4,096 against such an engine every
-rollout failed. So the window starts small and widens as rollouts end well within their deadline,
-and narrows when they do not:
+rollout failed. So unless `--max-in-flight` says how many (then exactly that many run at once),
+the window starts small and widens as rollouts end well within their deadline, and narrows when
+they do not:
 
-* it starts at `START` (or `--max-in-flight` when that is smaller);
-* a rollout that ends within a quarter of its deadline widens it by one, up to `--max-in-flight`
-  (against a fast engine it doubles each time the rollouts in flight end: a few seconds to 4,096);
+* it starts at `START`;
+* a rollout that ends within a quarter of its deadline widens it by one, up to `MOST` (against a
+  fast engine it doubles each time the rollouts in flight end: a few seconds to 4,096);
 * one that takes more than half its deadline, or fails past it, halves it (down to 1), at most once
   per window's worth of rollouts ended, as TCP's congestion window does once per round trip.
 
@@ -20,24 +22,32 @@ from __future__ import annotations
 
 import asyncio
 
-#: The window's first size.
+#: The window's first size, when it adapts.
 START = 16
+
+#: The most it widens to.
+MOST = 4096
 
 
 class Window:
     """The rollouts running now and how many may: `acquire` before one starts, `release` when it ends."""
 
-    def __init__(self, most: int, deadline: float | None) -> None:
+    def __init__(self, most: int, deadline: float | None, *, adapts: bool = True) -> None:
         if most < 1:
             raise ValueError("max_in_flight must be at least 1")
         self.most = most
-        self.deadline = deadline
-        self.size = min(most, START)
+        self.deadline = deadline if adapts else None  # without a deadline to keep to, it stays as it is
+        self.size = min(most, START) if adapts else most
         self.running = 0
         #: The smallest size it narrowed to, when it did (for the summary to say).
         self.narrowest: int | None = None
         self._room = asyncio.Event()
         self._ended_since_narrowing = most  # narrowing is allowed at once
+
+    @classmethod
+    def sized(cls, max_in_flight: int | None, deadline: float | None) -> Window:
+        """Exactly `max_in_flight` at once when it is given; else one that adapts, up to MOST."""
+        return cls(MOST, deadline) if max_in_flight is None else cls(max_in_flight, deadline, adapts=False)
 
     async def acquire(self) -> None:
         while self.running >= self.size:
@@ -66,6 +76,6 @@ class Window:
             return None
         return (
             f"rollouts took more than half of their --timeout ({self.deadline:g} s), so at most "
-            f"{self.narrowest:,} ran at once at times (of --max-in-flight {self.most:,}): what they call "
-            "(an engine, most likely) serves fewer at once than were started"
+            f"{self.narrowest:,} ran at once at times: what they call (an engine, most likely) serves "
+            "fewer at once than were started; --max-in-flight N runs exactly N at once"
         )

@@ -59,7 +59,9 @@ registry_option = click.option(
     "--registry", default="127.0.0.1:50050", show_default=True, help="Registry of a `gym-grpc run`."
 )
 window_option = click.option(
-    "--max-in-flight", type=click.IntRange(min=1), default=4096, show_default=True, help="Most rollouts at once."
+    "--max-in-flight",
+    type=click.IntRange(min=1),
+    help="Run exactly this many at once.  [default: as many as end well within --timeout, up to 4,096]",
 )
 
 

@@ -50,6 +50,10 @@ class Stderr(io.TextIOBase):
     def writable(self) -> bool:
         return True
 
+    def fileno(self) -> int:
+        """The descriptor, for a child process to write to directly (an MCP server's stderr, say)."""
+        return self._fd
+
     def write(self, text: str) -> int:
         self.write_bytes(text.encode("utf-8", "backslashreplace"))
         return len(text)
