@@ -114,3 +114,14 @@ def test_a_bundled_server_has_one_name_whether_a_config_names_its_file_or_its_mo
     by_file = load_entrypoint(f"{bundled.server_dir('agents', 'simple_agent') / 'agent.py'}:SimpleAgent")
     by_module = load_entrypoint("gym_grpc.bundled.servers.agents.simple_agent.agent:SimpleAgent")
     assert by_file is by_module is SimpleAgent
+
+
+def test_every_folder_of_python_modules_is_a_package_that_a_wheel_takes():
+    """setup.py's find_packages takes folders with an __init__.py only: one without works in a
+    checkout (a namespace package) and is missing from the wheel."""
+    missing = sorted(
+        str(folder.relative_to(PACKAGE.parent))
+        for folder in {path.parent for path in PACKAGE.rglob("*.py")}
+        if not (folder / "__init__.py").exists()
+    )
+    assert missing == []
