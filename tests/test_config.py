@@ -332,3 +332,18 @@ def test_a_dataset_takes_nemo_gyms_gitlab_identifier_as_its_mlflow_identifier(tm
         load_config([config({"source": hub, "gitlab_identifier": where})])
     with pytest.raises(ConfigError, match="whose type is one of gitlab, mlflow, huggingface"):
         load_config([config({"source": {"type": "s3"}})])
+
+
+def test_a_variable_with_a_default_needs_no_value_and_takes_one_when_given(tmp_path):
+    _write(tmp_path / "free_server.py", FREE_SERVER)
+    config = _write(
+        tmp_path / "model.yaml",
+        "servers:\n  m:\n    entrypoint: free_server.py:Free\n    config:\n"
+        "      tokenizer_dir: ${policy_tokenizer_dir:-}\n"
+        "      url: http://${host:-localhost}:8000/v1\n",
+    )
+    env = _write(tmp_path / "env.yaml", "x: 1\n")
+    block = load_config([config], [], env_file=env).servers["m"].config
+    assert block == {"tokenizer_dir": "", "url": "http://localhost:8000/v1"}
+    block = load_config([config], ["policy_tokenizer_dir=/models/m", "host=gpu"], env_file=env).servers["m"].config
+    assert block == {"tokenizer_dir": "/models/m", "url": "http://gpu:8000/v1"}

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, get_args
 
 from gym_grpc import errors
-from gym_grpc.launch.config import MASK, DatasetType
+from gym_grpc.launch.config import DatasetType
+from gym_grpc.launch.masking import MASK
 
 SPLITS: tuple[str, ...] = get_args(DatasetType)
 _PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")

@@ -27,7 +27,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from gym_grpc import errors
-from gym_grpc.launch.config import MASK
+from gym_grpc.launch.masking import MASK
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient

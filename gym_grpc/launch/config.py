@@ -25,7 +25,7 @@ variables, usually
 from env.yaml (`policy_base_url: http://gpu-node:8000/v1`). `${name}` in any
 string of the servers or the registry is replaced by the variable, or else by
 the environment variable of that name; a string that is only `${name}` takes
-the variable's type.
+the variable's type. `${name:-default}` is `default` (text) where neither has a value.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gym_grpc.errors import ConfigError
+from gym_grpc.launch import masking
 from gym_grpc.rpc.security import Security
 
 
@@ -384,55 +385,26 @@ def _check_command_line_variables(overrides: Sequence[str], used: set[str]) -> N
             )
 
 
-def _references(value: Any, where: str = "") -> dict[str, list[str]]:
-    """Every `${name}` in the strings of `value`, with the dotted paths where it appears."""
+def _references(value: Any, where: str = "", *, required: bool = False) -> dict[str, list[str]]:
+    """Every `${name}` in the strings of `value`, with the dotted paths where it appears (`required`:
+    only those without a default, `${name:-default}`)."""
     found: dict[str, list[str]] = {}
     if isinstance(value, dict | list):
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, child in items:
             path = f"{where}[{key}]" if isinstance(value, list) else (f"{where}.{key}" if where else str(key))
-            for name, places in _references(child, path).items():
+            for name, places in _references(child, path, required=required).items():
                 found.setdefault(name, []).extend(places)
     elif isinstance(value, str):
-        for name in _VARIABLE.findall(value):
-            found.setdefault(name, []).append(where)
+        for match in _VARIABLE.finditer(value):
+            if not required or match.group(2) is None:
+                found.setdefault(match.group(1), []).append(where)
     return found
 
 
-#: Names of settings and variables (env.yaml keys, `${NAME}` environment variables) whose values
-#: are secrets: api_key, token, hf_token, OPENAI_API_KEY, DB_PASSWORD, proxy_credentials, ...
-_SECRET_NAME = re.compile(r"(^|_)(key|token|secret|password|passwd|credentials?|auth)$", re.I)
-#: Values that are secrets by their shape, whatever holds them: the password of a URL
-#: (scheme://user:PASSWORD@host), a key with a well-known prefix (OpenAI's sk-, Hugging Face's
-#: hf_, GitHub's, GitLab's, Slack's, AWS's, a JWT), or a word of 32 or more letters and digits.
-_SECRET_SHAPES = (
-    re.compile(r"(?<=://)[^:/@\s]*:([^@/\s]+)(?=@)"),
-    re.compile(r"\b((?:sk|hf|ghp|gho|ghs|github_pat|glpat|xox[abp]|AKIA|AIza|eyJ)[-_A-Za-z0-9.]{16,})"),
-    re.compile(
-        r"(?<![-_A-Za-z0-9./])((?=[-_A-Za-z0-9]*\d)(?=[-_A-Za-z0-9]*[A-Za-z])[-_A-Za-z0-9]{32,})(?![-_A-Za-z0-9./])"
-    ),
-)
-MASK = "***"
-_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+#: `${name}`, or `${name:-default}`: the default (text, maybe empty) where the variable has no value.
+_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _SECTIONS = ("registry", "servers", "security", "ray", "profiling_enabled", "profiling_results_dirpath")
-
-
-def _secret_text(name: str, value: Any) -> str | None:
-    """The text to mask wherever it appears when variable `name` holds a secret.
-
-    None for other variables, and for values shorter than 4 characters (masking
-    those everywhere would hide more than the secret)."""
-    if not _SECRET_NAME.search(name) or isinstance(value, bool) or not isinstance(value, str | int | float):
-        return None
-    text = str(value)
-    return text if len(text) >= 4 else None
-
-
-def _mask_shapes(text: str) -> str:
-    """`text` with every value that looks like a secret (`_SECRET_SHAPES`) masked, whatever its name."""
-    for shape in _SECRET_SHAPES:
-        text = shape.sub(lambda m: m.group(0).replace(m.group(1), MASK), text)
-    return text
 
 
 def _interpolate(value: Any, variables: dict[str, Any], where: str, secrets: set[str]) -> Any:
@@ -444,17 +416,20 @@ def _interpolate(value: Any, variables: dict[str, Any], where: str, secrets: set
     if not isinstance(value, str) or "${" not in value:
         return value
 
-    def lookup(name: str) -> Any:  # every name is known: _load checked them all first
+    def lookup(match: re.Match[str]) -> Any:  # every name without a default is known: _load checked them
+        name, default = match.group(1), match.group(2)
         if name in variables:
             return variables[name]
-        if text := _secret_text(name, os.environ[name]):
+        if name not in os.environ and default is not None:
+            return default
+        if text := masking.secret_text(name, os.environ[name]):
             secrets.add(text)
         return os.environ[name]
 
     whole = _VARIABLE.fullmatch(value)
     if whole:
-        return lookup(whole.group(1))
-    return _VARIABLE.sub(lambda m: str(lookup(m.group(1))), value)
+        return lookup(whole)
+    return _VARIABLE.sub(lambda m: str(lookup(m)), value)
 
 
 def load_env(env_file: str | Path | None = None) -> dict[str, Any]:
@@ -480,11 +455,12 @@ def _load(
     for name, value in variables.items():
         if isinstance(value, dict | list):
             raise ConfigError(f"{name}: a top-level key that is not a setting is a variable, so a scalar")
-    secrets = {text for name, value in variables.items() if (text := _secret_text(name, value))}
+    secrets = {text for name, value in variables.items() if (text := masking.secret_text(name, value))}
     sections = {k: data[k] for k in _SECTIONS if k in data}
     references = _references(sections)
     _check_command_line_variables(overrides, set(references))
-    missing = sorted((n, w) for n, w in references.items() if n not in variables and n not in os.environ)
+    required = _references(sections, required=True)
+    missing = sorted((n, w) for n, w in required.items() if n not in variables and n not in os.environ)
     if missing:
         listed = "; ".join(f"${{{name}}} in {', '.join(where)}" for name, where in missing)
         raise ConfigError(f"unknown variables (set them in env.yaml or in the environment): {listed}")
@@ -503,20 +479,6 @@ def load_config(
 
     `env_file` defaults to `env.yaml` in the current directory when it exists."""
     return _load(paths, overrides, env_file)[0]
-
-
-def _mask(value: Any, secrets: list[str], key: str = "") -> Any:
-    if isinstance(value, dict):
-        return {k: _mask(v, secrets, k) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_mask(v, secrets, key) for v in value]
-    if _SECRET_NAME.search(key) and value not in (None, "") and not isinstance(value, bool):
-        return MASK
-    if isinstance(value, str):
-        for secret in secrets:
-            value = value.replace(secret, MASK)
-        value = _mask_shapes(value)
-    return value
 
 
 def check_servers(config: GymConfig) -> None:
@@ -548,7 +510,7 @@ def dump_config(
     config, secrets = _load(paths, overrides, env_file)
     check_servers(config)
     longest_first = sorted(secrets, key=len, reverse=True)  # a secret that holds another is masked whole
-    return yaml.safe_dump(_mask(config.model_dump(mode="json"), longest_first), sort_keys=False)
+    return yaml.safe_dump(masking.mask(config.model_dump(mode="json"), longest_first), sort_keys=False)
 
 
 def set_env_values(path: Path, values: dict[str, str]) -> bool:
