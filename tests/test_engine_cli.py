@@ -98,6 +98,7 @@ def test_start_writes_env_yaml_keeping_the_users_keys_and_stop_ends_the_engine(s
     env = yaml.safe_load(env_yaml.read_text())
     assert env["hf_token"] == "hf_abc" and env["policy_api_key"] == "EMPTY"
     assert env["policy_model_name"] == installation.MODEL_NAME
+    assert env["policy_chat_template"].endswith("hermes_tools.jinja")  # what the engine was started with
     assert env["policy_base_url"].startswith("http://127.0.0.1:") and env["policy_base_url"].endswith("/v1")
     assert _models(env["policy_base_url"]) == ["fake"]  # the URL written is the engine's
     assert env_yaml.read_text().startswith("# my secrets\nhf_token: hf_abc  # for the Hub\n")
@@ -156,6 +157,8 @@ def test_env_file_option_names_the_file_written(shell: Shell) -> None:
         "policy_base_url",
         "policy_api_key",
         "policy_model_name",
+        "policy_tokenizer_dir",
+        "policy_chat_template",
     }
     assert "gym-grpc run --env-file secrets/engine.yaml configs/vllm.yaml" in started.stdout
 

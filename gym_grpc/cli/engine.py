@@ -10,8 +10,9 @@ import click
 
 from gym_grpc.launch.config import ConfigError, load_env, set_env_values
 
-#: The env.yaml keys that configs/vllm.yaml reads.
-ENGINE_KEYS = ("policy_base_url", "policy_api_key", "policy_model_name")
+#: The env.yaml keys that configs/vllm.yaml reads: where the engine is, and the tokenizer and chat
+#: template it serves, with which the model server renders prompts itself.
+ENGINE_KEYS = ("policy_base_url", "policy_api_key", "policy_model_name", "policy_tokenizer_dir", "policy_chat_template")
 
 
 @click.group()
@@ -67,7 +68,8 @@ def engine_start_command(env_file: Path, max_model_len: int, ready_timeout: floa
         f"vLLM serves {started.model} at {started.base_url} (pid {started.pid}) after {time.monotonic() - began:.0f} s"
     )
     click.echo(f"log: {started.log_path}")
-    values = dict(zip(ENGINE_KEYS, (started.base_url, "EMPTY", started.model), strict=True))
+    served = (started.base_url, "EMPTY", started.model, str(prepared.model_dir), str(local_vllm.CHAT_TEMPLATE))
+    values = dict(zip(ENGINE_KEYS, served, strict=True))
     try:
         kept = set_env_values(env_file, values)
     except ConfigError as e:

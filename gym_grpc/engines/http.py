@@ -134,8 +134,14 @@ class Engine:
 
         Raises EngineError for an HTTP error not worth retrying, and a GymError
         (UNAVAILABLE, DEADLINE_EXCEEDED) when retries, budget or deadline run out."""
+        return await self._request("POST", path, orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS), from_root)
+
+    async def get(self, path: str, *, from_root: bool = False) -> dict[str, Any]:
+        """GET base_url + path (vLLM's /models, say), retried as `post` is; the answer's JSON."""
+        return await self._request("GET", path, None, from_root)
+
+    async def _request(self, method: str, path: str, payload: bytes | None, from_root: bool) -> dict[str, Any]:
         url = f"{self.base_url.removesuffix('/v1') if from_root else self.base_url}{path}"
-        payload = orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS)
         retries = Retries(self.settings, f"engine {url}")
         if self._first_request is None:
             self._first_request = time.monotonic()
@@ -143,7 +149,7 @@ class Engine:
         while True:
             try:
                 async with asyncio.timeout(retries.time_left()):  # no task per request, as wait_for makes
-                    return await self._send(url, payload)
+                    return await self._send(method, url, payload)
             except _Retryable as e:
                 failure = e.failure
             except aiohttp.SocketTimeoutError:
@@ -196,8 +202,8 @@ class Engine:
             await asyncio.wait_for(self._answered.wait(), delay)
         return True
 
-    async def _send(self, url: str, payload: bytes) -> dict[str, Any]:
-        async with self._client().post(url, data=payload) as reply:
+    async def _send(self, method: str, url: str, payload: bytes | None) -> dict[str, Any]:
+        async with self._client().request(method, url, data=payload) as reply:
             if not self._answered.is_set():
                 self._answered.set()
                 if self._waiting_since is not None:

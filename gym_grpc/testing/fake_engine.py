@@ -18,16 +18,26 @@ one token (258) that its tokenizer never produces, as real samplers do.
 Faults on demand: HTTP errors for the first N requests (with a Retry-After
 header if asked), hanging, a context limit; and a late start, on a socket
 bound before (connections to it are refused until then).
+
+`write_tokenizer(directory)` writes its tokenizer and chat template as a model
+directory's files (tokenizer.json, tokenizer_config.json), which transformers
+loads and renders to the very ids its /tokenize gives: what a model server that
+renders prompts itself (vllm_model's `tokenizer_dir`) reads from a real model.
+As vLLM does, the template gets tool-call arguments as objects and writes them
+with `tojson`, and a message's text parts joined by newlines.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -45,6 +55,63 @@ def encode_sampled(text: str) -> list[int]:
     for index, piece in enumerate(text.split("th")):
         ids += ([TH] if index else []) + encode(piece)
     return ids
+
+
+def _arguments_text(arguments: Any) -> str:
+    """Tool-call arguments as the template writes them: parsed to an object, as vLLM passes them
+    ({} when they are not one), then `tojson` (transformers': ensure_ascii off)."""
+    try:
+        parsed = json.loads(arguments) if isinstance(arguments, str) and arguments else arguments or {}
+    except json.JSONDecodeError:
+        parsed = {}
+    return json.dumps(parsed if isinstance(parsed, dict) else {}, ensure_ascii=False)
+
+
+#: FakeEngine.render as a chat template (transformers renders it with trim_blocks and lstrip_blocks).
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'assistant' -%}"
+    "{{ '<|im_start|>assistant\n' + (message.content or '') }}"
+    "{%- for call in message.tool_calls or [] -%}"
+    '{{ \'<tool_call>{"name": "\' + call.function.name + \'", "arguments": \' + (call.function.arguments | tojson)'
+    " + '}</tool_call>' }}"
+    "{%- endfor -%}"
+    "{{ '<|im_end|>\n' }}"
+    "{%- else -%}"
+    "{{ '<|im_start|>' + message.role + '\n' + (message.content or '') + '<|im_end|>\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+)
+
+
+def write_tokenizer(directory: Path) -> Path:
+    """Write the fake engine's tokenizer (a byte per token, `<|im_start|>` 256 and `<|im_end|>` 257)
+    and CHAT_TEMPLATE as a model directory's tokenizer files; returns the directory. Needs the
+    `tokenizers` package (transformers brings it)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()  # the 256 characters byte-level BPE writes bytes as, one each
+    by_byte = {b: c for c, b in zip(sorted(alphabet, key=_byte_of), range(256), strict=True)}
+    vocab = {by_byte[b]: b for b in range(256)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)])
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def _byte_of(char: str) -> int:
+    """The byte that byte-level BPE writes as `char` (GPT-2's table: printable bytes as themselves)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(others)}
+    return table[char]
 
 
 def decode(ids: list[int]) -> str:
@@ -88,6 +155,8 @@ class FakeEngine:
         self.sampled_splits = sampled_splits
         self.requests: list[dict] = []
         self.headers: list[dict] = []
+        #: Requests by path ("/v1/completions", "/tokenize"...), as an engine's access log counts them.
+        self.calls: Counter[str] = Counter()
         self.fail_next: list[int] = []  # statuses to answer the next requests with
         self.retry_after: str | None = None  # the Retry-After header of those answers
         self.hang = False
@@ -99,7 +168,8 @@ class FakeEngine:
 
     async def start(self, sock: socket.socket | None = None) -> str:
         """Serve on 127.0.0.1, on a free port or on `sock` (bound, not yet listening); the base URL."""
-        app = web.Application()
+        app = web.Application(middlewares=[self._count])
+        app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/responses", self._responses)
@@ -115,6 +185,17 @@ class FakeEngine:
         self.base_url = f"http://127.0.0.1:{port}/v1"
         return self.base_url
 
+    @web.middleware
+    async def _count(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        self.calls[request.path] += 1
+        return await handler(request)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        """vLLM's model list: one model, with its context length."""
+        return web.json_response(
+            {"object": "list", "data": [{"id": "fake", "object": "model", "max_model_len": self.max_model_len}]}
+        )
+
     async def stop(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
@@ -126,16 +207,15 @@ class FakeEngine:
         last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
         for position, message in enumerate(messages):
             content = message.get("content") or ""
-            if isinstance(content, list):
-                content = "".join(p.get("text", "") for p in content)
+            if isinstance(content, list):  # text parts joined by newlines, as vLLM does
+                content = "\n".join(p.get("text", "") for p in content)
             if message["role"] == "assistant":
                 if self.strip_history_reasoning and position < last_user and "</think>" in content:
                     content = content.split("</think>", 1)[1]
                 for call in message.get("tool_calls") or []:
                     function = call["function"]
-                    content += (
-                        f'<tool_call>{{"name": "{function["name"]}", "arguments": {function["arguments"]}}}</tool_call>'
-                    )
+                    arguments = _arguments_text(function.get("arguments"))
+                    content += f'<tool_call>{{"name": "{function["name"]}", "arguments": {arguments}}}</tool_call>'
                 ids += [IM_START, *encode("assistant\n" + content), IM_END, *encode("\n")]
             else:
                 ids += [IM_START, *encode(f"{message['role']}\n{content}"), IM_END, *encode("\n")]

@@ -26,9 +26,13 @@ MATH_TASKS = REPO / "servers" / "resources" / "math" / "data" / "example.jsonl"
 
 
 def env_file(engine: local_vllm.Engine, directory: Path) -> Path:
-    """An env.yaml that points configs/vllm.yaml or configs/openai.yaml at `engine`."""
+    """An env.yaml that points configs/vllm.yaml or configs/openai.yaml at `engine`, with the tokenizer
+    and chat template it serves (configs/vllm.yaml then renders prompts in the model server)."""
     path = directory / "env.yaml"
-    path.write_text(f"policy_base_url: {engine.base_url}\npolicy_api_key: EMPTY\npolicy_model_name: {engine.model}\n")
+    path.write_text(
+        f"policy_base_url: {engine.base_url}\npolicy_api_key: EMPTY\npolicy_model_name: {engine.model}\n"
+        f"policy_tokenizer_dir: {local_vllm.prepare().model_dir}\npolicy_chat_template: {local_vllm.CHAT_TEMPLATE}\n"
+    )
     return path
 
 
@@ -36,7 +40,11 @@ def env_file(engine: local_vllm.Engine, directory: Path) -> Path:
 def serving(
     engine: local_vllm.Engine, directory: Path, *configs: Path, overrides: tuple[str, ...] = ()
 ) -> Iterator[GymRun]:
-    """`gym-grpc run CONFIGS --env-file ENV` (port 0 registry) until the block ends."""
+    """`gym-grpc run CONFIGS --env-file ENV` (port 0 registry) until the block ends. With configs/vllm.yaml,
+    every prompt rendered in the model server is checked against the engine's /tokenize (verify_render):
+    the proof, on every conversation of these tests, that local rendering gives the engine's ids."""
+    if VLLM in configs:
+        overrides = ("servers.policy_model.config.verify_render=true", *overrides)
     run = start_run("--env-file", str(env_file(engine, directory)), *overrides, configs=configs)
     try:
         yield run

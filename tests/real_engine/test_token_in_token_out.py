@@ -86,6 +86,11 @@ def test_multi_turn_tool_rollouts_extend_the_sampled_ids_on_every_turn(engine, s
             assert all(value <= 0.0 for value in carrier["generation_log_probs"])
     counters = _post_counters(running)
     assert counters.get("non_monotonic_histories", {}) == {}
+    # Every prompt of these 25 rollouts was rendered in the model server and checked, id for id,
+    # against the engine's own /tokenize (verify_render): the two agree on tools, tool calls and
+    # their results, multi-turn conversations, reasoning tags and the generation prompt.
+    assert "prompts rendered here, with the tokenizer of" in running.log()
+    assert "checked against the engine's /tokenize (verify_render)" in running.log()
 
 
 def _post_counters(running: GymRun) -> dict[str, Any]:

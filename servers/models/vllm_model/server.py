@@ -7,10 +7,14 @@ With `return_token_ids` every assistant turn carries its prompt ids,
 generated ids and the log-probs the engine reported when it sampled them (on
 the turn's last output item), and by default (`token_in_token_out`) the
 server talks to the engine in token ids through `/v1/completions`: the first
-turn is rendered by the engine's chat template (its `/tokenize`), and every
-later turn's prompt is the previous prompt + generated ids + the ids of only
-the messages that came after (see token_prompts.py), so no turn is ever
-trained on ids the model did not see. The server then reads reasoning (by its
+turn is rendered by the engine's chat template, and every later turn's prompt
+is the previous prompt + generated ids + the ids of only the messages that
+came after (see token_prompts.py), so no turn is ever trained on ids the model
+did not see. Rendering happens in this process when it has the engine's
+tokenizer and chat template (`tokenizer_dir`, `chat_template`; templates.py):
+then a turn costs the engine one request, the generation. Without them it asks
+the engine's `/tokenize`, twice a turn (the session's last prompt is kept, so
+earlier turns are not rendered again; `session_memory`). The server then reads reasoning (by its
 tags) and tool calls (by `tool_call_parser`, as vLLM's `--tool-call-parser`)
 from the generated text itself, and constrains tool calls to the tools'
 schemas with a structural tag (`tool_call_grammar`; `tool_choice: required`
@@ -49,12 +53,15 @@ part of the text either way).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import operator
+from array import array
+from collections import OrderedDict
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from gym_grpc import errors
 from gym_grpc.data import json_input
@@ -63,7 +70,7 @@ from gym_grpc.responses import assistant_message, input_items, item_body, new_id
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import responses_pb2 as r
 
-from . import chat, token_prompts, tool_calls
+from . import chat, templates, token_prompts, tool_calls
 
 log = logging.getLogger("gym_grpc.vllm_model")
 
@@ -82,6 +89,38 @@ class VLLMModelConfig(EngineSettings):
     )
     prefix_token_ids: Literal["check", "require"] = Field(
         "check", description="chat path: check the engine's prompt ids against earlier turns, or require them"
+    )
+    render: Literal["auto", "local", "engine"] = Field(
+        "auto",
+        description="token path: where conversations become prompt ids: 'local' here, with the engine's tokenizer "
+        "and chat template (tokenizer_dir, chat_template), so a turn costs the engine only its generation; "
+        "'engine' its /tokenize; 'auto' local when tokenizer_dir is set",
+    )
+    tokenizer_dir: str | None = Field(
+        None, description="token path: the directory of the model the engine serves (its tokenizer files)"
+    )
+    chat_template: str | None = Field(
+        None, description="token path: the chat template file the engine was started with; null: the tokenizer's"
+    )
+    chat_template_content_format: Literal["string", "openai"] = Field(
+        "string", description="token path: how the template reads a message's content, as vLLM's option of that name"
+    )
+
+    @field_validator("tokenizer_dir", "chat_template", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: Any) -> Any:
+        return None if value == "" else value  # `${policy_tokenizer_dir:-}` in configs/vllm.yaml
+
+    verify_render: bool = Field(
+        False,
+        description="token path: render each conversation here and on the engine and fail on any difference "
+        "(checks a local setup; costs the engine the requests local rendering saves)",
+    )
+    session_memory: int = Field(
+        4096,
+        ge=0,
+        description="token path: sessions whose last prompt is kept, so that a turn renders only what is new; "
+        "the oldest are forgotten past it (their next turn checks the whole history)",
     )
     reasoning_tags: tuple[str, str] = Field(("<think>", "</think>"), description="tags around reasoning in text")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="sent with every request")
@@ -195,7 +234,23 @@ class VLLMModel(EngineModelServer):
     async def start(self) -> None:
         await super().start()
         self._closings: dict[tuple[str, str], list[int]] = {}
-        self._context: dict[str, int] = {}  # each engine's context length, as its /tokenize reports it
+        self._context: dict[str, int] = {}  # each engine's context length, as /tokenize or /models reports it
+        self._known: OrderedDict[str, token_prompts.Known] = OrderedDict()  # by session, the oldest first
+        self._local: templates.LocalTemplate | None = None
+        config = self.config
+        if config.render == "local" and config.tokenizer_dir is None:
+            raise errors.ConfigError(f"server {self.name!r}: config.render is 'local' but no tokenizer_dir is given")
+        if config.render != "engine" and config.tokenizer_dir is not None:
+            self._local = await asyncio.to_thread(
+                templates.LocalTemplate, config.tokenizer_dir, config.chat_template, config.chat_template_content_format
+            )
+            log.info(
+                "%s: token path: prompts rendered here, with the tokenizer of %s and %s%s",
+                self.name,
+                config.tokenizer_dir,
+                f"the chat template {config.chat_template}" if config.chat_template else "its own chat template",
+                ", each checked against the engine's /tokenize (verify_render)" if config.verify_render else "",
+            )
 
     def _chat_body(self, params: r.CreateParams) -> dict[str, Any]:
         """The Chat Completions request for `params`, with the config's and the row's engine options."""
@@ -223,7 +278,7 @@ class VLLMModel(EngineModelServer):
         engine = self.engines.for_session(session_id)
         try:
             if self.config.return_token_ids and self.config.token_in_token_out:
-                return await self._by_tokens(engine, params, body)
+                return await self._by_tokens(engine, params, body, session_id)
             return await self._by_chat(engine, params, body)
         except EngineError as e:
             detail = e.detail or ""
@@ -233,7 +288,9 @@ class VLLMModel(EngineModelServer):
 
     # --- token in, token out: /v1/completions ---------------------------------
 
-    async def _by_tokens(self, engine: Engine, params: r.CreateParams, body: dict[str, Any]) -> r.Response:
+    async def _by_tokens(
+        self, engine: Engine, params: r.CreateParams, body: dict[str, Any], session_id: str
+    ) -> r.Response:
         messages = body.pop("messages")
         template: dict[str, Any] = {key: body.pop(key) for key in ("tools", "chat_template_kwargs") if key in body}
         if "reasoning_effort" in body:  # a template option (gpt-oss), as vLLM's chat path passes it
@@ -242,14 +299,31 @@ class VLLMModel(EngineModelServer):
         choice = choice["function"]["name"] if isinstance(choice, dict) else choice
         parallel = body.pop("parallel_tool_calls", True)
 
-        async def render(conversation: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
-            return await self._tokenize(engine, {**template, "messages": conversation}, add_generation_prompt)
+        local = self._local if self._local is not None and self._local.renders(messages) else None
 
+        async def render(conversation: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+            if local is None:
+                return await self._tokenize(engine, {**template, "messages": conversation}, add_generation_prompt)
+            ids = await asyncio.to_thread(
+                local.render,
+                conversation,
+                tools=template.get("tools"),
+                template_kwargs=template.get("chat_template_kwargs"),
+                add_generation_prompt=add_generation_prompt,
+            )
+            if self.config.verify_render:
+                await self._verify_render(engine, template, conversation, add_generation_prompt, ids)
+            return ids
+
+        carriers = _carriers(input_items(params))
         try:
             closing = await self._closing(engine, template.get("chat_template_kwargs"), render)
-            prompt = await token_prompts.build(messages, _carriers(input_items(params)), render, closing)
+            prompt = await token_prompts.build(messages, carriers, render, closing, self._known.get(session_id))
         except ValueError as e:
             raise errors.InvalidArgument(str(e), field="params.input") from None
+        self._remember(
+            session_id, token_prompts.Known(token_prompts.digest(messages, carriers), array("I", prompt.ids))
+        )
         if prompt.broken is not None:
             self.counters.history(prompt.cause or "edited")
             if self.config.non_monotonic == "refuse":
@@ -269,6 +343,8 @@ class VLLMModel(EngineModelServer):
             except ValueError as e:
                 raise errors.InvalidArgument(f"params.tool_choice: {e}", field="params.tool_choice") from None
         body.update(prompt=prompt.ids, logprobs=0, return_token_ids=True, return_tokens_as_token_ids=True)
+        if engine.base_url not in self._context:
+            await self._context_length(engine)
         if engine.base_url in self._context:
             # /v1/completions stops at 16 tokens unless told; Chat Completions at the context's end. A
             # max_output_tokens past the context's end is cut to fit, as vLLM cuts prompt + max_tokens.
@@ -310,6 +386,48 @@ class VLLMModel(EngineModelServer):
         response = chat.to_response(as_chat, self.config.reasoning_tags, params)
         _attach(response, prompt.ids, generated, log_probs)
         return response
+
+    def _remember(self, session_id: str, known: token_prompts.Known) -> None:
+        """Keep a session's last prompt (see token_prompts.Known), forgetting the oldest past session_memory."""
+        if not session_id or not self.config.session_memory:
+            return
+        self._known[session_id] = known
+        self._known.move_to_end(session_id)
+        while len(self._known) > self.config.session_memory:
+            self._known.popitem(last=False)
+
+    async def _verify_render(
+        self,
+        engine: Engine,
+        template: dict[str, Any],
+        conversation: list[dict[str, Any]],
+        generation: bool,
+        ids: list[int],
+    ) -> None:
+        """verify_render: the engine's own rendering of `conversation` must be `ids`, to the token."""
+        expected = await self._tokenize(engine, {**template, "messages": conversation}, generation)
+        if expected != ids:
+            apart = next(
+                (i for i, (a, b) in enumerate(zip(ids, expected, strict=False)) if a != b), min(len(ids), len(expected))
+            )
+            raise errors.GymError(
+                f"the local chat template renders a conversation of {len(conversation)} messages other than the "
+                f"engine {engine.base_url}: {len(ids)} ids here, {len(expected)} there, apart from position {apart} "
+                "(check tokenizer_dir, chat_template and chat_template_content_format against the engine's)",
+                reason=errors.Reason.ENGINE_FAILED,
+            )
+
+    async def _context_length(self, engine: Engine) -> None:
+        """The engine's context length, from its /models (vLLM's `max_model_len`), when nothing said it yet."""
+        try:
+            models = (await engine.get("/models")).get("data") or []
+        except EngineError:
+            return
+        for model in models:
+            if isinstance(model, dict) and isinstance(model.get("max_model_len"), int):
+                if model.get("id") in (self.config.model, None) or len(models) == 1:
+                    self._context[engine.base_url] = model["max_model_len"]
+                    return
 
     async def _closing(
         self, engine: Engine, template_kwargs: dict[str, Any] | None, render: token_prompts.Render

@@ -17,6 +17,13 @@ the assistant's words, the rest from rendering the conversation through turn
 n-1 and all of it and taking the difference. A turn cut at max_output_tokens
 is closed the same way.
 
+What a turn costs the renderer does not grow with the turns before it: the prompt a session's
+last turn was built from is kept (`Known`), and when the next call's conversation is that one
+with the turn's answer and what followed, and the turn carries the ids that prompt was, the
+earlier turns are known to extend each other already; only the conversation through the new turn
+and all of it are rendered (two renders a turn, where checking every earlier turn took two for
+each). Any other history is checked whole, as below.
+
 The history a caller sends back is checked against the ids its turns carry:
 every earlier turn's prompt must be either the conversation before it as the
 template renders it (a sample starts there) or the turn before it extended as
@@ -30,6 +37,9 @@ decides: start a new sample (the whole conversation rendered) or refuse.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
+from array import array
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +54,29 @@ class Carrier:
 
     prompt: Sequence[int]
     generated: Sequence[int]
+
+
+@dataclass(frozen=True)
+class Known:
+    """What a session's last prompt was built from: the digest of its conversation and carriers, and
+    the prompt ids (4 bytes an id: a session may keep tens of thousands)."""
+
+    digest: bytes
+    prompt: array
+
+
+def digest(messages: Sequence[dict[str, Any]], carriers: Sequence[Carrier | None]) -> bytes:
+    """A digest of a conversation and the ids its turns carry (the ids as they are, in C)."""
+    h = hashlib.blake2b(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode(), digest_size=20)
+    for carrier in carriers:
+        if carrier is None:
+            h.update(b"-")
+            continue
+        h.update(b"p")
+        h.update(array("I", carrier.prompt).tobytes())
+        h.update(b"g")
+        h.update(array("I", carrier.generated).tobytes())
+    return h.digest()
 
 
 @dataclass(frozen=True)
@@ -114,17 +147,34 @@ async def turn_closing(render: Render) -> list[int]:
 
 
 async def build(
-    messages: list[dict[str, Any]], carriers: Sequence[Carrier | None], render: Render, closing: list[int]
+    messages: list[dict[str, Any]],
+    carriers: Sequence[Carrier | None],
+    render: Render,
+    closing: list[int],
+    known: Known | None = None,
 ) -> Prompt:
     """The prompt ids of the next turn of `messages` (Chat Completions messages).
 
     `carriers` holds, for each assistant message in order, the ids its turn
     carries (None for a turn without ids, such as a few-shot example);
-    `closing` is the template's turn_closing(). Raises
+    `closing` is the template's turn_closing(); `known`, what the session's last
+    prompt was built from (see the module's docstring). Raises
     ValueError when the last assistant turn has no ids although an earlier one has."""
     at = [i for i, message in enumerate(messages) if message.get("role") == "assistant"]
     if len(at) != len(carriers):
         raise ValueError(f"{len(carriers)} carriers for {len(at)} assistant messages")
+    last = carriers[-1] if carriers else None
+    if (
+        known is not None
+        and last is not None
+        and array("I", last.prompt) == known.prompt
+        and digest(messages[: at[-1]], carriers[:-1]) == known.digest
+    ):
+        through_last, all_of_it = await asyncio.gather(render(messages[: at[-1] + 1], False), render(messages, True))
+        try:
+            return Prompt(_extend(_Done(last, through_last, len(carriers)), all_of_it, closing))
+        except _NotExtending as e:
+            return Prompt(all_of_it, str(e), e.cause)
     first = next((n for n, carrier in enumerate(carriers) if carrier is not None), None)
     if first is None:
         return Prompt(await render(messages, True))

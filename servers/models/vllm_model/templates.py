@@ -1,0 +1,163 @@
+"""The engine's chat template and tokenizer, in this process: a conversation to the prompt ids vLLM's
+/tokenize gives for it, with no request to the engine.
+
+vLLM renders a chat request in two steps, and this module makes both as it does:
+
+1. the messages become a "conversation" (vllm/renderers/chat_utils.py): each message's content is
+   its text parts joined by newlines ("string" format; or kept as `{"type": "text"}` parts in the
+   "openai" format, for templates that loop over parts); an assistant's tool calls are kept, their
+   JSON arguments parsed into objects ({} when they are not an object), an empty list of them
+   dropped; a tool message keeps its `tool_call_id`; each tool is what vLLM's request model dumps
+   (`type`, then `function` with `name`, `description`, `parameters` and, when set, `strict`);
+2. the tokenizer's `apply_chat_template` (transformers) renders the conversation with the tools and
+   the chat template the engine was started with, and tokenizes the text without special tokens.
+
+Images and other parts that are not text have no local rendering here: such a conversation is
+rendered by the engine (`LocalTemplate.renders` says which). The model server's `verify_render`
+renders every conversation both ways and fails on a difference; the real-engine tests run so.
+`transformers` (`pip install 'gym-grpc[render]'`) and the model's tokenizer files are needed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from gym_grpc.errors import ConfigError
+
+JSON = dict[str, Any]
+ContentFormat = Literal["string", "openai"]
+
+
+def _texts(content: Any) -> list[str] | None:
+    """The text parts of a message's content, or None when it has a part that is not text."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [content]
+    texts = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type") == "text":
+            texts.append(str(part.get("text", "")))
+        else:
+            return None
+    return texts
+
+
+def _arguments(arguments: Any) -> JSON:
+    """A tool call's arguments as templates get them from vLLM: an object ({} for anything else)."""
+    if isinstance(arguments, dict):
+        return arguments
+    if not arguments:
+        return {}
+    try:
+        parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except json.JSONDecodeError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def conversation(messages: list[JSON], content_format: ContentFormat) -> list[JSON] | None:
+    """Chat Completions messages as vLLM hands them to a chat template; None when one holds a part
+    that is not text (an image), which only the engine renders."""
+    out = []
+    for message in messages:
+        texts = _texts(message.get("content"))
+        if texts is None:
+            return None
+        role = message["role"]
+        content: Any = [{"type": "text", "text": t} for t in texts] if content_format == "openai" else "\n".join(texts)
+        result: JSON = {"role": role, "content": content}
+        if role == "assistant":
+            calls = message.get("tool_calls")
+            if calls:
+                result["tool_calls"] = copy.deepcopy(list(calls))
+                for call in result["tool_calls"]:
+                    function = call.get("function")
+                    if isinstance(function, dict):
+                        function["arguments"] = _arguments(function.get("arguments"))
+            if message.get("reasoning") is not None:
+                result["reasoning"] = result["reasoning_content"] = message["reasoning"]
+        elif role == "tool" and "tool_call_id" in message:
+            result["tool_call_id"] = message["tool_call_id"]
+        if isinstance(message.get("name"), str):
+            result["name"] = message["name"]
+        out.append(result)
+    return out
+
+
+def tool(spec: JSON) -> JSON:
+    """A Chat Completions tool as vLLM's request model dumps it for the template (keys in its order)."""
+    function = spec.get("function") or {}
+    dumped: JSON = {
+        "name": function.get("name"),
+        "description": function.get("description"),
+        "parameters": function.get("parameters"),
+    }
+    if function.get("strict") is not None:
+        dumped["strict"] = function["strict"]
+    return {"type": spec.get("type", "function"), "function": dumped}
+
+
+class LocalTemplate:
+    """A model's tokenizer and chat template, loaded from the directory the engine serves it from."""
+
+    def __init__(
+        self,
+        tokenizer_dir: str | Path,
+        chat_template: str | Path | None = None,
+        content_format: ContentFormat = "string",
+    ) -> None:
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise ConfigError(
+                "rendering prompts in the model server needs transformers: pip install 'gym-grpc[render]' "
+                "(or render: engine, which asks the engine's /tokenize)"
+            ) from None
+        directory = Path(tokenizer_dir).expanduser()
+        if not (directory / "tokenizer_config.json").is_file():
+            raise ConfigError(f"tokenizer_dir {str(directory)!r}: no tokenizer_config.json there")
+        self.tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        self.template: str | None = None
+        if chat_template is not None:
+            path = Path(chat_template).expanduser()
+            if not path.is_file():
+                raise ConfigError(f"chat_template {str(path)!r}: no such file")
+            self.template = path.read_text(encoding="utf-8")
+        elif not getattr(self.tokenizer, "chat_template", None):
+            raise ConfigError(
+                f"tokenizer_dir {str(directory)!r}: its tokenizer has no chat template; give chat_template"
+            )
+        self.content_format = content_format
+
+    def renders(self, messages: list[JSON]) -> bool:
+        """Whether this conversation can be rendered here (text only)."""
+        return conversation(messages, self.content_format) is not None
+
+    def render(
+        self,
+        messages: list[JSON],
+        *,
+        tools: list[JSON] | None,
+        template_kwargs: JSON | None,
+        add_generation_prompt: bool,
+    ) -> list[int]:
+        """The ids of `messages` as the engine's /tokenize gives them (ValueError when a part is not text)."""
+        parsed = conversation(messages, self.content_format)
+        if parsed is None:
+            raise ValueError("a message has a part that is not text: only the engine renders it")
+        ids = self.tokenizer.apply_chat_template(
+            parsed,
+            tools=None if tools is None else [tool(t) for t in tools],
+            chat_template=self.template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            return_dict=False,
+            **(template_kwargs or {}),
+        )
+        return list(ids)
