@@ -151,6 +151,11 @@ class Stack:
         self.servers = self.run.servers
         self.pids = sorted({pid for name in self.servers for pid in self.run.pids(name)})
 
+    @property
+    def process(self) -> subprocess.Popen:
+        """The `gym-grpc run` process (the supervisor, which serves the registry)."""
+        return self.run.process
+
     def cpu(self) -> float:
         return sum(_cpu_seconds(pid) for pid in self.pids)
 
