@@ -82,7 +82,7 @@ def test_an_engine_that_dies_is_reported_with_the_end_of_its_log(fake: Any, tmp_
 @pytest.mark.slow
 def test_an_engine_that_never_answers_times_out_and_is_stopped(fake: Any, tmp_path: Path) -> None:
     prepared, pids = fake("hang")
-    with pytest.raises(EngineStartError, match=r"did not answer http://127\.0\.0\.1:\d+/v1/models within 2 s"):
+    with pytest.raises(EngineStartError, match=r"did not serve at http://127\.0\.0\.1:\d+/v1 within 2 s"):
         start(prepared, log_path=tmp_path / "vllm.log", ready_timeout=2)
     assert _started(pids) and not any(alive(pid) for pid in _started(pids))
 

@@ -15,14 +15,9 @@ sessions spread over all of them.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import dataclasses
 import json
-import logging
-import time
 import zlib
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import aiohttp
 import grpc
@@ -30,24 +25,31 @@ import orjson
 from pydantic import Field, field_validator
 
 from gym_grpc import errors
-from gym_grpc.engines.retries import Failure, FailureClass, Retries, RetrySettings, retry_after_seconds
+from gym_grpc.engines.link import EngineLink
+from gym_grpc.engines.retries import Failure, FailureClass, RetrySettings, retry_after_seconds
 from gym_grpc.model import ModelServer
 from gym_grpc.server import open_files
 from gym_grpc.server.counters import Counters
 from gym_grpc.server.serving import ServerConfig
 
-log = logging.getLogger("gym_grpc.engines.http")
+if TYPE_CHECKING:
+    from gym_grpc.engines.vllm_grpc import GrpcEngine
+
 
 #: HTTP statuses worth retrying; the others are the engine's answer. 500 is among them
 #: (as in OpenAI's own clients): vLLM answers it to the requests in flight when its
 #: engine core dies ("EngineCore encountered an issue"), a stop or a crash, not the request.
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+#: How a base URL names a vLLM gRPC server (gym_grpc.engines.vllm_grpc).
+GRPC_SCHEME = "grpc://"
 
 
 class EngineSettings(ServerConfig, RetrySettings):
     """How to reach the engines of one model server (the `config:` keys of model servers)."""
 
-    base_url: list[str] = Field(description="one base URL or several, such as http://gpu-1:8000/v1")
+    base_url: list[str] = Field(
+        description="one base URL or several, such as http://gpu-1:8000/v1, or vLLM gRPC servers as grpc://gpu-1:50051"
+    )
     api_key: str = Field("", description="bearer token; keep it in env.yaml")
     model: str = Field(description="model name the engine serves")
     max_connections: int = Field(
@@ -66,7 +68,14 @@ class EngineSettings(ServerConfig, RetrySettings):
     def _not_empty(cls, value: list[str]) -> list[str]:
         if not value:
             raise ValueError("at least one base URL is needed")
+        if len({url.startswith(GRPC_SCHEME) for url in value}) > 1:
+            raise ValueError(f"either every base URL is {GRPC_SCHEME}host:port or none is: {value}")
         return [url.rstrip("/") for url in value]
+
+    @property
+    def grpc(self) -> bool:
+        """Whether the engines are vLLM gRPC servers (grpc://host:port), not HTTP ones."""
+        return self.base_url[0].startswith(GRPC_SCHEME)
 
 
 class EngineError(errors.GymError):
@@ -75,8 +84,10 @@ class EngineError(errors.GymError):
     INVALID_ARGUMENT (ENGINE_REJECTED_REQUEST), else INTERNAL (ENGINE_FAILED: a 5xx that is not
     retried, such as 501, or an answer that is not JSON)."""
 
-    def __init__(self, status: int, detail: str, url: str) -> None:
-        text = f"engine {url} answered HTTP {status}: {detail}"
+    def __init__(self, status: int, detail: str, url: str, *, answered: str | None = None) -> None:
+        # `answered`: what the engine's own protocol said, when it is not HTTP (a gRPC status, whose
+        # HTTP counterpart is `status`).
+        text = f"engine {url} answered {answered or f'HTTP {status}'}: {detail}"
         code, reason = grpc.StatusCode.INTERNAL, errors.Reason.ENGINE_FAILED
         if status in (401, 403):
             text, code = f"{text} (check the API key)", grpc.StatusCode.FAILED_PRECONDITION
@@ -102,18 +113,12 @@ def _error_message(status: int, body: bytes) -> str:
     return str(data)[:500]
 
 
-class Engine:
-    """One engine behind one base URL."""
+class Engine(EngineLink):
+    """One engine behind one HTTP base URL."""
 
     def __init__(self, base_url: str, settings: EngineSettings, counters: Counters | None = None) -> None:
-        self.base_url = base_url
-        self.settings = settings
-        self.counters = counters or Counters()
+        super().__init__(base_url, settings, counters)
         self._session: aiohttp.ClientSession | None = None
-        #: Set once the engine answered anything (even an error): it is up.
-        self._answered = asyncio.Event()
-        self._first_request: float | None = None
-        self._waiting_since: float | None = None
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -142,74 +147,22 @@ class Engine:
 
     async def _request(self, method: str, path: str, payload: bytes | None, from_root: bool) -> dict[str, Any]:
         url = f"{self.base_url.removesuffix('/v1') if from_root else self.base_url}{path}"
-        retries = Retries(self.settings, f"engine {url}")
-        if self._first_request is None:
-            self._first_request = time.monotonic()
-        startup_waits = 0
-        while True:
-            try:
-                async with asyncio.timeout(retries.time_left()):  # no task per request, as wait_for makes
-                    return await self._send(method, url, payload)
-            except _Retryable as e:
-                failure = e.failure
-            except aiohttp.SocketTimeoutError:
-                failure = Failure("timeout", f"no answer within read_timeout ({self.settings.read_timeout:g} s)")
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
-                if open_files.ran_out(e):  # not the engine's fault, and retrying only adds noise
-                    raise errors.OutOfFiles(open_files.explain(f"connecting to engine {url}")) from None
-                failure = Failure("connect", f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
-            except TimeoutError:
-                raise retries.out_of_time() from None
-            if failure.kind == "connect" and not self._answered.is_set():
-                if await self._wait_for_start(failure, retries, startup_waits + 1):
-                    startup_waits += 1
-                    continue
-                failure = dataclasses.replace(failure, cause=f"{failure.cause} (the engine never answered)")
-            delay = retries.wait_before_retry(failure)
-            self.counters.retried(failure.kind)
-            log.warning(
-                "engine %s: %s (%s retry %d of %d); retrying in %.2f s",
-                url,
-                failure.cause,
-                failure.kind,
-                retries.counts[failure.kind],
-                self.settings.retry_limit(failure.kind),
-                delay,
-            )
-            await asyncio.sleep(delay)
+        return await self._retried(f"engine {url}", lambda: self._send(method, url, payload))
 
-    async def _wait_for_start(self, failure: Failure, retries: Retries, wait: int) -> bool:
-        """While the engine has never answered (still loading), wait for it instead of
-        counting a connection failure, up to startup_wait_seconds from the first
-        request; False once that is over. The `wait`-th wait of a request backs off
-        like a retry, and wakes as soon as any request gets through."""
-        assert self._first_request is not None
-        left = self.settings.startup_wait_seconds - (time.monotonic() - self._first_request)
-        if left <= 0:
-            return False
-        if self._waiting_since is None:
-            self._waiting_since = time.monotonic()
-            log.warning(
-                "engine %s does not answer yet (%s); waiting up to %.0f s for it to start (startup_wait_seconds)",
-                self.base_url,
-                failure.cause,
-                left,
-            )
-        delay = min(self.settings.backoff(wait), left)
-        retries.check_wait(delay, failure.cause)
-        self.counters.retried("connect")
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._answered.wait(), delay)
-        return True
+    def _failure(self, error: Exception) -> Failure | None:
+        if isinstance(error, _Retryable):
+            return error.failure
+        if isinstance(error, aiohttp.SocketTimeoutError):
+            return Failure("timeout", f"no answer within read_timeout ({self.settings.read_timeout:g} s)")
+        if isinstance(error, aiohttp.ClientConnectionError | aiohttp.ClientPayloadError):
+            if open_files.ran_out(error):  # not the engine's fault, and retrying only adds noise
+                raise errors.OutOfFiles(open_files.explain(f"connecting to engine {self.base_url}")) from None
+            return Failure("connect", f"{type(error).__name__}: {error}" if str(error) else type(error).__name__)
+        return None
 
     async def _send(self, method: str, url: str, payload: bytes | None) -> dict[str, Any]:
         async with self._client().request(method, url, data=payload) as reply:
-            if not self._answered.is_set():
-                self._answered.set()
-                if self._waiting_since is not None:
-                    log.warning(
-                        "engine %s answered after %.1f s", self.base_url, time.monotonic() - self._waiting_since
-                    )
+            self._heard_from()
             body = await reply.read()
             if reply.status in RETRY_STATUSES:
                 raise _Retryable(reply.status, _error_message(reply.status, body), reply.headers.get("Retry-After"))
@@ -252,10 +205,16 @@ class EnginePool:
     """The engines of one model server; a session always goes to the same one."""
 
     def __init__(self, settings: EngineSettings, counters: Counters | None = None) -> None:
-        self.engines = [Engine(url, settings, counters) for url in settings.base_url]
+        self.engines: list[Engine | GrpcEngine] = []
+        if settings.grpc:
+            from gym_grpc.engines.vllm_grpc import GrpcEngine  # its stubs only where a grpc:// engine is
+
+            self.engines.extend(GrpcEngine(url, settings, counters) for url in settings.base_url)
+        else:
+            self.engines.extend(Engine(url, settings, counters) for url in settings.base_url)
         self._next = 0
 
-    def for_session(self, session_id: str) -> Engine:
+    def for_session(self, session_id: str) -> Engine | GrpcEngine:
         """The engine of a session: fixed by the session id; round robin without one."""
         if session_id:
             return self.engines[zlib.crc32(session_id.encode()) % len(self.engines)]

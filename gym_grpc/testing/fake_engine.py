@@ -322,12 +322,7 @@ class FakeEngine:
         too_long = self._too_long(prompt, limit)
         if too_long is not None:
             return too_long
-        turn = self._next_turn(body)
-        text = turn.content + "".join(hermes_call(name, arguments) for name, arguments in turn.tool_calls)
-        generated = (encode_sampled(text) if self.sampled_splits else encode(text)) + [IM_END]
-        finish = "stop"
-        if limit is not None and len(generated) > limit:
-            generated, finish = generated[:limit], "length"
+        generated, finish = self.generate(body, limit)
         choice: dict[str, Any] = {"index": 0, "text": decode(generated), "finish_reason": finish}
         if body.get("logprobs") is not None:
             as_ids = body.get("return_tokens_as_token_ids")
@@ -353,6 +348,15 @@ class FakeEngine:
                 "usage": _usage(prompt, generated),
             }
         )
+
+    def generate(self, body: dict, limit: int | None) -> tuple[list[int], str]:
+        """The next scripted turn as generated ids (its text, then `<|im_end|>`) and the finish reason."""
+        turn = self._next_turn(body)
+        text = turn.content + "".join(hermes_call(name, arguments) for name, arguments in turn.tool_calls)
+        generated = (encode_sampled(text) if self.sampled_splits else encode(text)) + [IM_END]
+        if limit is not None and len(generated) > limit:
+            return generated[:limit], "length"
+        return generated, "stop"
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()

@@ -8,6 +8,11 @@ an error of every test that needs the engine, never a skip.
 To iterate on the tests without starting vLLM each time, start it once
 (`python -m gym_grpc.engines.local_vllm start`) and give its base URL in
 GYM_GRPC_REAL_ENGINE_URL; the tests then use it and leave it running.
+
+The token-path tests run on both of vLLM's servers (`policy`): the HTTP one and its
+gRPC one (`grpc_engine`, `start --grpc`, GYM_GRPC_REAL_GRPC_ENGINE_URL to reuse one),
+the same model; the HTTP engine's /tokenize and /detokenize check what the model
+server renders and decodes for the gRPC one.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from collections.abc import Iterator
 import pytest
 
 from gym_grpc.engines import local_vllm
+from gym_grpc.engines.local_vllm.installation import MODEL_NAME
 
 
 @pytest.fixture(scope="session")
@@ -34,3 +40,22 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[local_vllm.Engi
     log_path = tmp_path_factory.mktemp("vllm") / "vllm.log"
     with local_vllm.running(prepared, log_path=log_path) as running:
         yield running
+
+
+@pytest.fixture(scope="session")
+def grpc_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[local_vllm.Engine]:
+    """The local CPU vLLM's gRPC server (base_url grpc://127.0.0.1:PORT), as `engine` is its HTTP one."""
+    given = os.environ.get("GYM_GRPC_REAL_GRPC_ENGINE_URL")
+    if given:
+        yield local_vllm.Engine(given, pid=0, log_path=tmp_path_factory.mktemp("none"), model=MODEL_NAME)
+        return
+    prepared = local_vllm.prepare()
+    log_path = tmp_path_factory.mktemp("vllm-grpc") / "vllm.log"
+    with local_vllm.running(prepared, log_path=log_path, grpc=True) as running:
+        yield running
+
+
+@pytest.fixture(params=["http", "grpc"])
+def policy(request: pytest.FixtureRequest, engine: local_vllm.Engine) -> local_vllm.Engine:
+    """The engine a token-path test's model server talks to: vLLM's HTTP server, then its gRPC one."""
+    return engine if request.param == "http" else request.getfixturevalue("grpc_engine")

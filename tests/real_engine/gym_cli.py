@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gym_grpc.engines import local_vllm
+from gym_grpc.engines.http import GRPC_SCHEME
 from gym_grpc.testing.processes import GymRun
 from tests.support import REPO, start_run, tool
 
@@ -25,13 +26,19 @@ WEATHER_TASKS = REPO / "servers" / "resources" / "weather" / "data" / "example.j
 MATH_TASKS = REPO / "servers" / "resources" / "math" / "data" / "example.jsonl"
 
 
+def is_grpc(engine: local_vllm.Engine) -> bool:
+    return engine.base_url.startswith(GRPC_SCHEME)
+
+
 def env_file(engine: local_vllm.Engine, directory: Path) -> Path:
     """An env.yaml that points configs/vllm.yaml or configs/openai.yaml at `engine`, with the tokenizer
-    and chat template it serves (configs/vllm.yaml then renders prompts in the model server)."""
+    and chat template it serves (configs/vllm.yaml then renders prompts in the model server). A gRPC
+    engine's tokenizer is not given: the model server fetches it from the engine."""
     path = directory / "env.yaml"
+    tokenizer = "" if is_grpc(engine) else f"policy_tokenizer_dir: {local_vllm.prepare().model_dir}\n"
     path.write_text(
         f"policy_base_url: {engine.base_url}\npolicy_api_key: EMPTY\npolicy_model_name: {engine.model}\n"
-        f"policy_tokenizer_dir: {local_vllm.prepare().model_dir}\npolicy_chat_template: {local_vllm.CHAT_TEMPLATE}\n"
+        f"{tokenizer}policy_chat_template: {local_vllm.CHAT_TEMPLATE}\n"
     )
     return path
 
@@ -42,8 +49,9 @@ def serving(
 ) -> Iterator[GymRun]:
     """`gym-grpc run CONFIGS --env-file ENV` (port 0 registry) until the block ends. With configs/vllm.yaml,
     every prompt rendered in the model server is checked against the engine's /tokenize (verify_render):
-    the proof, on every conversation of these tests, that local rendering gives the engine's ids."""
-    if VLLM in configs:
+    the proof, on every conversation of these tests, that local rendering gives the engine's ids (a gRPC
+    engine has no /tokenize: the tests compare with the HTTP engine's instead)."""
+    if VLLM in configs and not is_grpc(engine):
         overrides = ("servers.policy_model.config.verify_render=true", *overrides)
     run = start_run("--env-file", str(env_file(engine, directory)), *overrides, configs=configs)
     try:

@@ -31,8 +31,10 @@ CONTEXT = 4096
 
 
 def test_a_conversation_past_the_context_ends_incomplete_and_is_scored(
-    engine: local_vllm.Engine, tmp_path: Path
+    policy: local_vllm.Engine, tmp_path: Path
 ) -> None:
+    """On vLLM's HTTP server and on its gRPC one (`policy`): over gRPC the model server knows the context
+    from GetModelInfo and sends no prompt that cannot fit."""
     tasks = gym_cli.rows(gym_cli.WEATHER_TASKS)
     too_long = json.loads(json.dumps(tasks[0]))
     too_long["responses_create_params"]["input"][0]["content"] = "Hello. " * 5000 + "What is the weather in Paris?"
@@ -40,7 +42,7 @@ def test_a_conversation_past_the_context_ends_incomplete_and_is_scored(
     question = runs_on["responses_create_params"]["input"][0]
     question["content"] = "Hello. " * 1800 + question["content"]  # 3,600 tokens: little room left to fill
     output = tmp_path / "out.jsonl"
-    with gym_cli.serving(engine, tmp_path, gym_cli.VLLM, gym_cli.WEATHER_CONFIG) as run:
+    with gym_cli.serving(policy, tmp_path, gym_cli.VLLM, gym_cli.WEATHER_CONFIG) as run:
         done = gym_cli.collect(
             run, "weather_agent", gym_cli.tasks_file(tmp_path / "tasks.jsonl", [too_long, runs_on]), output,
             "temperature=0",

@@ -68,10 +68,12 @@ def _check_rollout(engine: local_vllm.Engine, row: dict[str, Any]) -> list[str]:
 
 
 def test_generated_ids_log_probs_and_usage_agree_and_detokenize_to_the_items(
-    engine: local_vllm.Engine, tmp_path: Path
+    engine: local_vllm.Engine, policy: local_vllm.Engine, tmp_path: Path
 ) -> None:
+    """On vLLM's HTTP server and on its gRPC one (`policy`), whose text the model server decodes itself:
+    both checked against the HTTP server's /detokenize."""
     sampled, greedy = tmp_path / "sampled.jsonl", tmp_path / "greedy.jsonl"
-    with gym_cli.serving(engine, tmp_path, gym_cli.VLLM, gym_cli.WEATHER_CONFIG) as run:
+    with gym_cli.serving(policy, tmp_path, gym_cli.VLLM, gym_cli.WEATHER_CONFIG) as run:
         done = gym_cli.collect(
             run, "weather_agent", gym_cli.WEATHER_TASKS, sampled, "--num-repeats", "2",
             "temperature=1.0", "max_output_tokens=200",
@@ -83,7 +85,7 @@ def test_generated_ids_log_probs_and_usage_agree_and_detokenize_to_the_items(
     # after </tool_call>, and a second turn's re-rendered history would not begin with the
     # ids it generated (the chat path fails that turn FAILED_PRECONDITION).
     overrides = ("servers.weather_agent.config.max_steps=1",)
-    with gym_cli.serving(engine, tmp_path, gym_cli.VLLM, gym_cli.WEATHER_CONFIG, overrides=overrides) as run:
+    with gym_cli.serving(policy, tmp_path, gym_cli.VLLM, gym_cli.WEATHER_CONFIG, overrides=overrides) as run:
         task = gym_cli.rows(gym_cli.WEATHER_TASKS)[3]
         done = gym_cli.collect(
             run, "weather_agent", gym_cli.tasks_file(tmp_path / "task3.jsonl", [task]), greedy,
@@ -98,24 +100,26 @@ def test_generated_ids_log_probs_and_usage_agree_and_detokenize_to_the_items(
     assert "function_call" in _check_rollout(engine, row)
 
 
-@pytest.mark.parametrize("path", ["token_in_token_out", "chat"])
+@pytest.mark.parametrize("path", ["token_in_token_out", "grpc", "chat"])
 def test_special_tokens_the_model_samples_stay_in_the_items_text(
-    engine: local_vllm.Engine, tmp_path: Path, path: str
+    engine: local_vllm.Engine, tmp_path: Path, path: str, request: pytest.FixtureRequest
 ) -> None:
     """vLLM drops special tokens from its text unless asked; CI's sampled run once wrote <filename>
     mid-message and the item's text lost it. Here a logit bias makes the model write it. The chat
-    path is tried without tools (math): with tools, vLLM's hermes parser keeps special tokens itself."""
+    path is tried without tools (math): with tools, vLLM's hermes parser keeps special tokens itself.
+    Over gRPC (the token path) the model server decodes the ids itself."""
     filename = 6  # "<filename>" in SmolLM2's vocabulary, a special token
     config, tasks, agent = (
         (gym_cli.WEATHER_CONFIG, gym_cli.WEATHER_TASKS, "weather_agent")
-        if path == "token_in_token_out"
+        if path != "chat"
         else (gym_cli.MATH_CONFIG, gym_cli.MATH_TASKS, "math_agent")
     )
     task = gym_cli.rows(tasks)[0]
     task["responses_create_params"]["metadata"] = {"extra_body": json.dumps({"logit_bias": {str(filename): 100}})}
-    overrides = () if path == "token_in_token_out" else ("servers.policy_model.config.token_in_token_out=false",)
+    overrides = () if path != "chat" else ("servers.policy_model.config.token_in_token_out=false",)
     output = tmp_path / "special.jsonl"
-    with gym_cli.serving(engine, tmp_path, gym_cli.VLLM, config, overrides=overrides) as run:
+    policy = request.getfixturevalue("grpc_engine") if path == "grpc" else engine
+    with gym_cli.serving(policy, tmp_path, gym_cli.VLLM, config, overrides=overrides) as run:
         one = gym_cli.tasks_file(tmp_path / "task.jsonl", [task])
         done = gym_cli.collect(run, agent, one, output, "temperature=0", "max_output_tokens=3")
         assert done.returncode == 0, done.stderr

@@ -1,5 +1,7 @@
 """Token in, token out on the real CPU vLLM: multi-turn tool rollouts collected with the CLI as a
-user would, at temperature 1.0, where re-rendered history parts from the sampled ids.
+user would, at temperature 1.0, where re-rendered history parts from the sampled ids; each test on
+vLLM's HTTP server and on its gRPC server (the `policy` fixture), the HTTP engine's /tokenize and
+/detokenize the reference for both.
 
 Every turn after the first must begin with exactly the previous turn's prompt + generated ids;
 ids and log-probs must be what the engine sampled (its own detokenizer gives back the text);
@@ -22,7 +24,16 @@ import pytest
 
 from gym_grpc.engines import local_vllm
 from gym_grpc.testing.processes import GymRun
-from tests.real_engine.gym_cli import REPO, WEATHER_CONFIG, WEATHER_TASKS, collect, post_json, rows, serving
+from tests.real_engine.gym_cli import (
+    REPO,
+    WEATHER_CONFIG,
+    WEATHER_TASKS,
+    collect,
+    is_grpc,
+    post_json,
+    rows,
+    serving,
+)
 from tests.support import tool
 
 pytestmark = pytest.mark.real_engine
@@ -32,11 +43,12 @@ MULTI_STEP_TASKS = REPO / "servers/resources/multi_step/data/example.jsonl"
 
 
 @pytest.fixture
-def stack(engine: local_vllm.Engine, tmp_path: Path) -> Iterator[Any]:
-    """stack(*configs, overrides=()): `gym-grpc run configs/vllm.yaml CONFIGS` on the engine, for the test."""
+def stack(policy: local_vllm.Engine, tmp_path: Path) -> Iterator[Any]:
+    """stack(*configs, overrides=()): `gym-grpc run configs/vllm.yaml CONFIGS` on the policy engine (vLLM's
+    HTTP server, then its gRPC one), for the test."""
     with contextlib.ExitStack() as started:
         yield lambda *configs, overrides=(): started.enter_context(
-            serving(engine, tmp_path, REPO / "configs/vllm.yaml", *configs, overrides=overrides)
+            serving(policy, tmp_path, REPO / "configs/vllm.yaml", *configs, overrides=overrides)
         )
 
 
@@ -65,7 +77,7 @@ def _extension_share(rows: list[dict[str, Any]]) -> tuple[int, int]:
 COMMON = ("temperature=1.0", "tool_choice=required", "parallel_tool_calls=false", "max_output_tokens=160")
 
 
-def test_multi_turn_tool_rollouts_extend_the_sampled_ids_on_every_turn(engine, stack, tmp_path):
+def test_multi_turn_tool_rollouts_extend_the_sampled_ids_on_every_turn(policy, stack, tmp_path):
     running = stack(WEATHER_CONFIG, MULTI_STEP_CONFIG)
     weather = _collected(running, "weather_agent", WEATHER_TASKS, tmp_path / "w.jsonl", "--num-repeats", "3", *COMMON)
     support = _collected(
@@ -86,6 +98,9 @@ def test_multi_turn_tool_rollouts_extend_the_sampled_ids_on_every_turn(engine, s
             assert all(value <= 0.0 for value in carrier["generation_log_probs"])
     counters = _post_counters(running)
     assert counters.get("non_monotonic_histories", {}) == {}
+    if is_grpc(policy):  # the tokenizer the engine sent, its prompts compared with /tokenize's below
+        assert f"prompts rendered here, with the tokenizer {policy.base_url} sent" in running.log()
+        return
     # Every prompt of these 25 rollouts was rendered in the model server and checked, id for id,
     # against the engine's own /tokenize (verify_render): the two agree on tools, tool calls and
     # their results, multi-turn conversations, reasoning tags and the generation prompt.

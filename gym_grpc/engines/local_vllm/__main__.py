@@ -2,6 +2,7 @@
 
     python -m gym_grpc.engines.local_vllm prepare   # build or reuse the virtualenv and the model
     python -m gym_grpc.engines.local_vllm start     # prints the engine as JSON: base_url, pid, log_path, model
+    python -m gym_grpc.engines.local_vllm start --grpc  # vLLM's gRPC server instead (base_url grpc://host:port)
     python -m gym_grpc.engines.local_vllm stop      # stops the one `start` wrote in its run file (or --pid PID)
 
 `start` writes the engine's run file, CACHE/run/vllm.json (or GYM_GRPC_ENGINE_RUN_FILE),
@@ -30,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     starting.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait (default 600)")
     starting.add_argument("--max-model-len", type=int, default=4096)
     starting.add_argument("--port", type=int, help="serve on this port (default: a free one)")
+    starting.add_argument("--grpc", action="store_true", help="vLLM's gRPC server, not its HTTP one")
     stopping = commands.add_parser("stop", help="stop the tracked vLLM, or --pid")
     stopping.add_argument("--pid", type=int, help="the PID that start printed")
     args = parser.parse_args(argv)
@@ -40,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"prepared in {time.monotonic() - began:.1f} s: {prepared.python}, {prepared.model_dir}")
         elif args.command == "start":
             began = time.monotonic()
-            engine = start_tracked(ready_timeout=args.ready_timeout, max_model_len=args.max_model_len, port=args.port)
+            engine = start_tracked(
+                ready_timeout=args.ready_timeout, max_model_len=args.max_model_len, port=args.port, grpc=args.grpc
+            )
             print(engine.to_json())
             print(f"[engine] serving at {engine.base_url} after {time.monotonic() - began:.1f} s", file=sys.stderr)
         else:

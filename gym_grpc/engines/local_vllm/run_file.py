@@ -73,7 +73,12 @@ def tracked() -> Engine | None:
 
 
 def start_tracked(
-    prepared: Prepared | None = None, *, ready_timeout: float, max_model_len: int, port: int | None = None
+    prepared: Prepared | None = None,
+    *,
+    ready_timeout: float,
+    max_model_len: int,
+    port: int | None = None,
+    grpc: bool = False,
 ) -> Engine:
     """start() and write its run file; AlreadyRunning if the one in the run file still runs.
 
@@ -84,7 +89,7 @@ def start_tracked(
         running = tracked()
         if running is not None:
             raise AlreadyRunning(running)
-        engine = start(prepared, ready_timeout=ready_timeout, max_model_len=max_model_len, port=port)
+        engine = start(prepared, ready_timeout=ready_timeout, max_model_len=max_model_len, port=port, grpc=grpc)
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(path.name + ".tmp")
         temporary.write_text(engine.to_json())

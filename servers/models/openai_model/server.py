@@ -8,14 +8,21 @@ a native Responses endpoint. For token ids from vLLM, use the vllm server.
 
 from __future__ import annotations
 
+from pydantic import field_validator
+
 from gym_grpc import errors
 from gym_grpc.data import rows
-from gym_grpc.engines.http import EngineModelServer, EngineSettings
+from gym_grpc.engines.http import GRPC_SCHEME, Engine, EngineModelServer, EngineSettings
 from gym_grpc.v1 import responses_pb2 as r
 
 
 class OpenAIModelConfig(EngineSettings):
-    pass
+    @field_validator("base_url")
+    @classmethod
+    def _http_only(cls, value: list[str]) -> list[str]:
+        if any(url.startswith(GRPC_SCHEME) for url in value):
+            raise ValueError("the Responses API is HTTP: a vLLM gRPC server is for the vllm model server")
+        return value
 
 
 class OpenAIModel(EngineModelServer):
@@ -27,6 +34,7 @@ class OpenAIModel(EngineModelServer):
         body["model"] = self.config.model
         body.setdefault("store", False)
         engine = self.engines.for_session(session_id)
+        assert isinstance(engine, Engine)  # the config has HTTP base URLs only
         answer = await engine.post("/responses", body)
         try:
             return rows.response_from_json(answer)

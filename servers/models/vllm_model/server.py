@@ -66,6 +66,7 @@ from pydantic import Field, field_validator
 from gym_grpc import errors
 from gym_grpc.data import json_input
 from gym_grpc.engines.http import Engine, EngineError, EngineModelServer, EngineSettings
+from gym_grpc.engines.vllm_grpc import GrpcEngine, default_tokenizer_cache, sampling_params
 from gym_grpc.responses import assistant_message, input_items, item_body, new_id, new_response, turns
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import responses_pb2 as r
@@ -174,7 +175,7 @@ def _names_these_ids(tokens: list[str], ids: list[int]) -> bool:
 
 
 def _checked_ids(
-    engine: Engine, token_ids: list[int] | None, tokens: list[str] | None, values: list[float] | None
+    engine: Engine | GrpcEngine, token_ids: list[int] | None, tokens: list[str] | None, values: list[float] | None
 ) -> tuple[list[int], list[float]]:
     """Generated ids and log-probs from every source the engine gave (its `token_ids`, and
     the log-prob tokens as "token_id:N"), checked against each other."""
@@ -237,8 +238,16 @@ class VLLMModel(EngineModelServer):
         self._context: dict[str, int] = {}  # each engine's context length, as /tokenize or /models reports it
         self._known: OrderedDict[str, token_prompts.Known] = OrderedDict()  # by session, the oldest first
         self._local: templates.LocalTemplate | None = None
+        self._eos: dict[str, set[int]] = {}  # each gRPC engine's end-of-sequence ids
+        self._defaults: dict[str, dict[str, Any]] = {}  # each gRPC engine's default sampling (generation config)
+        self._fetching = asyncio.Lock()
         config = self.config
-        if config.render == "local" and config.tokenizer_dir is None:
+        if config.grpc and (config.render == "engine" or config.verify_render):
+            raise errors.ConfigError(
+                f"server {self.name!r}: a gRPC engine ({config.base_url[0]}) has no /tokenize: prompts are rendered "
+                "here (render: auto or local, verify_render: false)"
+            )
+        if config.render == "local" and config.tokenizer_dir is None and not config.grpc:
             raise errors.ConfigError(f"server {self.name!r}: config.render is 'local' but no tokenizer_dir is given")
         if config.render != "engine" and config.tokenizer_dir is not None:
             self._local = await asyncio.to_thread(
@@ -277,7 +286,7 @@ class VLLMModel(EngineModelServer):
         body = self._chat_body(params)
         engine = self.engines.for_session(session_id)
         try:
-            if self.config.return_token_ids and self.config.token_in_token_out:
+            if isinstance(engine, GrpcEngine) or (self.config.return_token_ids and self.config.token_in_token_out):
                 return await self._by_tokens(engine, params, body, session_id)
             return await self._by_chat(engine, params, body)
         except EngineError as e:
@@ -289,7 +298,7 @@ class VLLMModel(EngineModelServer):
     # --- token in, token out: /v1/completions ---------------------------------
 
     async def _by_tokens(
-        self, engine: Engine, params: r.CreateParams, body: dict[str, Any], session_id: str
+        self, engine: Engine | GrpcEngine, params: r.CreateParams, body: dict[str, Any], session_id: str
     ) -> r.Response:
         messages = body.pop("messages")
         template: dict[str, Any] = {key: body.pop(key) for key in ("tools", "chat_template_kwargs") if key in body}
@@ -299,10 +308,19 @@ class VLLMModel(EngineModelServer):
         choice = choice["function"]["name"] if isinstance(choice, dict) else choice
         parallel = body.pop("parallel_tool_calls", True)
 
+        if isinstance(engine, GrpcEngine):
+            await self._engine_template(engine)
         local = self._local if self._local is not None and self._local.renders(messages) else None
+        if local is None and isinstance(engine, GrpcEngine):
+            raise errors.InvalidArgument(
+                "the conversation has a part that is not text: only an HTTP engine renders it (a gRPC one takes "
+                "token ids)",
+                field="params.input",
+            )
 
         async def render(conversation: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
             if local is None:
+                assert isinstance(engine, Engine)
                 return await self._tokenize(engine, {**template, "messages": conversation}, add_generation_prompt)
             ids = await asyncio.to_thread(
                 local.render,
@@ -312,6 +330,7 @@ class VLLMModel(EngineModelServer):
                 add_generation_prompt=add_generation_prompt,
             )
             if self.config.verify_render:
+                assert isinstance(engine, Engine)  # start() refuses verify_render with gRPC engines
                 await self._verify_render(engine, template, conversation, add_generation_prompt, ids)
             return ids
 
@@ -352,7 +371,10 @@ class VLLMModel(EngineModelServer):
             if room <= 0:
                 return _context_full(params, self.config.model, f"{len(prompt.ids)} prompt tokens fill the context")
             body["max_tokens"] = min(body.get("max_tokens") or room, room)
-        answer = await engine.post("/completions", body)
+        if isinstance(engine, GrpcEngine):
+            answer = await self._generate(engine, prompt.ids, body)
+        else:
+            answer = await engine.post("/completions", body)
         try:
             completion = answer["choices"][0]
             text = completion.get("text") or ""
@@ -384,8 +406,72 @@ class VLLMModel(EngineModelServer):
         }
         as_chat = {**answer, "choices": [{**completion, "message": message}]}
         response = chat.to_response(as_chat, self.config.reasoning_tags, params)
-        _attach(response, prompt.ids, generated, log_probs)
+        if self.config.return_token_ids:
+            _attach(response, prompt.ids, generated, log_probs)
         return response
+
+    async def _engine_template(self, engine: GrpcEngine) -> None:
+        """Without tokenizer_dir, the tokenizer of a gRPC engine, fetched from it once (GetTokenizer)."""
+        async with self._fetching:
+            if self._local is not None:
+                return
+            directory = await engine.tokenizer_files(default_tokenizer_cache())
+            config = self.config
+            self._local = await asyncio.to_thread(
+                templates.LocalTemplate, directory, config.chat_template, config.chat_template_content_format
+            )
+            log.info(
+                "%s: token path: prompts rendered here, with the tokenizer %s sent (in %s) and %s",
+                self.name,
+                engine.base_url,
+                directory,
+                f"the chat template {config.chat_template}" if config.chat_template else "its own chat template",
+            )
+
+    async def _generate(self, engine: GrpcEngine, prompt: list[int], body: dict[str, Any]) -> dict[str, Any]:
+        """A generation on a vLLM gRPC server, as the /v1/completions answer it stands for: the text is
+        the generated ids decoded here, as vLLM's detokenizer writes it (without the end-of-sequence or
+        stop token that ended it, and cut before a stop string)."""
+        assert self._local is not None
+        sampling = sampling_params({**self._defaults.get(engine.base_url, {}), **body})
+        complete = await engine.generate(prompt, sampling)
+        if complete.finish_reason not in ("stop", "length"):
+            raise errors.GymError(
+                f"engine {engine.base_url}: the generation ended with {complete.finish_reason!r}",
+                reason=errors.Reason.ENGINE_FAILED,
+            )
+        ids = list(complete.output_ids)
+        logprobs = complete.output_logprobs
+        if list(logprobs.token_ids) != ids:
+            raise errors.GymError(
+                f"engine {engine.base_url}: log-probs for {len(logprobs.token_ids)} tokens of the {len(ids)} generated",
+                reason=errors.Reason.ENGINE_FAILED,
+            )
+        shown = ids
+        stopped_by = complete.WhichOneof("matched_stop")
+        stop_ids = self._eos.get(engine.base_url, set()) | set(sampling.stop_token_ids)
+        ended_by_token = stopped_by == "matched_token_id" or (stopped_by is None and ids and ids[-1] in stop_ids)
+        if complete.finish_reason == "stop" and ended_by_token and not sampling.include_stop_str_in_output:
+            shown = ids[:-1]
+        text = await asyncio.to_thread(
+            self._local.tokenizer.decode, shown, skip_special_tokens=sampling.skip_special_tokens
+        )
+        if stopped_by == "matched_stop_str" and not sampling.include_stop_str_in_output:
+            at = text.find(complete.matched_stop_str)
+            text = text if at < 0 else text[:at]
+        usage = {
+            "prompt_tokens": complete.prompt_tokens,
+            "completion_tokens": complete.completion_tokens,
+            "total_tokens": complete.prompt_tokens + complete.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": complete.cached_tokens},
+        }
+        choice = {
+            "text": text,
+            "token_ids": ids,
+            "logprobs": {"token_logprobs": list(logprobs.token_logprobs)},
+            "finish_reason": complete.finish_reason,
+        }
+        return {"model": self.config.model, "choices": [choice], "usage": usage}
 
     def _remember(self, session_id: str, known: token_prompts.Known) -> None:
         """Keep a session's last prompt (see token_prompts.Known), forgetting the oldest past session_memory."""
@@ -417,8 +503,16 @@ class VLLMModel(EngineModelServer):
                 reason=errors.Reason.ENGINE_FAILED,
             )
 
-    async def _context_length(self, engine: Engine) -> None:
-        """The engine's context length, from its /models (vLLM's `max_model_len`), when nothing said it yet."""
+    async def _context_length(self, engine: Engine | GrpcEngine) -> None:
+        """The engine's context length, from its /models (vLLM's `max_model_len`), when nothing said it yet;
+        of a gRPC engine, with its end-of-sequence ids and default sampling, from GetModelInfo."""
+        if isinstance(engine, GrpcEngine):
+            info = await engine.model_info()
+            if info.max_context_length:
+                self._context[engine.base_url] = info.max_context_length
+            self._eos[engine.base_url] = set(info.eos_token_ids)
+            self._defaults[engine.base_url] = _default_sampling(info.default_sampling_params_json)
+            return
         try:
             models = (await engine.get("/models")).get("data") or []
         except EngineError:
@@ -430,7 +524,7 @@ class VLLMModel(EngineModelServer):
                     return
 
     async def _closing(
-        self, engine: Engine, template_kwargs: dict[str, Any] | None, render: token_prompts.Render
+        self, engine: Engine | GrpcEngine, template_kwargs: dict[str, Any] | None, render: token_prompts.Render
     ) -> list[int]:
         """The template's turn closing, found once per engine and template options."""
         key = (engine.base_url, json.dumps(template_kwargs, sort_keys=True))
@@ -499,6 +593,16 @@ class VLLMModel(EngineModelServer):
                 f"engine {engine.base_url}: /tokenize returned no tokens", reason=errors.Reason.ENGINE_FAILED
             )
         return tokens
+
+
+def _default_sampling(text: str) -> dict[str, Any]:
+    """An engine's default sampling (vLLM's, from the model's generation config), as request fields."""
+    try:
+        defaults = json.loads(text) if text else {}
+    except json.JSONDecodeError:
+        log.warning("the engine's default sampling is not JSON, not used: %r", text[:200])
+        return {}
+    return defaults if isinstance(defaults, dict) else {}
 
 
 def _context_full(params: r.CreateParams, model: str, message: str) -> r.Response:
