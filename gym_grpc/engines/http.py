@@ -10,7 +10,7 @@ made it, so an engine that is down costs UNAVAILABLE (or DEADLINE_EXCEEDED),
 never a hang. An engine that has not answered yet (vLLM loading its model) is
 waited for, up to `startup_wait_seconds`, so a collect started early loses no
 rollouts. Several base URLs make a pool: one session sticks to one engine,
-sessions spread over all of them.
+sessions spread over all of them (or calls by their prompt: see routing.py).
 """
 
 from __future__ import annotations
@@ -27,10 +27,12 @@ from pydantic import Field, field_validator
 from gym_grpc import errors
 from gym_grpc.engines.link import EngineLink
 from gym_grpc.engines.retries import Failure, FailureClass, RetrySettings, retry_after_seconds
+from gym_grpc.engines.routing import RouteBy, routing_key
 from gym_grpc.model import ModelServer
 from gym_grpc.server import open_files
 from gym_grpc.server.counters import Counters
 from gym_grpc.server.serving import ServerConfig
+from gym_grpc.v1 import responses_pb2 as r
 
 if TYPE_CHECKING:
     from gym_grpc.engines.vllm_grpc import GrpcEngine
@@ -54,6 +56,11 @@ class EngineSettings(ServerConfig, RetrySettings):
     model: str = Field(description="model name the engine serves")
     max_connections: int = Field(
         1024, ge=0, description="most requests in flight per engine (one per connection); 0 for no cap"
+    )
+    route_by: RouteBy = Field(
+        "session",
+        description="with several engines, what keeps calls on one: 'session' (a rollout's turns) or 'prompt' "
+        "(the conversation's start: a GRPO group's rollouts too); a request's prompt_cache_key wins over both",
     )
     connect_timeout: float = Field(10.0, gt=0, description="seconds to open a connection")
     read_timeout: float = Field(600.0, gt=0, description="seconds to wait for an answer")
@@ -214,10 +221,10 @@ class EnginePool:
             self.engines.extend(Engine(url, settings, counters) for url in settings.base_url)
         self._next = 0
 
-    def for_session(self, session_id: str) -> Engine | GrpcEngine:
-        """The engine of a session: fixed by the session id; round robin without one."""
-        if session_id:
-            return self.engines[zlib.crc32(session_id.encode()) % len(self.engines)]
+    def for_key(self, key: str) -> Engine | GrpcEngine:
+        """The engine of a routing key (gym_grpc.engines.routing): fixed by the key; round robin without one."""
+        if key:
+            return self.engines[zlib.crc32(key.encode()) % len(self.engines)]
         self._next = (self._next + 1) % len(self.engines)
         return self.engines[self._next]
 
@@ -234,6 +241,10 @@ class EngineModelServer(ModelServer):
 
     async def start(self) -> None:
         self.engines = EnginePool(self.config, self.counters)
+
+    def engine_for(self, params: r.CreateParams, session_id: str) -> Engine | GrpcEngine:
+        """The engine of a model call: by its routing key (gym_grpc.engines.routing)."""
+        return self.engines.for_key(routing_key(params, session_id, self.config.route_by))
 
     async def stop(self) -> None:
         await self.engines.close()

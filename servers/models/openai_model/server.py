@@ -33,7 +33,7 @@ class OpenAIModel(EngineModelServer):
         body = rows.params_to_json(params, training=False)
         body["model"] = self.config.model
         body.setdefault("store", False)
-        engine = self.engines.for_session(session_id)
+        engine = self.engine_for(params, session_id)
         assert isinstance(engine, Engine)  # the config has HTTP base URLs only
         answer = await engine.post("/responses", body)
         try:

@@ -284,7 +284,7 @@ class VLLMModel(EngineModelServer):
 
     async def create_response(self, params: r.CreateParams, session_id: str) -> r.Response:
         body = self._chat_body(params)
-        engine = self.engines.for_session(session_id)
+        engine = self.engine_for(params, session_id)
         try:
             if isinstance(engine, GrpcEngine) or (self.config.return_token_ids and self.config.token_in_token_out):
                 return await self._by_tokens(engine, params, body, session_id)

@@ -260,6 +260,42 @@ async def test_a_session_sticks_to_one_engine_and_sessions_spread(start, engine)
     await model.registry.close()
 
 
+async def test_route_by_prompt_keeps_a_groups_rollouts_and_their_turns_on_one_engine(start, engine):
+    """A GRPO group's rollouts share their prompt: with route_by prompt they share an engine (its prefix
+    cache), whatever their session ids, and so does every later turn of each."""
+    engines = [await engine([Turn(content="a")]), await engine([Turn(content="b")])]
+    config = {"base_url": [e.base_url for e in engines], "model": "p", "route_by": "prompt"}
+    model = ModelClient(static_registry(m=await start(VLLMModel(config, name="m"))), "m")
+    seen = {}
+    for task in range(12):
+        answers = set()
+        for member in range(4):
+            first = _params(f"task {task}")
+            answer = await model.create_response(first, f"group-{task}-rollout-{member}")
+            later = _params(f"task {task}")  # the rollout's next turn: its answer and a new message appended
+            later.input_items.items.extend(answer.output)
+            later.input_items.items.append(user_message("go on"))
+            answers |= {final_text(answer), final_text(await model.create_response(later, f"x-{member}"))}
+        seen[task] = answers
+    assert all(len(answers) == 1 for answers in seen.values()), seen
+    assert {next(iter(answers)) for answers in seen.values()} == {"a", "b"}  # and the groups spread
+    await model.registry.close()
+
+
+async def test_a_prompt_cache_key_puts_calls_on_one_engine_whatever_their_prompt_or_session(start, engine):
+    engines = [await engine([Turn(content="a")]), await engine([Turn(content="b")])]
+    model = await _model(start, engines[0], base_url=[e.base_url for e in engines])
+    for key in ("group-1", "group-2", "group-3", "group-4"):
+        answers = set()
+        for i in range(6):
+            params = _params(f"question {i}")
+            params.extra_json = json.dumps({"prompt_cache_key": key})
+            answers.add(final_text(await model.create_response(params, f"session-{i}")))
+        assert len(answers) == 1, (key, answers)
+    assert all(request.get("prompt_cache_key") for e in engines for request in e.requests)  # sent on as it came
+    await model.registry.close()
+
+
 def test_the_request_folds_system_messages_nests_tools_and_maps_parameters():
     params = r.CreateParams(instructions="Be brief.", temperature=0.5, max_output_tokens=64)
     params.reasoning.effort = "high"
