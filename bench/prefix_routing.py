@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import random
 import re
 import sys
 import tempfile
@@ -89,9 +90,24 @@ def write_config(
     return file
 
 
-def write_tasks(directory: Path, mode: str, repeat: int, groups: int, max_output_tokens: int) -> Path:
+def _passage(words: int, seed: str) -> str:
+    """`words` words of text of its own for each seed: a group's long task context."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(VOCABULARY) for _ in range(words))
+
+
+VOCABULARY = (
+    "river city morning cloud station north harbour market bridge winter road light tower garden "
+    "valley storm coast forest summer island field mountain village rain wind snow evening south"
+).split()
+
+
+def write_tasks(
+    directory: Path, mode: str, repeat: int, groups: int, max_output_tokens: int, context_words: int
+) -> Path:
     """One row per group: a weather question led by the mode, the repeat and the group's number (no two
-    runs share a prompt); in the key mode each row's prompt_cache_key names its group."""
+    runs share a prompt) and, with context_words, a passage of the group's own; in the key mode each
+    row's prompt_cache_key names its group."""
     label = f"{mode} {repeat}"
     file = directory / f"tasks_{mode}_{repeat}.jsonl"
     with file.open("w") as f:
@@ -99,7 +115,8 @@ def write_tasks(directory: Path, mode: str, repeat: int, groups: int, max_output
             row = json.loads(json.dumps(WEATHER_ROWS[group % len(WEATHER_ROWS)]))
             params = row["responses_create_params"]
             question = params["input"][-1]
-            question["content"] = f"[{label}, group {group}] {question['content']}"
+            context = f"Notes: {_passage(context_words, f'{label} {group}')}\n" if context_words else ""
+            question["content"] = f"[{label}, group {group}] {context}{question['content']}"
             params.update(temperature=1.0, tool_choice="required", parallel_tool_calls=False)
             params["max_output_tokens"] = max_output_tokens
             if mode == "key":
@@ -139,15 +156,17 @@ def markdown(report: dict) -> str:
     lines += [
         "",
         f"{w['groups']} groups of {w['members']} rollouts (the same prompt), at most {w['turns']} model calls each, "
-        f"{w['concurrency']} rollouts at once; repeated {w['repeats']} times, modes in turn; medians.",
+        f"{w['concurrency']} rollouts at once; each group's question led by {w['context_words']} words of its own; "
+        f"repeated {w['repeats']} times, modes in turn; medians.",
         "",
-        "| mode | prefix-cache hit rate (tokens) | hits / queries (K tokens) | requests by engine | seconds |",
-        "|---|---|---|---|---|",
+        "| mode | prefix-cache hit rate (tokens) | hits / queries (K tokens) | prompt tokens computed (K) "
+        "| requests by engine | seconds |",
+        "|---|---|---|---|---|---|",
     ]
     for mode, r in report["summary"].items():
         hits, queries = r["prefix_cache_hits"] / 1000, r["prefix_cache_queries"] / 1000
         lines.append(
-            f"| {mode} | {r['hit_rate']:.3f} | {hits:.1f} / {queries:.1f} "
+            f"| {mode} | {r['hit_rate']:.3f} | {hits:.1f} / {queries:.1f} | {queries - hits:.1f} "
             f"| {r['requests_by_engine']} | {r['seconds']} |"
         )
     lines += ["", *(f"- {note}" for note in report["notes"]), ""]
@@ -158,8 +177,14 @@ NOTES = [
     "session: route_by session, the default (a rollout's turns on one engine, its group's other rollouts "
     "wherever their session ids hash); prompt: route_by prompt (the conversation's start picks the engine); "
     "key: each row's prompt_cache_key names its group.",
+    "What routing can save: a prompt part a group shares and other groups do not (its own context), computed "
+    "once per engine that sees the group. The weather rows share a long system prompt and tools (cached on "
+    "every engine whatever the routing) and differ in a short question; and a group's rollouts that start "
+    "in the same engine step compute their prompt side by side (vLLM caches blocks once computed), so "
+    "routing shows where a group's rollouts follow one another on a long context of their own.",
     "Hits and queries are vLLM's own counters (vllm:prefix_cache_hits_total, _queries_total: prompt tokens "
-    "looked up in, and found in, its prefix cache), summed over both engines; requests by engine from "
+    "looked up in, and found in, its prefix cache), summed over both engines; queries less hits are the prompt "
+    "tokens the engines computed (prefill); requests by engine from "
     "vllm:request_success_total.",
 ]
 
@@ -177,6 +202,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8, help="rollouts in flight")
     parser.add_argument("--repeats", type=int, default=3, help="runs of every mode; the median is reported")
     parser.add_argument("--max-output-tokens", type=int, default=48)
+    parser.add_argument(
+        "--context-words", type=int, default=0, help="a passage of each group's own before its question"
+    )
     parser.add_argument("--engine-urls", help="reuse two running engines: their /v1 URLs, comma-separated")
     parser.add_argument("--engine-model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--smoke", action="store_true", help="2 groups, 1 repeat; results in a temp dir")
@@ -207,7 +235,7 @@ def main() -> None:
             try:
                 for repeat in range(args.repeats):
                     for mode in MODES if repeat % 2 == 0 else reversed(MODES):
-                        tasks = write_tasks(tmp, mode, repeat, args.groups, args.max_output_tokens)
+                        tasks = write_tasks(tmp, mode, repeat, args.groups, args.max_output_tokens, args.context_words)
                         print(f"repeat {repeat + 1}, {mode} ...", file=sys.stderr)
                         result = cell(stack, mode, engines, tasks, tmp, args)
                         runs[mode].append(result)
@@ -227,6 +255,7 @@ def main() -> None:
             "concurrency": args.concurrency,
             "repeats": args.repeats,
             "max_output_tokens": args.max_output_tokens,
+            "context_words": args.context_words,
             "temperature": 1.0,
             "tool_choice": "required",
         },

@@ -33,6 +33,13 @@ with the earlier ids: `prefix_token_ids: check` fails such a call with the
 position where they part, `require` sends them as `required_prefix_token_ids`
 for engines that honour it (stock vLLM ignores it).
 
+With a vLLM gRPC server as the engine (`base_url: grpc://host:port`; see
+gym_grpc/engines/vllm_grpc.py) every call goes the token path: prompts are
+rendered here (with the tokenizer the engine sends, unless `tokenizer_dir`
+names one), a turn is one `Generate`, and the answer's ids are decoded here
+into the text that tool calls and reasoning are read from; without
+`return_token_ids` the ids are just not put on the items.
+
 An engine's context-length error (HTTP 400) makes an incomplete response, so
 the rollout ends and is scored instead of failing.
 
@@ -308,7 +315,7 @@ class VLLMModel(EngineModelServer):
         choice = choice["function"]["name"] if isinstance(choice, dict) else choice
         parallel = body.pop("parallel_tool_calls", True)
 
-        if isinstance(engine, GrpcEngine):
+        if isinstance(engine, GrpcEngine) and self._local is None:
             await self._engine_template(engine)
         local = self._local if self._local is not None and self._local.renders(messages) else None
         if local is None and isinstance(engine, GrpcEngine):

@@ -267,16 +267,16 @@ async def test_route_by_prompt_keeps_a_groups_rollouts_and_their_turns_on_one_en
     config = {"base_url": [e.base_url for e in engines], "model": "p", "route_by": "prompt"}
     model = ModelClient(static_registry(m=await start(VLLMModel(config, name="m"))), "m")
     seen = {}
-    for task in range(12):
+    for group in range(12):
         answers = set()
         for member in range(4):
-            first = _params(f"task {task}")
-            answer = await model.create_response(first, f"group-{task}-rollout-{member}")
-            later = _params(f"task {task}")  # the rollout's next turn: its answer and a new message appended
+            first = _params(f"task {group}")
+            answer = await model.create_response(first, f"group-{group}-rollout-{member}")
+            later = _params(f"task {group}")  # the rollout's next turn: its answer and a new message appended
             later.input_items.items.extend(answer.output)
             later.input_items.items.append(user_message("go on"))
             answers |= {final_text(answer), final_text(await model.create_response(later, f"x-{member}"))}
-        seen[task] = answers
+        seen[group] = answers
     assert all(len(answers) == 1 for answers in seen.values()), seen
     assert {next(iter(answers)) for answers in seen.values()} == {"a", "b"}  # and the groups spread
     await model.registry.close()
