@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import sys
 import tempfile
@@ -40,22 +39,15 @@ import aiohttp
 from aiohttp import web
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+import real_engine  # noqa: E402  (the bench directory is not a package)
 
+bench_run = real_engine.bench_run
 
-def _load(name: str, file: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / file)
-    assert spec is not None and spec.loader is not None
-    module = sys.modules[name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench_run = _load("bench_run", "run.py")
-real_engine = _load("bench_real_engine", "real_engine.py")
 
 WEATHER_ROWS = [json.loads(line) for line in (REPO / "servers/resources/weather/data/example.jsonl").open()]
 MODES = ("before", "engine", "local")
+WEATHER = ("weather", "weather/server.py:WeatherEnv")
 
 
 class CountingProxy:
@@ -128,34 +120,18 @@ def write_config(
     directory: Path, proxies: Proxies, model: str, tokenizer_dir: str, chat_template: str, turns: list[int]
 ) -> Path:
     """The weather environment, a model server per mode (through its proxy) and an agent per mode and T."""
-    servers: dict[str, Any] = {"weather": {"entrypoint": f"{REPO}/servers/resources/weather/server.py:WeatherEnv"}}
+    models = {}
     for mode, proxy in proxies.by_mode.items():
-        config: dict[str, Any] = {
-            "base_url": proxy.url,
-            "api_key": "EMPTY",
-            "model": model,
-            "return_token_ids": True,
-            "token_in_token_out": True,
-            "read_timeout": 600,
-        }
+        config: dict[str, Any] = {"base_url": proxy.url, "model": model, "return_token_ids": True}
         if mode == "before":
             config.update(render="engine", session_memory=0)
         elif mode == "engine":
             config.update(render="engine")
         else:
             config.update(render="local", tokenizer_dir=tokenizer_dir, chat_template=chat_template)
-        servers[f"{mode}_model"] = {
-            "entrypoint": f"{REPO}/servers/models/vllm_model/server.py:VLLMModel",
-            "config": config,
-        }
-        for t in turns:
-            servers[f"{mode}_agent_{t}"] = {
-                "entrypoint": f"{REPO}/servers/agents/simple_agent/agent.py:SimpleAgent",
-                "config": {"model_server": f"{mode}_model", "resources_server": "weather", "max_steps": t},
-            }
-    file = directory / "engine_link.yaml"
-    file.write_text(json.dumps({"registry": {"port": 0}, "servers": servers}))  # JSON is YAML
-    return file
+        models[f"{mode}_model"] = config
+    agents = {f"{mode}_agent_{t}": (f"{mode}_model", t) for mode in MODES for t in turns}
+    return real_engine.write_stack(directory, "engine_link", WEATHER, models, agents)
 
 
 def write_tasks(directory: Path, count: int, max_output_tokens: int) -> Path:
@@ -310,11 +286,7 @@ def main() -> None:
         "notes": NOTES,
         "results": results,
     }
-    target = Path(tempfile.gettempdir()) if args.smoke else REPO / "bench" / "results"
-    (target / f"{args.name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (target / f"{args.name}.md").write_text(markdown(report))
-    print(markdown(report))
-    print(f"wrote {target / args.name}.json and .md", file=sys.stderr)
+    real_engine.save(report, markdown(report), args.smoke)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ or its gRPC server process: parsing, detokenizing, the event loop) and its engin
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
@@ -33,20 +32,12 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+import engine_link  # noqa: E402
+import real_engine  # noqa: E402  (the bench directory is not a package)
 
+bench_run = real_engine.bench_run
 
-def _load(name: str, file: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / file)
-    assert spec is not None and spec.loader is not None
-    module = sys.modules[name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench_run = _load("bench_run", "run.py")
-real_engine = _load("bench_real_engine", "real_engine.py")
-engine_link = _load("bench_engine_link", "engine_link.py")
 
 MODES = ("http", "grpc")
 
@@ -54,29 +45,14 @@ MODES = ("http", "grpc")
 def write_config(
     directory: Path, urls: dict[str, str], model: str, tokenizer_dir: str, template: str, turns: int
 ) -> Path:
-    servers: dict[str, Any] = {"weather": {"entrypoint": f"{REPO}/servers/resources/weather/server.py:WeatherEnv"}}
+    models = {}
     for mode, url in urls.items():
-        config: dict[str, Any] = {
-            "base_url": url,
-            "api_key": "EMPTY",
-            "model": model,
-            "return_token_ids": True,
-            "chat_template": template,
-            "read_timeout": 600,
-        }
+        config: dict[str, Any] = {"base_url": url, "model": model, "return_token_ids": True, "chat_template": template}
         if mode == "http":
             config["tokenizer_dir"] = tokenizer_dir  # the gRPC one fetches the engine's (GetTokenizer)
-        servers[f"{mode}_model"] = {
-            "entrypoint": f"{REPO}/servers/models/vllm_model/server.py:VLLMModel",
-            "config": config,
-        }
-        servers[f"{mode}_agent"] = {
-            "entrypoint": f"{REPO}/servers/agents/simple_agent/agent.py:SimpleAgent",
-            "config": {"model_server": f"{mode}_model", "resources_server": "weather", "max_steps": turns},
-        }
-    file = directory / "engine_transport.yaml"
-    file.write_text(json.dumps({"registry": {"port": 0}, "servers": servers}))  # JSON is YAML
-    return file
+        models[f"{mode}_model"] = config
+    agents = {f"{mode}_agent": (f"{mode}_model", turns) for mode in urls}
+    return real_engine.write_stack(directory, "engine_transport", engine_link.WEATHER, models, agents)
 
 
 def _cpu(pids: list[int]) -> float:
@@ -225,11 +201,7 @@ def main() -> None:
         "summary": {c: {mode: summary(cells) for mode, cells in modes.items()} for c, modes in runs.items()},
         "runs": runs,
     }
-    target = Path(tempfile.gettempdir()) if args.smoke else REPO / "bench" / "results"
-    (target / f"{args.name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (target / f"{args.name}.md").write_text(markdown(report))
-    print(markdown(report))
-    print(f"wrote {target / args.name}.json and .md", file=sys.stderr)
+    real_engine.save(report, markdown(report), args.smoke)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ _hits_total) and prompt tokens, and the share of the requests each engine took.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import random
 import re
@@ -33,19 +32,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+import real_engine  # noqa: E402  (the bench directory is not a package)
 
+bench_run = real_engine.bench_run
 
-def _load(name: str, file: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / file)
-    assert spec is not None and spec.loader is not None
-    module = sys.modules[name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench_run = _load("bench_run", "run.py")
-real_engine = _load("bench_real_engine", "real_engine.py")
 
 WEATHER_ROWS = [json.loads(line) for line in (REPO / "servers/resources/weather/data/example.jsonl").open()]
 MODES = ("session", "prompt", "key")
@@ -66,28 +57,21 @@ def metrics(engine_url: str) -> dict[str, float]:
 def write_config(
     directory: Path, engines: list[str], model: str, tokenizer_dir: str, chat_template: str, turns: int
 ) -> Path:
-    servers: dict[str, Any] = {"weather": {"entrypoint": f"{REPO}/servers/resources/weather/server.py:WeatherEnv"}}
-    for mode in MODES:
-        servers[f"{mode}_model"] = {
-            "entrypoint": f"{REPO}/servers/models/vllm_model/server.py:VLLMModel",
-            "config": {
-                "base_url": engines,
-                "api_key": "EMPTY",
-                "model": model,
-                "return_token_ids": True,
-                "tokenizer_dir": tokenizer_dir,
-                "chat_template": chat_template,
-                "route_by": "prompt" if mode == "prompt" else "session",
-                "read_timeout": 600,
-            },
+    models = {
+        f"{mode}_model": {
+            "base_url": engines,
+            "model": model,
+            "return_token_ids": True,
+            "tokenizer_dir": tokenizer_dir,
+            "chat_template": chat_template,
+            "route_by": "prompt" if mode == "prompt" else "session",
         }
-        servers[f"{mode}_agent"] = {
-            "entrypoint": f"{REPO}/servers/agents/simple_agent/agent.py:SimpleAgent",
-            "config": {"model_server": f"{mode}_model", "resources_server": "weather", "max_steps": turns},
-        }
-    file = directory / "prefix_routing.yaml"
-    file.write_text(json.dumps({"registry": {"port": 0}, "servers": servers}))  # JSON is YAML
-    return file
+        for mode in MODES
+    }
+    agents = {f"{mode}_agent": (f"{mode}_model", turns) for mode in MODES}
+    return real_engine.write_stack(
+        directory, "prefix_routing", ("weather", "weather/server.py:WeatherEnv"), models, agents
+    )
 
 
 def _passage(words: int, seed: str) -> str:
@@ -263,11 +247,7 @@ def main() -> None:
         "summary": {mode: _median_cell(cells) for mode, cells in runs.items()},
         "runs": runs,
     }
-    target = Path(tempfile.gettempdir()) if args.smoke else REPO / "bench" / "results"
-    (target / f"{args.name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (target / f"{args.name}.md").write_text(markdown(report))
-    print(markdown(report))
-    print(f"wrote {target / args.name}.json and .md", file=sys.stderr)
+    real_engine.save(report, markdown(report), args.smoke)
 
 
 if __name__ == "__main__":

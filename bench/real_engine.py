@@ -117,32 +117,44 @@ def tito_available() -> bool:
     return "token_in_token_out" in VLLMModelConfig.model_fields
 
 
+def write_stack(
+    directory: Path, name: str, resources: tuple[str, str], models: dict[str, dict], agents: dict[str, tuple[str, int]]
+) -> Path:
+    """A `gym-grpc run` config in directory/<name>.yaml (JSON, which is YAML): the resources server (its
+    name, its entrypoint under servers/resources), a vllm_model server per entry of `models` (name: its
+    config) and a simple agent per entry of `agents` (name: its model server and max_steps)."""
+    servers: dict[str, Any] = {resources[0]: {"entrypoint": f"{REPO}/servers/resources/{resources[1]}"}}
+    for model, config in models.items():
+        servers[model] = {
+            "entrypoint": f"{REPO}/servers/models/vllm_model/server.py:VLLMModel",
+            "config": {"api_key": "EMPTY", "read_timeout": 600, **config},
+        }
+    for agent, (model, steps) in agents.items():
+        servers[agent] = {
+            "entrypoint": f"{REPO}/servers/agents/simple_agent/agent.py:SimpleAgent",
+            "config": {"model_server": model, "resources_server": resources[0], "max_steps": steps},
+        }
+    file = directory / f"{name}.yaml"
+    file.write_text(json.dumps({"registry": {"port": 0}, "servers": servers}))
+    return file
+
+
 def write_config(directory: Path, engine_url: str, model: str, paths: list[str], max_steps: int) -> Path:
-    servers: dict[str, Any] = {
-        "multi_step": {"entrypoint": f"{REPO}/servers/resources/multi_step/server.py:CustomerSupportEnv"}
-    }
+    models = {}
     for path in paths:
-        config = {
+        config: dict[str, Any] = {
             "base_url": engine_url,
-            "api_key": "EMPTY",
             "model": model,
             "return_token_ids": True,
             "prefix_token_ids": "check",
-            "read_timeout": 600,
         }
         if tito_available():
             config["token_in_token_out"] = PATHS[path]
-        servers[f"{path}_model"] = {
-            "entrypoint": f"{REPO}/servers/models/vllm_model/server.py:VLLMModel",
-            "config": config,
-        }
-        servers[f"{path}_agent"] = {
-            "entrypoint": f"{REPO}/servers/agents/simple_agent/agent.py:SimpleAgent",
-            "config": {"model_server": f"{path}_model", "resources_server": "multi_step", "max_steps": max_steps},
-        }
-    file = directory / "real_engine.yaml"
-    file.write_text(json.dumps({"registry": {"port": 0}, "servers": servers}))  # JSON is YAML
-    return file
+        models[f"{path}_model"] = config
+    agents = {f"{path}_agent": (f"{path}_model", max_steps) for path in paths}
+    return write_stack(
+        directory, "real_engine", ("multi_step", "multi_step/server.py:CustomerSupportEnv"), models, agents
+    )
 
 
 def write_tasks(directory: Path, count: int, max_output_tokens: int) -> Path:
@@ -381,6 +393,16 @@ NOTES = [
     "server, engine core, worker). The collection records --events, which costs the agent and the "
     "collector CPU that a plain collection does not spend: the gym-grpc share is an upper bound.",
 ]
+
+
+def save(report: dict, markdown: str, smoke: bool) -> None:
+    """Write a benchmark's report as bench/results/<name>.json and .md (a smoke run's in the temp dir), and
+    print the markdown."""
+    target = Path(tempfile.gettempdir()) if smoke else REPO / "bench" / "results"
+    (target / f"{report['name']}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (target / f"{report['name']}.md").write_text(markdown)
+    print(markdown)
+    print(f"wrote {target / report['name']}.json and .md", file=sys.stderr)
 
 
 def report_head(script: str, args: argparse.Namespace, machine: dict, load_start: list[float]) -> dict:
