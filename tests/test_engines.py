@@ -20,8 +20,10 @@ from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 from gym_grpc.bundled.servers.models.vllm_model.server import VLLMModel
 from gym_grpc.client.stubs import ModelClient
 from gym_grpc.data import rows
-from gym_grpc.engines.http import Engine, EngineError, EngineSettings
+from gym_grpc.engines.http import Engine
+from gym_grpc.engines.link import EngineError
 from gym_grpc.engines.retries import retry_after_seconds
+from gym_grpc.engines.settings import EngineSettings
 from gym_grpc.launch import observe
 from gym_grpc.rpc import transport
 from gym_grpc.testing.fake_engine import FakeEngine, Turn
@@ -77,7 +79,7 @@ def _request() -> model_pb.CreateResponseRequest:
 async def test_a_collect_started_before_its_engine_is_ready_loses_no_rollouts(
     start, engines, unopened, tmp_path, caplog
 ):
-    caplog.set_level(logging.WARNING, logger="gym_grpc.engines.http")
+    caplog.set_level(logging.WARNING, logger="gym_grpc.engines")
     model, client = await _model(start, _url(unopened), startup_wait_seconds=120, max_retries=1)
     env = await start(Calculator())
     peers = static_registry(model=model, calc=env)
@@ -162,7 +164,7 @@ async def test_an_http_500_is_retried_as_a_server_error_and_the_last_one_names_i
 
 
 async def test_a_retry_after_is_waited_for(start, engines, caplog):
-    caplog.set_level(logging.WARNING, logger="gym_grpc.engines.http")
+    caplog.set_level(logging.WARNING, logger="gym_grpc.engines")
     fake = await engines()
     fake.fail_next, fake.retry_after = [503], "1"
     _, client = await _model(start, fake.base_url)

@@ -12,7 +12,7 @@ import pytest
 from smg_grpc_proto.generated import common_pb2
 
 from gym_grpc import errors
-from gym_grpc.engines.http import EngineSettings
+from gym_grpc.engines.settings import EngineSettings
 from gym_grpc.engines.vllm_grpc import GrpcEngine, sampling_params
 from gym_grpc.testing.fake_engine import FakeEngine, write_tokenizer
 from gym_grpc.testing.fake_vllm_grpc import FakeGrpcEngine

@@ -9,102 +9,28 @@ open_files.py). A request never outlives the deadline of the call that
 made it, so an engine that is down costs UNAVAILABLE (or DEADLINE_EXCEEDED),
 never a hang. An engine that has not answered yet (vLLM loading its model) is
 waited for, up to `startup_wait_seconds`, so a collect started early loses no
-rollouts. Several base URLs make a pool: one session sticks to one engine,
-sessions spread over all of them (or calls by their prompt: see routing.py).
+rollouts. Several base URLs make a pool (pool.py).
 """
 
 from __future__ import annotations
 
 import json
-import zlib
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any
 
 import aiohttp
-import grpc
 import orjson
-from pydantic import Field, field_validator
 
 from gym_grpc import errors
-from gym_grpc.engines.link import EngineLink
-from gym_grpc.engines.retries import Failure, FailureClass, RetrySettings, retry_after_seconds
-from gym_grpc.engines.routing import RouteBy, routing_key
-from gym_grpc.model import ModelServer
+from gym_grpc.engines.link import EngineError, EngineLink
+from gym_grpc.engines.retries import Failure, FailureClass, retry_after_seconds
+from gym_grpc.engines.settings import EngineSettings
 from gym_grpc.server import open_files
 from gym_grpc.server.counters import Counters
-from gym_grpc.server.serving import ServerConfig
-from gym_grpc.v1 import responses_pb2 as r
-
-if TYPE_CHECKING:
-    from gym_grpc.engines.vllm_grpc import GrpcEngine
-
 
 #: HTTP statuses worth retrying; the others are the engine's answer. 500 is among them
 #: (as in OpenAI's own clients): vLLM answers it to the requests in flight when its
 #: engine core dies ("EngineCore encountered an issue"), a stop or a crash, not the request.
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
-#: How a base URL names a vLLM gRPC server (gym_grpc.engines.vllm_grpc).
-GRPC_SCHEME = "grpc://"
-
-
-class EngineSettings(ServerConfig, RetrySettings):
-    """How to reach the engines of one model server (the `config:` keys of model servers)."""
-
-    base_url: list[str] = Field(
-        description="one base URL or several, such as http://gpu-1:8000/v1, or vLLM gRPC servers as grpc://gpu-1:50051"
-    )
-    api_key: str = Field("", description="bearer token; keep it in env.yaml")
-    model: str = Field(description="model name the engine serves")
-    max_connections: int = Field(
-        1024, ge=0, description="most requests in flight per engine (one per connection); 0 for no cap"
-    )
-    route_by: RouteBy = Field(
-        "session",
-        description="with several engines, what keeps calls on one: 'session' (a rollout's turns) or 'prompt' "
-        "(the conversation's start: a GRPO group's rollouts too); a request's prompt_cache_key wins over both",
-    )
-    connect_timeout: float = Field(10.0, gt=0, description="seconds to open a connection")
-    read_timeout: float = Field(600.0, gt=0, description="seconds to wait for an answer")
-
-    @field_validator("base_url", mode="before")
-    @classmethod
-    def _one_or_many(cls, value: Any) -> Any:
-        return [value] if isinstance(value, str) else value
-
-    @field_validator("base_url")
-    @classmethod
-    def _not_empty(cls, value: list[str]) -> list[str]:
-        if not value:
-            raise ValueError("at least one base URL is needed")
-        if len({url.startswith(GRPC_SCHEME) for url in value}) > 1:
-            raise ValueError(f"either every base URL is {GRPC_SCHEME}host:port or none is: {value}")
-        return [url.rstrip("/") for url in value]
-
-    @property
-    def grpc(self) -> bool:
-        """Whether the engines are vLLM gRPC servers (grpc://host:port), not HTTP ones."""
-        return self.base_url[0].startswith(GRPC_SCHEME)
-
-
-class EngineError(errors.GymError):
-    """An engine answered with an HTTP error that is not worth retrying. Its status code
-    follows the HTTP status: 401/403 FAILED_PRECONDITION (ENGINE_AUTH_FAILED), other 4xx
-    INVALID_ARGUMENT (ENGINE_REJECTED_REQUEST), else INTERNAL (ENGINE_FAILED: a 5xx that is not
-    retried, such as 501, or an answer that is not JSON)."""
-
-    def __init__(self, status: int, detail: str, url: str, *, answered: str | None = None) -> None:
-        # `answered`: what the engine's own protocol said, when it is not HTTP (a gRPC status, whose
-        # HTTP counterpart is `status`).
-        text = f"engine {url} answered {answered or f'HTTP {status}'}: {detail}"
-        code, reason = grpc.StatusCode.INTERNAL, errors.Reason.ENGINE_FAILED
-        if status in (401, 403):
-            text, code = f"{text} (check the API key)", grpc.StatusCode.FAILED_PRECONDITION
-            reason = errors.Reason.ENGINE_AUTH_FAILED
-        elif 400 <= status < 500:
-            code, reason = grpc.StatusCode.INVALID_ARGUMENT, errors.Reason.ENGINE_REJECTED_REQUEST
-        super().__init__(text, code=code, reason=reason, metadata={"engine": url, "http_status": str(status)})
-        self.status = status
-        self.detail = detail
-        self.url = url
 
 
 def _error_message(status: int, body: bytes) -> str:
@@ -206,46 +132,3 @@ class _Retryable(Exception):
         wait = retry_after_seconds(retry_after) if status in (429, 503) else None
         cause = f"HTTP {status}: {detail}" + (f" (Retry-After {wait:g} s)" if wait is not None else "")
         self.failure = Failure(kind, cause, wait)
-
-
-class EnginePool:
-    """The engines of one model server; a session always goes to the same one."""
-
-    def __init__(self, settings: EngineSettings, counters: Counters | None = None) -> None:
-        self.engines: list[Engine | GrpcEngine] = []
-        if settings.grpc:
-            from gym_grpc.engines.vllm_grpc import GrpcEngine  # its stubs only where a grpc:// engine is
-
-            self.engines.extend(GrpcEngine(url, settings, counters) for url in settings.base_url)
-        else:
-            self.engines.extend(Engine(url, settings, counters) for url in settings.base_url)
-        self._next = 0
-
-    def for_key(self, key: str) -> Engine | GrpcEngine:
-        """The engine of a routing key (gym_grpc.engines.routing): fixed by the key; round robin without one."""
-        if key:
-            return self.engines[zlib.crc32(key.encode()) % len(self.engines)]
-        self._next = (self._next + 1) % len(self.engines)
-        return self.engines[self._next]
-
-    async def close(self) -> None:
-        for engine in self.engines:
-            await engine.close()
-
-
-class EngineModelServer(ModelServer):
-    """Base of a model server in front of engines: its EnginePool lives from start to stop."""
-
-    Config: ClassVar[type[ServerConfig]] = EngineSettings
-    config: EngineSettings
-
-    async def start(self) -> None:
-        self.engines = EnginePool(self.config, self.counters)
-
-    def engine_for(self, params: r.CreateParams, session_id: str) -> Engine | GrpcEngine:
-        """The engine of a model call: by its routing key (gym_grpc.engines.routing)."""
-        return self.engines.for_key(routing_key(params, session_id, self.config.route_by))
-
-    async def stop(self) -> None:
-        await self.engines.close()
-        await super().stop()

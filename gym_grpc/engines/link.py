@@ -17,17 +17,40 @@ import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
+import grpc
+
+from gym_grpc import errors
 from gym_grpc.engines.retries import Failure, Retries
+from gym_grpc.engines.settings import EngineSettings
 from gym_grpc.server.counters import Counters
-
-if TYPE_CHECKING:
-    from gym_grpc.engines.http import EngineSettings
 
 log = logging.getLogger("gym_grpc.engines")
 
 T = TypeVar("T")
+
+
+class EngineError(errors.GymError):
+    """An engine answered with an HTTP error that is not worth retrying. Its status code
+    follows the HTTP status: 401/403 FAILED_PRECONDITION (ENGINE_AUTH_FAILED), other 4xx
+    INVALID_ARGUMENT (ENGINE_REJECTED_REQUEST), else INTERNAL (ENGINE_FAILED: a 5xx that is not
+    retried, such as 501, or an answer that is not JSON)."""
+
+    def __init__(self, status: int, detail: str, url: str, *, answered: str | None = None) -> None:
+        # `answered`: what the engine's own protocol said, when it is not HTTP (a gRPC status, whose
+        # HTTP counterpart is `status`).
+        text = f"engine {url} answered {answered or f'HTTP {status}'}: {detail}"
+        code, reason = grpc.StatusCode.INTERNAL, errors.Reason.ENGINE_FAILED
+        if status in (401, 403):
+            text, code = f"{text} (check the API key)", grpc.StatusCode.FAILED_PRECONDITION
+            reason = errors.Reason.ENGINE_AUTH_FAILED
+        elif 400 <= status < 500:
+            code, reason = grpc.StatusCode.INVALID_ARGUMENT, errors.Reason.ENGINE_REJECTED_REQUEST
+        super().__init__(text, code=code, reason=reason, metadata={"engine": url, "http_status": str(status)})
+        self.status = status
+        self.detail = detail
+        self.url = url
 
 
 class EngineLink:

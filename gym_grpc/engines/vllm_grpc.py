@@ -41,9 +41,9 @@ from smg_grpc_proto import vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2
 
 from gym_grpc import errors
-from gym_grpc.engines.http import GRPC_SCHEME, EngineError, EngineSettings
-from gym_grpc.engines.link import EngineLink
+from gym_grpc.engines.link import EngineError, EngineLink
 from gym_grpc.engines.retries import Failure
+from gym_grpc.engines.settings import GRPC_SCHEME, EngineSettings
 from gym_grpc.server.counters import Counters
 
 log = logging.getLogger("gym_grpc.engines.vllm_grpc")

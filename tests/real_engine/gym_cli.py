@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gym_grpc.engines import local_vllm
-from gym_grpc.engines.http import GRPC_SCHEME
+from gym_grpc.engines.settings import GRPC_SCHEME
 from gym_grpc.testing.processes import GymRun
 from tests.support import REPO, start_run, tool
 

@@ -25,7 +25,7 @@ from smg_grpc_proto import vllm_engine_pb2_grpc
 
 from gym_grpc.client.stubs import ModelClient
 from gym_grpc.engines import local_vllm
-from gym_grpc.engines.http import GRPC_SCHEME
+from gym_grpc.engines.settings import GRPC_SCHEME
 from gym_grpc.responses import user_message
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.v1 import responses_pb2 as r

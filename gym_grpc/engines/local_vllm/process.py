@@ -35,8 +35,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gym_grpc import errors
-from gym_grpc.engines.http import GRPC_SCHEME
 from gym_grpc.engines.local_vllm.installation import Prepared, cache_dir, prepare
+from gym_grpc.engines.settings import GRPC_SCHEME
 
 CHAT_TEMPLATE = Path(__file__).with_name("hermes_tools.jinja")
 # Without these vLLM reaches for the Hub, and reserves 4 GiB for its KV cache on CPU.

@@ -12,7 +12,9 @@ from pydantic import field_validator
 
 from gym_grpc import errors
 from gym_grpc.data import rows
-from gym_grpc.engines.http import GRPC_SCHEME, Engine, EngineModelServer, EngineSettings
+from gym_grpc.engines.http import Engine
+from gym_grpc.engines.pool import EngineModelServer
+from gym_grpc.engines.settings import GRPC_SCHEME, EngineSettings
 from gym_grpc.v1 import responses_pb2 as r
 
 

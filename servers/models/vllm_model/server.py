@@ -72,7 +72,10 @@ from pydantic import Field, field_validator
 
 from gym_grpc import errors
 from gym_grpc.data import json_input
-from gym_grpc.engines.http import Engine, EngineError, EngineModelServer, EngineSettings
+from gym_grpc.engines.http import Engine
+from gym_grpc.engines.link import EngineError
+from gym_grpc.engines.pool import EngineModelServer
+from gym_grpc.engines.settings import EngineSettings
 from gym_grpc.engines.vllm_grpc import GrpcEngine, default_tokenizer_cache, sampling_params
 from gym_grpc.responses import assistant_message, input_items, item_body, new_id, new_response, turns
 from gym_grpc.v1 import admin_service_pb2 as admin_pb

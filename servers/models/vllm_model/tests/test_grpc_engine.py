@@ -14,7 +14,7 @@ from gym_grpc import errors
 from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 from gym_grpc.bundled.servers.models.vllm_model.server import VLLMModel
 from gym_grpc.client.stubs import AgentClient, ModelClient
-from gym_grpc.engines.http import EngineSettings
+from gym_grpc.engines.settings import EngineSettings
 from gym_grpc.responses import final_text, function_calls, user_message
 from gym_grpc.testing import Calculator, static_registry
 from gym_grpc.testing import calculator_task as task

@@ -123,7 +123,7 @@ async def test_a_429_storm_recovers_and_every_retry_is_logged(start, engine, cap
     fake = await engine([Turn(content="fine")])
     fake.fail_next = [429, 429, 503, 429]
     model = await _model(start, fake)
-    caplog.set_level(logging.WARNING, logger="gym_grpc.engines.http")
+    caplog.set_level(logging.WARNING, logger="gym_grpc.engines")
     response = await model.create_response(_params(), "s")
     assert final_text(response) == "fine" and len(fake.requests) == 5
     retries = [rec.getMessage() for rec in caplog.records if "retrying" in rec.getMessage()]

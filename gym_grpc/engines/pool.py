@@ -1,0 +1,57 @@
+"""The engines of one model server, and the base class of model servers in front of engines.
+
+A pool holds one link per base URL, all HTTP (http.py) or all vLLM gRPC (vllm_grpc.py); a model
+call goes to the engine its routing key picks (routing.py).
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import ClassVar
+
+from gym_grpc.engines.http import Engine
+from gym_grpc.engines.routing import routing_key
+from gym_grpc.engines.settings import EngineSettings
+from gym_grpc.engines.vllm_grpc import GrpcEngine
+from gym_grpc.model import ModelServer
+from gym_grpc.server.counters import Counters
+from gym_grpc.server.serving import ServerConfig
+from gym_grpc.v1 import responses_pb2 as r
+
+
+class EnginePool:
+    """The engines of one model server; a session always goes to the same one."""
+
+    def __init__(self, settings: EngineSettings, counters: Counters | None = None) -> None:
+        link = GrpcEngine if settings.grpc else Engine
+        self.engines: list[Engine | GrpcEngine] = [link(url, settings, counters) for url in settings.base_url]
+        self._next = 0
+
+    def for_key(self, key: str) -> Engine | GrpcEngine:
+        """The engine of a routing key (gym_grpc.engines.routing): fixed by the key; round robin without one."""
+        if key:
+            return self.engines[zlib.crc32(key.encode()) % len(self.engines)]
+        self._next = (self._next + 1) % len(self.engines)
+        return self.engines[self._next]
+
+    async def close(self) -> None:
+        for engine in self.engines:
+            await engine.close()
+
+
+class EngineModelServer(ModelServer):
+    """Base of a model server in front of engines: its EnginePool lives from start to stop."""
+
+    Config: ClassVar[type[ServerConfig]] = EngineSettings
+    config: EngineSettings
+
+    async def start(self) -> None:
+        self.engines = EnginePool(self.config, self.counters)
+
+    def engine_for(self, params: r.CreateParams, session_id: str) -> Engine | GrpcEngine:
+        """The engine of a model call: by its routing key (gym_grpc.engines.routing)."""
+        return self.engines.for_key(routing_key(params, session_id, self.config.route_by))
+
+    async def stop(self) -> None:
+        await self.engines.close()
+        await super().stop()
