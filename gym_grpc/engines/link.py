@@ -6,7 +6,8 @@ with its cause and counted, inside the deadline of the call that made it; and,
 while the engine never answered (vLLM loading its model), a wait of up to
 `startup_wait_seconds` instead of counting connection failures, so a collect
 started early loses no rollouts. A transport says which of its errors are which
-failure (`_failure`), and that the engine answered (`_heard_from`).
+failure (`_failure`), and that the engine answered (`_heard_from`); an answer
+not worth retrying is an EngineError.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ T = TypeVar("T")
 
 
 class EngineError(errors.GymError):
-    """An engine answered with an HTTP error that is not worth retrying. Its status code
-    follows the HTTP status: 401/403 FAILED_PRECONDITION (ENGINE_AUTH_FAILED), other 4xx
-    INVALID_ARGUMENT (ENGINE_REJECTED_REQUEST), else INTERNAL (ENGINE_FAILED: a 5xx that is not
-    retried, such as 501, or an answer that is not JSON)."""
+    """An engine answered with an error that is not worth retrying (an HTTP status, or a gRPC one
+    as the HTTP status it stands for). Its status code follows the HTTP status: 401/403
+    FAILED_PRECONDITION (ENGINE_AUTH_FAILED), other 4xx INVALID_ARGUMENT (ENGINE_REJECTED_REQUEST),
+    else INTERNAL (ENGINE_FAILED: a 5xx that is not retried, such as 501, or an answer that is not
+    JSON)."""
 
     def __init__(self, status: int, detail: str, url: str, *, answered: str | None = None) -> None:
         # `answered`: what the engine's own protocol said, when it is not HTTP (a gRPC status, whose
