@@ -123,6 +123,19 @@ def test_start_writes_env_yaml_keeping_the_users_keys_and_stop_ends_the_engine(s
     assert "nothing to stop" in shell.run("engine", "stop").stdout
 
 
+@pytest.mark.slow
+def test_start_grpc_serves_vllms_grpc_server_and_points_env_yaml_at_it(shell: Shell) -> None:
+    started = shell.run("engine", "start", "--grpc")
+    assert started.returncode == 0, started.stderr
+    env = yaml.safe_load((shell.cwd / "env.yaml").read_text())
+    assert env["policy_base_url"].startswith("grpc://127.0.0.1:")  # configs/vllm.yaml then speaks gRPC
+    assert env["policy_chat_template"].endswith("hermes_tools.jinja")
+    server, _ = shell.started()
+    assert "vllm.entrypoints.launchers.grpc_server" in Path(f"/proc/{server}/cmdline").read_text()
+    stopped = shell.run("engine", "stop")
+    assert stopped.returncode == 0 and not alive(server)
+
+
 def test_an_engine_that_fails_to_start_is_an_error_with_the_end_of_its_log(shell: Shell) -> None:
     started = shell.run("engine", "start", mode="die")
     assert started.returncode == 1

@@ -21,7 +21,8 @@ def engine() -> None:
 
     `start` prepares it (the first time: a virtualenv and a model under
     ~/.cache/gym-grpc-engine, or GYM_GRPC_ENGINE_CACHE), starts it on a free
-    loopback port, writes its run file and env.yaml for configs/vllm.yaml;
+    loopback port (`--grpc`: vLLM's gRPC server), writes its run file and
+    env.yaml for configs/vllm.yaml;
     `stop` and `status` find it through the run file."""
 
 
@@ -43,7 +44,12 @@ def engine() -> None:
     show_default=True,
     help="Seconds to wait for vLLM to serve.",
 )
-def engine_start_command(env_file: Path, max_model_len: int, ready_timeout: float) -> None:
+@click.option(
+    "--grpc",
+    is_flag=True,
+    help="Serve with vLLM's gRPC server (token ids in and out; policy_base_url grpc://...) instead of its HTTP one.",
+)
+def engine_start_command(env_file: Path, max_model_len: int, ready_timeout: float, grpc: bool) -> None:
     """Prepare and start the local CPU vLLM, and point env.yaml at it."""
     from gym_grpc.engines import local_vllm
 
@@ -63,7 +69,7 @@ def engine_start_command(env_file: Path, max_model_len: int, ready_timeout: floa
     prepared = local_vllm.prepare()
     click.echo(f"starting vLLM with {prepared.model_name} on CPU (about 30 s, more on a busy machine)", err=True)
     began = time.monotonic()
-    started = local_vllm.start_tracked(prepared, ready_timeout=ready_timeout, max_model_len=max_model_len)
+    started = local_vllm.start_tracked(prepared, ready_timeout=ready_timeout, max_model_len=max_model_len, grpc=grpc)
     click.echo(
         f"vLLM serves {started.model} at {started.base_url} (pid {started.pid}) after {time.monotonic() - began:.0f} s"
     )

@@ -1,7 +1,9 @@
 """Stands in for `python -m vllm.entrypoints.openai.api_server ...` in tests of gym_grpc.engines.local_vllm.
 
 Takes vLLM's arguments (only --port matters) and behaves as FAKE_VLLM_MODE says:
-serve (answers GET /v1/models, with a forked child like vLLM's engine core),
+serve (answers GET /v1/models, with a forked child like vLLM's engine core; as
+`-m vllm.entrypoints.launchers.grpc_server`, the gRPC server's, answers gRPC health
+checks with SERVING instead),
 die, hang (never listens), stubborn (serves and ignores SIGTERM), taken_once
 (the first start fails with vLLM's "address already in use", later ones serve).
 Writes its PID and its child's to FAKE_VLLM_PIDS, one per line.
@@ -51,7 +53,24 @@ def main() -> None:
     if mode == "hang":
         while True:
             time.sleep(1)
+    if "vllm.entrypoints.launchers.grpc_server" in sys.argv:
+        serve_grpc_health(port)
     http.server.HTTPServer(("127.0.0.1", port), Models).serve_forever()
+
+
+def serve_grpc_health(port: int) -> None:
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    server.wait_for_termination()
 
 
 if __name__ == "__main__":
