@@ -15,6 +15,7 @@ from tests.support import (
     MATH,
     REPO,
     WEATHER,
+    alive,
     collect_args,
     cpu_ticks,
     grpcurl,
@@ -332,6 +333,19 @@ def test_ctrl_c_stops_every_server(live):
             [tool("grpcurl"), "-plaintext", "-max-time", "2", address, "list"], capture_output=True, text=True
         )
         assert done.returncode != 0  # nothing answers any more
+
+
+@pytest.mark.slow
+def test_ctrl_c_at_once_after_the_ready_line_stops_every_server_in_order():
+    """A signal right after the ready line (a program that starts a run and stops it) used to come
+    before the handler was installed: "Aborted!", exit 1, one run in four here, once a run that did not
+    end within 60 s in CI. Ten runs, each stopped as soon as it is ready: every one ends 0, its servers with it."""
+    for _ in range(10):
+        run = start_run()
+        pids = [pid for name in run.servers for pid in run.pids(name)]
+        assert run.stop() == 0, run.log()[-2000:]
+        assert "Aborted!" not in run.log()
+        assert not [pid for pid in pids if alive(pid)]
 
 
 @pytest.mark.slow

@@ -21,6 +21,12 @@ from gym_grpc.server import stderr
 
 async def _serve(config: GymConfig, grace: float, ready_json: bool) -> int:
     started = time.monotonic()
+    # Ctrl-C (or SIGTERM) from now on stops the servers in order: one that came between the ready line
+    # and a handler installed after it was a KeyboardInterrupt, "Aborted!", and servers left behind.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
     runner: Runner | RayRunner = (
         RayRunner(config, grace=grace) if config.ray is not None else Runner(config, grace=grace)
     )
@@ -32,10 +38,6 @@ async def _serve(config: GymConfig, grace: float, ready_json: bool) -> int:
     else:
         click.echo(table)
     click.echo(f"Ctrl-C stops every {'replica' if isinstance(runner, RayRunner) else 'server'}.", err=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     code = await runner.watch(stop)
     click.echo("stopping...", err=True)
     await runner.stop()
