@@ -45,7 +45,6 @@ import real_engine  # noqa: E402  (the bench directory is not a package)
 bench_run = real_engine.bench_run
 
 
-WEATHER_ROWS = [json.loads(line) for line in (REPO / "servers/resources/weather/data/example.jsonl").open()]
 MODES = ("before", "engine", "local")
 WEATHER = ("weather", "weather/server.py:WeatherEnv")
 
@@ -135,15 +134,7 @@ def write_config(
 
 
 def write_tasks(directory: Path, count: int, max_output_tokens: int) -> Path:
-    file = directory / f"tasks_{count}.jsonl"
-    with file.open("w") as f:
-        for i in range(count):
-            row = json.loads(json.dumps(WEATHER_ROWS[i % len(WEATHER_ROWS)]))
-            row["responses_create_params"].update(
-                temperature=1.0, tool_choice="required", parallel_tool_calls=False, max_output_tokens=max_output_tokens
-            )
-            f.write(json.dumps(row) + "\n")
-    return file
+    return real_engine.write_tasks(directory, count, max_output_tokens, bench_run.WEATHER_ROWS)
 
 
 def _core_cpu(api_pid: int | None) -> float:

@@ -38,7 +38,6 @@ import real_engine  # noqa: E402  (the bench directory is not a package)
 bench_run = real_engine.bench_run
 
 
-WEATHER_ROWS = [json.loads(line) for line in (REPO / "servers/resources/weather/data/example.jsonl").open()]
 MODES = ("session", "prompt", "key")
 COUNTERS = ("prefix_cache_queries_total", "prefix_cache_hits_total", "prompt_tokens_total", "request_success_total")
 
@@ -96,7 +95,7 @@ def write_tasks(
     file = directory / f"tasks_{mode}_{repeat}.jsonl"
     with file.open("w") as f:
         for group in range(groups):
-            row = json.loads(json.dumps(WEATHER_ROWS[group % len(WEATHER_ROWS)]))
+            row = json.loads(json.dumps(bench_run.WEATHER_ROWS[group % len(bench_run.WEATHER_ROWS)]))
             params = row["responses_create_params"]
             question = params["input"][-1]
             context = f"Notes: {_passage(context_words, f'{label} {group}')}\n" if context_words else ""

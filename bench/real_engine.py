@@ -157,11 +157,13 @@ def write_config(directory: Path, engine_url: str, model: str, paths: list[str],
     )
 
 
-def write_tasks(directory: Path, count: int, max_output_tokens: int) -> Path:
+def write_tasks(directory: Path, count: int, max_output_tokens: int, rows: list[dict] = TASK_ROWS) -> Path:
+    """`count` of `rows` (the multi-turn refund tasks by default) in turn, every one sampled at 1.0 and
+    asking for one tool call a turn."""
     file = directory / f"tasks_{count}.jsonl"
     with file.open("w") as f:
         for i in range(count):
-            row = json.loads(json.dumps(TASK_ROWS[i % len(TASK_ROWS)]))
+            row = json.loads(json.dumps(rows[i % len(rows)]))
             row["responses_create_params"].update(
                 temperature=1.0, tool_choice="required", parallel_tool_calls=False, max_output_tokens=max_output_tokens
             )

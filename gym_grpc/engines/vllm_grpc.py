@@ -258,6 +258,19 @@ def _constraint(body: dict[str, Any]) -> Iterator[tuple[str, Any]]:
 _CONSTRAINT_KEYS = frozenset(
     {"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_grammar", "guided_choice"}
 )
+#: Every request field sampling_params reads or leaves out on purpose.
+_KNOWN = (
+    _NOT_SAMPLING
+    | _CONSTRAINT_KEYS
+    | frozenset(
+        {
+            *_FLOATS,
+            *_FLAGS,
+            *("temperature", "top_k", "max_tokens", "max_completion_tokens", "min_tokens", "seed"),
+            *("truncate_prompt_tokens", "logprobs", "stop", "stop_token_ids", "logit_bias"),
+        }
+    )
+)
 _unsent_logged: set[str] = set()
 
 
@@ -267,7 +280,6 @@ def sampling_params(body: dict[str, Any]) -> pb.SamplingParams:
     vLLM's HTTP server ignores fields it does not know; a value of the wrong type is an error
     that names the field."""
     params = pb.SamplingParams(spaces_between_special_tokens=True)  # vLLM's default, not proto3's
-    handled = set(_NOT_SAMPLING | _CONSTRAINT_KEYS)
     try:
         for key in _FLOATS:
             if body.get(key) is not None:
@@ -308,9 +320,7 @@ def sampling_params(body: dict[str, Any]) -> pb.SamplingParams:
                 setattr(params, field, value)
     except (TypeError, ValueError) as e:
         raise errors.InvalidArgument(f"a sampling field has a value vLLM cannot take: {e}", field="params") from None
-    handled.update(_FLOATS, _FLAGS, ("temperature", "top_k", "max_tokens", "max_completion_tokens"))
-    handled.update(("min_tokens", "seed", "truncate_prompt_tokens", "logprobs", "stop", "stop_token_ids", "logit_bias"))
-    for key in body.keys() - handled - _unsent_logged:
+    for key in body.keys() - _KNOWN - _unsent_logged:
         _unsent_logged.add(key)
         log.warning("request field %r has no counterpart in vLLM's gRPC SamplingParams; it is not sent", key)
     return params

@@ -109,7 +109,7 @@ def _prune(logs: Path, keep: int) -> None:
 def _command(prepared: Prepared, port: int, max_model_len: int, grpc: bool = False) -> list[str]:
     server = "vllm.entrypoints.launchers.grpc_server" if grpc else "vllm.entrypoints.openai.api_server"
     # The HTTP server's own options: the gRPC one takes token ids, and neither renders nor parses.
-    chat = [] if grpc else ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--chat-template"]
+    chat = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--chat-template", str(CHAT_TEMPLATE)]
     return [
         str(prepared.python),
         "-m",
@@ -133,8 +133,7 @@ def _command(prepared: Prepared, port: int, max_model_len: int, grpc: bool = Fal
         str(max(max_model_len, 8192)),
         "--max-model-len",
         str(max_model_len),
-        *chat,
-        *([] if grpc else [str(CHAT_TEMPLATE)]),
+        *([] if grpc else chat),
     ]
 
 

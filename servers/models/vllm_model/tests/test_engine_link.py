@@ -17,12 +17,14 @@ from gym_grpc.testing import calculator_task as task
 from gym_grpc.testing.fake_engine import FakeEngine, Turn, write_tokenizer
 
 
-async def _rollout(start, fake: FakeEngine, turns: int, **config) -> tuple[Counter, list[list[int]]]:
-    """A rollout of `turns` model calls (a tool call each, then the answer) through a token-path VLLMModel
-    with `config`: the engine's requests by path, and every turn's prompt ids."""
-    model = await start(
-        VLLMModel({"base_url": fake.base_url, "model": "p", "return_token_ids": True, **config}, name="m")
-    )
+async def _rollout(
+    start, fake: FakeEngine, turns: int, base_url: str | None = None, **config
+) -> tuple[Counter, list[list[int]]]:
+    """A rollout of `turns` model calls (a tool call each, then the right answer) through a token-path
+    VLLMModel with `config` on `base_url` (the fake's HTTP face by default): the engine's calls by path
+    or RPC, and every turn's prompt ids, in order."""
+    settings = {"base_url": base_url or fake.base_url, "model": "p", "return_token_ids": True, **config}
+    model = await start(VLLMModel(settings, name="m"))
     calc = await start(Calculator())
     registry = static_registry(m=model, calc=calc)
     agent_config = {"model_server": "m", "resources_server": "calc", "max_steps": turns}
@@ -31,16 +33,10 @@ async def _rollout(start, fake: FakeEngine, turns: int, **config) -> tuple[Count
     before = Counter(fake.calls)
     rollout = await client.run(task("What is 2 + 3?", expected_answer=5))
     await client.registry.close()
-    prompts = [
-        list(item.function_call.prompt_token_ids)
-        for item in rollout.response.output
-        if item.function_call.prompt_token_ids
-    ]
-    prompts += [
-        list(item.message.prompt_token_ids) for item in rollout.response.output if item.message.prompt_token_ids
-    ]
-    assert rollout.model_calls == turns
-    return Counter(fake.calls) - before, prompts
+    carriers = [item for item in rollout.response.output if item.WhichOneof("item") in ("function_call", "message")]
+    prompts = [list(getattr(item, item.WhichOneof("item")).prompt_token_ids) for item in carriers]
+    assert rollout.model_calls == turns and rollout.reward == 1.0
+    return Counter(fake.calls) - before, [p for p in prompts if p]
 
 
 def _script(turns: int) -> list[Turn]:

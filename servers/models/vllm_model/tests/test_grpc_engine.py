@@ -6,21 +6,20 @@ a stand-in for the client side: the real vLLM gRPC server runs in tests/real_eng
 import asyncio
 import logging
 import socket
-from collections import Counter
 
 import pytest
 
 from gym_grpc import errors
-from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 from gym_grpc.bundled.servers.models.vllm_model.server import VLLMModel
-from gym_grpc.client.stubs import AgentClient, ModelClient
+from gym_grpc.client.stubs import ModelClient
 from gym_grpc.engines.settings import EngineSettings
 from gym_grpc.responses import final_text, function_calls, user_message
-from gym_grpc.testing import Calculator, static_registry
-from gym_grpc.testing import calculator_task as task
+from gym_grpc.testing import static_registry
 from gym_grpc.testing.fake_engine import FakeEngine, Turn, write_tokenizer
 from gym_grpc.testing.fake_vllm_grpc import FakeGrpcEngine
 from gym_grpc.v1 import responses_pb2 as r
+
+from .test_engine_link import _rollout, _script
 
 FAST_RETRIES = {"backoff_seconds": 0.01, "max_backoff_seconds": 0.05}
 
@@ -43,28 +42,6 @@ async def grpc_engine(engine, tmp_path, monkeypatch):
         await face.stop()
 
 
-def _script(turns: int) -> list[Turn]:
-    return [*(Turn(tool_calls=[("add", '{"a": 2, "b": %d}' % i)]) for i in range(turns - 1)), Turn(content="5")]
-
-
-async def _rollout(start, base_url: str, fake: FakeEngine, turns: int, **config) -> tuple[Counter, list[list[int]]]:
-    """A rollout of `turns` model calls through a token-path VLLMModel on `base_url`: the engine's calls,
-    and every turn's prompt ids."""
-    settings = {"base_url": base_url, "model": "p", "return_token_ids": True, **FAST_RETRIES, **config}
-    model = await start(VLLMModel(settings, name="m"))
-    calc = await start(Calculator())
-    agent_config = {"model_server": "m", "resources_server": "calc", "max_steps": turns}
-    agent = await start(SimpleAgent(agent_config, name="a", registry=static_registry(m=model, calc=calc)))
-    client = AgentClient(static_registry(agent=agent), "agent")
-    before = Counter(fake.calls)
-    rollout = await client.run(task("What is 2 + 3?", expected_answer=5))
-    await client.registry.close()
-    assert rollout.model_calls == turns and rollout.reward == 1.0
-    carriers = [item for item in rollout.response.output if item.WhichOneof("item") in ("function_call", "message")]
-    prompts = [list(getattr(item, item.WhichOneof("item")).prompt_token_ids) for item in carriers]
-    return Counter(fake.calls) - before, [p for p in prompts if p]
-
-
 async def _model(start, base_url: str, **config) -> ModelClient:
     settings = {"base_url": base_url, "model": "p", **FAST_RETRIES, **config}
     return ModelClient(static_registry(model=await start(VLLMModel(settings, name="model"))), "model")
@@ -79,11 +56,11 @@ def _params(text="What is 2 + 3?", **fields) -> r.CreateParams:
 @pytest.mark.parametrize("turns", [3, 8])
 async def test_over_grpc_a_turn_is_one_generate_and_the_prompts_are_those_of_http(start, grpc_engine, turns):
     fake, face = await grpc_engine(_script(turns))
-    over_grpc, prompts = await _rollout(start, face.base_url, fake, turns)
+    over_grpc, prompts = await _rollout(start, fake, turns, face.base_url, **FAST_RETRIES)
     # The tokenizer fetched once, the model's context and end-of-sequence ids asked once.
     assert over_grpc == {"Generate": turns, "GetTokenizer": 1, "GetModelInfo": 1}
     fake, _ = await grpc_engine(_script(turns))
-    _, over_http = await _rollout(start, fake.base_url, fake, turns)
+    _, over_http = await _rollout(start, fake, turns, **FAST_RETRIES)
     assert prompts == over_http and len(prompts) == turns
 
 
