@@ -174,6 +174,24 @@ async def test_agent_client_sends_its_runs_over_run_many_each_counted_as_a_run(s
     await registry.close()
 
 
+async def test_a_closed_agent_client_ends_its_calls_and_leaves_no_task_of_them_pending(start):
+    """A task left pending outlives its event loop and is finalised wherever the garbage
+    collector next runs (in CI: inside pytest's import of a module, which CPython 3.11 failed)."""
+    agent, registry = await _agent(start, EchoModel(delay=0.01))
+    client = AgentClient(registry, "agent")
+    await client.run(task("7", expected_answer=7), timeout=30)
+    calls = [t for t in asyncio.all_tasks() if t.get_coro().__qualname__.startswith("_Call.")]
+    assert len(calls) == 2  # the call's sender and receiver
+    await client.close()
+    assert all(t.done() for t in calls)
+
+    def in_flight() -> int:
+        return next(m.in_flight for m in agent.app.counters.to_proto().methods if m.method == "RunMany")
+
+    await eventually(lambda: in_flight() == 0, "the agent saw the call end")
+    await registry.close()
+
+
 async def test_agent_client_errors_are_those_of_run(start):
     agent, registry = await _agent(start, EchoModel(delay=0.01))
     client = AgentClient(registry, "agent")

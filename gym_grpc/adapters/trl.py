@@ -200,6 +200,7 @@ class GymRollouts:
         if self._client is not None:
             self._run(self._client.close())
             self._client = None
+        self._run(_wind_down())
         self._loop.call_soon_threadsafe(self._loop.stop)
         assert self._thread is not None
         self._thread.join()
@@ -268,3 +269,14 @@ class GymRollouts:
                 out[REWARD_FIELD].append(reward)
                 out[FAILURE_FIELD].append(failure)
         return out
+
+
+async def _wind_down() -> None:
+    """End what still runs on the loop (gRPC's own tasks among them) before it closes, as
+    asyncio.run does: a task left pending would be finalised later, wherever the garbage
+    collector happens to run."""
+    tasks = asyncio.all_tasks() - {asyncio.current_task()}
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.get_running_loop().shutdown_asyncgens()

@@ -12,6 +12,7 @@ rollouts are not verified: `reward` is a placeholder and
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from array import array
 from collections.abc import Iterator
@@ -165,6 +166,7 @@ async def collect(registry: Registry, options: CollectOptions, *, log: TextIO = 
     try:
         summary = await batch.run(_jobs(options), produce, visit=None if options.skip_verify else verified.add)
     finally:
+        await asyncio.gather(*(client.close() for client in clients.values()))
         if events is not None:
             events.close()
     if not options.skip_verify:

@@ -107,6 +107,12 @@ class _Call:
         self.closing = True
         self._wake.set()
 
+    async def end(self) -> None:
+        """End the call now (runs still on it fail, cancelled) and wait for its tasks: a task
+        left pending outlives its event loop and is finalised wherever the collector runs."""
+        self._call.cancel()
+        await asyncio.gather(self._sender, self._receiver, return_exceptions=True)
+
     async def _send(self) -> None:
         try:
             while True:
@@ -234,6 +240,11 @@ class RunMany:
                 best = call
         assert best is not None  # the registry gives at least one connection
         return best
+
+    async def close(self) -> None:
+        """End every call (the client is closing)."""
+        calls, self._calls, self._pool = list(self._calls.values()), {}, None
+        await asyncio.gather(*(call.end() for call in calls))
 
     async def run(self, request: agent_pb.RunRequest, timeout: float | None) -> task_pb2.Rollout:
         """One run: its rollout. A failed run raises the AioRpcError its unary call would have

@@ -346,6 +346,11 @@ class AgentClient(_Client):
         if run_many.METHOD in protocol.methods(info, self._service):
             self._run_many = run_many.RunMany(self._connections, self._error)
 
+    async def close(self) -> None:
+        """End the client's RunMany calls (its channels are the registry's, closed with it)."""
+        if self._run_many is not None:
+            await self._run_many.close()
+
     async def run_stream(
         self,
         task: task_pb2.Task,

@@ -279,6 +279,7 @@ class GymClient:
                 member.cancel()
 
     async def close(self) -> None:
+        await self._agent.close()
         if self._owns_registry:
             await self._registry.close()
 
