@@ -143,11 +143,17 @@ def _content_list(value: Any, path: str) -> r.ContentList:
 
 # --- items --------------------------------------------------------------------
 
+_SPAN = [
+    field("version", "count", required=True),
+    field("start", "count", required=True),
+    field("end", "count", required=True),
+]
 _TOKENS = [
     field("prompt_token_ids", ("ids",)),
     field("generation_token_ids", ("ids",)),
     field("generation_log_probs", ("floats",)),
     field("policy_version", "count"),
+    field("policy_version_spans", ("list", reader(r.PolicyVersionSpan, _SPAN), writer(_SPAN))),
 ]
 _STATUS = field("status", ("enum", ITEM_STATUSES))
 
@@ -212,7 +218,7 @@ _ITEM_SPECS: dict[str, list[Spec]] = {
     "custom_tool_call_output": _CUSTOM_TOOL_CALL_OUTPUT,
     "mcp_call": _MCP_CALL,
 }
-_TOKEN_KEYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs", "policy_version")
+_TOKEN_KEYS = tuple(spec[0] for spec in _TOKENS)
 _ITEM_SPECS_NO_TOKENS = {kind: [s for s in specs if s[0] not in _TOKEN_KEYS] for kind, specs in _ITEM_SPECS.items()}
 
 

@@ -63,6 +63,7 @@ async def _one(info: reg.ServerInfo, address: str, interval: float, security: Se
         calls_total=second.calls_total,
         retries=dict(second.retries),
         non_monotonic_histories=dict(second.non_monotonic_histories),
+        turns_caught_by_update=dict(second.turns_caught_by_update),
         sessions_open=second.sessions_open,
         sessions_not_closed=second.sessions_not_closed,
         version=server.version,

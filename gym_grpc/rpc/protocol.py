@@ -37,7 +37,8 @@ from gym_grpc.v1 import agent_service_pb2, resources_service_pb2  # noqa: F401  
 #: 1.5: AgentService.RunMany (many runs over one call).
 #: 1.6: GetServerInfoResponse.unfilled_fields (the deprecated fields a server no longer writes).
 #: 1.7: GetCountersResponse.sessions_open (resources servers) and .sessions_not_closed (agents).
-VERSION = (1, 7)
+#: 1.8: ModelService.UpdateWeights, the items' policy_version_spans, GetCountersResponse.turns_caught_by_update.
+VERSION = (1, 8)
 
 
 class Unfilled(NamedTuple):

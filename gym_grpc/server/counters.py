@@ -74,6 +74,8 @@ class Counters:
         self.stages = {stage: _Recent() for stage in STAGES}
         self.retries: Counter[str] = Counter()
         self.histories: Counter[str] = Counter()
+        #: Turns a weight update caught, by what became of them ("regenerated", "spanning").
+        self.caught_by_update: Counter[str] = Counter()
         #: How many sessions are open now (a resources server sets it to read its own).
         self.sessions_open: Callable[[], int] = lambda: 0
         #: Sessions of this agent's rollouts whose CloseSession failed.
@@ -121,6 +123,7 @@ class Counters:
             uptime_seconds=self.uptime(),
             retries=dict(self.retries),
             non_monotonic_histories=dict(self.histories),
+            turns_caught_by_update=dict(self.caught_by_update),
             sessions_open=self.sessions_open(),
             sessions_not_closed=self.sessions_not_closed,
         )

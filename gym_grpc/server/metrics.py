@@ -19,6 +19,7 @@ of its buckets, always.
     gym_server_calls_in_flight{server, method}                 calls running now
     gym_server_engine_retries_total{server, kind}              model servers: retried engine requests
     gym_server_non_monotonic_histories_total{server, cause}    model servers: histories that broke token ids
+    gym_server_turns_caught_by_update_total{server, outcome}   model servers: turns a weight update caught
     process_*                                                  CPU, memory, open files of the process
 """
 
@@ -103,6 +104,13 @@ class CountersCollector(Collector):
             server,
             "cause",
             dict(counters.histories),
+        )
+        yield _by_label(
+            "gym_server_turns_caught_by_update",
+            "Model servers: turns a weight update caught, by what became of them.",
+            server,
+            "outcome",
+            dict(counters.caught_by_update),
         )
         sessions = GaugeMetricFamily(
             "gym_server_sessions_open", "Resources servers: sessions open now.", labels=["server"]

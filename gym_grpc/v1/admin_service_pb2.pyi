@@ -490,6 +490,26 @@ class GetCountersResponse(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class TurnsCaughtByUpdateEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     METHODS_FIELD_NUMBER: _builtins.int
     IN_FLIGHT_FIELD_NUMBER: _builtins.int
     CALLS_TOTAL_FIELD_NUMBER: _builtins.int
@@ -499,6 +519,7 @@ class GetCountersResponse(_message.Message):
     NON_MONOTONIC_HISTORIES_FIELD_NUMBER: _builtins.int
     SESSIONS_OPEN_FIELD_NUMBER: _builtins.int
     SESSIONS_NOT_CLOSED_FIELD_NUMBER: _builtins.int
+    TURNS_CAUGHT_BY_UPDATE_FIELD_NUMBER: _builtins.int
     in_flight: _builtins.int
     """Calls running now, over all methods."""
     calls_total: _builtins.int
@@ -544,6 +565,16 @@ class GetCountersResponse(_message.Message):
         configuration.
         """
 
+    @_builtins.property
+    def turns_caught_by_update(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Model servers: turns caught by a weight update (ModelService.UpdateWeights),
+        since start, by what became of them: "regenerated" (the engine aborted
+        the turn, PAUSE_MODE_ABORT, and it was generated again under the new
+        weights), "spanning" (its tokens came from two versions or more,
+        PAUSE_MODE_KEEP; the turn's policy_version_spans say which). Absent
+        when never seen.
+        """
+
     def __init__(
         self,
         *,
@@ -556,10 +587,11 @@ class GetCountersResponse(_message.Message):
         non_monotonic_histories: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         sessions_open: _builtins.int = ...,
         sessions_not_closed: _builtins.int = ...,
+        turns_caught_by_update: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls_total", b"calls_total", "in_flight", b"in_flight", "methods", b"methods", "non_monotonic_histories", b"non_monotonic_histories", "retries", b"retries", "sessions_not_closed", b"sessions_not_closed", "sessions_open", b"sessions_open", "stages", b"stages", "uptime_seconds", b"uptime_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls_total", b"calls_total", "in_flight", b"in_flight", "methods", b"methods", "non_monotonic_histories", b"non_monotonic_histories", "retries", b"retries", "sessions_not_closed", b"sessions_not_closed", "sessions_open", b"sessions_open", "stages", b"stages", "turns_caught_by_update", b"turns_caught_by_update", "uptime_seconds", b"uptime_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

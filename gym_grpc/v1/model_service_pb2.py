@@ -25,21 +25,29 @@ _sym_db = _symbol_database.Default()
 from gym_grpc.v1 import responses_pb2 as gym_dot_v1_dot_responses__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1agym/v1/model_service.proto\x12\x06gym.v1\x1a\x16gym/v1/responses.proto\"\x81\x01\n\x15\x43reateResponseRequest\x12$\n\x06params\x18\x01 \x01(\x0b\x32\x14.gym.v1.CreateParams\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x1b\n\x0epolicy_version\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x11\n\x0f_policy_version\"<\n\x16\x43reateResponseResponse\x12\"\n\x08response\x18\x01 \x01(\x0b\x32\x10.gym.v1.Response\"*\n\x17SetPolicyVersionRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\">\n\x18SetPolicyVersionResponse\x12\x15\n\x08previous\x18\x01 \x01(\rH\x00\x88\x01\x01\x42\x0b\n\t_previous2\xb6\x01\n\x0cModelService\x12O\n\x0e\x43reateResponse\x12\x1d.gym.v1.CreateResponseRequest\x1a\x1e.gym.v1.CreateResponseResponse\x12U\n\x10SetPolicyVersion\x12\x1f.gym.v1.SetPolicyVersionRequest\x1a .gym.v1.SetPolicyVersionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1agym/v1/model_service.proto\x12\x06gym.v1\x1a\x16gym/v1/responses.proto\"\x81\x01\n\x15\x43reateResponseRequest\x12$\n\x06params\x18\x01 \x01(\x0b\x32\x14.gym.v1.CreateParams\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x1b\n\x0epolicy_version\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x11\n\x0f_policy_version\"<\n\x16\x43reateResponseResponse\x12\"\n\x08response\x18\x01 \x01(\x0b\x32\x10.gym.v1.Response\"*\n\x17SetPolicyVersionRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\"t\n\x14UpdateWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x19\n\x0f\x63heckpoint_path\x18\x02 \x01(\tH\x00\x12%\n\npause_mode\x18\x03 \x01(\x0e\x32\x11.gym.v1.PauseModeB\t\n\x07weights\"K\n\x0c\x45ngineUpdate\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x15\n\rpause_seconds\x18\x02 \x01(\x01\x12\x14\n\x0cload_seconds\x18\x03 \x01(\x01\"\x84\x01\n\x15UpdateWeightsResponse\x12\x15\n\x08previous\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x0f\n\x07updated\x18\x02 \x01(\x08\x12%\n\x07\x65ngines\x18\x03 \x03(\x0b\x32\x14.gym.v1.EngineUpdate\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x42\x0b\n\t_previous\">\n\x18SetPolicyVersionResponse\x12\x15\n\x08previous\x18\x01 \x01(\rH\x00\x88\x01\x01\x42\x0b\n\t_previous*g\n\tPauseMode\x12\x1a\n\x16PAUSE_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10PAUSE_MODE_ABORT\x10\x01\x12\x13\n\x0fPAUSE_MODE_KEEP\x10\x02\x12\x13\n\x0fPAUSE_MODE_WAIT\x10\x03\x32\x84\x02\n\x0cModelService\x12O\n\x0e\x43reateResponse\x12\x1d.gym.v1.CreateResponseRequest\x1a\x1e.gym.v1.CreateResponseResponse\x12U\n\x10SetPolicyVersion\x12\x1f.gym.v1.SetPolicyVersionRequest\x1a .gym.v1.SetPolicyVersionResponse\x12L\n\rUpdateWeights\x12\x1c.gym.v1.UpdateWeightsRequest\x1a\x1d.gym.v1.UpdateWeightsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gym_grpc.v1.model_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_PAUSEMODE']._serialized_start=694
+  _globals['_PAUSEMODE']._serialized_end=797
   _globals['_CREATERESPONSEREQUEST']._serialized_start=63
   _globals['_CREATERESPONSEREQUEST']._serialized_end=192
   _globals['_CREATERESPONSERESPONSE']._serialized_start=194
   _globals['_CREATERESPONSERESPONSE']._serialized_end=254
   _globals['_SETPOLICYVERSIONREQUEST']._serialized_start=256
   _globals['_SETPOLICYVERSIONREQUEST']._serialized_end=298
-  _globals['_SETPOLICYVERSIONRESPONSE']._serialized_start=300
-  _globals['_SETPOLICYVERSIONRESPONSE']._serialized_end=362
-  _globals['_MODELSERVICE']._serialized_start=365
-  _globals['_MODELSERVICE']._serialized_end=547
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=300
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=416
+  _globals['_ENGINEUPDATE']._serialized_start=418
+  _globals['_ENGINEUPDATE']._serialized_end=493
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=496
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=628
+  _globals['_SETPOLICYVERSIONRESPONSE']._serialized_start=630
+  _globals['_SETPOLICYVERSIONRESPONSE']._serialized_end=692
+  _globals['_MODELSERVICE']._serialized_start=800
+  _globals['_MODELSERVICE']._serialized_end=1060
 # @@protoc_insertion_point(module_scope)

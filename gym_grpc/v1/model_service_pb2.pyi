@@ -3,8 +3,11 @@
 isort:skip_file
 The model role: fronts an inference engine (or the embedded policy)."""
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from gym_grpc.v1 import responses_pb2 as _responses_pb2
 import builtins as _builtins
 import sys
@@ -16,6 +19,50 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _PauseMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _PauseModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_PauseMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    PAUSE_MODE_UNSPECIFIED: _PauseMode.ValueType  # 0
+    """Not given: PAUSE_MODE_KEEP."""
+    PAUSE_MODE_ABORT: _PauseMode.ValueType  # 1
+    """Abort them at once; each aborted turn is generated again, from its
+    start, under the new weights (the rollout goes on, its earlier turns
+    kept). The update starts soonest; the work of the aborted turns is lost.
+    """
+    PAUSE_MODE_KEEP: _PauseMode.ValueType  # 2
+    """Freeze them, load, and let them go on under the new weights: no work is
+    lost, and a turn caught by the update has tokens of both versions, told
+    apart by the turn's `policy_version_spans`.
+    """
+    PAUSE_MODE_WAIT: _PauseMode.ValueType  # 3
+    """Let them finish first (new ones wait): no turn spans two versions; the
+    update waits for the longest generation in flight.
+    """
+
+class PauseMode(_PauseMode, metaclass=_PauseModeEnumTypeWrapper):
+    """How a weight update treats the generations in flight on the engines."""
+
+PAUSE_MODE_UNSPECIFIED: PauseMode.ValueType  # 0
+"""Not given: PAUSE_MODE_KEEP."""
+PAUSE_MODE_ABORT: PauseMode.ValueType  # 1
+"""Abort them at once; each aborted turn is generated again, from its
+start, under the new weights (the rollout goes on, its earlier turns
+kept). The update starts soonest; the work of the aborted turns is lost.
+"""
+PAUSE_MODE_KEEP: PauseMode.ValueType  # 2
+"""Freeze them, load, and let them go on under the new weights: no work is
+lost, and a turn caught by the update has tokens of both versions, told
+apart by the turn's `policy_version_spans`.
+"""
+PAUSE_MODE_WAIT: PauseMode.ValueType  # 3
+"""Let them finish first (new ones wait): no turn spans two versions; the
+update waits for the longest generation in flight.
+"""
+Global___PauseMode: _TypeAlias = PauseMode  # noqa: Y015
 
 @_typing.final
 class CreateResponseRequest(_message.Message):
@@ -104,6 +151,113 @@ class SetPolicyVersionRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SetPolicyVersionRequest: _TypeAlias = SetPolicyVersionRequest  # noqa: Y015
+
+@_typing.final
+class UpdateWeightsRequest(_message.Message):
+    """Request of ModelService.UpdateWeights."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_PATH_FIELD_NUMBER: _builtins.int
+    PAUSE_MODE_FIELD_NUMBER: _builtins.int
+    version: _builtins.int
+    """The version the new weights are, as the trainer counts them. Must not be
+    lower than the version served; equal to it, nothing is done.
+    """
+    checkpoint_path: _builtins.str
+    """A checkpoint directory every engine can read (Hugging Face layout:
+    config.json and *.safetensors), loaded in place by the engine
+    (vLLM's worker `reload_weights`).
+    """
+    pause_mode: Global___PauseMode.ValueType
+    """What happens to the generations in flight; unset: PAUSE_MODE_KEEP."""
+    def __init__(
+        self,
+        *,
+        version: _builtins.int = ...,
+        checkpoint_path: _builtins.str = ...,
+        pause_mode: Global___PauseMode.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint_path", b"checkpoint_path", "weights", b"weights"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_path", b"checkpoint_path", "pause_mode", b"pause_mode", "version", b"version", "weights", b"weights"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_weights: _TypeAlias = _typing.Literal["checkpoint_path"]  # noqa: Y015
+    _WhichOneofArgType_weights: _TypeAlias = _typing.Literal["weights", b"weights"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_weights) -> _WhichOneofReturnType_weights | None: ...
+
+Global___UpdateWeightsRequest: _TypeAlias = UpdateWeightsRequest  # noqa: Y015
+
+@_typing.final
+class EngineUpdate(_message.Message):
+    """What one engine did in a weight update."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_FIELD_NUMBER: _builtins.int
+    PAUSE_SECONDS_FIELD_NUMBER: _builtins.int
+    LOAD_SECONDS_FIELD_NUMBER: _builtins.int
+    engine: _builtins.str
+    """The engine, as the model server's configuration names it (its base URL)."""
+    pause_seconds: _builtins.float
+    """Seconds from asking it to pause to its answer that it had."""
+    load_seconds: _builtins.float
+    """Seconds it took to load the weights."""
+    def __init__(
+        self,
+        *,
+        engine: _builtins.str = ...,
+        pause_seconds: _builtins.float = ...,
+        load_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "load_seconds", b"load_seconds", "pause_seconds", b"pause_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EngineUpdate: _TypeAlias = EngineUpdate  # noqa: Y015
+
+@_typing.final
+class UpdateWeightsResponse(_message.Message):
+    """Response of ModelService.UpdateWeights."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PREVIOUS_FIELD_NUMBER: _builtins.int
+    UPDATED_FIELD_NUMBER: _builtins.int
+    ENGINES_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    previous: _builtins.int
+    """The version served before the call; unset when none was."""
+    updated: _builtins.bool
+    """False when the version asked was already served (a retried call): then
+    nothing was paused or loaded, and `engines` is empty.
+    """
+    seconds: _builtins.float
+    """Seconds from the call's start until every engine served the version."""
+    @_builtins.property
+    def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineUpdate]:
+        """Each engine's part of the update, in the configuration's order."""
+
+    def __init__(
+        self,
+        *,
+        previous: _builtins.int | None = ...,
+        updated: _builtins.bool = ...,
+        engines: _abc.Iterable[Global___EngineUpdate] | None = ...,
+        seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_previous", b"_previous", "previous", b"previous"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_previous", b"_previous", "engines", b"engines", "previous", b"previous", "seconds", b"seconds", "updated", b"updated"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__previous: _TypeAlias = _typing.Literal["previous"]  # noqa: Y015
+    _WhichOneofArgType__previous: _TypeAlias = _typing.Literal["_previous", b"_previous"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__previous) -> _WhichOneofReturnType__previous | None: ...
+
+Global___UpdateWeightsResponse: _TypeAlias = UpdateWeightsResponse  # noqa: Y015
 
 @_typing.final
 class SetPolicyVersionResponse(_message.Message):

@@ -45,6 +45,11 @@ class ModelServiceStub:
                 request_serializer=gym_dot_v1_dot_model__service__pb2.SetPolicyVersionRequest.SerializeToString,
                 response_deserializer=gym_dot_v1_dot_model__service__pb2.SetPolicyVersionResponse.FromString,
                 _registered_method=True)
+        self.UpdateWeights = channel.unary_unary(
+                '/gym.v1.ModelService/UpdateWeights',
+                request_serializer=gym_dot_v1_dot_model__service__pb2.UpdateWeightsRequest.SerializeToString,
+                response_deserializer=gym_dot_v1_dot_model__service__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class ModelServiceServicer:
@@ -69,6 +74,24 @@ class ModelServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateWeights(self, request, context):
+        """Load new weights into the server's engines and serve them as a new
+        policy version, in one call: the server pauses every engine it fronts
+        (how the generations in flight are treated: `pause_mode`), has each load
+        the weights, labels them with the version on the engine and on itself,
+        resumes them, and answers once every engine serves the version. A turn
+        caught by the update is not lost: see PauseMode. Idempotent (asking
+        again for the version served answers at once, `updated` false) and
+        ordered (an older version is refused with FAILED_PRECONDITION). An
+        engine that fails, or does not follow before the call's deadline, ends
+        the call with an error that names it, every engine paused for the
+        update resumed. With several replicas, call each (ModelClient
+        .update_weights does); the worker processes of one server take it as one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -81,6 +104,11 @@ def add_ModelServiceServicer_to_server(servicer, server):
                     servicer.SetPolicyVersion,
                     request_deserializer=gym_dot_v1_dot_model__service__pb2.SetPolicyVersionRequest.FromString,
                     response_serializer=gym_dot_v1_dot_model__service__pb2.SetPolicyVersionResponse.SerializeToString,
+            ),
+            'UpdateWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeights,
+                    request_deserializer=gym_dot_v1_dot_model__service__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=gym_dot_v1_dot_model__service__pb2.UpdateWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -138,6 +166,33 @@ class ModelService:
             '/gym.v1.ModelService/SetPolicyVersion',
             gym_dot_v1_dot_model__service__pb2.SetPolicyVersionRequest.SerializeToString,
             gym_dot_v1_dot_model__service__pb2.SetPolicyVersionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gym.v1.ModelService/UpdateWeights',
+            gym_dot_v1_dot_model__service__pb2.UpdateWeightsRequest.SerializeToString,
+            gym_dot_v1_dot_model__service__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -42,6 +42,20 @@ class ModelServiceStub:
     Every worker process of the server takes it; with several replicas,
     call each (gym_grpc's ModelClient.set_policy_version does).
     """
+    UpdateWeights: _grpc.UnaryUnaryMultiCallable[_model_service_pb2.UpdateWeightsRequest, _model_service_pb2.UpdateWeightsResponse]
+    """Load new weights into the server's engines and serve them as a new
+    policy version, in one call: the server pauses every engine it fronts
+    (how the generations in flight are treated: `pause_mode`), has each load
+    the weights, labels them with the version on the engine and on itself,
+    resumes them, and answers once every engine serves the version. A turn
+    caught by the update is not lost: see PauseMode. Idempotent (asking
+    again for the version served answers at once, `updated` false) and
+    ordered (an older version is refused with FAILED_PRECONDITION). An
+    engine that fails, or does not follow before the call's deadline, ends
+    the call with an error that names it, every engine paused for the
+    update resumed. With several replicas, call each (ModelClient
+    .update_weights does); the worker processes of one server take it as one.
+    """
 
 @_typing.type_check_only
 class ModelServiceAsyncStub(ModelServiceStub):
@@ -56,6 +70,20 @@ class ModelServiceAsyncStub(ModelServiceStub):
     after it is stamped with that version (the items' policy_version).
     Every worker process of the server takes it; with several replicas,
     call each (gym_grpc's ModelClient.set_policy_version does).
+    """
+    UpdateWeights: _aio.UnaryUnaryMultiCallable[_model_service_pb2.UpdateWeightsRequest, _model_service_pb2.UpdateWeightsResponse]  # type: ignore[assignment]
+    """Load new weights into the server's engines and serve them as a new
+    policy version, in one call: the server pauses every engine it fronts
+    (how the generations in flight are treated: `pause_mode`), has each load
+    the weights, labels them with the version on the engine and on itself,
+    resumes them, and answers once every engine serves the version. A turn
+    caught by the update is not lost: see PauseMode. Idempotent (asking
+    again for the version served answers at once, `updated` false) and
+    ordered (an older version is refused with FAILED_PRECONDITION). An
+    engine that fails, or does not follow before the call's deadline, ends
+    the call with an error that names it, every engine paused for the
+    update resumed. With several replicas, call each (ModelClient
+    .update_weights does); the worker processes of one server take it as one.
     """
 
 class ModelServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -80,6 +108,26 @@ class ModelServiceServicer(metaclass=_abc_1.ABCMeta):
         after it is stamped with that version (the items' policy_version).
         Every worker process of the server takes it; with several replicas,
         call each (gym_grpc's ModelClient.set_policy_version does).
+        """
+
+    @_abc_1.abstractmethod
+    def UpdateWeights(
+        self,
+        request: _model_service_pb2.UpdateWeightsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_model_service_pb2.UpdateWeightsResponse, _abc.Awaitable[_model_service_pb2.UpdateWeightsResponse]]:
+        """Load new weights into the server's engines and serve them as a new
+        policy version, in one call: the server pauses every engine it fronts
+        (how the generations in flight are treated: `pause_mode`), has each load
+        the weights, labels them with the version on the engine and on itself,
+        resumes them, and answers once every engine serves the version. A turn
+        caught by the update is not lost: see PauseMode. Idempotent (asking
+        again for the version served answers at once, `updated` false) and
+        ordered (an older version is refused with FAILED_PRECONDITION). An
+        engine that fails, or does not follow before the call's deadline, ends
+        the call with an error that names it, every engine paused for the
+        update resumed. With several replicas, call each (ModelClient
+        .update_weights does); the worker processes of one server take it as one.
         """
 
 def add_ModelServiceServicer_to_server(servicer: ModelServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

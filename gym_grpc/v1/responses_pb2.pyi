@@ -619,6 +619,7 @@ class Message(_message.Message):
     GENERATION_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     GENERATION_LOG_PROBS_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_SPANS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Item id such as "msg_123"; empty when not set."""
     role: Global___Role.ValueType
@@ -633,7 +634,8 @@ class Message(_message.Message):
     """Training field: the policy version that generated this turn, as the
     model server knew it (ModelService.SetPolicyVersion, else the version the
     rollout was asked under). Set on the last item of a turn; unset when no
-    version was given.
+    version was given. For a turn whose tokens came from several versions
+    (a weight update with PAUSE_MODE_KEEP caught it), the oldest of them.
     """
     @_builtins.property
     def parts(self) -> Global___ContentList:
@@ -657,6 +659,13 @@ class Message(_message.Message):
         same length as generation_token_ids.
         """
 
+    @_builtins.property
+    def policy_version_spans(self) -> _containers.RepeatedCompositeFieldContainer[Global___PolicyVersionSpan]:
+        """Training field: which version generated which of generation_token_ids,
+        when the engine says (vLLM's weight version spans) and they are more
+        than one; empty when one version generated the whole turn.
+        """
+
     def __init__(
         self,
         *,
@@ -670,10 +679,11 @@ class Message(_message.Message):
         generation_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         generation_log_probs: _abc.Iterable[_builtins.float] | None = ...,
         policy_version: _builtins.int | None = ...,
+        policy_version_spans: _abc.Iterable[Global___PolicyVersionSpan] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "content", b"content", "parts", b"parts", "policy_version", b"policy_version", "text", b"text"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "content", b"content", "extra_json", b"extra_json", "generation_log_probs", b"generation_log_probs", "generation_token_ids", b"generation_token_ids", "id", b"id", "parts", b"parts", "policy_version", b"policy_version", "prompt_token_ids", b"prompt_token_ids", "role", b"role", "status", b"status", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "content", b"content", "extra_json", b"extra_json", "generation_log_probs", b"generation_log_probs", "generation_token_ids", b"generation_token_ids", "id", b"id", "parts", b"parts", "policy_version", b"policy_version", "policy_version_spans", b"policy_version_spans", "prompt_token_ids", b"prompt_token_ids", "role", b"role", "status", b"status", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__policy_version: _TypeAlias = _typing.Literal["policy_version"]  # noqa: Y015
     _WhichOneofArgType__policy_version: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version"]  # noqa: Y015
@@ -685,6 +695,40 @@ class Message(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_content) -> _WhichOneofReturnType_content | None: ...
 
 Global___Message: _TypeAlias = Message  # noqa: Y015
+
+@_typing.final
+class PolicyVersionSpan(_message.Message):
+    """Generated tokens [start, end) of a turn, sampled by one policy version."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    START_FIELD_NUMBER: _builtins.int
+    END_FIELD_NUMBER: _builtins.int
+    EXTRA_JSON_FIELD_NUMBER: _builtins.int
+    version: _builtins.int
+    """The policy version."""
+    start: _builtins.int
+    """Index of the span's first token in generation_token_ids."""
+    end: _builtins.int
+    """Index one past its last token."""
+    extra_json: _builtins.str
+    """Keys not held above, as a JSON object (see the file comment)."""
+    def __init__(
+        self,
+        *,
+        version: _builtins.int = ...,
+        start: _builtins.int = ...,
+        end: _builtins.int = ...,
+        extra_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "extra_json", b"extra_json", "start", b"start", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PolicyVersionSpan: _TypeAlias = PolicyVersionSpan  # noqa: Y015
 
 @_typing.final
 class SummaryText(_message.Message):
@@ -754,6 +798,7 @@ class ReasoningItem(_message.Message):
     GENERATION_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     GENERATION_LOG_PROBS_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_SPANS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Item id such as "rs_123"; empty when not set."""
     encrypted_content: _builtins.str
@@ -784,6 +829,10 @@ class ReasoningItem(_message.Message):
     def generation_log_probs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Training field, see Message.generation_log_probs."""
 
+    @_builtins.property
+    def policy_version_spans(self) -> _containers.RepeatedCompositeFieldContainer[Global___PolicyVersionSpan]:
+        """Training field, see Message.policy_version_spans."""
+
     def __init__(
         self,
         *,
@@ -797,10 +846,11 @@ class ReasoningItem(_message.Message):
         generation_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         generation_log_probs: _abc.Iterable[_builtins.float] | None = ...,
         policy_version: _builtins.int | None = ...,
+        policy_version_spans: _abc.Iterable[Global___PolicyVersionSpan] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_encrypted_content", b"_encrypted_content", "_policy_version", b"_policy_version", "encrypted_content", b"encrypted_content", "policy_version", b"policy_version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_encrypted_content", b"_encrypted_content", "_policy_version", b"_policy_version", "content", b"content", "encrypted_content", b"encrypted_content", "extra_json", b"extra_json", "generation_log_probs", b"generation_log_probs", "generation_token_ids", b"generation_token_ids", "id", b"id", "policy_version", b"policy_version", "prompt_token_ids", b"prompt_token_ids", "status", b"status", "summary", b"summary"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_encrypted_content", b"_encrypted_content", "_policy_version", b"_policy_version", "content", b"content", "encrypted_content", b"encrypted_content", "extra_json", b"extra_json", "generation_log_probs", b"generation_log_probs", "generation_token_ids", b"generation_token_ids", "id", b"id", "policy_version", b"policy_version", "policy_version_spans", b"policy_version_spans", "prompt_token_ids", b"prompt_token_ids", "status", b"status", "summary", b"summary"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__encrypted_content: _TypeAlias = _typing.Literal["encrypted_content"]  # noqa: Y015
     _WhichOneofArgType__encrypted_content: _TypeAlias = _typing.Literal["_encrypted_content", b"_encrypted_content"]  # noqa: Y015
@@ -829,6 +879,7 @@ class FunctionCall(_message.Message):
     GENERATION_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     GENERATION_LOG_PROBS_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_SPANS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Item id such as "fc_123"; empty when not set."""
     call_id: _builtins.str
@@ -858,6 +909,10 @@ class FunctionCall(_message.Message):
     def generation_log_probs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Training field, see Message.generation_log_probs."""
 
+    @_builtins.property
+    def policy_version_spans(self) -> _containers.RepeatedCompositeFieldContainer[Global___PolicyVersionSpan]:
+        """Training field, see Message.policy_version_spans."""
+
     def __init__(
         self,
         *,
@@ -871,10 +926,11 @@ class FunctionCall(_message.Message):
         generation_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         generation_log_probs: _abc.Iterable[_builtins.float] | None = ...,
         policy_version: _builtins.int | None = ...,
+        policy_version_spans: _abc.Iterable[Global___PolicyVersionSpan] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "policy_version", b"policy_version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "arguments", b"arguments", "call_id", b"call_id", "extra_json", b"extra_json", "generation_log_probs", b"generation_log_probs", "generation_token_ids", b"generation_token_ids", "id", b"id", "name", b"name", "policy_version", b"policy_version", "prompt_token_ids", b"prompt_token_ids", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "arguments", b"arguments", "call_id", b"call_id", "extra_json", b"extra_json", "generation_log_probs", b"generation_log_probs", "generation_token_ids", b"generation_token_ids", "id", b"id", "name", b"name", "policy_version", b"policy_version", "policy_version_spans", b"policy_version_spans", "prompt_token_ids", b"prompt_token_ids", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__policy_version: _TypeAlias = _typing.Literal["policy_version"]  # noqa: Y015
     _WhichOneofArgType__policy_version: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version"]  # noqa: Y015
@@ -950,6 +1006,7 @@ class CustomToolCall(_message.Message):
     GENERATION_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     GENERATION_LOG_PROBS_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_SPANS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Item id; empty when not set."""
     call_id: _builtins.str
@@ -976,6 +1033,10 @@ class CustomToolCall(_message.Message):
     def generation_log_probs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Training field, see Message.generation_log_probs."""
 
+    @_builtins.property
+    def policy_version_spans(self) -> _containers.RepeatedCompositeFieldContainer[Global___PolicyVersionSpan]:
+        """Training field, see Message.policy_version_spans."""
+
     def __init__(
         self,
         *,
@@ -989,10 +1050,11 @@ class CustomToolCall(_message.Message):
         generation_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         generation_log_probs: _abc.Iterable[_builtins.float] | None = ...,
         policy_version: _builtins.int | None = ...,
+        policy_version_spans: _abc.Iterable[Global___PolicyVersionSpan] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "policy_version", b"policy_version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "call_id", b"call_id", "extra_json", b"extra_json", "generation_log_probs", b"generation_log_probs", "generation_token_ids", b"generation_token_ids", "id", b"id", "input", b"input", "name", b"name", "policy_version", b"policy_version", "prompt_token_ids", b"prompt_token_ids", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "call_id", b"call_id", "extra_json", b"extra_json", "generation_log_probs", b"generation_log_probs", "generation_token_ids", b"generation_token_ids", "id", b"id", "input", b"input", "name", b"name", "policy_version", b"policy_version", "policy_version_spans", b"policy_version_spans", "prompt_token_ids", b"prompt_token_ids", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__policy_version: _TypeAlias = _typing.Literal["policy_version"]  # noqa: Y015
     _WhichOneofArgType__policy_version: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version"]  # noqa: Y015
