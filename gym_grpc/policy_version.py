@@ -18,10 +18,14 @@ creates it), so that a call that reaches one worker tells them all.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import contextvars
+import fcntl
 import mmap
 import os
 import struct
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 #: The policy version the current rollout was asked under (None: no version).
@@ -38,6 +42,8 @@ class ServedVersion:
     def __init__(self, path: str | Path | None = None) -> None:
         self._value: int | None = None
         self._map: mmap.mmap | None = None
+        self._path = path
+        self._lock = asyncio.Lock()
         if path is not None:
             fd = os.open(path, os.O_RDWR)
             try:
@@ -64,3 +70,19 @@ class ServedVersion:
         else:
             _LAYOUT.pack_into(self._map, 0, version + 1)  # one aligned 8-byte store: readers see old or new
         return previous
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        """Hold the version for a weight update: one at a time in this process and, through the
+        file's lock, across the server's worker processes. Not to be cancelled while waiting (a
+        thread waits for the file's lock): the model server enters it in a shielded task."""
+        async with self._lock:
+            if self._path is None:
+                yield
+                return
+            fd = os.open(self._path, os.O_RDWR)
+            try:
+                await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)  # releases the lock

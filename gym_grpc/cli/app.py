@@ -61,6 +61,7 @@ for command in (
     report.report_command,
     training.samples_command,
     training.set_policy_version_command,
+    training.update_weights_command,
     status.status_command,
     status.profile_command,
     authoring.init_env_command,

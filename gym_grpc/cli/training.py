@@ -9,9 +9,10 @@ import click
 
 from gym_grpc import training
 from gym_grpc.cli.options import registry_option, security_options, with_registry
-from gym_grpc.client.stubs import ModelClient
+from gym_grpc.client.stubs import PAUSE_MODES, UPDATE_TIMEOUT, ModelClient
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.rpc.security import Security
+from gym_grpc.v1 import model_service_pb2 as model_pb
 
 
 @click.command("samples")
@@ -96,3 +97,48 @@ def set_policy_version_command(model_server: str, version: int, registry: str, s
 
     asyncio.run(with_registry(registry, model_server, tell, security))
     click.echo(f"{model_server} serves policy version {version}", err=True)
+
+
+@click.command("update-weights")
+@click.argument("model_server", metavar="MODEL_SERVER")
+@click.argument("version", type=click.IntRange(min=0, max=2**32 - 1))
+@click.option(
+    "--checkpoint",
+    required=True,
+    help="checkpoint directory every engine can read (config.json and *.safetensors)",
+)
+@click.option(
+    "--pause-mode",
+    type=click.Choice(sorted(PAUSE_MODES)),
+    default="keep",
+    show_default=True,
+    help="what becomes of the generations in flight: keep (frozen, then continued under the new weights), "
+    "abort (generated again under them), wait (finished first)",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=UPDATE_TIMEOUT,
+    show_default=True,
+    help="seconds each replica may take",
+)
+@registry_option
+@security_options
+def update_weights_command(
+    model_server: str, version: int, checkpoint: str, pause_mode: str, timeout: float, registry: str, security: Security
+) -> None:
+    """Have MODEL_SERVER (every replica) load the weights in CHECKPOINT into its engines and serve them as
+    policy VERSION, pausing its engines meanwhile (ModelService.UpdateWeights; see docs/training.md)."""
+
+    async def update(reg: Registry) -> list[model_pb.UpdateWeightsResponse]:
+        return await ModelClient(reg, model_server).update_weights(version, checkpoint, pause_mode, timeout)
+
+    answers = asyncio.run(with_registry(registry, model_server, update, security))
+    for answer in answers:
+        if not answer.updated:
+            click.echo(f"{model_server} already serves policy version {version}: nothing done", err=True)
+            continue
+        engines = ", ".join(
+            f"{e.engine} (paused {e.pause_seconds:.2f} s, loaded in {e.load_seconds:.2f} s)" for e in answer.engines
+        )
+        click.echo(f"{model_server} serves policy version {version} after {answer.seconds:.2f} s: {engines}", err=True)

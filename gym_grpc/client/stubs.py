@@ -37,6 +37,10 @@ from gym_grpc.v1 import task_pb2
 
 #: Timeout of one call, in seconds, when neither the caller's deadline nor the client's `timeout` gives one.
 DEFAULT_TIMEOUT = 600.0
+#: How long a weight update may take on each replica, unless told.
+UPDATE_TIMEOUT = 300.0
+#: The pause modes of a weight update, by name (PauseMode in model_service.proto).
+PAUSE_MODES = {"keep": model_pb.PAUSE_MODE_KEEP, "abort": model_pb.PAUSE_MODE_ABORT, "wait": model_pb.PAUSE_MODE_WAIT}
 
 
 class _Client:
@@ -227,6 +231,23 @@ class ModelClient(_Client):
         request = model_pb.SetPolicyVersionRequest(version=version)
         for address in info.addresses:
             await self._call("SetPolicyVersion", request, connection=self.registry.replica(address))
+
+    async def update_weights(
+        self, version: int, checkpoint_path: str, pause_mode: str = "keep", timeout: float | None = None
+    ) -> list[model_pb.UpdateWeightsResponse]:
+        """Have every replica of the model server load the checkpoint into its engines and serve
+        `version` (ModelService.UpdateWeights), one replica after the other; `pause_mode`: "keep",
+        "abort" or "wait" (see PauseMode in model_service.proto). Each replica's answer."""
+        mode = PAUSE_MODES.get(pause_mode)
+        if mode is None:
+            raise ValueError(f"pause_mode must be one of {', '.join(PAUSE_MODES)}, not {pause_mode!r}")
+        info = await self.registry.info(self.name)
+        request = model_pb.UpdateWeightsRequest(version=version, checkpoint_path=checkpoint_path, pause_mode=mode)
+        timeout = timeout if timeout is not None else UPDATE_TIMEOUT
+        return [
+            await self._call("UpdateWeights", request, timeout, connection=self.registry.replica(address))
+            for address in info.addresses
+        ]
 
 
 @dataclass(frozen=True)

@@ -248,6 +248,16 @@ class GymClient:
         for name in model_servers:
             await ModelClient(self._registry, name).set_policy_version(version)
 
+    async def update_weights(
+        self, version: int, checkpoint_path: str, *model_servers: str, pause_mode: str = "keep"
+    ) -> None:
+        """Load a checkpoint into the engines of `model_servers` (every replica of each) as `version`,
+        pausing them in `pause_mode` ("keep", "abort" or "wait"; ModelService.UpdateWeights), then ask
+        later rollouts under it. Rollouts in flight go on; their turns say which version made them."""
+        for name in model_servers:
+            await ModelClient(self._registry, name).update_weights(version, checkpoint_path, pause_mode)
+        self.policy_version = version
+
     async def run(self, task: task_pb2.Task | dict[str, Any]) -> RolloutResult:
         """One rollout of a task (a Task, or a row such as a line of a tasks JSONL). A failed
         rollout comes back marked with its failure; a row that cannot be a task raises, and so

@@ -82,6 +82,19 @@ class Engine(EngineLink):
         url = f"{self.base_url.removesuffix('/v1') if from_root else self.base_url}{path}"
         return await self._retried(f"engine {url}", lambda: self._send(method, url, payload))
 
+    async def control(self, path: str, body: dict[str, Any] | None = None, **query: str) -> dict[str, Any]:
+        """POST to the engine's root once, without retries: a call of vLLM's RL control API
+        (`/pause`, `/collective_rpc`...), which a retry could repeat or make worse. Raises
+        EngineError for an HTTP error, aiohttp's errors when the engine cannot be reached; the
+        caller bounds the time."""
+        url = f"{self.base_url.removesuffix('/v1')}{path}"
+        payload = orjson.dumps(body) if body is not None else None
+        async with self._client().post(url, data=payload, params=query or None) as reply:
+            answer = await reply.read()
+            if reply.status >= 400:
+                raise EngineError(reply.status, _error_message(reply.status, answer), url)
+            return _parse(answer, reply.status, url)
+
     def _failure(self, error: Exception) -> Failure | None:
         if isinstance(error, _Retryable):
             return error.failure

@@ -7,8 +7,11 @@ call goes to the engine its routing key picks (routing.py).
 from __future__ import annotations
 
 import zlib
+from pathlib import Path
 from typing import ClassVar
 
+from gym_grpc import errors
+from gym_grpc.engines import weights
 from gym_grpc.engines.http import Engine
 from gym_grpc.engines.routing import routing_key
 from gym_grpc.engines.settings import EngineSettings
@@ -16,6 +19,7 @@ from gym_grpc.engines.vllm_grpc import GrpcEngine
 from gym_grpc.model import ModelServer
 from gym_grpc.server.counters import Counters
 from gym_grpc.server.serving import ServerConfig
+from gym_grpc.v1 import model_service_pb2 as model_pb
 from gym_grpc.v1 import responses_pb2 as r
 
 
@@ -54,6 +58,31 @@ class EngineModelServer(ModelServer):
         if len(self.engines.engines) == 1:
             return self.engines.engines[0]
         return self.engines.for_key(routing_key(params, session_id, self.config.route_by))
+
+    async def update_weights(
+        self, request: model_pb.UpdateWeightsRequest, timeout: float
+    ) -> list[model_pb.EngineUpdate]:
+        """Every engine of the pool loads the checkpoint (gym_grpc.engines.weights)."""
+        if self.config.grpc:
+            reason = errors.Reason.WEIGHT_UPDATE_UNSUPPORTED
+            raise errors.GymError(
+                "vLLM's gRPC server has no pause or weight-loading RPC: front the engine with its HTTP server "
+                "(started with VLLM_SERVER_DEV_MODE=1) to update its weights through gym-grpc",
+                code=reason.status,
+                reason=reason,
+            )
+        path = request.checkpoint_path
+        if self.config.checkpoint_check and not (Path(path) / "config.json").is_file():
+            raise errors.InvalidArgument(
+                f"checkpoint_path {path!r} is no checkpoint directory here (no config.json in it); if the engines "
+                "see files this model server does not, set its checkpoint_check: false",
+                field="checkpoint_path",
+            )
+        engines = [e for e in self.engines.engines if isinstance(e, Engine)]
+        mode = weights.PAUSE_MODES[request.pause_mode]
+        return await weights.update(
+            engines, request.version, path, mode, lambda: self.served_version.set(request.version), timeout
+        )
 
     async def stop(self) -> None:
         await self.engines.close()

@@ -32,6 +32,12 @@ class EngineSettings(ServerConfig, RetrySettings):
     )
     connect_timeout: float = Field(10.0, gt=0, description="seconds to open a connection")
     read_timeout: float = Field(600.0, gt=0, description="seconds to wait for an answer")
+    checkpoint_check: bool = Field(
+        True,
+        description="UpdateWeights first checks that the checkpoint directory exists here and holds "
+        "config.json (vLLM's engine core dies on one it cannot load); false when the engines see files "
+        "the model server does not",
+    )
 
     @field_validator("base_url", mode="before")
     @classmethod

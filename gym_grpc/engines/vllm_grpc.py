@@ -204,8 +204,8 @@ def _unpack(data: bytes, directory: Path, url: str) -> None:
 
 _FLOATS = ("top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
 _FLAGS = ("skip_special_tokens", "spaces_between_special_tokens", "ignore_eos", "include_stop_str_in_output")
-#: Request fields that are not sampling: what the model server sends beside them over HTTP.
-_NOT_SAMPLING = frozenset(
+#: Request fields that are not sampling: what the model server sends beside them (a /v1/completions body).
+NOT_SAMPLING = frozenset(
     {
         "model",
         "prompt",
@@ -260,7 +260,7 @@ _CONSTRAINT_KEYS = frozenset(
 )
 #: Every request field sampling_params reads or leaves out on purpose.
 _KNOWN = (
-    _NOT_SAMPLING
+    NOT_SAMPLING
     | _CONSTRAINT_KEYS
     | frozenset(
         {

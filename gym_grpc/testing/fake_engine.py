@@ -17,7 +17,10 @@ its template re-renders differently; `sampled_splits` makes it sample "th" as
 one token (258) that its tokenizer never produces, as real samplers do.
 Faults on demand: HTTP errors for the first N requests (with a Retry-After
 header if asked), hanging, a context limit; and a late start, on a socket
-bound before (connections to it are refused until then).
+bound before (connections to it are refused until then). It also has the part
+of vLLM's RL control API a weight update uses (`/pause`, `/resume`,
+`/collective_rpc` reload_weights, `/update_weight_version`): each call is
+recorded, and any of them can answer an error or wait (`control_faults`).
 
 `write_tokenizer(directory)` writes its tokenizer and chat template as a model
 directory's files (tokenizer.json, tokenizer_config.json), which transformers
@@ -163,6 +166,13 @@ class FakeEngine:
         self.disagree = False  # token_ids and log-prob tokens that differ
         self.without_token_ids = False  # an older vLLM: no return_token_ids
         self.recorded: list[dict] = []  # /v1/responses answers, served verbatim in turn before the script
+        #: The RL control calls, in order: "pause keep", "reload /path", "label 3", "resume".
+        self.control: list[str] = []
+        self.paused = False
+        self.weight_version = "default"
+        #: By control path ("/pause", "/collective_rpc", ...): an HTTP status to answer, or an event
+        #: to wait for before answering (a hang until it is set).
+        self.control_faults: dict[str, int | asyncio.Event] = {}
         self.runner: web.AppRunner | None = None
         self.base_url = ""
 
@@ -174,6 +184,8 @@ class FakeEngine:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/responses", self._responses)
         app.router.add_post("/tokenize", self._tokenize)
+        for path in ("/pause", "/resume", "/collective_rpc", "/update_weight_version"):
+            app.router.add_post(path, self._control)
         self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await self.runner.setup()
         if sock is None:
@@ -224,6 +236,32 @@ class FakeEngine:
         return ids
 
     # --- endpoints -----------------------------------------------------------
+
+    async def _control(self, request: web.Request) -> web.Response:
+        """vLLM's RL control API, as a weight update uses it (see gym_grpc/engines/weights.py)."""
+        body = await request.json() if request.can_read_body else {}
+        path = request.path
+        if path == "/pause":
+            self.paused = True
+            self.control.append(f"pause {request.query.get('mode', 'abort')}")
+        elif path == "/resume":
+            self.paused = False
+            self.control.append("resume")
+        elif path == "/collective_rpc":
+            self.control.append(f"reload {body['kwargs']['weights_path']}")
+        else:
+            self.control.append(f"label {body['new_version']}")
+        fault = self.control_faults.get(path)
+        if isinstance(fault, asyncio.Event):
+            await fault.wait()
+        elif fault is not None:
+            return web.json_response({"error": {"message": f"injected {fault}", "code": fault}}, status=fault)
+        if path == "/collective_rpc" and not Path(body["kwargs"]["weights_path"]).is_dir():
+            error = {"message": "Call to collective_rpc method failed: Worker failed", "code": 500}
+            return web.json_response({"error": error}, status=500)
+        if path == "/update_weight_version":
+            self.weight_version = body["new_version"]
+        return web.json_response({"status": "ok"})
 
     async def _gate(self, request: web.Request) -> tuple[dict, web.Response | None]:
         body = await request.json()

@@ -49,6 +49,9 @@ _ENV = {
 }
 # The gRPC server's warm-up runs 75 prefills (minutes on a CPU) to tune GPU kernels: not here.
 _GRPC_ENV = {"SMG_VLLM_SERVICER_WARMUP": "off"}
+# The HTTP server's RL control API (pause, resume, reload weights: ModelService.UpdateWeights) is
+# served only in vLLM's dev mode. It is on loopback here; an engine reachable by others needs care.
+_HTTP_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 _ADDRESS_IN_USE = ("address already in use", "failed to bind")
 
 
@@ -109,7 +112,9 @@ def _prune(logs: Path, keep: int) -> None:
 def _command(prepared: Prepared, port: int, max_model_len: int, grpc: bool = False) -> list[str]:
     server = "vllm.entrypoints.launchers.grpc_server" if grpc else "vllm.entrypoints.openai.api_server"
     # The HTTP server's own options: the gRPC one takes token ids, and neither renders nor parses.
+    # --enable-scale-out serves /inference/v1/generate (ids in and out, each token's weight version).
     chat = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--chat-template", str(CHAT_TEMPLATE)]
+    chat.append("--enable-scale-out")
     return [
         str(prepared.python),
         "-m",
@@ -183,7 +188,7 @@ def start(
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **_ENV, **(_GRPC_ENV if grpc else {})},
+                env={**os.environ, **_ENV, **(_GRPC_ENV if grpc else _HTTP_ENV)},
                 start_new_session=True,
                 preexec_fn=die_with_parent if tied and sys.platform == "linux" else None,
             )

@@ -66,6 +66,7 @@ import logging
 import operator
 from array import array
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
@@ -81,9 +82,11 @@ from gym_grpc.responses import assistant_message, input_items, item_body, new_id
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import responses_pb2 as r
 
-from . import chat, templates, token_prompts, tool_calls
+from . import chat, generate, templates, token_prompts, tool_calls
 
 log = logging.getLogger("gym_grpc.vllm_model")
+#: How many times in a row a turn the engine aborted is asked again (each wait for a weight update).
+ABORTED_AGAIN = 16
 
 _CONTEXT_ERRORS = ("context length", "maximum model length", "max_model_len", "context window")
 
@@ -223,6 +226,13 @@ def _checked_ids(
     return generated, list(map(float, values))
 
 
+def _finish_reason(answer: dict[str, Any]) -> Any:
+    try:
+        return answer["choices"][0].get("finish_reason")
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return None  # malformed: the caller says so
+
+
 def _attach(response: r.Response, prompt: list[int], generated: list[int], log_probs: list[float]) -> None:
     """The turn's ids go on its last output item."""
     carrier = item_body(response.output[-1])
@@ -250,6 +260,7 @@ class VLLMModel(EngineModelServer):
         self._known: OrderedDict[str, token_prompts.Known] = OrderedDict()  # by session, the oldest first
         self._local: templates.LocalTemplate | None = None
         self._eos: dict[str, set[int]] = {}  # each gRPC engine's end-of-sequence ids
+        self._no_generate: set[str] = set()  # HTTP engines that do not serve /inference/v1/generate
         self._defaults: dict[str, dict[str, Any]] = {}  # each gRPC engine's default sampling (generation config)
         self._fetching = asyncio.Lock()
         config = self.config
@@ -382,10 +393,7 @@ class VLLMModel(EngineModelServer):
             if room <= 0:
                 return _context_full(params, self.config.model, f"{len(prompt.ids)} prompt tokens fill the context")
             body["max_tokens"] = min(body.get("max_tokens") or room, room)
-        if isinstance(engine, GrpcEngine):
-            answer = await self._generate(engine, prompt.ids, body)
-        else:
-            answer = await engine.post("/completions", body)
+        answer = await self._unaborted(engine, lambda: self._sample(engine, prompt.ids, body))
         try:
             completion = answer["choices"][0]
             text = completion.get("text") or ""
@@ -419,7 +427,51 @@ class VLLMModel(EngineModelServer):
         response = chat.to_response(as_chat, self.config.reasoning_tags, params)
         if self.config.return_token_ids:
             _attach(response, prompt.ids, generated, log_probs)
+        spans = generate.spans(completion)
+        if spans:
+            carrier = item_body(response.output[-1])
+            carrier.policy_version = min(span.version for span in spans)  # the oldest: see responses.proto
+            if len(spans) > 1:
+                carrier.policy_version_spans.extend(spans)
+                self.counters.caught_by_update["spanning"] += 1
         return response
+
+    async def _unaborted(
+        self, engine: Engine | GrpcEngine, send: Callable[[], Awaitable[dict[str, Any]]]
+    ) -> dict[str, Any]:
+        """The engine's answer to `send()`; one it aborted (a weight update with PAUSE_MODE_ABORT) is
+        asked again: it waits on the paused engine and is generated under the new weights once it
+        resumes."""
+        for _ in range(1 + ABORTED_AGAIN):
+            answer = await send()
+            if _finish_reason(answer) != "abort":
+                return answer
+            self.counters.caught_by_update["regenerated"] += 1
+        raise errors.GymError(
+            f"engine {engine.base_url} aborted the turn {1 + ABORTED_AGAIN} times in a row",
+            reason=errors.Reason.ENGINE_FAILED,
+        )
+
+    async def _sample(self, engine: Engine | GrpcEngine, prompt: list[int], body: dict[str, Any]) -> dict[str, Any]:
+        """The turn's generation, as a /v1/completions answer."""
+        if isinstance(engine, GrpcEngine):
+            return await self._generate(engine, prompt, body)
+        if engine.base_url not in self._no_generate:
+            try:
+                return generate.as_completion(await engine.post(generate.PATH, generate.request(body), from_root=True))
+            except EngineError as e:
+                if e.status not in generate.NOT_SERVED:
+                    raise
+                self._no_generate.add(engine.base_url)
+                log.info(
+                    "%s: engine %s does not serve %s (HTTP %d): the token path uses /v1/completions, and a turn "
+                    "caught by a weight update is stamped with the version served when it ends",
+                    self.name,
+                    engine.base_url,
+                    generate.PATH,
+                    e.status,
+                )
+        return await engine.post("/completions", body)
 
     async def _engine_template(self, engine: GrpcEngine) -> None:
         """Without tokenizer_dir, the tokenizer of a gRPC engine, fetched from it once (GetTokenizer)."""
@@ -446,6 +498,8 @@ class VLLMModel(EngineModelServer):
         assert self._local is not None
         sampling = sampling_params({**self._defaults.get(engine.base_url, {}), **body})
         complete = await engine.generate(prompt, sampling)
+        if complete.finish_reason == "abort":
+            return {"choices": [{"finish_reason": "abort"}]}
         if complete.finish_reason not in ("stop", "length"):
             raise errors.GymError(
                 f"engine {engine.base_url}: the generation ended with {complete.finish_reason!r}",
@@ -560,7 +614,7 @@ class VLLMModel(EngineModelServer):
             body.update(logprobs=True, top_logprobs=0, return_tokens_as_token_ids=True, return_token_ids=True)
             if prefix is not None and self.config.prefix_token_ids == "require":
                 body["required_prefix_token_ids"] = prefix
-        answer = await engine.post("/chat/completions", body)
+        answer = await self._unaborted(engine, lambda: engine.post("/chat/completions", body))
         try:
             response = chat.to_response(answer, self.config.reasoning_tags, params)
             choice = answer["choices"][0]

@@ -47,7 +47,8 @@ def _script(turns: int) -> list[Turn]:
 async def test_rendered_here_a_turn_costs_the_engine_one_request(start, engine, tmp_path, turns):
     fake = await engine(_script(turns))
     calls, _ = await _rollout(start, fake, turns, tokenizer_dir=str(write_tokenizer(tmp_path / "tok")))
-    assert calls == {"/v1/completions": turns, "/v1/models": 1}  # the context length, asked once
+    # The context length, asked once; /inference/v1/generate, asked once (this engine serves /v1/completions only).
+    assert calls == {"/inference/v1/generate": 1, "/v1/completions": turns, "/v1/models": 1}
 
 
 @pytest.mark.parametrize("turns", [4, 12])
@@ -56,7 +57,7 @@ async def test_rendered_by_the_engine_a_turn_costs_two_tokenize_however_many_cam
     calls, _ = await _rollout(start, fake, turns)
     # The template's turn closing, once (2); the first turn (1); then the conversation through the
     # new turn and all of it (2 a turn), where checking every earlier turn again took 2 for each.
-    assert calls == {"/v1/completions": turns, "/tokenize": 2 + 1 + 2 * (turns - 1)}
+    assert calls == {"/inference/v1/generate": 1, "/v1/completions": turns, "/tokenize": 2 + 1 + 2 * (turns - 1)}
 
 
 async def test_forgetting_the_session_checks_the_whole_history_and_gives_the_same_prompts(start, engine):
