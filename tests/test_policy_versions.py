@@ -9,6 +9,8 @@ real `gym-grpc run` with two worker processes for the model server."""
 import asyncio
 import json
 
+import pytest
+
 from gym_grpc import training
 from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
@@ -21,7 +23,7 @@ from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from gym_grpc.v1 import model_service_pb2 as model_pb
 from gym_grpc.v1 import model_service_pb2_grpc as model_grpc
 from gym_grpc.v1 import responses_pb2 as r
-from tests.support import REPO, gym, start_run
+from tests.support import REPO, eventually, gym, start_run
 
 WEATHER = REPO / "servers/resources/weather/data/example.jsonl"
 
@@ -86,6 +88,35 @@ async def test_a_rollout_that_spans_a_weight_update_says_so_turn_by_turn_and_its
     assert (sample.lag, sample.stale, sample.loss_multiplier) == (2, False, 1.0)
     samples, stats = training.build([rollout], current_version=5, max_lag=1, stale="drop")
     assert samples == [] and (stats.stale, stats.samples) == (1, 0)
+
+
+async def test_a_paced_client_starts_a_rollout_only_while_it_can_be_trained_on_within_max_lag(start):
+    """max_lag 1, 2 rollouts a version: from version 0, rollouts 0-3 start (trained at versions 0
+    and 1); 4 and 5 wait for version 1, 6 for version 2."""
+    model = await start(LocalPolicyModel(name="policy"))
+    env = await start(WeatherEnv(name="env"))
+    static = {"policy": model.address, "env": env.address}
+    agent = await start(
+        SimpleAgent(
+            {"model_server": "policy", "resources_server": "env"}, name="agent", registry=Registry(static=static)
+        )
+    )
+    registry = Registry(static={**static, "agent": agent.address})
+
+    def runs() -> int:
+        return sum(m.calls_by_status["OK"] for m in agent.app.counters.to_proto().methods if m.method == "Run")
+
+    async with GymClient("agent", registry, policy_version=0, max_lag=1, rollouts_per_version=2) as gym:
+        started = [asyncio.ensure_future(gym.run(_weather_task())) for _ in range(7)]
+        for version, admitted in ((None, 4), (1, 6), (2, 7)):
+            if version is not None:
+                await gym.weights_updated(version, "policy")
+            await eventually(lambda n=admitted: sum(t.done() for t in started) == n, f"{admitted} rollouts done")
+            assert runs() == admitted  # and no more started: they wait for the next version
+        assert all(task.result().ok for task in started)
+    await registry.close()
+    with pytest.raises(ValueError, match="pacing needs max_lag, rollouts_per_version and a policy_version"):
+        GymClient("agent", registry, max_lag=1, rollouts_per_version=2)
 
 
 def _params() -> r.CreateParams:

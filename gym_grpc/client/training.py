@@ -220,8 +220,40 @@ class RolloutResult:
         return record.build(task_row, self._finished())
 
 
+class _Pacing:
+    """Staleness bounded before work (AReaL's rule): the n-th rollout (from 0, in the order they
+    start) starts only once the trainer's version, counted from the first, is at least
+    n // rollouts_per_version - max_lag. A trainer that takes `rollouts_per_version` rollouts per
+    step, in the order they started, then trains on none more than `max_lag` versions old; the
+    collection waits for it instead of producing samples it would throw away."""
+
+    def __init__(self, max_lag: int, rollouts_per_version: int, first: int) -> None:
+        self.max_lag, self.per_version, self.first = max_lag, rollouts_per_version, first
+        self.started = 0
+        self.version = first
+        self._moved = asyncio.Condition()
+
+    def _allowed(self) -> int:
+        return (self.version - self.first + self.max_lag + 1) * self.per_version
+
+    async def admit(self) -> None:
+        async with self._moved:
+            await self._moved.wait_for(lambda: self.started < self._allowed())
+            self.started += 1
+
+    async def moved(self, version: int) -> None:
+        async with self._moved:
+            self.version = version
+            self._moved.notify_all()
+
+
 class GymClient:
-    """Runs rollouts through one agent of a running `gym-grpc run`."""
+    """Runs rollouts through one agent of a running `gym-grpc run`.
+
+    `policy_version`: the version rollouts are asked under (see docs/training.md#async-training).
+    `max_lag` with `rollouts_per_version` (the rollouts one optimizer step takes) paces the
+    rollouts: one starts only while it can be trained on within `max_lag` versions (_Pacing);
+    `run` waits for `weights_updated` or `update_weights` otherwise."""
 
     def __init__(
         self,
@@ -231,6 +263,8 @@ class GymClient:
         timeout: float = 3600.0,
         security: Security | None = None,
         policy_version: int | None = None,
+        max_lag: int | None = None,
+        rollouts_per_version: int | None = None,
     ) -> None:
         self._registry = registry if isinstance(registry, Registry) else Registry(registry, security=security)
         self._owns_registry = not isinstance(registry, Registry)
@@ -238,6 +272,15 @@ class GymClient:
         self.timeout = timeout
         #: The version every rollout is asked under (None: none); `weights_updated` moves it.
         self.policy_version = policy_version
+        self._pacing: _Pacing | None = None
+        if max_lag is not None or rollouts_per_version is not None:
+            if max_lag is None or rollouts_per_version is None or policy_version is None:
+                raise ValueError("pacing needs max_lag, rollouts_per_version and a policy_version")
+            if max_lag < 0 or rollouts_per_version < 1:
+                raise ValueError(
+                    f"pacing needs max_lag >= 0 and rollouts_per_version >= 1, got {max_lag}, {rollouts_per_version}"
+                )
+            self._pacing = _Pacing(max_lag, rollouts_per_version, policy_version)
         _LIMIT.limit  # noqa: B018 - the limit is set (and logged) when the first client starts
 
     async def weights_updated(self, version: int, *model_servers: str) -> None:
@@ -247,6 +290,8 @@ class GymClient:
         self.policy_version = version
         for name in model_servers:
             await ModelClient(self._registry, name).set_policy_version(version)
+        if self._pacing is not None:
+            await self._pacing.moved(version)
 
     async def update_weights(
         self, version: int, checkpoint_path: str, *model_servers: str, pause_mode: str = "keep"
@@ -257,6 +302,8 @@ class GymClient:
         for name in model_servers:
             await ModelClient(self._registry, name).update_weights(version, checkpoint_path, pause_mode)
         self.policy_version = version
+        if self._pacing is not None:
+            await self._pacing.moved(version)
 
     async def run(self, task: task_pb2.Task | dict[str, Any]) -> RolloutResult:
         """One rollout of a task (a Task, or a row such as a line of a tasks JSONL). A failed
@@ -264,6 +311,8 @@ class GymClient:
         does an agent that speaks another major version of the protocol (IncompatibleServer)."""
         if isinstance(task, dict):
             task = rows.task_from_row(task)
+        if self._pacing is not None:
+            await self._pacing.admit()
         await _LIMIT.acquire()
         try:
             return RolloutResult(await self._agent.run(task, timeout=self.timeout, policy_version=self.policy_version))
