@@ -114,6 +114,14 @@ async def test_a_paced_client_starts_a_rollout_only_while_it_can_be_trained_on_w
             await eventually(lambda n=admitted: sum(t.done() for t in started) == n, f"{admitted} rollouts done")
             assert runs() == admitted  # and no more started: they wait for the next version
         assert all(task.result().ok for task in started)
+    async with GymClient("agent", registry, policy_version=0, max_lag=0, rollouts_per_version=3) as gym:
+        groups = [asyncio.ensure_future(gym.run_group(_weather_task(), 3)) for _ in range(2)]
+        await eventually(lambda: sum(g.done() for g in groups) == 1, "one group done")
+        assert runs() == 10  # a group is admitted whole: the second waits for version 1, all of it
+        await gym.weights_updated(1, "policy")
+        assert [len(group) for group in await asyncio.gather(*groups)] == [3, 3] and runs() == 13
+        with pytest.raises(ValueError, match="a group of 4 never fits a pace of 3 rollouts a version"):
+            await gym.run_group(_weather_task(), 4)
     await registry.close()
     with pytest.raises(ValueError, match="pacing needs max_lag, rollouts_per_version and a policy_version"):
         GymClient("agent", registry, max_lag=1, rollouts_per_version=2)

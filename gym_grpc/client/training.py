@@ -236,10 +236,15 @@ class _Pacing:
     def _allowed(self) -> int:
         return (self.version - self.first + self.max_lag + 1) * self.per_version
 
-    async def admit(self) -> None:
+    async def admit(self, rollouts: int) -> None:
+        if rollouts > (self.max_lag + 1) * self.per_version:
+            raise ValueError(
+                f"a group of {rollouts} never fits a pace of {self.per_version} rollouts a version with max_lag "
+                f"{self.max_lag}: raise rollouts_per_version or max_lag"
+            )
         async with self._moved:
-            await self._moved.wait_for(lambda: self.started < self._allowed())
-            self.started += 1
+            await self._moved.wait_for(lambda: self.started + rollouts <= self._allowed())
+            self.started += rollouts
 
     async def moved(self, version: int) -> None:
         async with self._moved:
@@ -312,7 +317,10 @@ class GymClient:
         if isinstance(task, dict):
             task = rows.task_from_row(task)
         if self._pacing is not None:
-            await self._pacing.admit()
+            await self._pacing.admit(1)
+        return await self._run(task)
+
+    async def _run(self, task: task_pb2.Task) -> RolloutResult:
         await _LIMIT.acquire()
         try:
             return RolloutResult(await self._agent.run(task, timeout=self.timeout, policy_version=self.policy_version))
@@ -330,7 +338,9 @@ class GymClient:
             raise ValueError(f"group_size must be at least 1, got {group_size}")
         if isinstance(task, dict):
             task = rows.task_from_row(task)
-        members = [asyncio.ensure_future(self.run(task)) for _ in range(group_size)]
+        if self._pacing is not None:
+            await self._pacing.admit(group_size)  # a group as one: a group half admitted could wait for itself
+        members = [asyncio.ensure_future(self._run(task)) for _ in range(group_size)]
         try:
             return list(await asyncio.gather(*members))
         finally:
