@@ -24,6 +24,7 @@ from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
 from gym_grpc.bundled.servers.models.vllm_model.server import VLLMModel
 from gym_grpc.client.stubs import ModelClient
 from gym_grpc.launch.runner import RegistryServer
+from gym_grpc.responses import final_text
 from gym_grpc.rpc import transport
 from gym_grpc.testing.fake_engine import FakeEngine, Turn
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
@@ -269,3 +270,24 @@ async def _one_channel_per_worker(address: str) -> list[grpc.aio.Channel]:
         if len(by_worker) == 2:
             break
     return list(by_worker.values())
+
+
+@pytest.mark.parametrize("token_in_token_out", [True, False])
+async def test_a_turn_the_engine_aborted_is_generated_again_and_counted(start, token_in_token_out):
+    """The engine answers the turn's first request as vLLM does one that /pause?mode=abort stopped;
+    the model server asks again, and the turn is the second answer (token path and chat path)."""
+    fake = FakeEngine([Turn(content="7"), Turn(content="5")])
+    await fake.start()
+    try:
+        fake.abort_next = 1
+        config = {"return_token_ids": True, "token_in_token_out": token_in_token_out}
+        server, client = await _model(start, [fake], **config)
+        params = r.CreateParams()
+        params.input_items.items.add().message.CopyFrom(r.Message(role=r.ROLE_USER, text="What is 2 + 3?"))
+        turn = await client.create_response(params, "s")
+        assert final_text(turn) == "5"
+        counters = server.app.counters.to_proto()
+        assert dict(counters.turns_caught_by_update) == {"regenerated": 1}
+        await client.registry.close()
+    finally:
+        await fake.stop()

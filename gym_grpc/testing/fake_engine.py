@@ -166,6 +166,9 @@ class FakeEngine:
         self.disagree = False  # token_ids and log-prob tokens that differ
         self.without_token_ids = False  # an older vLLM: no return_token_ids
         self.recorded: list[dict] = []  # /v1/responses answers, served verbatim in turn before the script
+        #: How many of the next generations end with finish_reason "abort", as vLLM answers a
+        #: request that /pause?mode=abort stopped (each takes its turn of the script).
+        self.abort_next = 0
         #: The RL control calls, in order: "pause keep", "reload /path", "label 3", "resume".
         self.control: list[str] = []
         self.paused = False
@@ -236,6 +239,12 @@ class FakeEngine:
         return ids
 
     # --- endpoints -----------------------------------------------------------
+
+    def _aborted(self, finish: str) -> str:
+        if self.abort_next:
+            self.abort_next -= 1
+            return "abort"
+        return finish
 
     async def _control(self, request: web.Request) -> web.Response:
         """vLLM's RL control API, as a weight update uses it (see gym_grpc/engines/weights.py)."""
@@ -312,7 +321,7 @@ class FakeEngine:
         message: dict[str, Any] = {"role": "assistant", "content": content or None, "tool_calls": calls}
         if turn.reasoning_field is not None:
             message["reasoning_content"] = turn.reasoning_field
-        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish}
+        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": self._aborted(finish)}
         if body.get("logprobs"):
             as_ids = body.get("return_tokens_as_token_ids")
             tokens = [t + 1 if self.disagree and i == 0 else t for i, t in enumerate(generated)]
@@ -361,7 +370,7 @@ class FakeEngine:
         if too_long is not None:
             return too_long
         generated, finish = self.generate(body, limit)
-        choice: dict[str, Any] = {"index": 0, "text": decode(generated), "finish_reason": finish}
+        choice: dict[str, Any] = {"index": 0, "text": decode(generated), "finish_reason": self._aborted(finish)}
         if body.get("logprobs") is not None:
             as_ids = body.get("return_tokens_as_token_ids")
             choice["logprobs"] = {

@@ -6,7 +6,9 @@ as messages, the engine renders and parses them.
 With `return_token_ids` every assistant turn carries its prompt ids,
 generated ids and the log-probs the engine reported when it sampled them (on
 the turn's last output item), and by default (`token_in_token_out`) the
-server talks to the engine in token ids through `/v1/completions`: the first
+server talks to the engine in token ids (through vLLM's `/inference/v1/generate`
+when it serves it, which also says which weight version sampled each token, else
+`/v1/completions`; see generate.py): the first
 turn is rendered by the engine's chat template, and every later turn's prompt
 is the previous prompt + generated ids + the ids of only the messages that
 came after (see token_prompts.py), so no turn is ever trained on ids the model
