@@ -1,0 +1,421 @@
+"""GRPO through gym-grpc on the real CPU vLLM, asynchronous beside synchronous: does the reward rise, and
+what does overlapping generation with the optimizer buy?
+
+    python bench/async_training.py --steps 20 --name 2core-epyc-async_training   # bench/results/<name>.json, .png
+    python bench/async_training.py --smoke                                         # 2 steps each; a temp dir
+
+Needs CPU torch and transformers beside gym-grpc (as the trainer suite installs them):
+    pip install -c tests/trainers/constraints.txt torch==2.13.0 transformers
+
+One local vLLM (SmolLM2-135M-Instruct, started in dev mode by gym_grpc.engines.local_vllm, or
+--engine-url), one `gym-grpc run` with the math environment behind the simple agent and vllm_model
+(token in, token out), and a GRPO trainer of its own, here, on CPU torch: SmolLM2-135M-Instruct's
+weights in float32, AdamW, the clipped importance-weighted policy gradient of PPO/GRPO with the
+engine's log-probs as the behaviour policy (so a sample a step stale is still corrected for),
+group-normalised advantages, no KL term. After every optimizer step the weights are written as a
+bfloat16 checkpoint and loaded into the running engine through ModelService.UpdateWeights.
+
+Why a loop of its own rather than TRL: TRL's GRPOTrainer asks for rollouts and then trains, one after
+the other (its rollout_func is called inside the step), so it cannot show generation overlapping the
+optimizer, which is the point here; this loop is ~150 lines and every number in the results comes
+from it.
+
+The task: "What is a + b?" for one-digit a and b, answered in at most 12 tokens, checked by the math
+environment (math-verify). SmolLM2-135M-Instruct gets a fair share of them right but often rambles
+past the answer or writes a wrong sum, so the reward has room to rise within 20 small steps, and the
+groups are mostly mixed (a group with one reward for all carries no gradient).
+
+Two runs, the same seed, tasks and budget:
+  async  rollouts are produced all the time, paced by GymClient(max_lag=1): while the optimizer steps
+         (in a thread) the engine keeps generating the next batch; each update is PAUSE_MODE_KEEP, so
+         turns in flight continue under the new weights (their tokens' versions recorded).
+  sync   a batch is generated, then trained on while the engine idles, then the weights are loaded
+         (PAUSE_MODE_WAIT) and the next batch starts.
+Per step: mean reward of the batch trained, the policy versions its tokens came from, samples trained,
+stale samples (more than max_lag behind: masked), seconds waiting for the batch, in the optimizer, and
+in the update. Per run: wall time, and the engine's idle fraction (its /metrics sampled every 0.1 s:
+no request running or waiting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import random
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+_spec = importlib.util.spec_from_file_location("bench_real_engine", REPO / "bench" / "real_engine.py")
+bench_real = sys.modules["bench_real_engine"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_real)
+
+from gym_grpc import training  # noqa: E402
+from gym_grpc.client import GymClient, RolloutResult  # noqa: E402
+from gym_grpc.rpc.registry import Registry  # noqa: E402
+from gym_grpc.testing.processes import GymRun  # noqa: E402
+
+AGENT, MODEL = "math_agent", "policy_model"
+
+
+def tasks(seed: int) -> list[dict[str, Any]]:
+    """Every "a + b" with one-digit a and b, in a seeded order."""
+    rows = [
+        {
+            "responses_create_params": {
+                "input": [{"role": "user", "content": f"What is {a} + {b}?"}],
+                "max_output_tokens": 12,
+                "temperature": 1.0,
+            },
+            "expected_answer": str(a + b),
+        }
+        for a in range(1, 10)
+        for b in range(1, 10)
+    ]
+    random.Random(seed).shuffle(rows)
+    return rows
+
+
+class Trainer:
+    """GRPO on CPU torch over the policy's own weights; a checkpoint after every step."""
+
+    def __init__(self, model_dir: Path, lr: float, clip: float, seed: int, out: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        # One core of its own, as a trainer has its own devices: the engine's worker has core 0.
+        torch.set_num_threads(1)
+        if len(os.sched_getaffinity(0)) > 1:
+            os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
+        self.clip = clip
+        self.out = out
+        self.model_dir = model_dir
+
+    def step(self, samples: list[training.Sample]) -> dict[str, float]:
+        """One optimizer step on the samples with an advantage (masked ones count for nothing)."""
+        torch = self.torch
+        used = [s for s in samples if s.loss_multiplier and s.advantage]
+        if not used:
+            return {"loss": 0.0, "tokens": 0}
+        pad = max(len(s.prompt_ids) + len(s.response_ids) for s in used)
+        ids = torch.zeros((len(used), pad), dtype=torch.long)
+        mask = torch.zeros((len(used), pad))
+        old = torch.zeros((len(used), pad))
+        advantages = torch.tensor([s.advantage for s in used])
+        for row, s in enumerate(used):
+            sequence = s.prompt_ids + s.response_ids
+            ids[row, : len(sequence)] = torch.tensor(sequence)
+            start = len(s.prompt_ids)
+            mask[row, start : len(sequence)] = torch.tensor(s.response_mask, dtype=torch.float32)
+            old[row, start : len(sequence)] = torch.tensor(s.response_log_probs)
+        logits = self.model(input_ids=ids).logits[:, :-1].float()
+        new = torch.zeros_like(old)
+        new[:, 1:] = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        ratio = torch.exp((new - old) * mask)
+        clipped = torch.clamp(ratio, 1 - self.clip, 1 + self.clip)
+        per_token = -torch.minimum(ratio * advantages[:, None], clipped * advantages[:, None]) * mask
+        loss = per_token.sum() / mask.sum()
+        self.optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        return {"loss": loss.item(), "tokens": int(mask.sum().item())}
+
+    def save(self, version: int) -> Path:
+        """The weights as a bfloat16 checkpoint (the engine's dtype) in a directory of their own."""
+        path = self.out / f"step-{version}"
+        state = {k: v.detach().to(self.torch.bfloat16) for k, v in self.model.state_dict().items()}
+        if self.model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)  # the embeddings, as the model's own checkpoint has them
+        self.model.save_pretrained(path, state_dict=state, safe_serialization=True)
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            if (self.model_dir / name).exists():
+                shutil.copyfile(self.model_dir / name, path / name)
+        return path
+
+
+class EngineIdle:
+    """The engine's idle fraction: its /metrics sampled every 0.1 s, idle when nothing runs or waits."""
+
+    def __init__(self, engine_url: str) -> None:
+        self.url = f"{engine_url.removesuffix('/v1')}/metrics"
+        self.samples: list[bool] = []
+        self._task: asyncio.Task[None] | None = None
+
+    def _idle(self) -> bool:
+        with urllib.request.urlopen(self.url, timeout=10) as reply:
+            text = reply.read().decode()
+        found = re.findall(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$", text, re.MULTILINE)
+        return sum(map(float, found)) == 0
+
+    async def _sample(self) -> None:
+        while True:
+            self.samples.append(await asyncio.to_thread(self._idle))
+            await asyncio.sleep(0.1)
+
+    def __enter__(self) -> EngineIdle:
+        self._task = asyncio.ensure_future(self._sample())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+
+    @property
+    def fraction(self) -> float:
+        return sum(self.samples) / len(self.samples) if self.samples else 0.0
+
+
+def _samples(
+    groups: list[list[RolloutResult]], rows: list[dict[str, Any]], version: int, max_lag: int
+) -> tuple[list[training.Sample], training.SampleStats]:
+    rollouts = [
+        training.TrainingRollout.from_result(result, AGENT, row_index, k)
+        for group, row_index in zip(groups, rows, strict=True)
+        for k, result in enumerate(group)
+    ]
+    samples, stats = training.build(rollouts, current_version=version, max_lag=max_lag)
+    training.assign_advantages(samples)
+    return samples, stats
+
+
+def _record(step: int, groups: list[list[RolloutResult]], samples: list[training.Sample], stats: Any) -> dict[str, Any]:
+    rewards = [r.reward for group in groups for r in group if r.ok]
+    versions = sorted(
+        {t.policy_version for group in groups for r in group if r.ok for t in r.turns if t.policy_version is not None}
+    )
+    spans = sum(
+        1
+        for group in groups
+        for r in group
+        if r.ok
+        for item in r.rollout.response.output
+        if item.WhichOneof("item") == "message" and item.message.policy_version_spans
+    )
+    return {
+        "step": step,
+        "mean_reward": round(statistics.fmean(rewards), 4) if rewards else None,
+        "rollouts": sum(len(g) for g in groups),
+        "failed": sum(1 for g in groups for r in g if not r.ok),
+        "versions_seen": versions,
+        "turns_spanning_versions": spans,
+        "samples_trained": sum(1 for s in samples if s.loss_multiplier and s.advantage),
+        "stale_samples": stats.stale,
+    }
+
+
+async def run(
+    mode: str, args: argparse.Namespace, registry: str, engine_url: str, model_dir: Path, out: Path
+) -> dict[str, Any]:
+    """One training run, `mode` async or sync; its steps and totals."""
+    rows = tasks(args.seed)
+    trainer = Trainer(model_dir, args.lr, args.clip, args.seed, out)
+    per_step = args.groups * args.group_size
+    reg = Registry(registry)
+    steps: list[dict[str, Any]] = []
+    async with GymClient(
+        AGENT,
+        reg,
+        policy_version=0,
+        max_lag=args.max_lag if mode == "async" else None,
+        rollouts_per_version=per_step if mode == "async" else None,
+    ) as gym:
+        await gym.update_weights(0, str(model_dir), MODEL, pause_mode="wait")  # every run starts from the model
+        next_row = 0
+
+        def take() -> int:
+            nonlocal next_row
+            next_row += 1
+            return (next_row - 1) % len(rows)
+
+        queue: asyncio.Queue[tuple[int, list[RolloutResult]]] = asyncio.Queue()
+
+        async def produce() -> None:
+            """Async: groups all the time (pacing holds them back), as many in flight as one step takes."""
+            slots = asyncio.Semaphore(args.groups)
+
+            async def one() -> None:
+                try:
+                    row = take()
+                    await queue.put((row, await gym.run_group(rows[row], args.group_size)))
+                finally:
+                    slots.release()
+
+            while True:
+                await slots.acquire()
+                asyncio.ensure_future(one())
+
+        producer = asyncio.ensure_future(produce()) if mode == "async" else None
+        started = time.monotonic()
+        with EngineIdle(engine_url) as idle:
+            for step in range(args.steps):
+                t0 = time.monotonic()
+                if mode == "async":
+                    batch = [await queue.get() for _ in range(args.groups)]
+                else:
+                    picked = [take() for _ in range(args.groups)]
+                    groups = await asyncio.gather(*(gym.run_group(rows[i], args.group_size) for i in picked))
+                    batch = list(zip(picked, groups, strict=True))
+                waited = time.monotonic() - t0
+                picked_rows = [row for row, _ in batch]
+                groups = [group for _, group in batch]
+                samples, stats = _samples(groups, picked_rows, step, args.max_lag)
+                t1 = time.monotonic()
+                loss = await asyncio.to_thread(trainer.step, samples)
+                checkpoint = await asyncio.to_thread(trainer.save, step + 1)
+                trained = time.monotonic() - t1
+                t2 = time.monotonic()
+                pause = "keep" if mode == "async" else "wait"
+                await gym.update_weights(step + 1, str(checkpoint), MODEL, pause_mode=pause)
+                updated = time.monotonic() - t2
+                if step:
+                    shutil.rmtree(out / f"step-{step}", ignore_errors=True)
+                record = _record(step, groups, samples, stats)
+                record.update(
+                    loss=round(loss["loss"], 5),
+                    tokens_trained=loss["tokens"],
+                    generation_wait_seconds=round(waited, 2),
+                    optimizer_seconds=round(trained, 2),
+                    update_seconds=round(updated, 2),
+                    step_seconds=round(time.monotonic() - t0, 2),
+                )
+                steps.append(record)
+                print(json.dumps({"mode": mode, **record}), file=sys.stderr, flush=True)
+        wall = time.monotonic() - started
+        if producer is not None:
+            producer.cancel()
+    await reg.close()
+    return {
+        "steps": steps,
+        "wall_seconds": round(wall, 1),
+        "seconds_per_step_median": round(statistics.median(s["step_seconds"] for s in steps), 2),
+        "engine_idle_fraction": round(idle.fraction, 3),
+        "first5_mean_reward": round(statistics.fmean(s["mean_reward"] for s in steps[:5]), 4),
+        "last5_mean_reward": round(statistics.fmean(s["mean_reward"] for s in steps[-5:]), 4),
+    }
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (reward, clock) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode, style in (("async", "-o"), ("sync", "--s")):
+        steps = report[mode]["steps"]
+        reward.plot([s["step"] for s in steps], [s["mean_reward"] for s in steps], style, label=mode, markersize=3)
+        elapsed = [sum(s["step_seconds"] for s in steps[: i + 1]) for i in range(len(steps))]
+        clock.plot(elapsed, [s["mean_reward"] for s in steps], style, label=mode, markersize=3)
+    reward.set(xlabel="optimizer step", ylabel="mean reward of the batch", title="GRPO on SmolLM2-135M, a + b")
+    clock.set(xlabel="wall-clock seconds", ylabel="mean reward of the batch", title="the same, against time")
+    for axes in (reward, clock):
+        axes.grid(alpha=0.3)
+        axes.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--groups", type=int, default=4, help="GRPO groups (tasks) per step")
+    parser.add_argument("--group-size", type=int, default=8, help="rollouts per group")
+    parser.add_argument("--lr", type=float, default=5e-5)
+    parser.add_argument("--clip", type=float, default=0.2, help="PPO's clip of the importance ratio")
+    parser.add_argument("--max-lag", type=int, default=1, help="async: versions a sample may be behind")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--modes", default="async,sync", help="comma-separated, run in this order")
+    parser.add_argument("--engine-url", help="a running local vLLM in dev mode (its /v1 URL) instead of starting one")
+    parser.add_argument("--smoke", action="store_true", help="2 steps of 2 groups of 4; results in a temp dir")
+    parser.add_argument("--name", default="async_training", help="results file name")
+    args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.groups, args.group_size = 2, 2, 4
+    from gym_grpc.engines import local_vllm
+
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    prepared = local_vllm.prepare()
+    machine = bench_real.versions(prepared)
+    engine = None
+    if args.engine_url:
+        engine_url = args.engine_url
+    else:
+        print("starting the local vLLM ...", file=sys.stderr)
+        engine = local_vllm.start(prepared)
+        engine_url = engine.base_url
+    report = bench_real.report_head("bench/async_training.py", args, machine, load_start)
+    report["settings"] = {
+        "task": "What is a + b? (one-digit a, b; math environment, math-verify); max_output_tokens 12, temperature 1.0",
+        "steps": args.steps,
+        "groups_per_step": args.groups,
+        "group_size": args.group_size,
+        "lr": args.lr,
+        "clip": args.clip,
+        "max_lag": args.max_lag,
+        "seed": args.seed,
+    }
+    try:
+        with tempfile.TemporaryDirectory() as directory:
+            tmp = Path(directory)
+            config = bench_real.write_stack(
+                tmp,
+                "async_training",
+                ("math", "math/server.py:MathEnv"),
+                {
+                    MODEL: {
+                        "base_url": engine_url,
+                        "model": prepared.model_name,
+                        "return_token_ids": True,
+                        "tokenizer_dir": str(prepared.model_dir),
+                        "chat_template": str(local_vllm.CHAT_TEMPLATE),
+                    }
+                },
+                {AGENT: (MODEL, 1)},
+            )
+            for mode in args.modes.split(","):
+                stack = GymRun.start(config)  # a model server of its own: it serves no version yet
+                try:
+                    report[mode] = asyncio.run(run(mode, args, stack.registry, engine_url, prepared.model_dir, tmp))
+                finally:
+                    stack.stop()
+    finally:
+        if engine is not None:
+            local_vllm.stop(engine.pid)
+    if "async" in report and "sync" in report:
+        report["async_speedup"] = round(
+            report["sync"]["seconds_per_step_median"] / report["async"]["seconds_per_step_median"], 2
+        )
+    report["steps"] = report.get("async", report.get("sync", {})).get("steps", [])
+    report["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    target = Path(tempfile.gettempdir()) if args.smoke else REPO / "bench" / "results"
+    (target / f"{args.name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    if "async" in report and "sync" in report:
+        plot(report, target / f"{args.name}.png")
+    print(json.dumps({k: report[k] for k in ("async_speedup",) if k in report}))
+    for mode in ("async", "sync"):
+        if mode in report:
+            totals = {k: v for k, v in report[mode].items() if k != "steps"}
+            print(mode, json.dumps(totals))
+    print(f"wrote {target / args.name}.json", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
