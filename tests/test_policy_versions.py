@@ -51,8 +51,9 @@ def _weather_task() -> dict:
     return row
 
 
-async def test_a_rollout_that_spans_a_weight_update_says_so_turn_by_turn_and_its_sample_can_be_stale(start):
-    policy = Gated(name="policy")
+async def _stack(start, policy: LocalPolicyModel):
+    """`policy` (as "policy"), the weather environment and the simple agent over them; (the agent, a
+    registry that names all three)."""
     model = await start(policy)
     env = await start(WeatherEnv(name="env"))
     static = {"policy": model.address, "env": env.address}
@@ -61,7 +62,12 @@ async def test_a_rollout_that_spans_a_weight_update_says_so_turn_by_turn_and_its
             {"model_server": "policy", "resources_server": "env"}, name="agent", registry=Registry(static=static)
         )
     )
-    registry = Registry(static={**static, "agent": agent.address})
+    return agent, Registry(static={**static, "agent": agent.address})
+
+
+async def test_a_rollout_that_spans_a_weight_update_says_so_turn_by_turn_and_its_sample_can_be_stale(start):
+    policy = Gated(name="policy")
+    _, registry = await _stack(start, policy)
     task = _weather_task()
     async with GymClient("agent", registry, policy_version=3) as gym:
         running = asyncio.ensure_future(gym.run(task))
@@ -93,15 +99,7 @@ async def test_a_rollout_that_spans_a_weight_update_says_so_turn_by_turn_and_its
 async def test_a_paced_client_starts_a_rollout_only_while_it_can_be_trained_on_within_max_lag(start):
     """max_lag 1, 2 rollouts a version: from version 0, rollouts 0-3 start (trained at versions 0
     and 1); 4 and 5 wait for version 1, 6 for version 2."""
-    model = await start(LocalPolicyModel(name="policy"))
-    env = await start(WeatherEnv(name="env"))
-    static = {"policy": model.address, "env": env.address}
-    agent = await start(
-        SimpleAgent(
-            {"model_server": "policy", "resources_server": "env"}, name="agent", registry=Registry(static=static)
-        )
-    )
-    registry = Registry(static={**static, "agent": agent.address})
+    agent, registry = await _stack(start, LocalPolicyModel(name="policy"))
 
     def runs() -> int:
         return sum(m.calls_by_status["OK"] for m in agent.app.counters.to_proto().methods if m.method == "Run")
