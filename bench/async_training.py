@@ -246,6 +246,7 @@ async def run(
             return (next_row - 1) % len(rows)
 
         queue: asyncio.Queue[tuple[int, list[RolloutResult]]] = asyncio.Queue()
+        in_flight: set[asyncio.Task[None]] = set()
 
         async def produce() -> None:
             """Async: groups all the time (pacing holds them back), as many in flight as one step takes."""
@@ -260,7 +261,9 @@ async def run(
 
             while True:
                 await slots.acquire()
-                asyncio.ensure_future(one())
+                group = asyncio.ensure_future(one())
+                in_flight.add(group)
+                group.add_done_callback(in_flight.discard)
 
         producer = asyncio.ensure_future(produce()) if mode == "async" else None
         started = time.monotonic()
@@ -299,8 +302,10 @@ async def run(
                 steps.append(record)
                 print(json.dumps({"mode": mode, **record}), file=sys.stderr, flush=True)
         wall = time.monotonic() - started
-        if producer is not None:
-            producer.cancel()
+        if producer is not None:  # the groups still running or held back end here, before the client
+            for task in (producer, *in_flight):
+                task.cancel()
+            await asyncio.gather(producer, *in_flight, return_exceptions=True)
     await reg.close()
     return {
         "steps": steps,
