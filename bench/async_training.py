@@ -317,6 +317,20 @@ async def run(
     }
 
 
+async def runs(args: argparse.Namespace, config: Path, engine_url: str, model_dir: Path, tmp: Path) -> dict[str, Any]:
+    """Each mode's run, on one event loop (gRPC's completion queue outlives a loop: a second asyncio.run
+    in one process gets the first one's late events), each with a `gym-grpc run` of its own, whose
+    model server serves no version yet."""
+    results = {}
+    for mode in args.modes.split(","):
+        stack = await asyncio.to_thread(GymRun.start, config)
+        try:
+            results[mode] = await run(mode, args, stack.registry, engine_url, model_dir, tmp)
+        finally:
+            await asyncio.to_thread(stack.stop)
+    return results
+
+
 def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -395,12 +409,7 @@ def main() -> None:
                 },
                 {AGENT: (MODEL, 1)},
             )
-            for mode in args.modes.split(","):
-                stack = GymRun.start(config)  # a model server of its own: it serves no version yet
-                try:
-                    report[mode] = asyncio.run(run(mode, args, stack.registry, engine_url, prepared.model_dir, tmp))
-                finally:
-                    stack.stop()
+            report.update(asyncio.run(runs(args, config, engine_url, prepared.model_dir, tmp)))
     finally:
         if engine is not None:
             local_vllm.stop(engine.pid)
