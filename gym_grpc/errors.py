@@ -281,6 +281,19 @@ class OutOfFiles(GymError):
     reason = Reason.OUT_OF_FILES
 
 
+class WeightUpdateFailed(Unavailable):
+    """An engine failed a step of a weight update (ModelService.UpdateWeights); retry the same version."""
+
+    reason = Reason.WEIGHT_UPDATE_FAILED
+
+
+class WeightUpdateUnsupported(GymError):
+    """A model server that cannot load weights into its engines was asked to."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED
+    reason = Reason.WEIGHT_UPDATE_UNSUPPORTED
+
+
 class DeadlineExceeded(GymError):
     """The caller's deadline ran out while a downstream call was running."""
 

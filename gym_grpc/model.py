@@ -53,12 +53,9 @@ class ModelServer(GymServer):
         version: `self.served_version.set(request.version)` once every engine holds them and before
         any resumes. Called one update at a time (across the server's worker processes too), and
         only for a version newer than the one served. Each engine's part, in order."""
-        reason = errors.Reason.WEIGHT_UPDATE_UNSUPPORTED
-        raise errors.GymError(
+        raise errors.WeightUpdateUnsupported(
             f"{type(self).__name__} cannot load weights into an engine: update the engine yourself and tell "
-            "the server its version with SetPolicyVersion",
-            code=reason.status,
-            reason=reason,
+            "the server its version with SetPolicyVersion"
         )
 
     async def _update(self, request: model_pb.UpdateWeightsRequest, timeout: float) -> model_pb.UpdateWeightsResponse:

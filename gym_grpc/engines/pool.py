@@ -64,12 +64,9 @@ class EngineModelServer(ModelServer):
     ) -> list[model_pb.EngineUpdate]:
         """Every engine of the pool loads the checkpoint (gym_grpc.engines.weights)."""
         if self.config.grpc:
-            reason = errors.Reason.WEIGHT_UPDATE_UNSUPPORTED
-            raise errors.GymError(
+            raise errors.WeightUpdateUnsupported(
                 "vLLM's gRPC server has no pause or weight-loading RPC: front the engine with its HTTP server "
-                "(started with VLLM_SERVER_DEV_MODE=1) to update its weights through gym-grpc",
-                code=reason.status,
-                reason=reason,
+                "(started with VLLM_SERVER_DEV_MODE=1) to update its weights through gym-grpc"
             )
         path = request.checkpoint_path
         if self.config.checkpoint_check and not (Path(path) / "config.json").is_file():

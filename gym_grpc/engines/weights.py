@@ -76,9 +76,9 @@ async def update(
         message = f"weight update to version {version} failed: {what}{after}"
         if all(p.step != "done" and p.error == _late(timeout) for p in failed):
             raise errors.DeadlineExceeded(message)
-        raise _failed(message)
+        raise errors.WeightUpdateFailed(message)
     if unresumed:
-        raise _failed(f"weights of version {version} loaded, but not resumed: {'; '.join(unresumed)}")
+        raise errors.WeightUpdateFailed(f"weights of version {version} loaded, but not resumed: {'; '.join(unresumed)}")
     return [p.update for p in progress]
 
 
@@ -113,11 +113,6 @@ async def _resume(p: _Progress) -> str | None:
 
 def _late(timeout: float) -> str:
     return f"no answer within {timeout:g} s"
-
-
-def _failed(message: str) -> errors.GymError:
-    reason = errors.Reason.WEIGHT_UPDATE_FAILED
-    return errors.GymError(message, code=reason.status, reason=reason)
 
 
 def _cause(error: Exception) -> str:
