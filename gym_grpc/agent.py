@@ -10,6 +10,7 @@ subclasses it and overrides a hook (`first_request`, `call_model`,
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 import uuid
@@ -22,18 +23,23 @@ from pydantic import Field
 from gym_grpc import errors, policy_version
 from gym_grpc.client import stubs
 from gym_grpc.client.stubs import ModelClient, ResourcesClient, ToolResult
-from gym_grpc.data import jsonl, record, rows
+from gym_grpc.data import jsonl, record, rollout_state, rows
 from gym_grpc.responses import function_calls, input_items, new_id, tool_error_output
 from gym_grpc.server import run_many, validation
 from gym_grpc.server.serving import GymServer, ServerConfig, rpc_method
+from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
 from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
 from gym_grpc.v1 import model_service_pb2 as model_pb
 from gym_grpc.v1 import registry_service_pb2 as reg
+from gym_grpc.v1 import resources_service_pb2 as res_pb
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
 
 log = logging.getLogger("gym_grpc.agent")
+
+#: The attempt at the rollout the running task works on: its tool calls carry it (CallToolRequest.attempt).
+_attempt_number: contextvars.ContextVar[int] = contextvars.ContextVar("attempt_number", default=0)
 
 #: Seconds a session close may take; it runs whatever ended the rollout, past its deadline too.
 CLOSE_TIMEOUT = 5.0
@@ -43,10 +49,14 @@ class RolloutEvents:
     """Where an agent reports the steps of a rollout. For Run nobody listens
     and reporting costs nothing; for RunStream each step becomes an event."""
 
-    def __init__(self, queue: asyncio.Queue[agent_pb.RunStreamResponse | None] | None = None) -> None:
+    def __init__(
+        self, queue: asyncio.Queue[agent_pb.RunStreamResponse | None] | None = None, attempt: Attempt | None = None
+    ) -> None:
         self._queue = queue
         self._started = time.monotonic()
         self._sequence = 0
+        #: The attempt at the rollout this run is (a first one, unless it resumes one).
+        self.attempt = attempt or Attempt("")
 
     def _put(self, event: agent_pb.RunStreamResponse) -> None:
         assert self._queue is not None
@@ -77,6 +87,86 @@ class RolloutEvents:
             self._put(agent_pb.RunStreamResponse(verification=event))
 
 
+class _Parked(Exception):
+    """Raised by an agent's loop at a turn boundary when its run was asked to park."""
+
+
+class Attempt:
+    """One attempt at a rollout, as the agent running it sees it: the rollout's id, which
+    attempt this is, the state it resumes from, and (over RunMany) the link to its caller.
+
+    The agent reports each turn boundary here (`begin`, `new_turn`, `tool_output`): the state is
+    kept for parking and, for a durable run, sent to the caller as checkpoints
+    (data/rollout_state.py applies both the same way)."""
+
+    def __init__(
+        self, rollout_id: str, resume: task_pb2.RolloutState | None = None, link: run_many.RunLink | None = None
+    ) -> None:
+        self.rollout_id = rollout_id or uuid.uuid4().hex
+        self.resume = resume
+        self.link = link
+        #: 1 for the first attempt.
+        self.number = len(resume.attempts) + 1 if resume is not None else 1
+        self.state = task_pb2.RolloutState()
+        if resume is not None:
+            self.state.CopyFrom(resume)
+        #: Its session is open and its caller told (`begin`): from then on a lost attempt may keep it.
+        self.began = False
+        self._started = time.monotonic()
+
+    @property
+    def durable(self) -> bool:
+        return self.link is not None and self.link.durable
+
+    def tool_key(self, turn: int, call: int) -> str:
+        """The idempotency key of a tool call (CallToolRequest.idempotency_key)."""
+        return f"{self.rollout_id}/{turn}/{call}"
+
+    def _checkpoint(self, checkpoint: agent_pb.RunCheckpoint) -> None:
+        if self.link is None:
+            return  # a unary Run: nobody can park or resume it, nothing to keep
+        rollout_state.apply(self.state, checkpoint)
+        self.link.checkpoint(checkpoint)
+
+    def begin(self, record: task_pb2.RolloutAttempt) -> None:
+        """The attempt began, with its session open."""
+        self.began = True
+        self._checkpoint(agent_pb.RunCheckpoint(attempt=record))
+
+    def new_turn(self, index: int, response: r.Response, seconds: float) -> None:
+        turn = task_pb2.RolloutTurn(response=response, model_seconds=seconds)
+        self._checkpoint(agent_pb.RunCheckpoint(turn_index=index, turn=turn))
+
+    def tool_output(self, index: int, output: r.FunctionCallOutput, seconds: float) -> None:
+        turn = task_pb2.RolloutTurn(tool_outputs=[output], tools_seconds=seconds)
+        self._checkpoint(agent_pb.RunCheckpoint(turn_index=index, turn=turn))
+
+    def park_if_asked(self) -> None:
+        """At a turn boundary: raise _Parked, with the state left on the link, when the caller asked."""
+        if self.link is not None and self.link.park:
+            self.link.parked = self.parked_state()
+            raise _Parked
+
+    def parked_state(self) -> task_pb2.RolloutState:
+        state = task_pb2.RolloutState()
+        state.CopyFrom(self.state)
+        rollout_state.end_attempt(state, len(self.resume.attempts) if self.resume else 0, rollout_state.PARKED)
+        state.elapsed_seconds += time.monotonic() - self._started
+        return state
+
+    def keeps_session(self, error: BaseException) -> bool:
+        """Whether a run that ends with `error` leaves its environment session open, for the
+        attempt that resumes it: a parked run does, and a durable one lost to a server or
+        engine that went away (UNAVAILABLE), or to its call ending under it."""
+        if isinstance(error, _Parked):
+            return True
+        if not self.durable or not self.began:
+            return False
+        if isinstance(error, asyncio.CancelledError):
+            return self.link is not None and self.link.call_ended
+        return isinstance(error, errors.GymError) and error.code == grpc.StatusCode.UNAVAILABLE
+
+
 class AgentConfig(ServerConfig):
     """Settings every agent has; an agent's own Config extends it."""
 
@@ -93,6 +183,19 @@ class AgentServer(GymServer):
 
     role = reg.SERVER_ROLE_AGENT
     Config: ClassVar[type[ServerConfig]] = AgentConfig
+    #: Its run honours `events.attempt`: it resumes from `attempt.resume`, reports each turn
+    #: boundary and parks when asked (Capabilities.resumable_rollouts). ToolLoopAgent does.
+    resumable: ClassVar[bool] = False
+
+    def capabilities(self) -> admin_pb.Capabilities:
+        capabilities = super().capabilities()
+        capabilities.resumable_rollouts = self.resumable
+        return capabilities
+
+    @property
+    def agent_id(self) -> str:
+        """Who ran an attempt (RolloutAttempt.agent): the replica's address, else name and instance."""
+        return self.replica or f"{self.name}/{self.instance_id}"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -139,6 +242,20 @@ class _AgentServicer(agent_grpc.AgentServiceServicer):
     def __init__(self, app: AgentServer) -> None:
         self.app = app
 
+    def _attempt(self, request: agent_pb.RunRequest, link: run_many.RunLink | None) -> Attempt:
+        """The attempt a Run request asks for: a first one, or one that resumes a rollout."""
+        if not request.HasField("resume"):
+            return Attempt(request.rollout_id, link=link)
+        if not self.app.resumable:
+            raise errors.ResumeUnsupported(f"agent {self.app.name!r} cannot resume rollouts", field="resume")
+        if not request.rollout_id:
+            raise errors.InvalidArgument("rollout_id: is required with resume", field="rollout_id")
+        try:
+            rollout_state.check(request.resume, "resume")
+        except ValueError as e:
+            raise errors.InvalidArgument(str(e), field="resume") from None
+        return Attempt(request.rollout_id, request.resume, link)
+
     async def _roll_out(
         self, request: agent_pb.RunRequest | agent_pb.RunStreamRequest, events: RolloutEvents
     ) -> task_pb2.Rollout:
@@ -155,8 +272,14 @@ class _AgentServicer(agent_grpc.AgentServiceServicer):
         return rollout
 
     @rpc_method
-    async def Run(self, request: agent_pb.RunRequest, context: Any) -> agent_pb.RunResponse:
-        return agent_pb.RunResponse(rollout=await self._roll_out(request, RolloutEvents()))
+    async def Run(
+        self, request: agent_pb.RunRequest, context: Any, link: run_many.RunLink | None = None
+    ) -> agent_pb.RunResponse:
+        events = RolloutEvents(attempt=self._attempt(request, link))
+        try:
+            return agent_pb.RunResponse(rollout=await self._roll_out(request, events))
+        except _Parked:
+            return agent_pb.RunResponse()  # RunMany answers with the state the attempt left on the link
 
     @rpc_method
     async def RunJson(self, request: agent_pb.RunJsonRequest, context: Any) -> agent_pb.RunJsonResponse:
@@ -244,6 +367,7 @@ class ToolLoopAgent(AgentServer):
 
     Config = ToolLoopConfig
     config: ToolLoopConfig
+    resumable = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -251,7 +375,7 @@ class ToolLoopAgent(AgentServer):
             self.registry, self.config.model_server, timeout=self.config.model_call_timeout_seconds
         )
         self.resources = ResourcesClient(self.registry, self.config.resources_server)
-        self._stateless: bool | None = None
+        self._described: res_pb.DescribeToolsResponse | None = None
         self._describing = asyncio.Lock()
 
     def references(self) -> dict[str, str]:
@@ -267,33 +391,104 @@ class ToolLoopAgent(AgentServer):
         """Hook: one model call, step 0, 1, ... up to max_steps - 1."""
         return await self.model.send(request)
 
-    async def call_tool(self, session_id: str, call: r.FunctionCall, step: int) -> ToolResult:
-        """Hook: one tool call; an error ToolResult goes back to the model as the tool's output."""
-        return await self.resources.call_tool(session_id, call)
+    async def call_tool(self, session_id: str, call: r.FunctionCall, step: int, key: str = "") -> ToolResult:
+        """Hook: one tool call; an error ToolResult goes back to the model as the tool's output. `key`
+        makes it run at most once in the session (CallToolRequest.idempotency_key): pass it on."""
+        return await self.resources.call_tool(session_id, call, key=key, attempt=_attempt_number.get())
 
     # --- the loop -------------------------------------------------------------------
 
-    async def _environment_is_stateless(self) -> bool:
-        """Asked once: a stateless environment needs no SeedSession and CloseSession."""
-        if self._stateless is None:
+    async def _description(self) -> res_pb.DescribeToolsResponse:
+        """Asked once: whether the environment is stateless (it then needs no SeedSession and
+        CloseSession) and how its sessions can be recovered."""
+        if self._described is None:
             async with self._describing:
-                if self._stateless is None:
-                    self._stateless = (await self.resources.describe_tools()).stateless
-        return self._stateless
+                if self._described is None:
+                    self._described = await self.resources.describe_tools()
+        return self._described
 
     async def run(self, task: task_pb2.Task, events: RolloutEvents, *, verify: bool = True) -> task_pb2.Rollout:
         started = time.monotonic()
-        session_id = uuid.uuid4().hex
-        stateful = not await self._environment_is_stateless()
+        attempt = events.attempt
+        _attempt_number.set(attempt.number)  # the tool calls carry it (call_tool): this run's task only
+        record = task_pb2.RolloutAttempt(agent=self.agent_id, first_turn=len(attempt.state.turns))
+        stateful = not (await self._description()).stateless
+        keep = False
         try:
             if stateful:  # a seed cut off by the deadline may still have opened it: closed below either way
-                await self.resources.seed_session(session_id, task)
-            rollout = await self._rollout(session_id, task, events, verify)
+                await self._open_session(task, attempt, record)
+            attempt.begin(record)
+            # The rollout's id for the model server too (its session memory, its logs), stateless or not.
+            rollout = await self._rollout(record.session_id or uuid.uuid4().hex, task, events, verify)
+        except BaseException as e:
+            keep = attempt.keeps_session(e)
+            raise
         finally:
-            if stateful:
-                await self.close_session(self.resources, session_id)
-        rollout.timings.total_seconds = time.monotonic() - started
+            if record.session_id and not keep:
+                await self.close_session(self.resources, record.session_id)
+        if attempt.resume is not None:
+            rollout.attempts.extend(attempt.resume.attempts)
+            rollout.attempts.append(record)
+        rollout.timings.total_seconds = time.monotonic() - started + attempt.state.elapsed_seconds
         return rollout
+
+    async def _open_session(self, task: task_pb2.Task, attempt: Attempt, record: task_pb2.RolloutAttempt) -> None:
+        """Open the attempt's session (its id in `record`): a new one, or for a resumed rollout the
+        one its last attempt used, taken over; when that one is gone, a new one with the earlier
+        tool calls replayed on it if the environment allows (SessionRecovery), else SessionLost."""
+        resume = attempt.resume
+        previous = resume.attempts[-1] if resume is not None and resume.attempts else None
+        if previous is not None and previous.session_id:
+            self.resources.resumed(previous.session_id, previous.session_replica)
+            try:
+                await self.resources.resume_session(previous.session_id, attempt.number)
+            except errors.GymError as e:
+                lost = e.reason == errors.Reason.SESSION_NOT_OPEN or e.code == grpc.StatusCode.UNAVAILABLE
+                if not lost:
+                    raise
+                log.info("%s: rollout %s: session %s lost: %s", self.name, attempt.rollout_id, previous.session_id, e)
+                await self._replay_session(task, attempt, record, e)
+                return
+            record.session_id, record.session_replica = previous.session_id, previous.session_replica
+            return
+        if attempt.state.turns:  # resumed, but the session it had was never reported
+            await self._replay_session(task, attempt, record, None)
+            return
+        record.session_id = uuid.uuid4().hex
+        await self.resources.seed_session(record.session_id, task)
+        record.session_replica = self.resources.replica_of(record.session_id)
+
+    async def _replay_session(
+        self, task: task_pb2.Task, attempt: Attempt, record: task_pb2.RolloutAttempt, lost: errors.GymError | None
+    ) -> None:
+        """A new session for a resumed rollout whose session was lost, the earlier tool calls run
+        on it again in order (an environment with SESSION_RECOVERY_REPLAY), each checked against the
+        output the model saw. SessionLost when the environment cannot, or the outputs differ."""
+        done = [(t, turn) for t, turn in enumerate(attempt.state.turns) if turn.tool_outputs]
+        why = f": {lost.message}" if lost is not None else ""
+        recovery = (await self._description()).session_recovery
+        if done and recovery != res_pb.SESSION_RECOVERY_REPLAY:
+            raise errors.SessionLost(
+                f"the rollout's environment session is gone{why}, and environment {self.resources.name!r} "
+                "cannot restore sessions (session_recovery: none)",
+                field="resume",
+            )
+        record.session_id = uuid.uuid4().hex
+        record.session_replayed = True
+        await self.resources.seed_session(record.session_id, task)
+        record.session_replica = self.resources.replica_of(record.session_id)
+        for index, turn in done:
+            calls = function_calls(turn.response)  # the last turn may have fewer outputs than calls
+            for position, (call, recorded) in enumerate(zip(calls, turn.tool_outputs, strict=False)):
+                key = attempt.tool_key(index, position)
+                result = await self.resources.call_tool(record.session_id, call, key=key, attempt=attempt.number)
+                if tool_call_output(call, result).output != recorded.output:
+                    raise errors.SessionLost(
+                        f"the rollout's environment session is gone{why}, and replaying it did not give back "
+                        f"the output of turn {index}'s call {position} ({call.name}): the environment is not "
+                        "deterministic enough for session_recovery: replay",
+                        field="resume",
+                    )
 
     async def _rollout(
         self, session_id: str, task: task_pb2.Task, events: RolloutEvents, verify: bool
@@ -306,44 +501,52 @@ class ToolLoopAgent(AgentServer):
         if params.WhichOneof("input") == "input_text":
             params.input_items.items.extend(input_items(params))  # replaces the text
         self.first_request(request, task)
-        conversation = params.input_items.items
         rollout = task_pb2.Rollout(stop_reason=task_pb2.STOP_REASON_MAX_STEPS)
-        final, timings = rollout.response, rollout.timings
-        final.status = r.RESPONSE_STATUS_COMPLETED
-        step = 0
-        for step in range(self.config.max_steps):
+        rollout.response.status = r.RESPONSE_STATUS_COMPLETED
+        turn = _Turns(rollout, params.input_items.items)
+        attempt = events.attempt
+        for resumed in attempt.state.turns:
+            turn.take(resumed.response, resumed.model_seconds)
+            for output in resumed.tool_outputs:
+                turn.tool_output(output, 0.0)
+            rollout.timings.tools_seconds += resumed.tools_seconds
+        step = len(attempt.state.turns)
+        if step:  # resumed: the last turn ended the rollout, or goes on with the tool calls it has left
+            last = attempt.state.turns[-1]
+            ended = turn.stop(last.response)
+            if not ended:
+                await self._call_tools(session_id, last.response, step - 1, len(last.tool_outputs), events, turn)
+            if ended or step == self.config.max_steps:
+                rollout.model_calls = step
+                return await self.verified(session_id, task, rollout, events, verify)
+        while step < self.config.max_steps:
+            attempt.park_if_asked()
             began = time.monotonic()
             response = await self.call_model(request, step)
             seconds = time.monotonic() - began
-            timings.model_seconds += seconds
             events.model_call(step, response, seconds)
-            if step == 0:
-                final.CopyFrom(response)  # the model's envelope: id, echoed parameters, keys we do not model
-            else:
-                final.model, final.status = response.model, response.status
-                _add_usage(final.usage, response.usage)
-                final.output.extend(response.output)
-            conversation.extend(response.output)
-            if response.status == r.RESPONSE_STATUS_INCOMPLETE:
-                final.incomplete_details.CopyFrom(response.incomplete_details)
-                rollout.stop_reason = task_pb2.STOP_REASON_INCOMPLETE
+            attempt.new_turn(step, response, seconds)
+            turn.take(response, seconds)
+            step += 1
+            if turn.stop(response):
                 break
-            calls = function_calls(response)
-            if not calls:
-                rollout.stop_reason = task_pb2.STOP_REASON_FINAL_MESSAGE
-                break
-            for call in calls:
-                began = time.monotonic()
-                result = await self.call_tool(session_id, call, step)
-                seconds = time.monotonic() - began
-                timings.tools_seconds += seconds
-                output = tool_call_output(call, result)
-                events.tool_call(step, call, output, result.error, seconds)
-                item = r.Item(function_call_output=output)
-                final.output.append(item)
-                conversation.append(item)
-        rollout.model_calls = step + 1
+            await self._call_tools(session_id, response, step - 1, 0, events, turn)
+        rollout.model_calls = step
         return await self.verified(session_id, task, rollout, events, verify)
+
+    async def _call_tools(
+        self, session_id: str, response: r.Response, step: int, first: int, events: RolloutEvents, turn: _Turns
+    ) -> None:
+        """Run the function calls of `response` (turn `step`) from the `first`-th on, in order."""
+        attempt = events.attempt
+        for position, call in enumerate(function_calls(response)[first:], start=first):
+            began = time.monotonic()
+            result = await self.call_tool(session_id, call, step, key=attempt.tool_key(step, position))
+            seconds = time.monotonic() - began
+            output = tool_call_output(call, result)
+            events.tool_call(step, call, output, result.error, seconds)
+            attempt.tool_output(step, output, seconds)
+            turn.tool_output(output, seconds)
 
     async def verified(
         self, session_id: str, task: task_pb2.Task, rollout: task_pb2.Rollout, events: RolloutEvents, verify: bool
@@ -361,6 +564,44 @@ class ToolLoopAgent(AgentServer):
         rollout.verifier_fields_json = fields_json
         rollout.reward_components.update(verdict.reward_components)
         return rollout
+
+
+class _Turns:
+    """The rollout as its turns come in: its response (the model's envelope from the first
+    turn, every output item after), its timings, the conversation sent to the model."""
+
+    def __init__(self, rollout: task_pb2.Rollout, conversation: Any) -> None:
+        self.rollout, self.conversation = rollout, conversation
+        self.first = True
+
+    def take(self, response: r.Response, seconds: float) -> None:
+        final = self.rollout.response
+        if self.first:
+            final.CopyFrom(response)  # the model's envelope: id, echoed parameters, keys we do not model
+            self.first = False
+        else:
+            final.model, final.status = response.model, response.status
+            _add_usage(final.usage, response.usage)
+            final.output.extend(response.output)
+        self.rollout.timings.model_seconds += seconds
+        self.conversation.extend(response.output)
+
+    def stop(self, response: r.Response) -> bool:
+        """Whether the rollout ends with this response, its stop reason set when it does."""
+        if response.status == r.RESPONSE_STATUS_INCOMPLETE:
+            self.rollout.response.incomplete_details.CopyFrom(response.incomplete_details)
+            self.rollout.stop_reason = task_pb2.STOP_REASON_INCOMPLETE
+            return True
+        if not function_calls(response):
+            self.rollout.stop_reason = task_pb2.STOP_REASON_FINAL_MESSAGE
+            return True
+        return False
+
+    def tool_output(self, output: r.FunctionCallOutput, seconds: float) -> None:
+        self.rollout.timings.tools_seconds += seconds
+        item = r.Item(function_call_output=output)
+        self.rollout.response.output.append(item)
+        self.conversation.append(item)
 
 
 def tool_call_output(call: r.FunctionCall, result: ToolResult) -> r.FunctionCallOutput:

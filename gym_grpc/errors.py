@@ -27,6 +27,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from gym_grpc.server import open_files
+from gym_grpc.v1 import task_pb2
 
 #: `google.rpc.ErrorInfo.domain` of every error a gym-grpc server sends.
 DOMAIN = "gym-grpc.dev"
@@ -61,6 +62,9 @@ class Reason(StrEnum):
     # Sessions and state
     SESSION_NOT_OPEN = "SESSION_NOT_OPEN", _S.FAILED_PRECONDITION
     SESSION_ALREADY_OPEN = "SESSION_ALREADY_OPEN", _S.FAILED_PRECONDITION
+    SESSION_LOST = "SESSION_LOST", _S.FAILED_PRECONDITION
+    STALE_ATTEMPT = "STALE_ATTEMPT", _S.FAILED_PRECONDITION
+    RESUME_UNSUPPORTED = "RESUME_UNSUPPORTED", _S.UNIMPLEMENTED
     PRECONDITION_FAILED = "PRECONDITION_FAILED", _S.FAILED_PRECONDITION
     PROTOCOL_INCOMPATIBLE = "PROTOCOL_INCOMPATIBLE", _S.FAILED_PRECONDITION
     SERVER_NOT_FOUND = "SERVER_NOT_FOUND", _S.NOT_FOUND
@@ -94,6 +98,7 @@ class Reason(StrEnum):
     OUTPUT_NOT_WRITABLE = "OUTPUT_NOT_WRITABLE", None
     RUN_MISMATCH = "RUN_MISMATCH", None
     ROLLOUT_FAILED = "ROLLOUT_FAILED", None
+    ROLLOUT_PARKED = "ROLLOUT_PARKED", None
     DATASET_INVALID = "DATASET_INVALID", None
     HUB_FAILED = "HUB_FAILED", None
     MLFLOW_FAILED = "MLFLOW_FAILED", None
@@ -294,6 +299,25 @@ class WeightUpdateUnsupported(GymError):
     reason = Reason.WEIGHT_UPDATE_UNSUPPORTED
 
 
+class SessionLost(FailedPrecondition):
+    """A resumed rollout's environment session is gone and the environment cannot restore it."""
+
+    reason = Reason.SESSION_LOST
+
+
+class StaleAttempt(FailedPrecondition):
+    """A call from an attempt at a rollout that a later attempt has taken over."""
+
+    reason = Reason.STALE_ATTEMPT
+
+
+class ResumeUnsupported(GymError):
+    """An agent asked to resume a rollout that it cannot resume."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED
+    reason = Reason.RESUME_UNSUPPORTED
+
+
 class DeadlineExceeded(GymError):
     """The caller's deadline ran out while a downstream call was running."""
 
@@ -333,6 +357,18 @@ class Failure:
             "message": self.message,
             "field": self.field,
         }
+
+
+class RolloutParked(FrameworkError):
+    """A rollout its caller asked to park stopped at a turn boundary: `state` resumes it
+    (`AgentClient.run(task, rollout_id=..., resume=state)`), on any replica of the agent."""
+
+    reason = Reason.ROLLOUT_PARKED
+
+    def __init__(self, rollout_id: str, state: task_pb2.RolloutState) -> None:
+        super().__init__(f"rollout {rollout_id} was parked after {len(state.turns)} turns")
+        self.rollout_id = rollout_id
+        self.state = state
 
 
 class RolloutFailed(FrameworkError):

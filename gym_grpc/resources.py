@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import json
 import logging
@@ -70,6 +71,20 @@ class Session:
     #: time.monotonic() when a call last used the session, and the calls using it now (for the idle time-out).
     last_used: float = field(default_factory=time.monotonic)
     in_flight: int = 0
+    #: The latest attempt at the rollout that used the session: calls of older ones are refused.
+    attempt: int = 0
+    #: The tool calls made with an idempotency key, by key: each runs once (see CallToolRequest).
+    calls: dict[str, asyncio.Future[res_pb.CallToolResponse]] = field(default_factory=dict)
+
+    def fence(self, attempt: int) -> None:
+        """Refuse a call of an attempt older than the latest one seen (0: not checked); note a newer one."""
+        if attempt and attempt < self.attempt:
+            raise errors.StaleAttempt(
+                f"session {self.id!r} was taken over by attempt {self.attempt} of its rollout; "
+                f"this call comes from attempt {attempt}",
+                field="attempt",
+            )
+        self.attempt = max(self.attempt, attempt)
 
     @cached_property
     def data(self) -> dict[str, Any]:
@@ -223,6 +238,11 @@ class ResourcesServer(GymServer):
     #: means: `gym-grpc envs` shows them, and the conformance kit checks that verify returns
     #: no other. Empty: not declared (an environment whose fields depend on its data).
     verifier_fields: ClassVar[dict[str, str]] = {}
+    #: What a resumed rollout can do when its session is lost (SessionRecovery in the .proto):
+    #: "none", or "replay" for an environment whose session state is a function of its task and
+    #: the tool calls made in it (deterministic, nothing touched outside the session): a new
+    #: session is seeded and the recorded calls run again, in order.
+    session_recovery: ClassVar[str] = "none"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -239,6 +259,8 @@ class ResourcesServer(GymServer):
             # base class (stop, verify, start, seed_session...) must not replace that method.
             if hasattr(ResourcesServer, attr_name):
                 delattr(cls, attr_name)
+        if cls.session_recovery not in ("none", "replay"):
+            raise TypeError(f"{cls.__name__}.session_recovery must be 'none' or 'replay', not {cls.session_recovery!r}")
         cls._own_tools = own
         found.update(own)
         cls.tools = found
@@ -477,16 +499,42 @@ class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
         if not request.name:
             raise errors.InvalidArgument("name: is required", field="name")
         session = self._session(request.session_id)
+        session.fence(request.attempt)
         session.in_flight += 1  # the idle time-out never closes a session under a running call
+        try:
+            key = request.idempotency_key
+            if not key or session.id not in self.app.sessions:  # no record, or no session to keep it in
+                return await self._call_tool(session, request)
+            recorded = session.calls.get(key)
+            if recorded is None:
+                # Its own task: the call runs to its end, and is recorded, even when its caller goes away.
+                recorded = session.calls[key] = asyncio.ensure_future(self._call_tool(session, request))
+                recorded.add_done_callback(functools.partial(_forget_failed, session.calls, key))
+            return await asyncio.shield(recorded)
+        finally:
+            session.in_flight -= 1
+            session.last_used = time.monotonic()
+
+    async def _call_tool(self, session: Session, request: res_pb.CallToolRequest) -> res_pb.CallToolResponse:
         try:
             output = await self.app.call_tool(session, request.name, request.arguments)
         except errors.ToolFailed as e:
             # The model's problem, not the call's: its error goes back to the model as the tool's output.
             return res_pb.CallToolResponse(output=e.message, is_error=True)
-        finally:
-            session.in_flight -= 1
-            session.last_used = time.monotonic()
         return res_pb.CallToolResponse(output=output)
+
+    @rpc_method
+    async def ResumeSession(self, request: res_pb.ResumeSessionRequest, context: Any) -> res_pb.ResumeSessionResponse:
+        session = self.app.sessions.get(request.session_id)
+        if session is None:
+            raise errors.FailedPrecondition(
+                f"session {request.session_id!r} is not open here: it was closed, timed out, or its replica restarted",
+                field="session_id",
+                reason=errors.Reason.SESSION_NOT_OPEN,
+            )
+        session.fence(request.attempt)
+        session.last_used = time.monotonic()
+        return res_pb.ResumeSessionResponse()
 
     @rpc_method
     async def Verify(self, request: res_pb.VerifyRequest, context: Any) -> res_pb.VerifyResponse:
@@ -529,4 +577,19 @@ class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
 
     @rpc_method
     async def DescribeTools(self, request: res_pb.DescribeToolsRequest, context: Any) -> res_pb.DescribeToolsResponse:
-        return res_pb.DescribeToolsResponse(tools=self.app.tool_schemas(), stateless=self.app.stateless)
+        return res_pb.DescribeToolsResponse(
+            tools=self.app.tool_schemas(),
+            stateless=self.app.stateless,
+            session_recovery=_RECOVERY[self.app.session_recovery],
+        )
+
+
+#: ResourcesServer.session_recovery on the wire.
+_RECOVERY = {"none": res_pb.SESSION_RECOVERY_UNSPECIFIED, "replay": res_pb.SESSION_RECOVERY_REPLAY}
+
+
+def _forget_failed(calls: dict[str, asyncio.Future[Any]], key: str, call: asyncio.Future[Any]) -> None:
+    """A keyed call that failed (the model's bad call, a server it needs down) is not recorded:
+    it changed nothing, and its next try runs it."""
+    if call.cancelled() or call.exception() is not None:
+        calls.pop(key, None)

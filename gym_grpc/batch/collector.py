@@ -23,6 +23,7 @@ from typing import Any, TextIO
 from gym_grpc import errors
 from gym_grpc.batch import fingerprint, overrides
 from gym_grpc.batch.jobs import BadInput, Batch, BatchSummary, Job, RunOptions
+from gym_grpc.client.run_many import RESUME_ATTEMPTS
 from gym_grpc.client.stubs import AgentClient, ResourcesClient
 from gym_grpc.data import jsonl, record, rows
 from gym_grpc.data.jsonl import count_rows
@@ -49,6 +50,8 @@ class CollectOptions(RunOptions):
     placeholder_reward: float = 0.0
     #: Add to an output that holds rollouts of another run (see batch/fingerprint.py).
     force: bool = False
+    #: Times a rollout lost with a server or engine is resumed (AgentClient.resume_attempts).
+    resume_attempts: int = RESUME_ATTEMPTS
 
 
 @dataclass(frozen=True)
@@ -143,7 +146,7 @@ async def collect(registry: Registry, options: CollectOptions, *, log: TextIO = 
     async def rollout(job: Job[_Task]) -> task_pb2.Rollout:
         client = clients.get(job.group)
         if client is None:
-            client = clients[job.group] = AgentClient(registry, job.group)
+            client = clients[job.group] = AgentClient(registry, job.group, resume_attempts=options.resume_attempts)
         task = job.payload.task
         if events is None:
             return await client.run(task, timeout=options.timeout, skip_verification=options.skip_verify)

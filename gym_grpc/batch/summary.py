@@ -190,9 +190,16 @@ class RunStats:
         self.output_tokens = 0
         self.reward = Means()
         self.stages = {stage: Quantiles() for stage in STAGES}
+        #: Rollouts that went on from a turn boundary after an attempt was lost or parked, and the
+        #: turns generated again for them (docs/durable-rollouts.md).
+        self.resumed = 0
+        self.turns_regenerated = 0
 
     def add(self, row: dict[str, Any]) -> None:
         self.rollouts += 1
+        if row.get("attempts"):
+            self.resumed += 1
+            self.turns_regenerated += record.turns_regenerated(row)
         tokens_in, tokens_out = record.usage_of(row)
         self.input_tokens += tokens_in
         self.output_tokens += tokens_out
@@ -237,6 +244,11 @@ class RunStats:
         if slowest is not None:
             stage, median, p95 = slowest
             lines.append(f"slowest stage: {stage} (median {1000 * median:.1f} ms, p95 {1000 * p95:.1f} ms per rollout)")
+        if self.resumed:
+            lines.append(
+                f"{self.resumed:,} rollouts resumed from a turn boundary after a lost attempt "
+                f"({self.turns_regenerated:,} turns generated again)"
+            )
         if estimate_for and rate > 0:
             lines.append(f"at this rate {estimate_for:,} more rollouts take {_duration(estimate_for / rate)}")
         return lines

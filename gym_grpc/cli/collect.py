@@ -28,6 +28,7 @@ from gym_grpc.cli.options import (
     with_registry,
 )
 from gym_grpc.cli.report import export_options, export_reports
+from gym_grpc.client.run_many import RESUME_ATTEMPTS
 from gym_grpc.data.jsonl import count_rows, failures_path
 from gym_grpc.report import stats
 from gym_grpc.rpc import event_loop
@@ -115,6 +116,14 @@ def _interruptible(coroutine: Awaitable[T], output: Path) -> T:
     help="Seconds one rollout may take.",
 )
 @click.option(
+    "--resume-attempts",
+    type=click.IntRange(min=0),
+    default=RESUME_ATTEMPTS,
+    show_default=True,
+    help="Times a rollout lost with its agent, model server or engine goes on from its last turn boundary "
+    "(docs/durable-rollouts.md); 0: it fails instead.",
+)
+@click.option(
     "--events",
     type=click.Path(dir_okay=False, path_type=Path),
     help="Also record every step of every rollout (model outputs, tool calls, verification) here.",
@@ -151,6 +160,7 @@ def collect_command(
     num_repeats: int,
     max_in_flight: int | None,
     timeout: float,
+    resume_attempts: int,
     events: Path | None,
     skip_verify: bool,
     placeholder_reward: float,
@@ -195,6 +205,7 @@ def collect_command(
         num_repeats=num_repeats,
         max_in_flight=max_in_flight,
         timeout=timeout,
+        resume_attempts=resume_attempts,
         overrides=parsed.params,
         events=events,
         skip_verify=skip_verify,

@@ -21,6 +21,15 @@ reaches another replica where there is one, as a new unary call would.
 Runs go to the call with the fewest waiting, so that the runs that replace a
 reply's results go out together, and every call (every worker process, every
 replica of a balanced channel) carries as many.
+
+Durable runs (an agent that resumes rollouts, Capabilities.resumable_rollouts):
+each run carries a rollout id and is sent `durable`, and the client keeps the
+state its checkpoints describe. When the run fails because something it needs
+went away (UNAVAILABLE: the agent replica, its model server or engine, the call
+itself), it is sent again with that state to resume from (RunRequest.resume),
+on the next call (another replica where there is one), up to `resume_attempts`
+times within its deadline: only the turn in flight is generated again, and the
+tool calls already made are answered from the environment's records.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from gym_grpc import errors
+from gym_grpc.data import rollout_state
 from gym_grpc.rpc import transport
 from gym_grpc.rpc.in_process import status_error
 from gym_grpc.rpc.outbox import Outbox
@@ -50,9 +60,41 @@ PROBE_SECONDS = 5.0
 #: How many times a run the agent did not start (it was stopping) is sent again, on another call.
 RESENDS = 3
 
+#: How many times a durable run lost to a server or engine that went away is resumed, unless told.
+RESUME_ATTEMPTS = 7
+
+#: Seconds before the n-th resume of a run (from 1): RESUME_BACKOFF * 2**(n-1), at most RESUME_BACKOFF_MAX.
+#: Short: what failed is retried by the servers themselves (an engine's requests retry for seconds).
+RESUME_BACKOFF = 0.25
+RESUME_BACKOFF_MAX = 4.0
+
 
 class _NotStarted(Exception):
     """The agent did not start the run: it was stopping. It can go to another call."""
+
+
+class _Parked(Exception):
+    """The agent parked the run, as asked: its state."""
+
+    def __init__(self, state: task_pb2.RolloutState) -> None:
+        super().__init__("parked")
+        self.state = state
+
+
+def _lost(error: Exception) -> bool:
+    """Whether a run failed because something it needed went away (UNAVAILABLE): worth resuming."""
+    if isinstance(error, grpc.aio.AioRpcError):
+        return error.code() == grpc.StatusCode.UNAVAILABLE
+    return isinstance(error, errors.GymError) and error.code == grpc.StatusCode.UNAVAILABLE
+
+
+def _status_text(error: Exception) -> str:
+    """A failure as an attempt's `ended` says it: "CODE: message"."""
+    if isinstance(error, grpc.aio.AioRpcError):
+        return f"{error.code().name}: {error.details()}"
+    if isinstance(error, errors.GymError):
+        return f"{error.code.name}: {error.message}"
+    return str(error)
 
 
 #: (a failed call's error, or None when its connection gave up on the peer; the method; the
@@ -76,6 +118,8 @@ class _Call:
         self._error_of = error_of
         self._ids = itertools.count()
         self.waiting: dict[int, asyncio.Future[task_pb2.Rollout]] = {}
+        #: The state of each durable run on it, as its checkpoints tell.
+        self.states: dict[int, task_pb2.RolloutState] = {}
         self._outbox: Outbox[agent_pb.RunManyRequest] = Outbox(agent_pb.RunManyRequest)
         self._wake = asyncio.Event()
         #: No more runs go on it: it ends once the runs on it have.
@@ -89,12 +133,25 @@ class _Call:
         self._sender = asyncio.ensure_future(self._send())
         self._receiver = asyncio.ensure_future(self._receive())
 
-    def submit(self, run: agent_pb.RunRequest, timeout: float | None) -> tuple[int, asyncio.Future[task_pb2.Rollout]]:
+    def submit(
+        self, run: agent_pb.RunRequest, timeout: float | None, durable: bool = False
+    ) -> tuple[int, asyncio.Future[task_pb2.Rollout]]:
         run_id = next(self._ids)
         future = self.waiting[run_id] = asyncio.get_running_loop().create_future()
-        self._outbox.filling(run.ByteSize()).runs.add(id=run_id, run=run, timeout_seconds=timeout or 0.0)
+        self._outbox.filling(run.ByteSize()).runs.add(
+            id=run_id, run=run, timeout_seconds=timeout or 0.0, durable=durable
+        )
+        if durable:
+            state = self.states[run_id] = task_pb2.RolloutState()
+            state.CopyFrom(run.resume)
         self._wake.set()
         return run_id, future
+
+    def park(self, run_id: int) -> None:
+        """Ask the agent to park a run at its next turn boundary (nothing when it ended)."""
+        if run_id in self.waiting and not self.ended:
+            self._outbox.filling().park_ids.append(run_id)
+            self._wake.set()
 
     def cancel(self, run_id: int) -> None:
         """Stop a run on the server whose caller no longer waits for it (nothing when it ended)."""
@@ -131,12 +188,20 @@ class _Call:
         try:
             async for reply in self._call:
                 self.connection.answered()
+                for checkpoint in reply.checkpoints:
+                    state = self.states.get(checkpoint.id)
+                    if state is not None:
+                        rollout_state.apply(state, checkpoint)
                 for result in reply.results:
                     future = self.waiting.pop(result.id, None)
                     if future is None or future.done():
                         continue  # its caller gave up on it
-                    if result.WhichOneof("outcome") == "rollout":
+                    outcome = result.WhichOneof("outcome")
+                    if outcome == "rollout":
                         future.set_result(result.rollout)
+                        continue
+                    if outcome == "parked":
+                        future.set_exception(_Parked(result.parked))
                         continue
                     failed = _run_failed(result.error)
                     if errors.reason_of(failed) == errors.Reason.SERVER_STOPPING:
@@ -241,27 +306,72 @@ class RunMany:
         assert best is not None  # the registry gives at least one connection
         return best
 
+    def park(self) -> int:
+        """Ask the agent to park every run in flight at its next turn boundary: each one's `run`
+        raises RolloutParked with the state to resume it from. How many were asked."""
+        asked = 0
+        for call in self._calls.values():
+            for run_id in list(call.waiting):
+                call.park(run_id)
+                asked += 1
+        return asked
+
     async def close(self) -> None:
         """End every call (the client is closing)."""
         calls, self._calls, self._pool = list(self._calls.values()), {}, None
         await asyncio.gather(*(call.end() for call in calls))
 
-    async def run(self, request: agent_pb.RunRequest, timeout: float | None) -> task_pb2.Rollout:
-        """One run: its rollout. A failed run raises the AioRpcError its unary call would have
-        raised; a call that broke under it, the GymError of that call."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+    async def run(
+        self, request: agent_pb.RunRequest, timeout: float | None, resume_attempts: int = 0
+    ) -> task_pb2.Rollout:
+        """One run: its rollout. With `resume_attempts` (the agent resumes rollouts; `request`
+        has a rollout_id), the run is durable and resumed that many times at most when it is
+        lost. A failed run raises the AioRpcError its unary call would have raised; a call that
+        broke under it, the GymError of that call; a run parked by `park`, RolloutParked."""
+        durable = resume_attempts > 0
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
+        resends = resumes = 0
         try:
             async with asyncio.timeout(timeout):
-                for _ in range(1 + RESENDS):
+                while True:
                     call = await self._call_for_next_run()
                     left = None if deadline is None else max(deadline - time.monotonic(), 1e-3)  # 0 means none
-                    run_id, result = call.submit(request, left)
+                    # The last attempt allowed is not durable: the agent closes its session if it fails too.
+                    run_id, result = call.submit(request, left, durable and resumes < resume_attempts)
                     try:
                         return await result
                     except _NotStarted:
+                        resends += 1
+                        if resends > RESENDS:
+                            raise status_error(
+                                grpc.StatusCode.UNAVAILABLE, f"the agent was stopping, each of {1 + RESENDS} times"
+                            ) from None
                         continue
+                    except _Parked as parked:
+                        raise errors.RolloutParked(request.rollout_id, parked.state) from None
+                    except (grpc.aio.AioRpcError, errors.GymError) as e:
+                        if not durable or not _lost(e) or resumes >= resume_attempts:
+                            raise
+                        failure: Exception = e
                     finally:
                         call.cancel(run_id)  # when still waiting: its caller gave up (cancelled, or past its deadline)
+                        state = call.states.pop(run_id, None)
+                    resumes += 1
+                    await asyncio.sleep(min(RESUME_BACKOFF * 2 ** (resumes - 1), RESUME_BACKOFF_MAX))
+                    _resume_from(request, state, failure, time.monotonic() - started)
         except TimeoutError:
             raise status_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
-        raise status_error(grpc.StatusCode.UNAVAILABLE, f"the agent was stopping, each of {1 + RESENDS} times")
+
+
+def _resume_from(
+    request: agent_pb.RunRequest, state: task_pb2.RolloutState | None, failure: Exception, elapsed: float
+) -> None:
+    """Make `request` resume from `state`, what the lost attempt left (`failure` ended it); when
+    that attempt never began (no checkpoint), the request goes again as it was."""
+    before = len(request.resume.attempts)
+    if state is None or len(state.attempts) <= before:
+        return
+    rollout_state.end_attempt(state, before, _status_text(failure))
+    state.elapsed_seconds = elapsed
+    request.resume.CopyFrom(state)

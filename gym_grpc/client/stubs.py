@@ -12,6 +12,7 @@ pause or a restart costs time, not the rollout.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -283,12 +284,32 @@ class ResourcesClient(_Client):
         if reply.replica:
             self._sessions[session_id] = reply.replica
 
-    async def call_tool(self, session_id: str, call: r.FunctionCall) -> ToolResult:
-        """Run a tool call. Mistakes of the model (unknown tool, bad arguments)
-        and errors the tool raised come back as an error ToolResult; failures of
+    def resumed(self, session_id: str, replica: str) -> None:
+        """Send a session's calls to `replica` (a resumed rollout's session, opened by another agent)."""
+        if replica:
+            self._sessions[session_id] = replica
+
+    def replica_of(self, session_id: str) -> str:
+        """The replica that holds a session, or "" when any will do."""
+        return self._sessions.get(session_id, "")
+
+    async def resume_session(self, session_id: str, attempt: int) -> None:
+        """Take over an open session for `attempt` of its rollout (ResourcesService.ResumeSession)."""
+        request = res_pb.ResumeSessionRequest(session_id=session_id, attempt=attempt)
+        await self._call("ResumeSession", request, connection=self._session(session_id))
+
+    async def call_tool(self, session_id: str, call: r.FunctionCall, *, key: str = "", attempt: int = 0) -> ToolResult:
+        """Run a tool call; with a `key`, at most once in the session (CallToolRequest.idempotency_key),
+        and refused when `attempt` is older than the session's latest. Mistakes of the model (unknown
+        tool, bad arguments) and errors the tool raised come back as an error ToolResult; failures of
         the server itself raise."""
         request = res_pb.CallToolRequest(
-            session_id=session_id, name=call.name, arguments=call.arguments, call_id=call.call_id
+            session_id=session_id,
+            name=call.name,
+            arguments=call.arguments,
+            call_id=call.call_id,
+            idempotency_key=key,
+            attempt=attempt,
         )
         reply = await self._call(
             "CallTool", request, passing=errors.TOOL_ERROR_CODES, connection=self._session(session_id)
@@ -329,11 +350,21 @@ class AgentClient(_Client):
     _kind = "agent"
     _service = agent_pb.DESCRIPTOR.services_by_name["AgentService"].full_name
 
-    def __init__(self, registry: Registry, name: str, *, timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        name: str,
+        *,
+        timeout: float | None = None,
+        resume_attempts: int = run_many.RESUME_ATTEMPTS,
+    ) -> None:
         super().__init__(registry, name, timeout=timeout)
         self._run_many: run_many.RunMany | None = None
         #: The largest run the agent takes: its handshake's max_receive_message_bytes, or ours.
         self._largest_run = transport.MAX_MESSAGE_BYTES
+        #: How many times a rollout lost with a server or engine is resumed (0: never); see client/run_many.py.
+        self.resume_attempts = resume_attempts
+        self._resumable = False
 
     async def run(
         self,
@@ -342,10 +373,24 @@ class AgentClient(_Client):
         *,
         skip_verification: bool = False,
         policy_version: int | None = None,
+        rollout_id: str = "",
+        resume: task_pb2.RolloutState | None = None,
     ) -> task_pb2.Rollout:
-        """One rollout; `policy_version`: the version the trainer asks it under (see policy_version.py)."""
+        """One rollout; `policy_version`: the version the trainer asks it under (see policy_version.py).
+
+        When the agent resumes rollouts, the rollout is durable: lost with its agent replica, model
+        server or engine, it goes on from its last turn boundary (up to `resume_attempts` times).
+        `resume` goes on with a parked rollout (RolloutParked.state, under its `rollout_id`)."""
         await self.check_protocol()
-        request = agent_pb.RunRequest(task=task, skip_verification=skip_verification, policy_version=policy_version)
+        if resume is not None and not rollout_id:
+            raise ValueError("resume needs the rollout_id the rollout was parked under")
+        request = agent_pb.RunRequest(
+            task=task,
+            skip_verification=skip_verification,
+            policy_version=policy_version,
+            rollout_id=rollout_id or (uuid.uuid4().hex if self._resumable else ""),
+            resume=resume,
+        )
         if request.ByteSize() > self._largest_run:  # never sent: on a RunMany call it would end the other runs too
             raise errors.InvalidArgument(
                 f"agent {self.name!r}: the run is {request.ByteSize():,} bytes, over the {self._largest_run:,} "
@@ -355,17 +400,26 @@ class AgentClient(_Client):
         if self._run_many is None or self.name in self.registry.in_process:
             reply = await self._call("Run", request, timeout)
             return reply.rollout
+        resumes = self.resume_attempts if self._resumable else 0
         try:
-            return await self._run_many.run(request, self._deadline(timeout))
+            return await self._run_many.run(request, self._deadline(timeout), resumes)
         except grpc.aio.AioRpcError as e:
             raise await self._error(e, "Run", None) from None
 
     def _shook_hands(self, info: admin_pb.GetServerInfoResponse) -> None:
-        """Rollouts go over RunMany calls when the agent serves it (see client/run_many.py)."""
+        """Rollouts go over RunMany calls when the agent serves it (see client/run_many.py), durable
+        when it resumes rollouts."""
         if info.capabilities.max_receive_message_bytes:
             self._largest_run = min(self._largest_run, info.capabilities.max_receive_message_bytes)
         if run_many.METHOD in protocol.methods(info, self._service):
             self._run_many = run_many.RunMany(self._connections, self._error)
+            self._resumable = info.capabilities.resumable_rollouts
+
+    def park(self) -> int:
+        """Ask the agent to park every rollout this client has in flight, at its next turn boundary:
+        each one's `run` raises RolloutParked, whose state resumes it (`run(..., resume=...)`) on
+        any replica, now or later. How many were asked; only rollouts over RunMany can be parked."""
+        return self._run_many.park() if self._run_many is not None else 0
 
     async def close(self) -> None:
         """End the client's RunMany calls (its channels are the registry's, closed with it)."""

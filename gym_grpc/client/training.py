@@ -30,6 +30,7 @@ from types import TracebackType
 from typing import Any
 
 from gym_grpc import errors
+from gym_grpc.client.run_many import RESUME_ATTEMPTS
 from gym_grpc.client.stubs import AgentClient, ModelClient
 from gym_grpc.data import record, rows
 from gym_grpc.rpc.registry import Registry
@@ -258,7 +259,9 @@ class GymClient:
     `policy_version`: the version rollouts are asked under (see docs/training.md#async-training).
     `max_lag` with `rollouts_per_version` (the rollouts one optimizer step takes) paces the
     rollouts: one starts only while it can be trained on within `max_lag` versions (_Pacing);
-    `run` waits for `weights_updated` or `update_weights` otherwise."""
+    `run` waits for `weights_updated` or `update_weights` otherwise. `resume_attempts`: times a
+    rollout lost with its agent replica, model server or engine goes on from its last turn
+    boundary (docs/durable-rollouts.md); 0: it fails instead."""
 
     def __init__(
         self,
@@ -270,10 +273,11 @@ class GymClient:
         policy_version: int | None = None,
         max_lag: int | None = None,
         rollouts_per_version: int | None = None,
+        resume_attempts: int = RESUME_ATTEMPTS,
     ) -> None:
         self._registry = registry if isinstance(registry, Registry) else Registry(registry, security=security)
         self._owns_registry = not isinstance(registry, Registry)
-        self._agent = AgentClient(self._registry, agent)
+        self._agent = AgentClient(self._registry, agent, resume_attempts=resume_attempts)
         self.timeout = timeout
         #: The version every rollout is asked under (None: none); `weights_updated` moves it.
         self.policy_version = policy_version

@@ -69,8 +69,30 @@ def build(task_row: JSON, rollout: task_pb2.Rollout, placeholder_reward: float =
     }
     if rollout.HasField("policy_version"):
         row["policy_version"] = rollout.policy_version
+    if rollout.attempts:
+        row["attempts"] = [_attempt(a) for a in rollout.attempts]
     row["finished_at"] = time.time()  # for throughput over time (`gym-grpc report`)
     return row
+
+
+def _attempt(attempt: task_pb2.RolloutAttempt) -> JSON:
+    """One attempt of a resumed rollout, as its row shows it."""
+    out: JSON = {"agent": attempt.agent, "first_turn": attempt.first_turn}
+    if attempt.session_id:
+        out["session_id"] = attempt.session_id
+    if attempt.session_replayed:
+        out["session_replayed"] = True
+    if attempt.ended:
+        out["ended"] = attempt.ended
+    if attempt.turn_lost:
+        out["turn_lost"] = True
+    return out
+
+
+def turns_regenerated(row: JSON) -> int:
+    """How many of a rollout's turns were generated again after an attempt at it was lost."""
+    attempts = row.get("attempts")
+    return sum(1 for a in attempts if isinstance(a, dict) and a.get("turn_lost")) if isinstance(attempts, list) else 0
 
 
 # --- keys -------------------------------------------------------------------------

@@ -38,7 +38,9 @@ from gym_grpc.v1 import agent_service_pb2, resources_service_pb2  # noqa: F401  
 #: 1.6: GetServerInfoResponse.unfilled_fields (the deprecated fields a server no longer writes).
 #: 1.7: GetCountersResponse.sessions_open (resources servers) and .sessions_not_closed (agents).
 #: 1.8: ModelService.UpdateWeights, the items' policy_version_spans, GetCountersResponse.turns_caught_by_update.
-VERSION = (1, 8)
+#: 1.9: durable rollouts: RunRequest.rollout_id and resume, RunMany checkpoints and parking, ResumeSession, tool calls
+#: with an idempotency key and an attempt, DescribeToolsResponse.session_recovery, Capabilities.resumable_rollouts.
+VERSION = (1, 9)
 
 
 class Unfilled(NamedTuple):

@@ -33,6 +33,7 @@ from gym_grpc import errors
 from gym_grpc.rpc import in_process
 from gym_grpc.rpc.outbox import Outbox
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
+from gym_grpc.v1 import task_pb2
 
 if TYPE_CHECKING:
     from gym_grpc.server.serving import GymServer
@@ -43,8 +44,33 @@ MAX_RUNS = 16_384
 #: Bytes of one call's results not sent yet, past which the agent stops reading it.
 MAX_UNSENT_BYTES = 64 * 2**20
 
-#: The agent's Run handler: (request, context) -> reply.
-Run = Callable[[agent_pb.RunRequest, Any], Coroutine[Any, Any, agent_pb.RunResponse]]
+
+class RunLink:
+    """What one run of a RunMany call shares with the agent running it: its checkpoints go out
+    on the call (a durable run), a park request comes in, and the agent leaves its state here
+    when it parks.
+
+    The agent reads `park` at each turn boundary; `call_ended` tells a cancellation that
+    ends the whole call (the client is gone, or its connection) from one of the run alone
+    (its caller's cancel, its deadline): a durable run keeps its session after the first."""
+
+    def __init__(self, runs: _Runs, run_id: int, durable: bool) -> None:
+        self._runs, self._id = runs, run_id
+        self.durable = durable
+        self.park = False
+        self.call_ended = False
+        #: The state of the run, once it parked.
+        self.parked: task_pb2.RolloutState | None = None
+
+    def checkpoint(self, checkpoint: agent_pb.RunCheckpoint) -> None:
+        """Send a turn boundary of the run (see RunCheckpoint), when it is durable."""
+        if self.durable:
+            checkpoint.id = self._id
+            self._runs.checkpoint(checkpoint)
+
+
+#: The agent's Run handler: (request, context, link) -> reply.
+Run = Callable[[agent_pb.RunRequest, Any, RunLink], Coroutine[Any, Any, agent_pb.RunResponse]]
 
 
 def _from_status(error: errors.GymError) -> agent_pb.RunError:
@@ -65,6 +91,7 @@ class _Runs:
     def __init__(self, run: Run, peer: str, agent: GymServer) -> None:
         self._run, self._peer, self._agent = run, peer, agent
         self.in_flight: dict[int, asyncio.Task[None]] = {}
+        self.links: dict[int, RunLink] = {}
         self._cancelled: set[int] = set()
         self.replies: Outbox[agent_pb.RunManyResponse] = Outbox(agent_pb.RunManyResponse)
         #: Results in `replies`, not sent yet.
@@ -96,7 +123,8 @@ class _Runs:
             error = errors.InvalidArgument(f"runs.id: {item.id} is already in flight on this call", field="runs.id")
             self._result(item.id).error.CopyFrom(_from_status(error))
             return
-        self.in_flight[item.id] = asyncio.ensure_future(self._one(item))
+        link = self.links[item.id] = RunLink(self, item.id, item.durable)
+        self.in_flight[item.id] = asyncio.ensure_future(self._one(item, link))
 
     def cancel(self, run_id: int) -> None:
         task = self.in_flight.get(run_id)
@@ -104,9 +132,22 @@ class _Runs:
             self._cancelled.add(run_id)
             task.cancel()
 
-    async def _one(self, item: agent_pb.RunManyItem) -> None:
+    def park(self, run_id: int) -> None:
+        link = self.links.get(run_id)
+        if link is not None:
+            link.park = True
+
+    def checkpoint(self, checkpoint: agent_pb.RunCheckpoint) -> None:
+        """A checkpoint, in the reply that is filling (before the run's result, which comes after)."""
+        self.changed.set()
+        self.replies.filling(checkpoint.ByteSize()).checkpoints.append(checkpoint)
+
+    async def _one(self, item: agent_pb.RunManyItem, link: RunLink) -> None:
+        def run(request: agent_pb.RunRequest, context: Any) -> Coroutine[Any, Any, agent_pb.RunResponse]:
+            return self._run(request, context, link)
+
         try:
-            reply = await in_process.invoke(self._run, item.run, item.timeout_seconds or None, self._peer)
+            reply = await in_process.invoke(run, item.run, item.timeout_seconds or None, self._peer)
         except grpc.aio.AioRpcError as e:
             self._result(item.id).error.CopyFrom(_from_call(e))
         except asyncio.CancelledError:
@@ -115,9 +156,13 @@ class _Runs:
             self._cancelled.discard(item.id)
             self._result(item.id).error.CopyFrom(_from_status(errors.Cancelled("the run was cancelled by its caller")))
         else:
-            self._result(item.id, reply.rollout.ByteSize()).rollout.CopyFrom(reply.rollout)
+            if link.parked is not None:
+                self._result(item.id, link.parked.ByteSize()).parked.CopyFrom(link.parked)
+            else:
+                self._result(item.id, reply.rollout.ByteSize()).rollout.CopyFrom(reply.rollout)
         finally:
             del self.in_flight[item.id]
+            del self.links[item.id]
             self.room.set()
 
     def _result(self, run_id: int, size: int = 0) -> agent_pb.RunManyResult:
@@ -127,6 +172,8 @@ class _Runs:
         return self.replies.filling(size).results.add(id=run_id)
 
     def cancel_all(self) -> None:
+        for link in self.links.values():
+            link.call_ended = True
         for task in self.in_flight.values():
             task.cancel()
 
@@ -147,6 +194,8 @@ async def serve(
                     runs.start(item)
                 for run_id in request.cancel_ids:
                     runs.cancel(run_id)
+                for run_id in request.park_ids:
+                    runs.park(run_id)
                 while runs.full():  # read no more until runs end and their results go out
                     runs.room.clear()
                     await runs.room.wait()

@@ -278,6 +278,7 @@ class Capabilities(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TOKEN_IN_TOKEN_OUT_FIELD_NUMBER: _builtins.int
     MAX_SESSIONS_FIELD_NUMBER: _builtins.int
+    RESUMABLE_ROLLOUTS_FIELD_NUMBER: _builtins.int
     max_receive_message_bytes: _builtins.int
     """Largest message the server accepts, in bytes; a larger request fails
     with RESOURCE_EXHAUSTED.
@@ -308,6 +309,10 @@ class Capabilities(_message.Message):
     """Resources servers: most sessions open at once; SeedSession beyond it
     fails with RESOURCE_EXHAUSTED. 0: no cap.
     """
+    resumable_rollouts: _builtins.bool
+    """Agents: rollouts can be resumed from a turn boundary (protocol 1.9):
+    RunRequest.resume, RunManyItem.durable and RunManyRequest.park_ids.
+    """
     def __init__(
         self,
         *,
@@ -316,10 +321,11 @@ class Capabilities(_message.Message):
         token_ids: _builtins.bool = ...,
         token_in_token_out: _builtins.bool = ...,
         max_sessions: _builtins.int = ...,
+        resumable_rollouts: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_receive_message_bytes", b"max_receive_message_bytes", "max_send_message_bytes", b"max_send_message_bytes", "max_sessions", b"max_sessions", "token_ids", b"token_ids", "token_in_token_out", b"token_in_token_out"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_receive_message_bytes", b"max_receive_message_bytes", "max_send_message_bytes", b"max_send_message_bytes", "max_sessions", b"max_sessions", "resumable_rollouts", b"resumable_rollouts", "token_ids", b"token_ids", "token_in_token_out", b"token_in_token_out"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

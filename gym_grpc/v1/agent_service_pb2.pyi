@@ -36,6 +36,8 @@ class RunRequest(_message.Message):
     TASK_FIELD_NUMBER: _builtins.int
     SKIP_VERIFICATION_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    ROLLOUT_ID_FIELD_NUMBER: _builtins.int
+    RESUME_FIELD_NUMBER: _builtins.int
     skip_verification: _builtins.bool
     """Do not verify: the rollout comes back with reward 0 and
     verification_skipped set, to be scored later (ResourcesService.Verify).
@@ -45,9 +47,29 @@ class RunRequest(_message.Message):
     model call (CreateResponseRequest.policy_version) and echoed on the
     rollout (Rollout.policy_version). Unset: no version.
     """
+    rollout_id: _builtins.str
+    """The caller's id for the rollout, the same on every attempt at it
+    (protocol 1.9). The environment's tool calls are keyed by it
+    (CallToolRequest.idempotency_key: "ROLLOUT_ID/TURN/CALL"), so that a
+    resumed rollout never runs a tool call twice. Required with `resume`;
+    empty otherwise: the agent makes one up.
+    """
     @_builtins.property
     def task(self) -> _task_pb2.Task:
         """The task to roll out."""
+
+    @_builtins.property
+    def resume(self) -> _task_pb2.RolloutState:
+        """Go on with an unfinished rollout from its last turn boundary instead of
+        starting the task from its prompt (protocol 1.9; an agent whose
+        Capabilities.resumable_rollouts is set, UNIMPLEMENTED otherwise). `task`
+        is the task the rollout began with. The agent rebuilds the conversation
+        from the turns, takes over the environment session
+        (ResourcesService.ResumeSession; a session that is gone is opened anew and
+        replayed when the environment restores sessions by replay, otherwise the
+        run fails with FAILED_PRECONDITION, reason SESSION_LOST), runs the tool
+        calls the last turn has left, and calls the model for the next turn.
+        """
 
     def __init__(
         self,
@@ -55,10 +77,12 @@ class RunRequest(_message.Message):
         task: _task_pb2.Task | None = ...,
         skip_verification: _builtins.bool = ...,
         policy_version: _builtins.int | None = ...,
+        rollout_id: _builtins.str = ...,
+        resume: _task_pb2.RolloutState | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "policy_version", b"policy_version", "task", b"task"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "policy_version", b"policy_version", "resume", b"resume", "task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "policy_version", b"policy_version", "skip_verification", b"skip_verification", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "policy_version", b"policy_version", "resume", b"resume", "rollout_id", b"rollout_id", "skip_verification", b"skip_verification", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__policy_version: _TypeAlias = _typing.Literal["policy_version"]  # noqa: Y015
     _WhichOneofArgType__policy_version: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version"]  # noqa: Y015
@@ -98,6 +122,7 @@ class RunManyRequest(_message.Message):
 
     RUNS_FIELD_NUMBER: _builtins.int
     CANCEL_IDS_FIELD_NUMBER: _builtins.int
+    PARK_IDS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunManyItem]:
         """Runs to start now."""
@@ -108,15 +133,25 @@ class RunManyRequest(_message.Message):
         (an id that is not in flight is ignored).
         """
 
+    @_builtins.property
+    def park_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Ids of runs of this call to park (protocol 1.9): each stops at its next
+        turn boundary (before its next model call) and ends with a `parked`
+        result, its environment session left open to be resumed
+        (RunRequest.resume). A run that finishes first ends as usual; an id that
+        is not in flight is ignored.
+        """
+
     def __init__(
         self,
         *,
         runs: _abc.Iterable[Global___RunManyItem] | None = ...,
         cancel_ids: _abc.Iterable[_builtins.int] | None = ...,
+        park_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_ids", b"cancel_ids", "runs", b"runs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_ids", b"cancel_ids", "park_ids", b"park_ids", "runs", b"runs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -131,6 +166,7 @@ class RunManyItem(_message.Message):
     ID_FIELD_NUMBER: _builtins.int
     RUN_FIELD_NUMBER: _builtins.int
     TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
+    DURABLE_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """The caller's id for the run, echoed on its result. Unique among the runs
     in flight on the call; a run whose id is already in flight fails with
@@ -140,6 +176,15 @@ class RunManyItem(_message.Message):
     """Seconds the run may take from when the server reads it; past it, the run
     fails with DEADLINE_EXCEEDED, and every call it makes gets what is left.
     0: no limit.
+    """
+    durable: _builtins.bool
+    """Make the run resumable (protocol 1.9; agents with
+    Capabilities.resumable_rollouts): the agent sends a RunCheckpoint at each
+    turn boundary (after each model call and each tool call), and when the
+    run fails with UNAVAILABLE (a server or engine it calls is lost) or the
+    call breaks, it leaves the environment session open for the attempt that
+    resumes it (the environment's idle time-out closes it if none does).
+    Needs run.rollout_id.
     """
     @_builtins.property
     def run(self) -> Global___RunRequest:
@@ -151,10 +196,11 @@ class RunManyItem(_message.Message):
         id: _builtins.int = ...,
         run: Global___RunRequest | None = ...,
         timeout_seconds: _builtins.float = ...,
+        durable: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["run", b"run"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "run", b"run", "timeout_seconds", b"timeout_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["durable", b"durable", "id", b"id", "run", b"run", "timeout_seconds", b"timeout_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -167,22 +213,77 @@ class RunManyResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RESULTS_FIELD_NUMBER: _builtins.int
+    CHECKPOINTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunManyResult]:
         """One result per run that ended since the last message."""
+
+    @_builtins.property
+    def checkpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunCheckpoint]:
+        """What durable runs did since the last message, in order; a run's
+        checkpoints come before its result.
+        """
 
     def __init__(
         self,
         *,
         results: _abc.Iterable[Global___RunManyResult] | None = ...,
+        checkpoints: _abc.Iterable[Global___RunCheckpoint] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoints", b"checkpoints", "results", b"results"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RunManyResponse: _TypeAlias = RunManyResponse  # noqa: Y015
+
+@_typing.final
+class RunCheckpoint(_message.Message):
+    """A turn boundary of a durable run (RunManyItem.durable): what the caller
+    adds to the RolloutState it keeps for the run, to resume it should the
+    attempt be lost. Sent as deltas, so that a rollout's state costs its size
+    once on the wire, not once per turn.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    TURN_INDEX_FIELD_NUMBER: _builtins.int
+    TURN_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """The id the run was sent with."""
+    turn_index: _builtins.int
+    """The turn (model call, from 0) the checkpoint is about."""
+    @_builtins.property
+    def turn(self) -> _task_pb2.RolloutTurn:
+        """With `response` set, a new turn: it becomes the state's turn
+        `turn_index` (the ones after it, if any, are dropped). Without, tool
+        outputs of that turn: appended to it, their seconds added.
+        """
+
+    @_builtins.property
+    def attempt(self) -> _task_pb2.RolloutAttempt:
+        """Set on an attempt's first checkpoint (sent before any turn of it): the
+        attempt, to append to the state's attempts.
+        """
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        turn_index: _builtins.int = ...,
+        turn: _task_pb2.RolloutTurn | None = ...,
+        attempt: _task_pb2.RolloutAttempt | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "turn", b"turn"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "id", b"id", "turn", b"turn", "turn_index", b"turn_index"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunCheckpoint: _TypeAlias = RunCheckpoint  # noqa: Y015
 
 @_typing.final
 class RunManyResult(_message.Message):
@@ -193,6 +294,7 @@ class RunManyResult(_message.Message):
     ID_FIELD_NUMBER: _builtins.int
     ROLLOUT_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    PARKED_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """The id the run was sent with."""
     @_builtins.property
@@ -203,18 +305,26 @@ class RunManyResult(_message.Message):
     def error(self) -> Global___RunError:
         """The status Run would have failed with."""
 
+    @_builtins.property
+    def parked(self) -> _task_pb2.RolloutState:
+        """The run was parked (RunManyRequest.park_ids): its state, to resume it
+        with (RunRequest.resume, the same rollout_id). Its last attempt says
+        ended "parked".
+        """
+
     def __init__(
         self,
         *,
         id: _builtins.int = ...,
         rollout: _task_pb2.Rollout | None = ...,
         error: Global___RunError | None = ...,
+        parked: _task_pb2.RolloutState | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "outcome", b"outcome", "rollout", b"rollout"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "outcome", b"outcome", "parked", b"parked", "rollout", b"rollout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "id", b"id", "outcome", b"outcome", "rollout", b"rollout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "id", b"id", "outcome", b"outcome", "parked", b"parked", "rollout", b"rollout"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["rollout", "error"]  # noqa: Y015
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["rollout", "error", "parked"]  # noqa: Y015
     _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
 

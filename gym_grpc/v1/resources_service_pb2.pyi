@@ -8,6 +8,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from gym_grpc.v1 import responses_pb2 as _responses_pb2
 from gym_grpc.v1 import task_pb2 as _task_pb2
 import builtins as _builtins
@@ -25,6 +26,44 @@ else:
     from typing_extensions import deprecated as _deprecated
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _SessionRecovery:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _SessionRecoveryEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SessionRecovery.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SESSION_RECOVERY_UNSPECIFIED: _SessionRecovery.ValueType  # 0
+    """It cannot: the session's state is gone with it, and a rollout resumed
+    after that fails with FAILED_PRECONDITION (SESSION_LOST). A stateless
+    environment has nothing to lose.
+    """
+    SESSION_RECOVERY_REPLAY: _SessionRecovery.ValueType  # 1
+    """The session's state is a function of its task and the tool calls made in
+    it (the environment is deterministic and its tools touch nothing outside
+    the session): a resumed rollout opens a new session and runs the recorded
+    calls again, in order; an output that differs from the recorded one
+    fails the rollout (SESSION_LOST).
+    """
+
+class SessionRecovery(_SessionRecovery, metaclass=_SessionRecoveryEnumTypeWrapper):
+    """How an environment's session can be brought back when it is lost with its
+    replica (or closed) while its rollout is parked or being resumed.
+    """
+
+SESSION_RECOVERY_UNSPECIFIED: SessionRecovery.ValueType  # 0
+"""It cannot: the session's state is gone with it, and a rollout resumed
+after that fails with FAILED_PRECONDITION (SESSION_LOST). A stateless
+environment has nothing to lose.
+"""
+SESSION_RECOVERY_REPLAY: SessionRecovery.ValueType  # 1
+"""The session's state is a function of its task and the tool calls made in
+it (the environment is deterministic and its tools touch nothing outside
+the session): a resumed rollout opens a new session and runs the recorded
+calls again, in order; an output that differs from the recorded one
+fails the rollout (SESSION_LOST).
+"""
+Global___SessionRecovery: _TypeAlias = SessionRecovery  # noqa: Y015
 
 @_typing.final
 class SeedSessionRequest(_message.Message):
@@ -68,8 +107,9 @@ class SeedSessionResponse(_message.Message):
     any replica; the caller must send the session's later calls (CallTool,
     Verify, CloseSession) to this address, not through its load balancer.
     If that replica is gone, those calls fail with UNAVAILABLE naming it:
-    the session's state is lost with it, and the rollout is retried from the
-    start, not resumed elsewhere. Empty when the server is a single instance
+    the session's state is lost with it; a resumed rollout then opens a new
+    one when the environment restores sessions by replay (SessionRecovery),
+    and fails otherwise. Empty when the server is a single instance
     or holds no state per session: any address will do.
     """
     def __init__(
@@ -95,6 +135,8 @@ class CallToolRequest(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     ARGUMENTS_FIELD_NUMBER: _builtins.int
     CALL_ID_FIELD_NUMBER: _builtins.int
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """Session the call belongs to."""
     name: _builtins.str
@@ -103,6 +145,19 @@ class CallToolRequest(_message.Message):
     """Arguments as JSON text, as the model wrote them."""
     call_id: _builtins.str
     """The model's call id, for logs."""
+    idempotency_key: _builtins.str
+    """Makes the call run at most once in its session (protocol 1.9): a second
+    call with the same key answers what the first answered (waiting for it
+    when it is still running) without running the tool again, even when the
+    first one's caller went away. gym-grpc agents send "ROLLOUT_ID/TURN/CALL"
+    (RunRequest.rollout_id, the model call and the call's position in it,
+    from 0). The records live as long as the session. Empty: no record.
+    """
+    attempt: _builtins.int
+    """The attempt at the rollout that makes the call (1 for the first): a call
+    from an attempt older than the session's latest (see ResumeSession) fails
+    with FAILED_PRECONDITION, reason STALE_ATTEMPT. 0: not checked.
+    """
     def __init__(
         self,
         *,
@@ -110,10 +165,12 @@ class CallToolRequest(_message.Message):
         name: _builtins.str = ...,
         arguments: _builtins.str = ...,
         call_id: _builtins.str = ...,
+        idempotency_key: _builtins.str = ...,
+        attempt: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "call_id", b"call_id", "name", b"name", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "attempt", b"attempt", "call_id", b"call_id", "idempotency_key", b"idempotency_key", "name", b"name", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -271,6 +328,52 @@ class CloseSessionRequest(_message.Message):
 Global___CloseSessionRequest: _TypeAlias = CloseSessionRequest  # noqa: Y015
 
 @_typing.final
+class ResumeSessionRequest(_message.Message):
+    """Request of ResourcesService.ResumeSession."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session to take over."""
+    attempt: _builtins.int
+    """The attempt that takes it over (2 or more); older attempts are fenced
+    off. An attempt older than the session's latest fails with
+    FAILED_PRECONDITION (STALE_ATTEMPT).
+    """
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        attempt: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeSessionRequest: _TypeAlias = ResumeSessionRequest  # noqa: Y015
+
+@_typing.final
+class ResumeSessionResponse(_message.Message):
+    """Response of ResourcesService.ResumeSession."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeSessionResponse: _TypeAlias = ResumeSessionResponse  # noqa: Y015
+
+@_typing.final
 class CloseSessionResponse(_message.Message):
     """Response of ResourcesService.CloseSession."""
 
@@ -360,12 +463,15 @@ class DescribeToolsResponse(_message.Message):
 
     TOOLS_FIELD_NUMBER: _builtins.int
     STATELESS_FIELD_NUMBER: _builtins.int
+    SESSION_RECOVERY_FIELD_NUMBER: _builtins.int
     stateless: _builtins.bool
     """True when the environment keeps no state between the calls of a
     rollout: an agent may then skip SeedSession and CloseSession, and tool
     calls and Verify need no open session. False (the default) means every
     rollout must be seeded and closed.
     """
+    session_recovery: Global___SessionRecovery.ValueType
+    """What a resumed rollout can do when its session is lost (protocol 1.9)."""
     @_builtins.property
     def tools(self) -> _containers.RepeatedCompositeFieldContainer[_responses_pb2.FunctionTool]:
         """The tools, ready to be put in CreateParams.tools."""
@@ -375,10 +481,11 @@ class DescribeToolsResponse(_message.Message):
         *,
         tools: _abc.Iterable[_responses_pb2.FunctionTool] | None = ...,
         stateless: _builtins.bool = ...,
+        session_recovery: Global___SessionRecovery.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["stateless", b"stateless", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_recovery", b"session_recovery", "stateless", b"stateless", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -85,6 +85,11 @@ class ResourcesServiceStub:
                 request_serializer=gym_dot_v1_dot_resources__service__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=gym_dot_v1_dot_resources__service__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.ResumeSession = channel.unary_unary(
+                '/gym.v1.ResourcesService/ResumeSession',
+                request_serializer=gym_dot_v1_dot_resources__service__pb2.ResumeSessionRequest.SerializeToString,
+                response_deserializer=gym_dot_v1_dot_resources__service__pb2.ResumeSessionResponse.FromString,
+                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/gym.v1.ResourcesService/CloseSession',
                 request_serializer=gym_dot_v1_dot_resources__service__pb2.CloseSessionRequest.SerializeToString,
@@ -162,6 +167,18 @@ class ResourcesServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResumeSession(self, request, context):
+        """Take over an open session for a later attempt of its rollout (protocol
+        1.9): the rollout was resumed, on this or another agent. From now on the
+        session's calls that carry an older attempt fail with FAILED_PRECONDITION
+        (reason STALE_ATTEMPT), so that an agent presumed lost cannot act on it any more.
+        FAILED_PRECONDITION (SESSION_NOT_OPEN) when the session is not open here
+        (closed, timed out, or the replica restarted).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CloseSession(self, request, context):
         """Close a session and free its state. Closing an unknown session is not
         an error.
@@ -205,6 +222,11 @@ def add_ResourcesServiceServicer_to_server(servicer, server):
                     servicer.Verify,
                     request_deserializer=gym_dot_v1_dot_resources__service__pb2.VerifyRequest.FromString,
                     response_serializer=gym_dot_v1_dot_resources__service__pb2.VerifyResponse.SerializeToString,
+            ),
+            'ResumeSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeSession,
+                    request_deserializer=gym_dot_v1_dot_resources__service__pb2.ResumeSessionRequest.FromString,
+                    response_serializer=gym_dot_v1_dot_resources__service__pb2.ResumeSessionResponse.SerializeToString,
             ),
             'CloseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSession,
@@ -339,6 +361,33 @@ class ResourcesService:
             '/gym.v1.ResourcesService/Verify',
             gym_dot_v1_dot_resources__service__pb2.VerifyRequest.SerializeToString,
             gym_dot_v1_dot_resources__service__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gym.v1.ResourcesService/ResumeSession',
+            gym_dot_v1_dot_resources__service__pb2.ResumeSessionRequest.SerializeToString,
+            gym_dot_v1_dot_resources__service__pb2.ResumeSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -75,6 +75,14 @@ class ResourcesServiceStub:
     """Run one tool call in a session."""
     Verify: _grpc.UnaryUnaryMultiCallable[_resources_service_pb2.VerifyRequest, _resources_service_pb2.VerifyResponse]
     """Score a rollout's final response."""
+    ResumeSession: _grpc.UnaryUnaryMultiCallable[_resources_service_pb2.ResumeSessionRequest, _resources_service_pb2.ResumeSessionResponse]
+    """Take over an open session for a later attempt of its rollout (protocol
+    1.9): the rollout was resumed, on this or another agent. From now on the
+    session's calls that carry an older attempt fail with FAILED_PRECONDITION
+    (reason STALE_ATTEMPT), so that an agent presumed lost cannot act on it any more.
+    FAILED_PRECONDITION (SESSION_NOT_OPEN) when the session is not open here
+    (closed, timed out, or the replica restarted).
+    """
     CloseSession: _grpc.UnaryUnaryMultiCallable[_resources_service_pb2.CloseSessionRequest, _resources_service_pb2.CloseSessionResponse]
     """Close a session and free its state. Closing an unknown session is not
     an error.
@@ -136,6 +144,14 @@ class ResourcesServiceAsyncStub(ResourcesServiceStub):
     """Run one tool call in a session."""
     Verify: _aio.UnaryUnaryMultiCallable[_resources_service_pb2.VerifyRequest, _resources_service_pb2.VerifyResponse]  # type: ignore[assignment]
     """Score a rollout's final response."""
+    ResumeSession: _aio.UnaryUnaryMultiCallable[_resources_service_pb2.ResumeSessionRequest, _resources_service_pb2.ResumeSessionResponse]  # type: ignore[assignment]
+    """Take over an open session for a later attempt of its rollout (protocol
+    1.9): the rollout was resumed, on this or another agent. From now on the
+    session's calls that carry an older attempt fail with FAILED_PRECONDITION
+    (reason STALE_ATTEMPT), so that an agent presumed lost cannot act on it any more.
+    FAILED_PRECONDITION (SESSION_NOT_OPEN) when the session is not open here
+    (closed, timed out, or the replica restarted).
+    """
     CloseSession: _aio.UnaryUnaryMultiCallable[_resources_service_pb2.CloseSessionRequest, _resources_service_pb2.CloseSessionResponse]  # type: ignore[assignment]
     """Close a session and free its state. Closing an unknown session is not
     an error.
@@ -212,6 +228,20 @@ class ResourcesServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_resources_service_pb2.VerifyResponse, _abc.Awaitable[_resources_service_pb2.VerifyResponse]]:
         """Score a rollout's final response."""
+
+    @_abc_1.abstractmethod
+    def ResumeSession(
+        self,
+        request: _resources_service_pb2.ResumeSessionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_resources_service_pb2.ResumeSessionResponse, _abc.Awaitable[_resources_service_pb2.ResumeSessionResponse]]:
+        """Take over an open session for a later attempt of its rollout (protocol
+        1.9): the rollout was resumed, on this or another agent. From now on the
+        session's calls that carry an older attempt fail with FAILED_PRECONDITION
+        (reason STALE_ATTEMPT), so that an agent presumed lost cannot act on it any more.
+        FAILED_PRECONDITION (SESSION_NOT_OPEN) when the session is not open here
+        (closed, timed out, or the replica restarted).
+        """
 
     @_abc_1.abstractmethod
     def CloseSession(

@@ -131,6 +131,7 @@ class Rollout(_message.Message):
     REWARD_COMPONENTS_FIELD_NUMBER: _builtins.int
     VERIFIER_FIELDS_JSON_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    ATTEMPTS_FIELD_NUMBER: _builtins.int
     reward: _builtins.float
     """Reward the resources server gave."""
     stop_reason: Global___StopReason.ValueType
@@ -171,6 +172,15 @@ class Rollout(_message.Message):
     def reward_components(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """Named parts of the reward, as the verifier gave them."""
 
+    @_builtins.property
+    def attempts(self) -> _containers.RepeatedCompositeFieldContainer[Global___RolloutAttempt]:
+        """The attempts the rollout took, oldest first, when it took more than one
+        (protocol 1.9): it was parked and resumed, or its agent, model server or
+        engine was lost and it went on from its last turn boundary. Empty for a
+        rollout run to the end by one agent. Each turn's policy version is on its
+        items, whichever attempt made it.
+        """
+
     def __init__(
         self,
         *,
@@ -184,16 +194,170 @@ class Rollout(_message.Message):
         reward_components: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         verifier_fields_json: _builtins.str = ...,
         policy_version: _builtins.int | None = ...,
+        attempts: _abc.Iterable[Global___RolloutAttempt] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "policy_version", b"policy_version", "response", b"response", "timings", b"timings", "verifier_fields", b"verifier_fields"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "model_calls", b"model_calls", "policy_version", b"policy_version", "response", b"response", "reward", b"reward", "reward_components", b"reward_components", "stop_reason", b"stop_reason", "timings", b"timings", "verification_skipped", b"verification_skipped", "verifier_fields", b"verifier_fields", "verifier_fields_json", b"verifier_fields_json"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "attempts", b"attempts", "model_calls", b"model_calls", "policy_version", b"policy_version", "response", b"response", "reward", b"reward", "reward_components", b"reward_components", "stop_reason", b"stop_reason", "timings", b"timings", "verification_skipped", b"verification_skipped", "verifier_fields", b"verifier_fields", "verifier_fields_json", b"verifier_fields_json"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__policy_version: _TypeAlias = _typing.Literal["policy_version"]  # noqa: Y015
     _WhichOneofArgType__policy_version: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__policy_version) -> _WhichOneofReturnType__policy_version | None: ...
 
 Global___Rollout: _TypeAlias = Rollout  # noqa: Y015
+
+@_typing.final
+class RolloutState(_message.Message):
+    """The state of an unfinished rollout at a turn boundary: what an agent needs
+    to go on with it (RunRequest.resume), on the same or another agent replica,
+    after a restart of the agent or of the engine (protocol 1.9). The task is
+    not in it (the run that resumes it carries the task), nor the rollout's id
+    (RunRequest.rollout_id).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TURNS_FIELD_NUMBER: _builtins.int
+    ATTEMPTS_FIELD_NUMBER: _builtins.int
+    ELAPSED_SECONDS_FIELD_NUMBER: _builtins.int
+    elapsed_seconds: _builtins.float
+    """Wall seconds the earlier attempts took, as the caller measured them:
+    added to the resumed rollout's timings.total_seconds.
+    """
+    @_builtins.property
+    def turns(self) -> _containers.RepeatedCompositeFieldContainer[Global___RolloutTurn]:
+        """The turns done, oldest first. Every turn but the last is whole; the last
+        may have fewer tool outputs than its response has function calls (the
+        attempt ended among its tool calls): the rollout goes on with the calls
+        left, and a call the environment already ran is answered from its record
+        (CallToolRequest.idempotency_key), not run again.
+        """
+
+    @_builtins.property
+    def attempts(self) -> _containers.RepeatedCompositeFieldContainer[Global___RolloutAttempt]:
+        """Every attempt so far, oldest first; the last is the one that left this
+        state. The attempt that resumes it is number len(attempts) + 1.
+        """
+
+    def __init__(
+        self,
+        *,
+        turns: _abc.Iterable[Global___RolloutTurn] | None = ...,
+        attempts: _abc.Iterable[Global___RolloutAttempt] | None = ...,
+        elapsed_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "elapsed_seconds", b"elapsed_seconds", "turns", b"turns"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RolloutState: _TypeAlias = RolloutState  # noqa: Y015
+
+@_typing.final
+class RolloutTurn(_message.Message):
+    """One turn of a rollout: a model call and the tool calls it made."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESPONSE_FIELD_NUMBER: _builtins.int
+    TOOL_OUTPUTS_FIELD_NUMBER: _builtins.int
+    MODEL_SECONDS_FIELD_NUMBER: _builtins.int
+    TOOLS_SECONDS_FIELD_NUMBER: _builtins.int
+    model_seconds: _builtins.float
+    """Wall seconds of the model call."""
+    tools_seconds: _builtins.float
+    """Wall seconds of the tool calls in tool_outputs."""
+    @_builtins.property
+    def response(self) -> _responses_pb2.Response:
+        """The model's response, training fields and policy version included. In a
+        RunCheckpoint, unset when the checkpoint adds tool outputs to a turn the
+        client already has.
+        """
+
+    @_builtins.property
+    def tool_outputs(self) -> _containers.RepeatedCompositeFieldContainer[_responses_pb2.FunctionCallOutput]:
+        """The outputs of the response's function calls that returned, in the
+        order of the calls.
+        """
+
+    def __init__(
+        self,
+        *,
+        response: _responses_pb2.Response | None = ...,
+        tool_outputs: _abc.Iterable[_responses_pb2.FunctionCallOutput] | None = ...,
+        model_seconds: _builtins.float = ...,
+        tools_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["response", b"response"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_seconds", b"model_seconds", "response", b"response", "tool_outputs", b"tool_outputs", "tools_seconds", b"tools_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RolloutTurn: _TypeAlias = RolloutTurn  # noqa: Y015
+
+@_typing.final
+class RolloutAttempt(_message.Message):
+    """One attempt at a rollout: an agent running it from a turn boundary until
+    it finished, was parked, or was lost.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_FIELD_NUMBER: _builtins.int
+    FIRST_TURN_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    SESSION_REPLICA_FIELD_NUMBER: _builtins.int
+    SESSION_REPLAYED_FIELD_NUMBER: _builtins.int
+    ENDED_FIELD_NUMBER: _builtins.int
+    TURN_LOST_FIELD_NUMBER: _builtins.int
+    agent: _builtins.str
+    """The agent that ran it: its address ("host:port") when it is one of
+    several replicas, else its name and instance id ("NAME/INSTANCE_ID",
+    AdminService.GetServerInfo.instance_id).
+    """
+    first_turn: _builtins.int
+    """The turns done when it began (0 for the first attempt): its first model
+    call made turn first_turn, after the tool calls the turn before had left.
+    """
+    session_id: _builtins.str
+    """The environment session it used; empty for a stateless environment."""
+    session_replica: _builtins.str
+    """The environment replica that holds that session ("host:port"); empty when
+    any replica will do.
+    """
+    session_replayed: _builtins.bool
+    """The session was lost (its replica died, or it was closed) and the
+    environment restores sessions by replay (SessionRecovery): this attempt
+    opened session_id anew and ran the earlier tool calls on it again.
+    """
+    ended: _builtins.str
+    """Why it ended before the rollout did: "parked", or the status it failed
+    with ("UNAVAILABLE: ..."). Empty for the attempt that finished the rollout.
+    """
+    turn_lost: _builtins.bool
+    """It ended during a model call: that turn was generated again by the next
+    attempt (an upper bound: the call may not have reached the engine).
+    """
+    def __init__(
+        self,
+        *,
+        agent: _builtins.str = ...,
+        first_turn: _builtins.int = ...,
+        session_id: _builtins.str = ...,
+        session_replica: _builtins.str = ...,
+        session_replayed: _builtins.bool = ...,
+        ended: _builtins.str = ...,
+        turn_lost: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "ended", b"ended", "first_turn", b"first_turn", "session_id", b"session_id", "session_replayed", b"session_replayed", "session_replica", b"session_replica", "turn_lost", b"turn_lost"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RolloutAttempt: _TypeAlias = RolloutAttempt  # noqa: Y015
 
 @_typing.final
 class RolloutTimings(_message.Message):

@@ -93,6 +93,8 @@ class ExternalAgentConfig(ToolLoopConfig):
 class ExternalAgent(ToolLoopAgent):
     Config = ExternalAgentConfig
     config: ExternalAgentConfig
+    #: The program runs the loop and keeps its own state: a rollout cannot go on from a turn boundary.
+    resumable = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -17,7 +17,10 @@ right quantity, `checkout` whether the checkout state is right.
 Verify without an open cart (re-scoring a finished rollout with `reverify`,
 or a session the idle time-out closed) replays the response's tool calls on
 a scratch cart seeded from the task: the tools are deterministic, so the
-replay ends where the rollout did.
+replay ends where the rollout did. For the same reason a resumed rollout
+whose session was lost with its replica gets a new one with its tool calls
+replayed (`session_recovery = "replay"`): an order id depends on the task and
+the cart, not on which session placed it.
 """
 
 from __future__ import annotations
@@ -81,6 +84,9 @@ class Cart:
     id: str
     lines: dict[str, int] = field(default_factory=dict)
     checked_out: bool = False
+    #: What an order id is made from beside the lines (the task, so that a replay of the same
+    #: calls in a new session orders the same id); the cart's id when empty.
+    order_key: str = ""
 
     def _open(self) -> None:
         if self.checked_out:
@@ -117,7 +123,8 @@ class Cart:
         if not self.lines:
             raise ValueError("the cart is empty")
         self.checked_out = True
-        return "ORD-" + hashlib.sha256(f"{self.id}:{sorted(self.lines.items())}".encode()).hexdigest()[:8].upper()
+        key = self.order_key or self.id
+        return "ORD-" + hashlib.sha256(f"{key}:{sorted(self.lines.items())}".encode()).hexdigest()[:8].upper()
 
     def view(self) -> dict[str, Any]:
         items, total = [], 0
@@ -148,8 +155,8 @@ class CartStore:
     def __init__(self) -> None:
         self._carts: dict[str, Cart] = {}
 
-    def open(self, lines: dict[str, int]) -> Cart:
-        cart = Cart(id=new_id("cart"), lines=dict(lines))
+    def open(self, lines: dict[str, int], order_key: str = "") -> Cart:
+        cart = Cart(id=new_id("cart"), lines=dict(lines), order_key=order_key)
         self._carts[cart.id] = cart
         return cart
 
@@ -205,6 +212,7 @@ Quantity = Annotated[int, Field(description="How many units, 1 or more.")]
 
 
 class ShoppingCartEnv(ResourcesServer):
+    session_recovery = "replay"
     verifier_fields = {
         "cart_matches": "every product has the quantity the task expects",
         "checked_out": "the cart was checked out",
@@ -220,7 +228,8 @@ class ShoppingCartEnv(ResourcesServer):
 
     async def seed_session(self, session: Session) -> None:
         initial = quantities(session.data.get("initial_cart", {}), "initial_cart")
-        session.state["cart_id"] = self.carts.open(initial).id
+        order_key = hashlib.sha256(session.task.SerializeToString(deterministic=True)).hexdigest()
+        session.state["cart_id"] = self.carts.open(initial, order_key).id
 
     async def close_session(self, session: Session) -> None:
         self.carts.release(session.state.get("cart_id", ""))

@@ -135,13 +135,15 @@ async def test_a_model_server_that_is_down_fails_the_rollout_quickly(start):
     env = await start(Calculator())
     dead = Registry(static={"model": "127.0.0.1:1", "calc": env.address})
     agent = await start(SimpleAgent({"model_server": "model", "resources_server": "calc"}, name="agent", registry=dead))
-    client = AgentClient(static_registry(agent=agent), "agent")
+    # Resumed twice (docs/durable-rollouts.md), each attempt failing as fast as the first.
+    client = AgentClient(static_registry(agent=agent), "agent", resume_attempts=2)
     began = time.monotonic()
     with pytest.raises(errors.Unavailable) as error:
         await client.run(task("1 + 1?"), timeout=20)
     assert "model server 'model'" in error.value.message
     assert time.monotonic() - began < 20
     assert env.app.sessions == {}  # the session was closed although the rollout failed
+    assert env.app.counters.methods["ResumeSession"].by_status["OK"] == 2  # one session, taken over twice
     await client.registry.close()
 
 

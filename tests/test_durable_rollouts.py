@@ -1,0 +1,340 @@
+"""Durable rollouts: parked at a turn boundary and resumed elsewhere, resumed by the client on
+its own when a server it needs is lost, tool calls that run once whatever happens, sessions
+that are taken over, replayed, or reported lost.
+
+The servers are real gRPC servers on loopback; where an agent must die as a process dies, it
+runs in its own process and is SIGKILLed (`_agent_process`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from gym_grpc import errors
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
+from gym_grpc.client.stubs import AgentClient, ResourcesClient
+from gym_grpc.data import record
+from gym_grpc.model import ModelServer
+from gym_grpc.resources import Session, tool
+from gym_grpc.responses import assistant_message, final_text, new_id
+from gym_grpc.rpc import transport
+from gym_grpc.rpc.registry import Registry
+from gym_grpc.testing import Calculator, Servers, calculator_task, call
+from gym_grpc.v1 import admin_service_pb2 as admin_pb
+from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
+from gym_grpc.v1 import registry_service_pb2 as reg
+from gym_grpc.v1 import responses_pb2 as r
+from gym_grpc.v1 import task_pb2
+from tests.support import REPO, static_registry
+from tests.test_replicas import start_registry
+
+ADDS = 3  # the model adds this many times, one call a turn, then answers
+
+
+class Counter(Calculator):
+    """The calculator, whose `add` also counts its runs server-wide (a side effect outside the
+    session, as a tool that sends an email or moves money has) and can be held mid-call."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.runs = 0
+        self.entered = asyncio.Event()
+        self.hold: asyncio.Event | None = None
+
+    @tool
+    async def add(self, a: int, b: int, session: Session) -> int:
+        """Add two integers."""
+        self.runs += 1
+        session.state["calls"] += 1
+        self.entered.set()
+        if self.hold is not None:
+            await self.hold.wait()
+        return a + b
+
+
+class Replayable(Counter):
+    session_recovery = "replay"
+
+
+class AddingModel(ModelServer):
+    """Calls `add` ADDS times (turn n adds n and 1), then answers with the last sum it saw.
+
+    `gate`: a turn (model call, from 0) that waits for the event before it answers; `fail`:
+    turns that fail once with UNAVAILABLE, as a model server whose engine went away."""
+
+    def __init__(self, **kwargs) -> None:
+        kwargs.setdefault("name", "model")
+        super().__init__(**kwargs)
+        self.calls = 0
+        self.gate: tuple[int, asyncio.Event] | None = None
+        self.fail: set[int] = set()
+        self.reached = asyncio.Event()
+
+    async def create_response(self, params: r.CreateParams, session_id: str) -> r.Response:
+        items = params.input_items.items
+        turn = sum(1 for i in items if i.WhichOneof("item") == "function_call")
+        self.calls += 1
+        if self.gate is not None and self.gate[0] == turn:
+            self.reached.set()
+            await self.gate[1].wait()
+        if turn in self.fail:
+            self.fail.discard(turn)
+            raise errors.Unavailable(f"engine gone at turn {turn}", reason=errors.Reason.ENGINE_UNAVAILABLE)
+        if turn < ADDS:
+            output = [call("add", json.dumps({"a": turn, "b": 1}))]
+        else:
+            last = [i.function_call_output.output for i in items if i.WhichOneof("item") == "function_call_output"]
+            output = [assistant_message(f"The sum is {last[-1]}.")]
+        return r.Response(id=new_id("resp"), model="adding", status=r.RESPONSE_STATUS_COMPLETED, output=list(output))
+
+
+def _task() -> task_pb2.Task:
+    return calculator_task("Add.", expected_answer=str(ADDS))
+
+
+def _adds(rollout: task_pb2.Rollout) -> list[str]:
+    return [i.function_call.call_id for i in rollout.response.output if i.WhichOneof("item") == "function_call"]
+
+
+async def _stack(servers: Servers, env: Counter, model: AddingModel, agents: int = 1):
+    """The model, the environment and `agents` agents serving, and a client's registry."""
+    peers = {"model": await servers.start(model), "calc": await servers.start(env)}
+    started = []
+    for index in range(agents):
+        agent = SimpleAgent(
+            {"model_server": "model", "resources_server": "calc"},
+            name=f"agent{index}",
+            registry=static_registry(**peers),
+        )
+        started.append(await servers.start(agent))
+    return static_registry(**{f"agent{i}": a for i, a in enumerate(started)})
+
+
+async def test_a_parked_rollout_resumes_on_another_agent_from_its_turn_and_keeps_its_session():
+    env, model = Counter(name="calc"), AddingModel()
+    release = asyncio.Event()
+    model.gate = (1, release)  # the second model call waits: the run is parked while it does
+    async with Servers() as servers:
+        registry = await _stack(servers, env, model, agents=2)
+        first, second = AgentClient(registry, "agent0"), AgentClient(registry, "agent1")
+        try:
+            running = asyncio.ensure_future(first.run(_task(), 60))
+            await asyncio.wait_for(model.reached.wait(), 30)
+            assert first.park() == 1
+            release.set()
+            with pytest.raises(errors.RolloutParked) as parked:
+                await running
+            state = parked.value.state
+            assert len(state.turns) == 2 and len(state.turns[1].tool_outputs) == 1  # parked before turn 2
+            assert [a.ended for a in state.attempts] == ["parked"] and not state.attempts[0].turn_lost
+            assert env.runs == 2 and len(env.sessions) == 1  # the session waits for the resume
+            calls_before = model.calls
+
+            rollout = await second.run(_task(), 60, rollout_id=parked.value.rollout_id, resume=state)
+        finally:
+            await first.close()
+            await second.close()
+            await registry.close()
+    assert rollout.reward == 1.0
+    assert json.loads(rollout.verifier_fields_json) == {"tool_calls_seen": ADDS}  # one session, every add in it
+    assert env.runs == ADDS and model.calls - calls_before == 2  # turns 2 and 3; none made again
+    assert rollout.model_calls == ADDS + 1 and len(_adds(rollout)) == ADDS
+    one, two = rollout.attempts
+    assert one.agent.startswith("agent0/") and two.agent.startswith("agent1/")
+    assert (one.first_turn, two.first_turn) == (0, 2)
+    assert one.session_id == two.session_id and not two.session_replayed and not two.ended
+    assert not env.sessions  # closed by the attempt that finished
+    row = record.build({}, rollout)
+    assert [a["agent"].split("/")[0] for a in row["attempts"]] == ["agent0", "agent1"]
+    assert row["attempts"][0]["ended"] == "parked" and record.turns_regenerated(row) == 0
+
+
+async def test_a_rollout_whose_model_server_fails_mid_rollout_is_resumed_with_only_that_turn_made_again():
+    env, model = Counter(name="calc"), AddingModel()
+    model.fail = {2}  # the third model call fails, once, after two adds
+    async with Servers() as servers:
+        registry = await _stack(servers, env, model)
+        client = AgentClient(registry, "agent0")
+        try:
+            rollout = await client.run(_task(), 60)
+        finally:
+            await client.close()
+            await registry.close()
+    assert rollout.reward == 1.0 and env.runs == ADDS
+    assert json.loads(rollout.verifier_fields_json) == {"tool_calls_seen": ADDS}  # the session was kept
+    one, two = rollout.attempts
+    assert one.ended.startswith("UNAVAILABLE: ") and "engine gone at turn 2" in one.ended
+    assert one.turn_lost and two.first_turn == 2 and two.session_id == one.session_id
+    assert model.calls == ADDS + 2  # every turn once, and turn 2 twice
+    assert record.turns_regenerated(record.build({}, rollout)) == 1
+
+
+async def test_a_tool_call_sent_again_under_its_key_runs_once_and_answers_what_it_answered():
+    env = Counter(name="calc")
+    env.hold = asyncio.Event()
+    async with Servers() as servers:
+        running = await servers.start(env)
+        client = ResourcesClient(static_registry(calc=running), "calc")
+        try:
+            await client.seed_session("s", _task())
+            add = call("add", '{"a": 2, "b": 3}').function_call
+            first = asyncio.ensure_future(client.call_tool("s", add, key="r/0/0", attempt=1))
+            await asyncio.wait_for(env.entered.wait(), 30)
+            first.cancel()  # its caller goes away mid-call: the call goes on, and is recorded
+            again = asyncio.ensure_future(client.call_tool("s", add, key="r/0/0", attempt=2))
+            env.hold.set()
+            assert (await again).output == "5"
+            assert (await client.call_tool("s", add, key="r/0/0", attempt=2)).output == "5"
+            assert env.runs == 1
+            assert (await client.call_tool("s", add, key="r/0/1", attempt=2)).output == "5"
+            assert (await client.call_tool("s", add)).output == "5"  # no key: no record
+            assert env.runs == 3
+            with pytest.raises(errors.GymError) as stale:  # attempt 2 took the session over
+                await client.call_tool("s", add, key="r/1/0", attempt=1)
+            assert stale.value.reason == errors.Reason.STALE_ATTEMPT
+            assert stale.value.code == grpc.StatusCode.FAILED_PRECONDITION and env.runs == 3
+            with pytest.raises(errors.GymError) as older:
+                await client.resume_session("s", 1)
+            assert older.value.reason == errors.Reason.STALE_ATTEMPT
+            with pytest.raises(errors.GymError) as gone:
+                await client.resume_session("never-seeded", 2)
+            assert gone.value.reason == errors.Reason.SESSION_NOT_OPEN
+        finally:
+            await client.registry.close()
+
+
+def _lost_session_state(turns: int) -> task_pb2.RolloutState:
+    """A rollout parked after `turns` adds whose session no environment holds any more."""
+    state = task_pb2.RolloutState()
+    for turn in range(turns):
+        add = call("add", json.dumps({"a": turn, "b": 1}))
+        done = state.turns.add(response=r.Response(status=r.RESPONSE_STATUS_COMPLETED, output=[add]))
+        done.tool_outputs.add(call_id=add.function_call.call_id, output=str(turn + 1))
+    state.attempts.add(agent="gone", session_id="closed-long-ago", ended="parked")
+    return state
+
+
+@pytest.mark.parametrize("environment", [Counter, Replayable])
+async def test_a_resumed_rollout_whose_session_is_gone_replays_it_when_the_environment_can_and_fails_typed_when_not(
+    environment,
+):
+    env, model = environment(name="calc"), AddingModel()
+    async with Servers() as servers:
+        registry = await _stack(servers, env, model)
+        client = AgentClient(registry, "agent0")
+        try:
+            if environment is Counter:
+                with pytest.raises(errors.GymError) as lost:
+                    await client.run(_task(), 60, rollout_id="r", resume=_lost_session_state(2))
+                assert lost.value.reason == errors.Reason.SESSION_LOST
+                assert lost.value.code == grpc.StatusCode.FAILED_PRECONDITION
+                assert "cannot restore sessions" in lost.value.message and env.runs == 0 and model.calls == 0
+                return
+            rollout = await client.run(_task(), 60, rollout_id="r", resume=_lost_session_state(2))
+            with pytest.raises(errors.GymError) as diverged:  # the recorded outputs are not what add gives
+                wrong = _lost_session_state(2)
+                wrong.turns[1].tool_outputs[0].output = "41"
+                await client.run(_task(), 60, rollout_id="r2", resume=wrong)
+            assert diverged.value.reason == errors.Reason.SESSION_LOST and "did not give back" in diverged.value.message
+        finally:
+            await client.close()
+            await registry.close()
+    assert rollout.reward == 1.0 and json.loads(rollout.verifier_fields_json) == {"tool_calls_seen": ADDS}
+    assert rollout.attempts[-1].session_replayed and rollout.attempts[-1].session_id != "closed-long-ago"
+    assert model.calls == 2  # turn 2 and the answer: the replayed turns were not generated again
+
+
+async def test_a_resume_the_agent_cannot_use_is_refused_naming_the_field():
+    env, model = Counter(name="calc"), AddingModel()
+    async with Servers() as servers:
+        registry = await _stack(servers, env, model)
+        client = AgentClient(registry, "agent0")
+        try:
+            state = _lost_session_state(2)
+            state.turns[0].tool_outputs.add(output="an output for a call nobody made")
+            with pytest.raises(errors.GymError) as bad:
+                await client.run(_task(), 60, rollout_id="r", resume=state)
+            assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "resume.turns[0].tool_outputs: 2 outputs for 1 function calls" in bad.value.message
+        finally:
+            await client.close()
+            await registry.close()
+
+
+def _agent_process(registry: str) -> tuple[subprocess.Popen, str]:
+    """A SimpleAgent in its own process, as `gym-grpc run` starts one; its address."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gym_grpc.server.worker"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    spec = {
+        "name": "agent",
+        "entrypoint": f"{REPO}/servers/agents/simple_agent/agent.py:SimpleAgent",
+        "host": "127.0.0.1",
+        "port": 0,
+        "config": {"model_server": "model", "resources_server": "calc"},
+        "registry": registry,
+        "grace": 1.0,
+    }
+    assert process.stdin is not None and process.stdout is not None
+    process.stdin.write(json.dumps(spec) + "\n")
+    process.stdin.flush()
+    report = json.loads(process.stdout.readline())
+    return process, f"127.0.0.1:{report['servers'][0]['port']}"
+
+
+async def _runs_in(address: str) -> int:
+    async with transport.open_channel(address) as channel:
+        counters = await admin_grpc.AdminServiceStub(channel).GetCounters(admin_pb.GetCountersRequest(), timeout=10)
+    return sum(m.in_flight for m in counters.methods if m.method == "Run")
+
+
+@pytest.mark.slow
+async def test_a_tool_with_a_counted_side_effect_runs_once_per_call_across_an_agent_killed_in_the_call():
+    env, model = Counter(name="calc"), AddingModel()
+    env.hold = asyncio.Event()  # the first add is held in the environment while its agent dies
+    async with Servers() as servers:
+        registry_server = await start_registry(servers)
+        for name, app in (("model", model), ("calc", env)):
+            running = await servers.start(app)
+            registry_server.app.servicer.add(reg.ServerInfo(name=name, addresses=[running.address]))
+        agents = [_agent_process(registry_server.address) for _ in range(2)]
+        try:
+            addresses = [address for _, address in agents]
+            registry_server.app.servicer.add(reg.ServerInfo(name="agent", addresses=addresses))
+            registry = Registry(registry_server.address)
+            client = AgentClient(registry, "agent")
+            try:
+                running = asyncio.ensure_future(client.run(_task(), 120))
+                await asyncio.wait_for(env.entered.wait(), 60)
+                holder = [i for i, address in enumerate(addresses) if await _runs_in(address)]
+                assert len(holder) == 1, holder
+                doomed = agents[holder[0]][0]
+                doomed.send_signal(signal.SIGKILL)
+                doomed.wait(30)
+                env.hold.set()  # the add the dead agent asked for finishes now, its caller gone
+                rollout = await asyncio.wait_for(running, 120)
+            finally:
+                await client.close()
+                await registry.close()
+        finally:
+            for process, _ in agents:
+                process.kill()
+                process.wait(30)
+    assert rollout.reward == 1.0 and final_text(rollout.response) == f"The sum is {ADDS}."
+    assert env.runs == len(_adds(rollout)) == ADDS  # each add ran once, the one in flight included
+    assert json.loads(rollout.verifier_fields_json) == {"tool_calls_seen": ADDS}
+    one, two = rollout.attempts
+    assert one.agent.startswith("agent/") and two.agent.startswith("agent/") and one.agent != two.agent
+    assert one.ended.startswith("UNAVAILABLE") and not one.turn_lost  # it died in a tool call, not the model's
+    assert two.first_turn == 1 and two.session_id == one.session_id
+    assert model.calls == ADDS + 1  # no turn generated twice
