@@ -93,25 +93,26 @@ class _Parked(Exception):
 
 class Attempt:
     """One attempt at a rollout, as the agent running it sees it: the rollout's id, which
-    attempt this is, the state it resumes from, and (over RunMany) the link to its caller.
+    attempt this is, the state it resumes from (`resume`, empty for a first attempt), and
+    (over RunMany) the link to its caller.
 
-    The agent reports each turn boundary here (`begin`, `new_turn`, `tool_output`): the state is
-    kept for parking and, for a durable run, sent to the caller as checkpoints
-    (data/rollout_state.py applies both the same way)."""
+    The agent reports each turn boundary here (`begin`, `new_turn`, `tool_output`). A durable
+    run's checkpoint is built in the reply that carries it to the caller; the attempt keeps
+    only references to what it reported (the model's responses, the tool outputs), from which
+    it builds the state should the run be parked: a checkpoint kept would keep its whole reply,
+    other runs' rollouts with it, in memory."""
 
     def __init__(
         self, rollout_id: str, resume: task_pb2.RolloutState | None = None, link: run_many.RunLink | None = None
     ) -> None:
         self.rollout_id = rollout_id or uuid.uuid4().hex
-        self.resume = resume
+        self.resume = resume if resume is not None else task_pb2.RolloutState()
         self.link = link
         #: 1 for the first attempt.
-        self.number = len(resume.attempts) + 1 if resume is not None else 1
-        self.state = task_pb2.RolloutState()
-        if resume is not None:
-            self.state.CopyFrom(resume)
+        self.number = len(self.resume.attempts) + 1
         #: Its session is open and its caller told (`begin`): from then on a lost attempt may keep it.
         self.began = False
+        self._reported: list[_Reported] = []
         self._started = time.monotonic()
 
     @property
@@ -122,37 +123,34 @@ class Attempt:
         """The idempotency key of a tool call (CallToolRequest.idempotency_key)."""
         return f"{self.rollout_id}/{turn}/{call}"
 
-    def _checkpoint(self, checkpoint: agent_pb.RunCheckpoint) -> None:
+    def _report(self, index: int, what: _Reportable, seconds: float) -> None:
         if self.link is None:
             return  # a unary Run: nobody can park or resume it, nothing to keep
-        rollout_state.apply(self.state, checkpoint)
-        self.link.checkpoint(checkpoint)
+        reported = (index, what, seconds)
+        self._reported.append(reported)
+        if self.link.durable:
+            _fill(self.link.checkpoint(what.ByteSize()), *reported)
 
     def begin(self, record: task_pb2.RolloutAttempt) -> None:
         """The attempt began, with its session open."""
         self.began = True
-        self._checkpoint(agent_pb.RunCheckpoint(attempt=record))
+        self._report(0, record, 0.0)
 
     def new_turn(self, index: int, response: r.Response, seconds: float) -> None:
-        turn = task_pb2.RolloutTurn(response=response, model_seconds=seconds)
-        self._checkpoint(agent_pb.RunCheckpoint(turn_index=index, turn=turn))
+        self._report(index, response, seconds)
 
     def tool_output(self, index: int, output: r.FunctionCallOutput, seconds: float) -> None:
-        turn = task_pb2.RolloutTurn(tool_outputs=[output], tools_seconds=seconds)
-        self._checkpoint(agent_pb.RunCheckpoint(turn_index=index, turn=turn))
+        self._report(index, output, seconds)
 
     def park_if_asked(self) -> None:
         """At a turn boundary: raise _Parked, with the state left on the link, when the caller asked."""
         if self.link is not None and self.link.park:
-            self.link.parked = self.parked_state()
+            checkpoints = [_fill(agent_pb.RunCheckpoint(), *reported) for reported in self._reported]
+            state = rollout_state.build(self.resume, checkpoints)
+            rollout_state.end_attempt(state, len(self.resume.attempts), rollout_state.PARKED)
+            state.elapsed_seconds += time.monotonic() - self._started
+            self.link.parked = state
             raise _Parked
-
-    def parked_state(self) -> task_pb2.RolloutState:
-        state = task_pb2.RolloutState()
-        state.CopyFrom(self.state)
-        rollout_state.end_attempt(state, len(self.resume.attempts) if self.resume else 0, rollout_state.PARKED)
-        state.elapsed_seconds += time.monotonic() - self._started
-        return state
 
     def keeps_session(self, error: BaseException) -> bool:
         """Whether a run that ends with `error` leaves its environment session open, for the
@@ -165,6 +163,27 @@ class Attempt:
         if isinstance(error, asyncio.CancelledError):
             return self.link is not None and self.link.call_ended
         return isinstance(error, errors.GymError) and error.code == grpc.StatusCode.UNAVAILABLE
+
+
+#: What an attempt reports: its record, a model response (a new turn) or a tool output.
+_Reportable = task_pb2.RolloutAttempt | r.Response | r.FunctionCallOutput
+#: What an attempt reported: (turn index, what, seconds).
+_Reported = tuple[int, _Reportable, float]
+
+
+def _fill(checkpoint: agent_pb.RunCheckpoint, index: int, what: _Reportable, seconds: float) -> agent_pb.RunCheckpoint:
+    """`checkpoint` made to say what was reported (see RunCheckpoint in agent_service.proto)."""
+    if isinstance(what, task_pb2.RolloutAttempt):
+        checkpoint.attempt.CopyFrom(what)
+    elif isinstance(what, r.Response):
+        checkpoint.turn_index = index
+        checkpoint.turn.response.CopyFrom(what)
+        checkpoint.turn.model_seconds = seconds
+    else:
+        checkpoint.turn_index = index
+        checkpoint.turn.tool_outputs.add().CopyFrom(what)
+        checkpoint.turn.tools_seconds = seconds
+    return checkpoint
 
 
 class AgentConfig(ServerConfig):
@@ -411,7 +430,7 @@ class ToolLoopAgent(AgentServer):
         started = time.monotonic()
         attempt = events.attempt
         _attempt_number.set(attempt.number)  # the tool calls carry it (call_tool): this run's task only
-        record = task_pb2.RolloutAttempt(agent=self.agent_id, first_turn=len(attempt.state.turns))
+        record = task_pb2.RolloutAttempt(agent=self.agent_id, first_turn=len(attempt.resume.turns))
         stateful = not (await self._description()).stateless
         keep = False
         try:
@@ -429,7 +448,7 @@ class ToolLoopAgent(AgentServer):
         if attempt.resume is not None:
             rollout.attempts.extend(attempt.resume.attempts)
             rollout.attempts.append(record)
-        rollout.timings.total_seconds = time.monotonic() - started + attempt.state.elapsed_seconds
+        rollout.timings.total_seconds = time.monotonic() - started + attempt.resume.elapsed_seconds
         return rollout
 
     async def _open_session(self, task: task_pb2.Task, attempt: Attempt, record: task_pb2.RolloutAttempt) -> None:
@@ -451,7 +470,7 @@ class ToolLoopAgent(AgentServer):
                 return
             record.session_id, record.session_replica = previous.session_id, previous.session_replica
             return
-        if attempt.state.turns:  # resumed, but the session it had was never reported
+        if attempt.resume.turns:  # resumed, but the session it had was never reported
             await self._replay_session(task, attempt, record, None)
             return
         record.session_id = uuid.uuid4().hex
@@ -464,7 +483,7 @@ class ToolLoopAgent(AgentServer):
         """A new session for a resumed rollout whose session was lost, the earlier tool calls run
         on it again in order (an environment with SESSION_RECOVERY_REPLAY), each checked against the
         output the model saw. SessionLost when the environment cannot, or the outputs differ."""
-        done = [(t, turn) for t, turn in enumerate(attempt.state.turns) if turn.tool_outputs]
+        done = [(t, turn) for t, turn in enumerate(attempt.resume.turns) if turn.tool_outputs]
         why = f": {lost.message}" if lost is not None else ""
         recovery = (await self._description()).session_recovery
         if done and recovery != res_pb.SESSION_RECOVERY_REPLAY:
@@ -505,14 +524,14 @@ class ToolLoopAgent(AgentServer):
         rollout.response.status = r.RESPONSE_STATUS_COMPLETED
         turn = _Turns(rollout, params.input_items.items)
         attempt = events.attempt
-        for resumed in attempt.state.turns:
+        for resumed in attempt.resume.turns:
             turn.take(resumed.response, resumed.model_seconds)
             for output in resumed.tool_outputs:
                 turn.tool_output(output, 0.0)
             rollout.timings.tools_seconds += resumed.tools_seconds
-        step = len(attempt.state.turns)
+        step = len(attempt.resume.turns)
         if step:  # resumed: the last turn ended the rollout, or goes on with the tool calls it has left
-            last = attempt.state.turns[-1]
+            last = attempt.resume.turns[-1]
             ended = turn.stop(last.response)
             if not ended:
                 await self._call_tools(session_id, last.response, step - 1, len(last.tool_outputs), events, turn)

@@ -118,8 +118,9 @@ class _Call:
         self._error_of = error_of
         self._ids = itertools.count()
         self.waiting: dict[int, asyncio.Future[task_pb2.Rollout]] = {}
-        #: The state of each durable run on it, as its checkpoints tell.
-        self.states: dict[int, task_pb2.RolloutState] = {}
+        #: Each durable run on it: the state it began from and the checkpoints it sent since,
+        #: serialized (compact; a checkpoint kept as a message would keep its whole reply).
+        self.progress: dict[int, tuple[task_pb2.RolloutState, list[bytes]]] = {}
         self._outbox: Outbox[agent_pb.RunManyRequest] = Outbox(agent_pb.RunManyRequest)
         self._wake = asyncio.Event()
         #: No more runs go on it: it ends once the runs on it have.
@@ -142,10 +143,17 @@ class _Call:
             id=run_id, run=run, timeout_seconds=timeout or 0.0, durable=durable
         )
         if durable:
-            state = self.states[run_id] = task_pb2.RolloutState()
-            state.CopyFrom(run.resume)
+            self.progress[run_id] = (run.resume, [])
         self._wake.set()
         return run_id, future
+
+    def state_of(self, run_id: int) -> task_pb2.RolloutState | None:
+        """The state a durable run reached, from the checkpoints it sent (None: not durable)."""
+        progress = self.progress.get(run_id)
+        if progress is None:
+            return None
+        base, checkpoints = progress
+        return rollout_state.build(base, map(agent_pb.RunCheckpoint.FromString, checkpoints))
 
     def park(self, run_id: int) -> None:
         """Ask the agent to park a run at its next turn boundary (nothing when it ended)."""
@@ -189,9 +197,9 @@ class _Call:
             async for reply in self._call:
                 self.connection.answered()
                 for checkpoint in reply.checkpoints:
-                    state = self.states.get(checkpoint.id)
-                    if state is not None:
-                        rollout_state.apply(state, checkpoint)
+                    progress = self.progress.get(checkpoint.id)
+                    if progress is not None:
+                        progress[1].append(checkpoint.SerializeToString())
                 for result in reply.results:
                     future = self.waiting.pop(result.id, None)
                     if future is None or future.done():
@@ -354,9 +362,10 @@ class RunMany:
                         if not durable or not _lost(e) or resumes >= resume_attempts:
                             raise
                         failure: Exception = e
+                        state = call.state_of(run_id)
                     finally:
                         call.cancel(run_id)  # when still waiting: its caller gave up (cancelled, or past its deadline)
-                        state = call.states.pop(run_id, None)
+                        call.progress.pop(run_id, None)
                     resumes += 1
                     await asyncio.sleep(min(RESUME_BACKOFF * 2 ** (resumes - 1), RESUME_BACKOFF_MAX))
                     _resume_from(request, state, failure, time.monotonic() - started)

@@ -1,12 +1,14 @@
 """The state of an unfinished rollout (RolloutState), grown one checkpoint at a time.
 
-A durable run's agent builds each turn boundary as a RunCheckpoint, applies it to the state
-it keeps (to park the run) and sends it; its caller applies the same checkpoints to the state
-it keeps (to resume the run should the agent be lost). One function does both, so the two
-states cannot disagree.
+A durable run's agent reports each turn boundary as a RunCheckpoint and sends it; both ends
+keep the checkpoints, not a state: the agent builds the state from them when the run is
+parked, its caller when the run is lost and must be resumed (most runs are neither). One
+function applies them for both, so the two states cannot disagree.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
 from gym_grpc.v1 import task_pb2
@@ -29,6 +31,15 @@ def apply(state: task_pb2.RolloutState, checkpoint: agent_pb.RunCheckpoint) -> N
         kept = state.turns[index]
         kept.tool_outputs.extend(turn.tool_outputs)
         kept.tools_seconds += turn.tools_seconds
+
+
+def build(base: task_pb2.RolloutState, checkpoints: Iterable[agent_pb.RunCheckpoint]) -> task_pb2.RolloutState:
+    """A new state: `base` (where the attempt began) with `checkpoints` applied in order."""
+    state = task_pb2.RolloutState()
+    state.CopyFrom(base)
+    for checkpoint in checkpoints:
+        apply(state, checkpoint)
+    return state
 
 
 def calls_of(turn: task_pb2.RolloutTurn) -> int:

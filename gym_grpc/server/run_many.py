@@ -62,11 +62,10 @@ class RunLink:
         #: The state of the run, once it parked.
         self.parked: task_pb2.RolloutState | None = None
 
-    def checkpoint(self, checkpoint: agent_pb.RunCheckpoint) -> None:
-        """Send a turn boundary of the run (see RunCheckpoint), when it is durable."""
-        if self.durable:
-            checkpoint.id = self._id
-            self._runs.checkpoint(checkpoint)
+    def checkpoint(self, size: int) -> agent_pb.RunCheckpoint:
+        """A new checkpoint of the run (see RunCheckpoint), of about `size` bytes, to fill in at
+        once: it is in the reply that goes out next (built there, not copied)."""
+        return self._runs.checkpoint(self._id, size)
 
 
 #: The agent's Run handler: (request, context, link) -> reply.
@@ -137,10 +136,10 @@ class _Runs:
         if link is not None:
             link.park = True
 
-    def checkpoint(self, checkpoint: agent_pb.RunCheckpoint) -> None:
-        """A checkpoint, in the reply that is filling (before the run's result, which comes after)."""
+    def checkpoint(self, run_id: int, size: int) -> agent_pb.RunCheckpoint:
+        """A new checkpoint of a run, in the reply that is filling (so before the run's result)."""
         self.changed.set()
-        self.replies.filling(checkpoint.ByteSize()).checkpoints.append(checkpoint)
+        return self.replies.filling(size).checkpoints.add(id=run_id)
 
     async def _one(self, item: agent_pb.RunManyItem, link: RunLink) -> None:
         def run(request: agent_pb.RunRequest, context: Any) -> Coroutine[Any, Any, agent_pb.RunResponse]:
