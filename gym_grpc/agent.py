@@ -445,7 +445,7 @@ class ToolLoopAgent(AgentServer):
         finally:
             if record.session_id and not keep:
                 await self.close_session(self.resources, record.session_id)
-        if attempt.resume is not None:
+        if attempt.number > 1:  # a rollout run to its end by its first attempt lists none
             rollout.attempts.extend(attempt.resume.attempts)
             rollout.attempts.append(record)
         rollout.timings.total_seconds = time.monotonic() - started + attempt.resume.elapsed_seconds
@@ -456,7 +456,7 @@ class ToolLoopAgent(AgentServer):
         one its last attempt used, taken over; when that one is gone, a new one with the earlier
         tool calls replayed on it if the environment allows (SessionRecovery), else SessionLost."""
         resume = attempt.resume
-        previous = resume.attempts[-1] if resume is not None and resume.attempts else None
+        previous = resume.attempts[-1] if resume.attempts else None
         if previous is not None and previous.session_id:
             self.resources.resumed(previous.session_id, previous.session_replica)
             try:
@@ -522,19 +522,19 @@ class ToolLoopAgent(AgentServer):
         self.first_request(request, task)
         rollout = task_pb2.Rollout(stop_reason=task_pb2.STOP_REASON_MAX_STEPS)
         rollout.response.status = r.RESPONSE_STATUS_COMPLETED
-        turn = _Turns(rollout, params.input_items.items)
+        so_far = _SoFar(rollout, params.input_items.items)
         attempt = events.attempt
         for resumed in attempt.resume.turns:
-            turn.take(resumed.response, resumed.model_seconds)
+            so_far.take(resumed.response, resumed.model_seconds)
             for output in resumed.tool_outputs:
-                turn.tool_output(output, 0.0)
+                so_far.tool_output(output, 0.0)
             rollout.timings.tools_seconds += resumed.tools_seconds
         step = len(attempt.resume.turns)
         if step:  # resumed: the last turn ended the rollout, or goes on with the tool calls it has left
             last = attempt.resume.turns[-1]
-            ended = turn.stop(last.response)
+            ended = so_far.stop(last.response)
             if not ended:
-                await self._call_tools(session_id, last.response, step - 1, len(last.tool_outputs), events, turn)
+                await self._call_tools(session_id, last.response, step - 1, len(last.tool_outputs), events, so_far)
             if ended or step == self.config.max_steps:
                 rollout.model_calls = step
                 return await self.verified(session_id, task, rollout, events, verify)
@@ -545,16 +545,16 @@ class ToolLoopAgent(AgentServer):
             seconds = time.monotonic() - began
             events.model_call(step, response, seconds)
             attempt.new_turn(step, response, seconds)
-            turn.take(response, seconds)
+            so_far.take(response, seconds)
             step += 1
-            if turn.stop(response):
+            if so_far.stop(response):
                 break
-            await self._call_tools(session_id, response, step - 1, 0, events, turn)
+            await self._call_tools(session_id, response, step - 1, 0, events, so_far)
         rollout.model_calls = step
         return await self.verified(session_id, task, rollout, events, verify)
 
     async def _call_tools(
-        self, session_id: str, response: r.Response, step: int, first: int, events: RolloutEvents, turn: _Turns
+        self, session_id: str, response: r.Response, step: int, first: int, events: RolloutEvents, so_far: _SoFar
     ) -> None:
         """Run the function calls of `response` (turn `step`) from the `first`-th on, in order."""
         attempt = events.attempt
@@ -565,7 +565,7 @@ class ToolLoopAgent(AgentServer):
             output = tool_call_output(call, result)
             events.tool_call(step, call, output, result.error, seconds)
             attempt.tool_output(step, output, seconds)
-            turn.tool_output(output, seconds)
+            so_far.tool_output(output, seconds)
 
     async def verified(
         self, session_id: str, task: task_pb2.Task, rollout: task_pb2.Rollout, events: RolloutEvents, verify: bool
@@ -585,7 +585,7 @@ class ToolLoopAgent(AgentServer):
         return rollout
 
 
-class _Turns:
+class _SoFar:
     """The rollout as its turns come in: its response (the model's envelope from the first
     turn, every output item after), its timings, the conversation sent to the model."""
 

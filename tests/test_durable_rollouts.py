@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
+import time
 
 import grpc
 import pytest
@@ -31,7 +33,8 @@ from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from gym_grpc.v1 import registry_service_pb2 as reg
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
-from tests.support import REPO, static_registry
+from tests.support import REPO, collect_args, read_rows, start_run, static_registry
+from tests.support import tool as installed
 from tests.test_replicas import start_registry
 
 ADDS = 3  # the model adds this many times, one call a turn, then answers
@@ -124,7 +127,7 @@ async def test_a_parked_rollout_resumes_on_another_agent_from_its_turn_and_keeps
         registry = await _stack(servers, env, model, agents=2)
         first, second = AgentClient(registry, "agent0"), AgentClient(registry, "agent1")
         try:
-            running = asyncio.ensure_future(first.run(_task(), 60))
+            running = asyncio.ensure_future(first.run(_task(), 60, policy_version=1))
             await asyncio.wait_for(model.reached.wait(), 30)
             assert first.park() == 1
             release.set()
@@ -136,7 +139,8 @@ async def test_a_parked_rollout_resumes_on_another_agent_from_its_turn_and_keeps
             assert env.runs == 2 and len(env.sessions) == 1  # the session waits for the resume
             calls_before = model.calls
 
-            rollout = await second.run(_task(), 60, rollout_id=parked.value.rollout_id, resume=state)
+            # Resumed under the trainer's next version: the turns already made keep theirs.
+            rollout = await second.run(_task(), 60, policy_version=2, rollout_id=parked.value.rollout_id, resume=state)
         finally:
             await first.close()
             await second.close()
@@ -145,6 +149,10 @@ async def test_a_parked_rollout_resumes_on_another_agent_from_its_turn_and_keeps
     assert json.loads(rollout.verifier_fields_json) == {"tool_calls_seen": ADDS}  # one session, every add in it
     assert env.runs == ADDS and model.calls - calls_before == 2  # turns 2 and 3; none made again
     assert rollout.model_calls == ADDS + 1 and len(_adds(rollout)) == ADDS
+    # Each turn keeps the version it was sampled under: a trainer masks across the resume.
+    versions = [i.function_call.policy_version for i in rollout.response.output if i.HasField("function_call")]
+    assert versions == [1, 1, 2]
+    assert rollout.policy_version == 2
     one, two = rollout.attempts
     assert one.agent.startswith("agent0/") and two.agent.startswith("agent1/")
     assert (one.first_turn, two.first_turn) == (0, 2)
@@ -153,6 +161,20 @@ async def test_a_parked_rollout_resumes_on_another_agent_from_its_turn_and_keeps
     row = record.build({}, rollout)
     assert [a["agent"].split("/")[0] for a in row["attempts"]] == ["agent0", "agent1"]
     assert row["attempts"][0]["ended"] == "parked" and record.turns_regenerated(row) == 0
+
+
+async def test_a_rollout_run_to_its_end_by_one_agent_lists_no_attempts():
+    env, model = Counter(name="calc"), AddingModel()
+    async with Servers() as servers:
+        registry = await _stack(servers, env, model)
+        client = AgentClient(registry, "agent0")
+        try:
+            rollout = await client.run(_task(), 60)
+        finally:
+            await client.close()
+            await registry.close()
+    assert rollout.reward == 1.0 and not rollout.attempts
+    assert "attempts" not in record.build({}, rollout) and env.runs == ADDS
 
 
 async def test_a_rollout_whose_model_server_fails_mid_rollout_is_resumed_with_only_that_turn_made_again():
@@ -338,3 +360,83 @@ async def test_a_tool_with_a_counted_side_effect_runs_once_per_call_across_an_ag
     assert one.ended.startswith("UNAVAILABLE") and not one.turn_lost  # it died in a tool call, not the model's
     assert two.first_turn == 1 and two.session_id == one.session_id
     assert model.calls == ADDS + 1  # no turn generated twice
+
+
+DOUBLES = """\
+import asyncio
+import json
+
+from gym_grpc.model import ModelServer
+from gym_grpc.resources import ResourcesServer, Session, Verification, tool
+from gym_grpc.responses import assistant_message, new_id
+from gym_grpc.testing import call
+from gym_grpc.v1 import responses_pb2 as r
+
+
+class SlowCounter(ResourcesServer):
+    async def seed_session(self, session: Session) -> None:
+        session.state["runs"] = 0
+
+    @tool
+    async def add(self, a: int, b: int, session: Session) -> int:
+        \"\"\"Add two integers, slowly: most of a rollout's time is spent here.\"\"\"
+        session.state["runs"] += 1
+        await asyncio.sleep(0.3)
+        return a + b
+
+    async def verify(self, session: Session, response: r.Response) -> Verification:
+        return Verification(reward=1.0, fields={"runs": session.state.get("runs", -1)})
+
+
+class Adding(ModelServer):
+    async def create_response(self, params: r.CreateParams, session_id: str) -> r.Response:
+        turn = sum(1 for i in params.input_items.items if i.WhichOneof("item") == "function_call")
+        item = call("add", json.dumps({"a": turn, "b": 1})) if turn < 3 else assistant_message("Done.")
+        return r.Response(id=new_id("resp"), status=r.RESPONSE_STATUS_COMPLETED, output=[item])
+"""
+
+
+@pytest.mark.slow
+def test_an_agent_restarted_mid_collection_resumes_its_rollouts_and_runs_each_tool_call_once(tmp_path):
+    """`gym-grpc run` with `restart: true` on the agent, `gym-grpc collect` in flight, the agent's
+    process SIGKILLed while most of its rollouts wait in a tool call: the runner starts it again on
+    its port, and the collector resumes every rollout there."""
+    doubles = tmp_path / "durable_doubles.py"
+    doubles.write_text(DOUBLES)
+    config = tmp_path / "durable.yaml"
+    config.write_text(
+        "servers:\n"
+        f"  calc: {{entrypoint: '{doubles}:SlowCounter'}}\n"
+        f"  model: {{entrypoint: '{doubles}:Adding'}}\n"
+        f"  agent: {{entrypoint: '{REPO}/servers/agents/simple_agent/agent.py:SimpleAgent', restart: true,"
+        " config: {model_server: model, resources_server: calc}}\n"
+    )
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"responses_create_params": {"input": "Add three times."}}) + "\n")
+    output = tmp_path / "out.jsonl"
+    run = start_run(configs=(config,))
+    try:
+        (agent_pid,) = run.pids("agent")
+        command = [installed("gym-grpc"), *collect_args(run.registry, "agent", tasks, output)]
+        command += ["--num-repeats", "60", "--max-in-flight", "20", "--no-progress"]
+        collect = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while not output.exists() or len(read_rows(output)) < 10:
+            assert collect.poll() is None and time.monotonic() < deadline, "10 rollouts were not collected"
+            time.sleep(0.05)
+        os.kill(agent_pid, signal.SIGKILL)
+        _, stderr = collect.communicate(timeout=600)
+    finally:
+        run.stop()
+    assert collect.returncode == 0, stderr
+    assert "restarting 'agent'" in run.log()
+    rows = read_rows(output)
+    assert len(rows) == 60 and not output.with_suffix(".failures.jsonl").exists()
+    for row in rows:
+        adds = [item for item in row["response"]["output"] if item["type"] == "function_call"]
+        assert row["runs"] == len(adds) == 3, row  # every add ran once, in a session that lived on
+    resumed = [row for row in rows if "attempts" in row]
+    print(f"agent restarted: {len(resumed)} of 60 rollouts resumed")
+    assert resumed, "no rollout was in flight in the agent that died"
+    for row in resumed:
+        assert row["attempts"][0]["ended"].startswith("UNAVAILABLE"), row["attempts"]
