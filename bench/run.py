@@ -326,6 +326,33 @@ def bench_stack(tmp: Path, rollouts: int, windows: list[int], weather_rollouts: 
     return single, weather, weather_http
 
 
+def bench_durable(tmp: Path, rollouts: int, repeats: int) -> dict:
+    """What durable rollouts cost when nothing fails: the weather workload collected with the
+    runs durable (the default) and with `--resume-attempts 0`, in turn, `repeats` times each on
+    one stack; CPU per rollout over every server process and the collector, and the ratio of
+    the medians."""
+    stack = Stack(_write_config(tmp, 0.0))
+    runs: dict[str, list[dict]] = {"durable": [], "not_durable": []}
+    try:
+        tasks = _tasks(tmp, "weather", WEATHER_ROWS, rollouts)
+        for _ in range(repeats):
+            for mode, extra in (("durable", ()), ("not_durable", ("--resume-attempts", "0"))):
+                before = stack.cpu()
+                run = collect(stack, "weather_agent", tasks, tmp / "out.jsonl", 1024, *extra)
+                runs[mode].append(_row(run, stack.cpu() - before + run.collector_cpu, in_flight=1024))
+    finally:
+        stack.stop()
+    medians = {mode: statistics.median(row["cpu_ms_per_rollout"] for row in rows) for mode, rows in runs.items()}
+    rates = {mode: statistics.median(row["rollouts_per_second"] for row in rows) for mode, rows in runs.items()}
+    return {
+        "workload": "weather (two model calls, one tool call), embedded policy, 1,024 in flight",
+        "runs": runs,
+        "median_cpu_ms_per_rollout": medians,
+        "median_rollouts_per_second": rates,
+        "cpu_ratio_durable_to_not": round(medians["durable"] / medians["not_durable"], 3),
+    }
+
+
 def _row(run: Collection, cpu: float, **extra: int) -> dict:
     return {
         **extra,
@@ -829,7 +856,7 @@ def main() -> None:
     parser.add_argument("--cpu-hogs", type=int, default=4, help="busy processes loading the machine during (e)")
     parser.add_argument(
         "--only",
-        choices=["collector_1m", "http_engine_16k", "replicas", "peer", "cpu_split"],
+        choices=["collector_1m", "http_engine_16k", "replicas", "peer", "cpu_split", "durable"],
         help="run only this scenario; results go to <name>-<scenario>.json",
     )
     parser.add_argument(
@@ -921,6 +948,13 @@ def main() -> None:
         _save(args, results, f"{args.name}-{args.only}")
         print(cpu_split.table(result))
         sys.exit(1 if any(run["failed"] for run in result["runs"]) else 0)
+    if args.only == "durable":
+        with tempfile.TemporaryDirectory() as directory:
+            result = bench_durable(Path(directory), sizes["weather"], sizes["split_repeats"])
+        results[args.only] = result
+        _save(args, results, f"{args.name}-{args.only}")
+        print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
+        sys.exit(1 if any(row["failed"] for rows in result["runs"].values() for row in rows) else 0)
     if args.only == "replicas":
         with tempfile.TemporaryDirectory() as directory:
             result = _bench_replicas(Path(directory), sizes)

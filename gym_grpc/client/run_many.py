@@ -60,6 +60,9 @@ PROBE_SECONDS = 5.0
 #: How many times a run the agent did not start (it was stopping) is sent again, on another call.
 RESENDS = 3
 
+#: Seconds a closing client waits for the agent to end a RunMany call it gave up (see _Call.end).
+END_SECONDS = 2.0
+
 #: How many times a durable run lost to a server or engine that went away is resumed, unless told.
 RESUME_ATTEMPTS = 7
 
@@ -173,8 +176,18 @@ class _Call:
         self._wake.set()
 
     async def end(self) -> None:
-        """End the call now (runs still on it fail, cancelled) and wait for its tasks: a task
-        left pending outlives its event loop and is finalised wherever the collector runs."""
+        """End the call (runs still on it fail, cancelled) and wait for its tasks: a task left
+        pending outlives its event loop and is finalised wherever the collector runs.
+
+        Ended as a caller that gives up, not as a peer that is lost: the runs still on it and the
+        cancels not sent yet go out as cancels, and the client closes its side, so that the agent
+        knows each run was given up (and closes its session) rather than lost with the call (a
+        durable run's session would then be kept for a resume that never comes). The call is
+        cancelled once the agent ended it, or after END_SECONDS."""
+        if not self.ended:
+            self._outbox.filling().cancel_ids.extend(self.waiting)
+            self.close()
+            await asyncio.wait([self._receiver], timeout=END_SECONDS)
         self._call.cancel()
         await asyncio.gather(self._sender, self._receiver, return_exceptions=True)
 
