@@ -235,10 +235,15 @@ class AgentServer(GymServer):
         would not survive. The caller waits for the close unless it is cancelled while it does. A
         session that cannot be closed is logged and counted (GetCounters.sessions_not_closed); the
         environment closes it at its idle time-out."""
+        await asyncio.shield(self.start_closing(resources, session_id))
+
+    def start_closing(self, resources: ResourcesClient, session_id: str) -> asyncio.Future[None]:
+        """Start closing a rollout's session (see close_session), without waiting: the close runs in a
+        task the agent waits for when it stops."""
         closing = asyncio.ensure_future(self._close(resources, session_id))
         self._closing.add(closing)
         closing.add_done_callback(self._closing.discard)
-        await asyncio.shield(closing)
+        return closing
 
     async def _close(self, resources: ResourcesClient, session_id: str) -> None:
         try:
@@ -439,6 +444,12 @@ class ToolLoopAgent(AgentServer):
             attempt.begin(record)
             # The rollout's id for the model server too (its session memory, its logs), stateless or not.
             rollout = await self._rollout(record.session_id or uuid.uuid4().hex, task, events, verify)
+            if record.session_id and attempt.durable and attempt.link is not None:
+                # Closed once its caller has the result: lost before that, the rollout is resumed and
+                # verified again, in this session.
+                session_id = record.session_id
+                attempt.link.after_result(lambda: self.start_closing(self.resources, session_id))
+                keep = True
         except BaseException as e:
             keep = attempt.keeps_session(e)
             raise

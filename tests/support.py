@@ -127,6 +127,34 @@ def start_run(
     return GymRun.start(*(configs or (QUICKSTART,)), *overrides, preexec_fn=preexec_fn, **kwargs)
 
 
+def worker_process(
+    name: str, entrypoint: str, config: dict[str, Any], registry: str = "127.0.0.1:1"
+) -> tuple[subprocess.Popen, str]:
+    """Server `name` in its own process, as `gym-grpc run` starts one (gym_grpc.server.worker), with
+    `registry` to find its peers by; the process and the server's address once it serves."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gym_grpc.server.worker"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    spec = {
+        "name": name,
+        "entrypoint": entrypoint,
+        "host": "127.0.0.1",
+        "port": 0,
+        "config": config,
+        "registry": registry,
+        "grace": 1.0,
+    }
+    assert process.stdin is not None and process.stdout is not None
+    process.stdin.write(json.dumps(spec) + "\n")
+    process.stdin.flush()
+    report = json.loads(process.stdout.readline())
+    return process, f"127.0.0.1:{report['servers'][0]['port']}"
+
+
 def run_status(registry: str) -> tuple[int, dict[str, dict]]:
     """`gym-grpc status --json` of a run: its exit code and each server's row by name."""
     done = gym("status", "--registry", registry, "--json", "--interval", "0.2")

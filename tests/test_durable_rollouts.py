@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import grpc
@@ -33,7 +32,7 @@ from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from gym_grpc.v1 import registry_service_pb2 as reg
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
-from tests.support import REPO, collect_args, read_rows, start_run, static_registry
+from tests.support import REPO, collect_args, eventually, read_rows, start_run, static_registry, worker_process
 from tests.support import tool as installed
 from tests.test_replicas import start_registry
 
@@ -141,6 +140,8 @@ async def test_a_parked_rollout_resumes_on_another_agent_from_its_turn_and_keeps
 
             # Resumed under the trainer's next version: the turns already made keep theirs.
             rollout = await second.run(_task(), 60, policy_version=2, rollout_id=parked.value.rollout_id, resume=state)
+            # Closed by the attempt that finished, once its result went out.
+            await eventually(lambda: not env.sessions, "the session closed")
         finally:
             await first.close()
             await second.close()
@@ -157,22 +158,26 @@ async def test_a_parked_rollout_resumes_on_another_agent_from_its_turn_and_keeps
     assert one.agent.startswith("agent0/") and two.agent.startswith("agent1/")
     assert (one.first_turn, two.first_turn) == (0, 2)
     assert one.session_id == two.session_id and not two.session_replayed and not two.ended
-    assert not env.sessions  # closed by the attempt that finished
     row = record.build({}, rollout)
     assert [a["agent"].split("/")[0] for a in row["attempts"]] == ["agent0", "agent1"]
     assert row["attempts"][0]["ended"] == "parked" and record.turns_regenerated(row) == 0
 
 
-async def test_a_rollout_run_to_its_end_by_one_agent_lists_no_attempts():
-    env, model = Counter(name="calc"), AddingModel()
+async def _one_rollout(env: Counter, model: AddingModel) -> task_pb2.Rollout:
+    """One rollout of the task through an agent in front of `model` and `env`."""
     async with Servers() as servers:
         registry = await _stack(servers, env, model)
         client = AgentClient(registry, "agent0")
         try:
-            rollout = await client.run(_task(), 60)
+            return await client.run(_task(), 60)
         finally:
             await client.close()
             await registry.close()
+
+
+async def test_a_rollout_run_to_its_end_by_one_agent_lists_no_attempts():
+    env, model = Counter(name="calc"), AddingModel()
+    rollout = await _one_rollout(env, model)
     assert rollout.reward == 1.0 and not rollout.attempts
     assert "attempts" not in record.build({}, rollout) and env.runs == ADDS
 
@@ -180,14 +185,7 @@ async def test_a_rollout_run_to_its_end_by_one_agent_lists_no_attempts():
 async def test_a_rollout_whose_model_server_fails_mid_rollout_is_resumed_with_only_that_turn_made_again():
     env, model = Counter(name="calc"), AddingModel()
     model.fail = {2}  # the third model call fails, once, after two adds
-    async with Servers() as servers:
-        registry = await _stack(servers, env, model)
-        client = AgentClient(registry, "agent0")
-        try:
-            rollout = await client.run(_task(), 60)
-        finally:
-            await client.close()
-            await registry.close()
+    rollout = await _one_rollout(env, model)
     assert rollout.reward == 1.0 and env.runs == ADDS
     assert json.loads(rollout.verifier_fields_json) == {"tool_calls_seen": ADDS}  # the session was kept
     one, two = rollout.attempts
@@ -291,27 +289,8 @@ async def test_a_resume_the_agent_cannot_use_is_refused_naming_the_field():
 
 def _agent_process(registry: str) -> tuple[subprocess.Popen, str]:
     """A SimpleAgent in its own process, as `gym-grpc run` starts one; its address."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gym_grpc.server.worker"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    spec = {
-        "name": "agent",
-        "entrypoint": f"{REPO}/servers/agents/simple_agent/agent.py:SimpleAgent",
-        "host": "127.0.0.1",
-        "port": 0,
-        "config": {"model_server": "model", "resources_server": "calc"},
-        "registry": registry,
-        "grace": 1.0,
-    }
-    assert process.stdin is not None and process.stdout is not None
-    process.stdin.write(json.dumps(spec) + "\n")
-    process.stdin.flush()
-    report = json.loads(process.stdout.readline())
-    return process, f"127.0.0.1:{report['servers'][0]['port']}"
+    entrypoint = f"{REPO}/servers/agents/simple_agent/agent.py:SimpleAgent"
+    return worker_process("agent", entrypoint, {"model_server": "model", "resources_server": "calc"}, registry)
 
 
 async def _runs_in(address: str) -> int:

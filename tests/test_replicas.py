@@ -12,7 +12,6 @@ import asyncio
 import json
 import signal
 import subprocess
-import sys
 import time
 
 import grpc
@@ -30,7 +29,7 @@ from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from gym_grpc.v1 import registry_service_pb2 as reg
 from gym_grpc.v1 import responses_pb2 as r
-from tests.support import REPO, EchoModel, eventually, task
+from tests.support import REPO, EchoModel, eventually, task, worker_process
 
 
 def entry(name: str, *replicas: Running) -> reg.ServerInfo:
@@ -227,27 +226,8 @@ async def test_clients_follow_the_registry_as_replicas_come_and_go():
 
 def _start_replica_process(latency: float) -> tuple[subprocess.Popen, str]:
     """A local-policy model server in its own process, as `gym-grpc run` starts one; its address."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gym_grpc.server.worker"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    spec = {
-        "name": "model",
-        "entrypoint": f"{REPO}/servers/models/local_policy/server.py:LocalPolicyModel",
-        "host": "127.0.0.1",
-        "port": 0,
-        "config": {"latency_seconds": latency},
-        "registry": "127.0.0.1:1",
-        "grace": 1.0,
-    }
-    assert process.stdin is not None and process.stdout is not None
-    process.stdin.write(json.dumps(spec) + "\n")
-    process.stdin.flush()
-    report = json.loads(process.stdout.readline())
-    return process, f"127.0.0.1:{report['servers'][0]['port']}"
+    entrypoint = f"{REPO}/servers/models/local_policy/server.py:LocalPolicyModel"
+    return worker_process("model", entrypoint, {"latency_seconds": latency})
 
 
 async def _in_flight(address: str) -> int:

@@ -59,8 +59,16 @@ class RunLink:
         self.durable = durable
         self.park = False
         self.call_ended = False
+        #: What to do once the run's result has gone out (see `after_result`).
+        self.after: list[Callable[[], object]] = []
         #: The state of the run, once it parked.
         self.parked: task_pb2.RolloutState | None = None
+
+    def after_result(self, then: Callable[[], object]) -> None:
+        """Call `then` once the run's result has been written to the call, not before: a durable
+        run's session is closed then, so that an agent that dies between the two leaves a session
+        open, which the caller's resume of the run (the result never came) still needs."""
+        self.after.append(then)
 
     def checkpoint(self, size: int) -> agent_pb.RunCheckpoint:
         """A new checkpoint of the run (see RunCheckpoint), of about `size` bytes, to fill in at
@@ -91,6 +99,8 @@ class _Runs:
         self._run, self._peer, self._agent = run, peer, agent
         self.in_flight: dict[int, asyncio.Task[None]] = {}
         self.links: dict[int, RunLink] = {}
+        #: What to do once each reply not sent yet has been written (RunLink.after_result), by id(reply).
+        self._after: dict[int, tuple[agent_pb.RunManyResponse, list[Callable[[], object]]]] = {}
         self._cancelled: set[int] = set()
         self.replies: Outbox[agent_pb.RunManyResponse] = Outbox(agent_pb.RunManyResponse)
         #: Results in `replies`, not sent yet.
@@ -110,6 +120,11 @@ class _Runs:
         self.unsent -= len(reply.results)
         self.room.set()
         return reply
+
+    def sent(self, reply: agent_pb.RunManyResponse) -> None:
+        """`reply` was written: do what its runs wait for (RunLink.after_result)."""
+        for then in self._after.pop(id(reply), (reply, []))[1]:
+            then()
 
     def start(self, item: agent_pb.RunManyItem) -> None:
         if self._agent.stopping.is_set():
@@ -165,10 +180,15 @@ class _Runs:
             self.room.set()
 
     def _result(self, run_id: int, size: int = 0) -> agent_pb.RunManyResult:
-        """A new result, of about `size` bytes, in the reply that is filling."""
+        """A new result, of about `size` bytes, in the reply that is filling; what the run waits
+        to do once it is written goes with that reply."""
         self.changed.set()
         self.unsent += 1
-        return self.replies.filling(size).results.add(id=run_id)
+        reply = self.replies.filling(size)
+        link = self.links.get(run_id)
+        if link is not None and link.after:
+            self._after.setdefault(id(reply), (reply, []))[1].extend(link.after)
+        return reply.results.add(id=run_id)
 
     def cancel_all(self) -> None:
         for link in self.links.values():
@@ -207,7 +227,9 @@ async def serve(
     try:
         while True:
             if runs.replies:
-                yield runs.take()
+                reply = runs.take()
+                yield reply
+                runs.sent(reply)
                 continue
             if reader.done():
                 reader.result()  # a request that could not be read ends the call with its error

@@ -100,7 +100,14 @@ def test_replicas_spread_over_the_nodes_share_the_calls_and_keep_their_sessions(
         assert sorted(keys(output)) == [(t, r) for t in range(TASK_ROWS) for r in range(repeats)]
 
         agents = asyncio.run(calls_per_replica(servers[AGENT]))
-        environments = asyncio.run(calls_per_replica(servers["session_state"]))
+
+        # An agent closes a session once the rollout's result has gone out: the last closes may
+        # still be on their way when collect ends.
+        def closed() -> list[dict[str, int]] | None:
+            counts = asyncio.run(calls_per_replica(servers["session_state"]))
+            return counts if all(c.get("CloseSession", 0) == c["SeedSession"] for c in counts) else None
+
+        environments = _wait(closed, 60, "every session closed")
         models = asyncio.run(calls_per_replica(servers["policy_model"]))
         print("Run per agent replica:", [c["Run"] for c in agents])
         print("SeedSession per environment replica:", [c["SeedSession"] for c in environments])
