@@ -20,6 +20,7 @@ from gym_grpc.v1 import resources_service_pb2 as res_pb
 from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
+from tests.support import eventually
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "data" / "example.jsonl"
 
@@ -280,7 +281,7 @@ async def test_a_scripted_agent_that_edits_and_checks_out_earns_the_reward(start
     assert rollout.stop_reason == task_pb2.STOP_REASON_FINAL_MESSAGE and rollout.model_calls == 4
     fields = rows.json_field(rollout, "verifier_fields")
     assert fields["checked_out"] and not fields["replayed"] and fields["tool_calls"] == 4
-    assert env.carts.live == {}  # the agent closed its session
+    await eventually(lambda: env.carts.live == {}, "the agent closed its session (once the result went out)")
 
 
 async def test_a_scripted_agent_that_forgets_to_check_out_gets_partial_credit(start):
@@ -293,7 +294,7 @@ async def test_a_scripted_agent_that_forgets_to_check_out_gets_partial_credit(st
     assert rollout.reward == 0.0
     assert dict(rollout.reward_components) == {"cart": 0.5, "checkout": 0.0}
     assert rows.json_field(rollout, "verifier_fields")["wrong_products"] == ["TOM-400"]
-    assert env.carts.live == {}
+    await eventually(lambda: env.carts.live == {}, "the agent closed its session (once the result went out)")
 
 
 # --- the example rows ----------------------------------------------------------------
