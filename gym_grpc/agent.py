@@ -10,7 +10,6 @@ subclasses it and overrides a hook (`first_request`, `call_model`,
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import time
 import uuid
@@ -38,16 +37,14 @@ from gym_grpc.v1 import task_pb2
 
 log = logging.getLogger("gym_grpc.agent")
 
-#: The attempt at the rollout the running task works on: its tool calls carry it (CallToolRequest.attempt).
-_attempt_number: contextvars.ContextVar[int] = contextvars.ContextVar("attempt_number", default=0)
-
 #: Seconds a session close may take; it runs whatever ended the rollout, past its deadline too.
 CLOSE_TIMEOUT = 5.0
 
 
 class RolloutEvents:
     """Where an agent reports the steps of a rollout. For Run nobody listens
-    and reporting costs nothing; for RunStream each step becomes an event."""
+    and reporting costs nothing; for RunStream each step becomes an event. Each
+    model call and tool call is a turn boundary of the attempt, too (Attempt)."""
 
     def __init__(
         self, queue: asyncio.Queue[agent_pb.RunStreamResponse | None] | None = None, attempt: Attempt | None = None
@@ -66,6 +63,7 @@ class RolloutEvents:
         self._queue.put_nowait(event)
 
     def model_call(self, step: int, response: r.Response, seconds: float) -> None:
+        self.attempt.new_turn(step, response, seconds)
         if self._queue is not None:
             event = agent_pb.ModelCallEvent(step=step, response=response, seconds=seconds)
             self._put(agent_pb.RunStreamResponse(model_call=event))
@@ -73,6 +71,7 @@ class RolloutEvents:
     def tool_call(
         self, step: int, call: r.FunctionCall, output: r.FunctionCallOutput, error: bool, seconds: float
     ) -> None:
+        self.attempt.tool_output(step, output, seconds)
         if self._queue is not None:
             event = agent_pb.ToolCallEvent(step=step, call=call, output=output, error=error, seconds=seconds)
             self._put(agent_pb.RunStreamResponse(tool_call=event))
@@ -415,10 +414,13 @@ class ToolLoopAgent(AgentServer):
         """Hook: one model call, step 0, 1, ... up to max_steps - 1."""
         return await self.model.send(request)
 
-    async def call_tool(self, session_id: str, call: r.FunctionCall, step: int, key: str = "") -> ToolResult:
+    async def call_tool(
+        self, session_id: str, call: r.FunctionCall, step: int, key: str = "", attempt: int = 0
+    ) -> ToolResult:
         """Hook: one tool call; an error ToolResult goes back to the model as the tool's output. `key`
-        makes it run at most once in the session (CallToolRequest.idempotency_key): pass it on."""
-        return await self.resources.call_tool(session_id, call, key=key, attempt=_attempt_number.get())
+        makes it run at most once in the session, `attempt` is the attempt at the rollout that makes
+        it (CallToolRequest.idempotency_key and .attempt): pass them on."""
+        return await self.resources.call_tool(session_id, call, key=key, attempt=attempt)
 
     # --- the loop -------------------------------------------------------------------
 
@@ -434,7 +436,6 @@ class ToolLoopAgent(AgentServer):
     async def run(self, task: task_pb2.Task, events: RolloutEvents, *, verify: bool = True) -> task_pb2.Rollout:
         started = time.monotonic()
         attempt = events.attempt
-        _attempt_number.set(attempt.number)  # the tool calls carry it (call_tool): this run's task only
         record = task_pb2.RolloutAttempt(agent=self.agent_id, first_turn=len(attempt.resume.turns))
         stateful = not (await self._description()).stateless
         keep = False
@@ -555,7 +556,6 @@ class ToolLoopAgent(AgentServer):
             response = await self.call_model(request, step)
             seconds = time.monotonic() - began
             events.model_call(step, response, seconds)
-            attempt.new_turn(step, response, seconds)
             so_far.take(response, seconds)
             step += 1
             if so_far.stop(response):
@@ -571,11 +571,11 @@ class ToolLoopAgent(AgentServer):
         attempt = events.attempt
         for position, call in enumerate(function_calls(response)[first:], start=first):
             began = time.monotonic()
-            result = await self.call_tool(session_id, call, step, key=attempt.tool_key(step, position))
+            key = attempt.tool_key(step, position)
+            result = await self.call_tool(session_id, call, step, key=key, attempt=attempt.number)
             seconds = time.monotonic() - began
             output = tool_call_output(call, result)
             events.tool_call(step, call, output, result.error, seconds)
-            attempt.tool_output(step, output, seconds)
             so_far.tool_output(output, seconds)
 
     async def verified(

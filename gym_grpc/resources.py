@@ -200,6 +200,10 @@ def _bad_arguments(tool_name: str, problem: str) -> errors.InvalidArgument:
     )
 
 
+#: ResourcesServer.session_recovery's values, and what each is on the wire.
+_RECOVERY = {"none": res_pb.SESSION_RECOVERY_UNSPECIFIED, "replay": res_pb.SESSION_RECOVERY_REPLAY}
+
+
 class ResourcesConfig(ServerConfig):
     """Settings every environment has; an environment's own Config extends it."""
 
@@ -259,8 +263,11 @@ class ResourcesServer(GymServer):
             # base class (stop, verify, start, seed_session...) must not replace that method.
             if hasattr(ResourcesServer, attr_name):
                 delattr(cls, attr_name)
-        if cls.session_recovery not in ("none", "replay"):
-            raise TypeError(f"{cls.__name__}.session_recovery must be 'none' or 'replay', not {cls.session_recovery!r}")
+        if cls.session_recovery not in _RECOVERY:
+            raise TypeError(
+                f"{cls.__name__}.session_recovery must be one of {', '.join(map(repr, _RECOVERY))}, "
+                f"not {cls.session_recovery!r}"
+            )
         cls._own_tools = own
         found.update(own)
         cls.tools = found
@@ -582,10 +589,6 @@ class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
             stateless=self.app.stateless,
             session_recovery=_RECOVERY[self.app.session_recovery],
         )
-
-
-#: ResourcesServer.session_recovery on the wire.
-_RECOVERY = {"none": res_pb.SESSION_RECOVERY_UNSPECIFIED, "replay": res_pb.SESSION_RECOVERY_REPLAY}
 
 
 def _forget_failed(calls: dict[str, asyncio.Future[Any]], key: str, call: asyncio.Future[Any]) -> None:

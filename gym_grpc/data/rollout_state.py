@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
+from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
 
 #: RolloutAttempt.ended of a parked attempt.
@@ -49,8 +50,6 @@ def calls_of(turn: task_pb2.RolloutTurn) -> int:
 
 def ends_rollout(turn: task_pb2.RolloutTurn) -> bool:
     """Whether the rollout ends with this turn: its output was cut short, or it called no tool."""
-    from gym_grpc.v1 import responses_pb2 as r
-
     return turn.response.status == r.RESPONSE_STATUS_INCOMPLETE or calls_of(turn) == 0
 
 

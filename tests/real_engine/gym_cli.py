@@ -109,3 +109,20 @@ def post_json(url: str, body: dict[str, Any]) -> dict[str, Any]:
             return json.loads(reply.read())
     except urllib.error.HTTPError as e:
         raise AssertionError(f"POST {url} -> {e.code}: {e.read().decode(errors='replace')[:2000]}") from None
+
+
+def carriers(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """The items of a rollout row that carry a turn's token ids, in order."""
+    return [item for item in row["response"]["output"] if item.get("generation_token_ids")]
+
+
+def extension_share(rows: list[dict[str, Any]]) -> tuple[int, int]:
+    """(turns whose prompt begins with the previous turn's prompt + generated ids, turns after a first)."""
+    extending = later = 0
+    for row in rows:
+        turns = carriers(row)
+        for earlier, turn in zip(turns, turns[1:], strict=False):
+            sampled = earlier["prompt_token_ids"] + earlier["generation_token_ids"]
+            later += 1
+            extending += turn["prompt_token_ids"][: len(sampled)] == sampled
+    return extending, later

@@ -38,7 +38,6 @@ from gym_grpc.rpc.registry import Registry
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from tests.real_engine import gym_cli
-from tests.real_engine.test_token_in_token_out import _extension_share
 
 pytestmark = pytest.mark.real_engine
 
@@ -133,9 +132,8 @@ def test_an_engine_restarted_mid_collection_fails_no_rollout_and_the_cut_ones_go
                 assert cut["ended"].startswith("UNAVAILABLE: ") and f"engine {engine}/" in cut["ended"], cut
                 assert after["first_turn"] >= cut["first_turn"], attempts  # never back to its prompt
             # Each turn once in the rollout: the one generated again replaced the one lost.
-            turns = [item for item in row["response"]["output"] if item.get("generation_token_ids")]
-            assert len(turns) == row["model_calls"], row
-        extending, later = _extension_share(resumed)
+            assert len(gym_cli.carriers(row)) == row["model_calls"], row
+        extending, later = gym_cli.extension_share(resumed)
         assert later >= 1, "no resumed rollout has a turn after its first"
         assert extending == later  # token in, token out across the restart and the resume
     finally:

@@ -28,7 +28,9 @@ from tests.real_engine.gym_cli import (
     REPO,
     WEATHER_CONFIG,
     WEATHER_TASKS,
+    carriers,
     collect,
+    extension_share,
     is_grpc,
     post_json,
     rows,
@@ -58,22 +60,6 @@ def _collected(run: GymRun, agent: str, tasks: Path, output: Path, *args: str) -
     return rows(output)
 
 
-def _carriers(row: dict[str, Any]) -> list[dict[str, Any]]:
-    return [item for item in row["response"]["output"] if item.get("generation_token_ids")]
-
-
-def _extension_share(rows: list[dict[str, Any]]) -> tuple[int, int]:
-    """(turns whose prompt begins with the previous turn's prompt + generated ids, turns after a first)."""
-    extending = later = 0
-    for row in rows:
-        carriers = _carriers(row)
-        for earlier, turn in zip(carriers, carriers[1:], strict=False):
-            sampled = earlier["prompt_token_ids"] + earlier["generation_token_ids"]
-            later += 1
-            extending += turn["prompt_token_ids"][: len(sampled)] == sampled
-    return extending, later
-
-
 COMMON = ("temperature=1.0", "tool_choice=required", "parallel_tool_calls=false", "max_output_tokens=160")
 
 
@@ -85,7 +71,7 @@ def test_multi_turn_tool_rollouts_extend_the_sampled_ids_on_every_turn(policy, s
     )
     collected = weather + support
     assert len(weather) == 15 and len(support) == 10
-    extending, later = _extension_share(collected)
+    extending, later = extension_share(collected)
     assert later >= 20, f"only {later} later turns: the test needs multi-turn rollouts"
     assert extending == later
     calls = [item for row in collected for item in row["response"]["output"] if item["type"] == "function_call"]
@@ -93,7 +79,7 @@ def test_multi_turn_tool_rollouts_extend_the_sampled_ids_on_every_turn(policy, s
     for call in calls:  # constrained by the structural tag: JSON that names a tool
         assert isinstance(json.loads(call["arguments"]), dict)
     for row in collected:
-        for carrier in _carriers(row):
+        for carrier in carriers(row):
             assert len(carrier["generation_token_ids"]) == len(carrier["generation_log_probs"]) > 0
             assert all(value <= 0.0 for value in carrier["generation_log_probs"])
     counters = _post_counters(running)
@@ -126,7 +112,7 @@ def test_ids_are_what_the_engine_sampled_and_calls_and_reasoning_come_from_its_t
     root = engine.base_url.removesuffix("/v1")
     calls = 0
     for row in collected:
-        first = _carriers(row)[0]
+        first = carriers(row)[0]
         text = post_json(f"{root}/detokenize", {"model": engine.model, "tokens": first["generation_token_ids"]})[
             "prompt"
         ]
@@ -180,7 +166,7 @@ def test_the_tool_schema_renders_to_the_same_ids_in_every_worker(engine, stack, 
     collected = _collected(running, "weather_agent", WEATHER_TASKS, tmp_path / "w.jsonl", "--num-repeats", "6", *COMMON)
     first_prompts: dict[int, set[tuple[int, ...]]] = {}
     for row in collected:
-        first_prompts.setdefault(row["task_index"], set()).add(tuple(_carriers(row)[0]["prompt_token_ids"]))
+        first_prompts.setdefault(row["task_index"], set()).add(tuple(carriers(row)[0]["prompt_token_ids"]))
     assert all(len(prompts) == 1 for prompts in first_prompts.values()), {
         task: len(prompts) for task, prompts in first_prompts.items()
     }
