@@ -40,7 +40,8 @@ from gym_grpc.v1 import agent_service_pb2, resources_service_pb2  # noqa: F401  
 #: 1.8: ModelService.UpdateWeights, the items' policy_version_spans, GetCountersResponse.turns_caught_by_update.
 #: 1.9: durable rollouts: RunRequest.rollout_id and resume, RunMany checkpoints and parking, ResumeSession, tool calls
 #: with an idempotency key and an attempt, DescribeToolsResponse.session_recovery, Capabilities.resumable_rollouts.
-VERSION = (1, 9)
+#: 1.10: sandboxes: SandboxService, Capabilities.sandboxes, GetCountersResponse.sandboxes and .sandbox_start_failures.
+VERSION = (1, 10)
 
 
 class Unfilled(NamedTuple):

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from gym_grpc.v1 import registry_service_pb2 as gym_dot_v1_dot_registry__service__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1agym/v1/admin_service.proto\x12\x06gym.v1\x1a\x1dgym/v1/registry_service.proto\"\x16\n\x14GetServerInfoRequest\"\xbe\x03\n\x15GetServerInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x04role\x18\x02 \x01(\x0e\x32\x12.gym.v1.ServerRole\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x04 \x01(\x01\x12\x13\n\x0b\x63onfig_hash\x18\x05 \x01(\t\x12\x0b\n\x03pid\x18\x06 \x01(\r\x12\x12\n\nentrypoint\x18\x07 \x01(\t\x12\x11\n\tprofiling\x18\x08 \x01(\x08\x12\x18\n\x10open_files_limit\x18\t \x01(\x04\x12\x12\n\nopen_files\x18\n \x01(\x04\x12)\n\x08protocol\x18\x0b \x01(\x0b\x32\x17.gym.v1.ProtocolVersion\x12\'\n\x08services\x18\x0c \x03(\x0b\x32\x15.gym.v1.ServedService\x12*\n\x0c\x63\x61pabilities\x18\r \x01(\x0b\x32\x14.gym.v1.Capabilities\x12\x13\n\x0binstance_id\x18\x0e \x01(\t\x12\x0e\n\x06worker\x18\x0f \x01(\r\x12\x17\n\x0fmetrics_address\x18\x10 \x01(\t\x12\x17\n\x0funfilled_fields\x18\x11 \x03(\t\"/\n\x0fProtocolVersion\x12\r\n\x05major\x18\x01 \x01(\r\x12\r\n\x05minor\x18\x02 \x01(\r\"D\n\rServedService\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x07methods\x18\x02 \x03(\x0b\x32\x14.gym.v1.ServedMethod\"P\n\x0cServedMethod\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x10\x63lient_streaming\x18\x02 \x01(\x08\x12\x18\n\x10server_streaming\x18\x03 \x01(\x08\"\xb2\x01\n\x0c\x43\x61pabilities\x12!\n\x19max_receive_message_bytes\x18\x01 \x01(\x04\x12\x1e\n\x16max_send_message_bytes\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x01(\x08\x12\x1a\n\x12token_in_token_out\x18\x04 \x01(\x08\x12\x14\n\x0cmax_sessions\x18\x05 \x01(\x04\x12\x1a\n\x12resumable_rollouts\x18\x06 \x01(\x08\"\x14\n\x12GetCountersRequest\"\xdd\x01\n\x0eMethodCounters\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x42\n\x0f\x63\x61lls_by_status\x18\x02 \x03(\x0b\x32).gym.v1.MethodCounters.CallsByStatusEntry\x12\x11\n\tin_flight\x18\x03 \x01(\r\x12\x0e\n\x06p50_ms\x18\x04 \x01(\x01\x12\x0e\n\x06p95_ms\x18\x05 \x01(\x01\x12\x0e\n\x06p99_ms\x18\x06 \x01(\x01\x1a\x34\n\x12\x43\x61llsByStatusEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"p\n\rStageCounters\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x10\n\x08rollouts\x18\x02 \x01(\x04\x12\x14\n\x0cmean_seconds\x18\x03 \x01(\x01\x12\x13\n\x0bp50_seconds\x18\x04 \x01(\x01\x12\x13\n\x0bp95_seconds\x18\x05 \x01(\x01\"\xed\x04\n\x13GetCountersResponse\x12\'\n\x07methods\x18\x01 \x03(\x0b\x32\x16.gym.v1.MethodCounters\x12\x11\n\tin_flight\x18\x02 \x01(\r\x12\x13\n\x0b\x63\x61lls_total\x18\x03 \x01(\x04\x12\x16\n\x0euptime_seconds\x18\x04 \x01(\x01\x12%\n\x06stages\x18\x05 \x03(\x0b\x32\x15.gym.v1.StageCounters\x12\x39\n\x07retries\x18\x06 \x03(\x0b\x32(.gym.v1.GetCountersResponse.RetriesEntry\x12W\n\x17non_monotonic_histories\x18\x07 \x03(\x0b\x32\x36.gym.v1.GetCountersResponse.NonMonotonicHistoriesEntry\x12\x15\n\rsessions_open\x18\x08 \x01(\r\x12\x1b\n\x13sessions_not_closed\x18\t \x01(\x04\x12T\n\x16turns_caught_by_update\x18\n \x03(\x0b\x32\x34.gym.v1.GetCountersResponse.TurnsCaughtByUpdateEntry\x1a.\n\x0cRetriesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a<\n\x1aNonMonotonicHistoriesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a:\n\x18TurnsCaughtByUpdateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\"\n\x11GetProfileRequest\x12\r\n\x05limit\x18\x01 \x01(\r\"U\n\x0cProfileEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05ncall\x18\x02 \x01(\x04\x12\x0c\n\x04tsub\x18\x03 \x01(\x01\x12\x0c\n\x04ttot\x18\x04 \x01(\x01\x12\x0c\n\x04tavg\x18\x05 \x01(\x01\"[\n\x12GetProfileResponse\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12%\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x14.gym.v1.ProfileEntry\x12\r\n\x05table\x18\x03 \x01(\t2\xe9\x01\n\x0c\x41\x64minService\x12L\n\rGetServerInfo\x12\x1c.gym.v1.GetServerInfoRequest\x1a\x1d.gym.v1.GetServerInfoResponse\x12\x46\n\x0bGetCounters\x12\x1a.gym.v1.GetCountersRequest\x1a\x1b.gym.v1.GetCountersResponse\x12\x43\n\nGetProfile\x12\x19.gym.v1.GetProfileRequest\x1a\x1a.gym.v1.GetProfileResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1agym/v1/admin_service.proto\x12\x06gym.v1\x1a\x1dgym/v1/registry_service.proto\"\x16\n\x14GetServerInfoRequest\"\xbe\x03\n\x15GetServerInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x04role\x18\x02 \x01(\x0e\x32\x12.gym.v1.ServerRole\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x04 \x01(\x01\x12\x13\n\x0b\x63onfig_hash\x18\x05 \x01(\t\x12\x0b\n\x03pid\x18\x06 \x01(\r\x12\x12\n\nentrypoint\x18\x07 \x01(\t\x12\x11\n\tprofiling\x18\x08 \x01(\x08\x12\x18\n\x10open_files_limit\x18\t \x01(\x04\x12\x12\n\nopen_files\x18\n \x01(\x04\x12)\n\x08protocol\x18\x0b \x01(\x0b\x32\x17.gym.v1.ProtocolVersion\x12\'\n\x08services\x18\x0c \x03(\x0b\x32\x15.gym.v1.ServedService\x12*\n\x0c\x63\x61pabilities\x18\r \x01(\x0b\x32\x14.gym.v1.Capabilities\x12\x13\n\x0binstance_id\x18\x0e \x01(\t\x12\x0e\n\x06worker\x18\x0f \x01(\r\x12\x17\n\x0fmetrics_address\x18\x10 \x01(\t\x12\x17\n\x0funfilled_fields\x18\x11 \x03(\t\"/\n\x0fProtocolVersion\x12\r\n\x05major\x18\x01 \x01(\r\x12\r\n\x05minor\x18\x02 \x01(\r\"D\n\rServedService\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x07methods\x18\x02 \x03(\x0b\x32\x14.gym.v1.ServedMethod\"P\n\x0cServedMethod\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x10\x63lient_streaming\x18\x02 \x01(\x08\x12\x18\n\x10server_streaming\x18\x03 \x01(\x08\"\xc5\x01\n\x0c\x43\x61pabilities\x12!\n\x19max_receive_message_bytes\x18\x01 \x01(\x04\x12\x1e\n\x16max_send_message_bytes\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x01(\x08\x12\x1a\n\x12token_in_token_out\x18\x04 \x01(\x08\x12\x14\n\x0cmax_sessions\x18\x05 \x01(\x04\x12\x1a\n\x12resumable_rollouts\x18\x06 \x01(\x08\x12\x11\n\tsandboxes\x18\x07 \x01(\x08\"\x14\n\x12GetCountersRequest\"\xdd\x01\n\x0eMethodCounters\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x42\n\x0f\x63\x61lls_by_status\x18\x02 \x03(\x0b\x32).gym.v1.MethodCounters.CallsByStatusEntry\x12\x11\n\tin_flight\x18\x03 \x01(\r\x12\x0e\n\x06p50_ms\x18\x04 \x01(\x01\x12\x0e\n\x06p95_ms\x18\x05 \x01(\x01\x12\x0e\n\x06p99_ms\x18\x06 \x01(\x01\x1a\x34\n\x12\x43\x61llsByStatusEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"p\n\rStageCounters\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x10\n\x08rollouts\x18\x02 \x01(\x04\x12\x14\n\x0cmean_seconds\x18\x03 \x01(\x01\x12\x13\n\x0bp50_seconds\x18\x04 \x01(\x01\x12\x13\n\x0bp95_seconds\x18\x05 \x01(\x01\"\xfe\x05\n\x13GetCountersResponse\x12\'\n\x07methods\x18\x01 \x03(\x0b\x32\x16.gym.v1.MethodCounters\x12\x11\n\tin_flight\x18\x02 \x01(\r\x12\x13\n\x0b\x63\x61lls_total\x18\x03 \x01(\x04\x12\x16\n\x0euptime_seconds\x18\x04 \x01(\x01\x12%\n\x06stages\x18\x05 \x03(\x0b\x32\x15.gym.v1.StageCounters\x12\x39\n\x07retries\x18\x06 \x03(\x0b\x32(.gym.v1.GetCountersResponse.RetriesEntry\x12W\n\x17non_monotonic_histories\x18\x07 \x03(\x0b\x32\x36.gym.v1.GetCountersResponse.NonMonotonicHistoriesEntry\x12\x15\n\rsessions_open\x18\x08 \x01(\r\x12\x1b\n\x13sessions_not_closed\x18\t \x01(\x04\x12T\n\x16turns_caught_by_update\x18\n \x03(\x0b\x32\x34.gym.v1.GetCountersResponse.TurnsCaughtByUpdateEntry\x12=\n\tsandboxes\x18\x0b \x03(\x0b\x32*.gym.v1.GetCountersResponse.SandboxesEntry\x12\x1e\n\x16sandbox_start_failures\x18\x0c \x01(\x04\x1a.\n\x0cRetriesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a<\n\x1aNonMonotonicHistoriesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a:\n\x18TurnsCaughtByUpdateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x30\n\x0eSandboxesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\"\n\x11GetProfileRequest\x12\r\n\x05limit\x18\x01 \x01(\r\"U\n\x0cProfileEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05ncall\x18\x02 \x01(\x04\x12\x0c\n\x04tsub\x18\x03 \x01(\x01\x12\x0c\n\x04ttot\x18\x04 \x01(\x01\x12\x0c\n\x04tavg\x18\x05 \x01(\x01\"[\n\x12GetProfileResponse\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12%\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x14.gym.v1.ProfileEntry\x12\r\n\x05table\x18\x03 \x01(\t2\xe9\x01\n\x0c\x41\x64minService\x12L\n\rGetServerInfo\x12\x1c.gym.v1.GetServerInfoRequest\x1a\x1d.gym.v1.GetServerInfoResponse\x12\x46\n\x0bGetCounters\x12\x1a.gym.v1.GetCountersRequest\x1a\x1b.gym.v1.GetCountersResponse\x12\x43\n\nGetProfile\x12\x19.gym.v1.GetProfileRequest\x1a\x1a.gym.v1.GetProfileResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,6 +40,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETCOUNTERSRESPONSE_NONMONOTONICHISTORIESENTRY']._serialized_options = b'8\001'
   _globals['_GETCOUNTERSRESPONSE_TURNSCAUGHTBYUPDATEENTRY']._loaded_options = None
   _globals['_GETCOUNTERSRESPONSE_TURNSCAUGHTBYUPDATEENTRY']._serialized_options = b'8\001'
+  _globals['_GETCOUNTERSRESPONSE_SANDBOXESENTRY']._loaded_options = None
+  _globals['_GETCOUNTERSRESPONSE_SANDBOXESENTRY']._serialized_options = b'8\001'
   _globals['_GETSERVERINFOREQUEST']._serialized_start=69
   _globals['_GETSERVERINFOREQUEST']._serialized_end=91
   _globals['_GETSERVERINFORESPONSE']._serialized_start=94
@@ -51,29 +53,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SERVEDMETHOD']._serialized_start=661
   _globals['_SERVEDMETHOD']._serialized_end=741
   _globals['_CAPABILITIES']._serialized_start=744
-  _globals['_CAPABILITIES']._serialized_end=922
-  _globals['_GETCOUNTERSREQUEST']._serialized_start=924
-  _globals['_GETCOUNTERSREQUEST']._serialized_end=944
-  _globals['_METHODCOUNTERS']._serialized_start=947
-  _globals['_METHODCOUNTERS']._serialized_end=1168
-  _globals['_METHODCOUNTERS_CALLSBYSTATUSENTRY']._serialized_start=1116
-  _globals['_METHODCOUNTERS_CALLSBYSTATUSENTRY']._serialized_end=1168
-  _globals['_STAGECOUNTERS']._serialized_start=1170
-  _globals['_STAGECOUNTERS']._serialized_end=1282
-  _globals['_GETCOUNTERSRESPONSE']._serialized_start=1285
-  _globals['_GETCOUNTERSRESPONSE']._serialized_end=1906
-  _globals['_GETCOUNTERSRESPONSE_RETRIESENTRY']._serialized_start=1738
-  _globals['_GETCOUNTERSRESPONSE_RETRIESENTRY']._serialized_end=1784
-  _globals['_GETCOUNTERSRESPONSE_NONMONOTONICHISTORIESENTRY']._serialized_start=1786
-  _globals['_GETCOUNTERSRESPONSE_NONMONOTONICHISTORIESENTRY']._serialized_end=1846
-  _globals['_GETCOUNTERSRESPONSE_TURNSCAUGHTBYUPDATEENTRY']._serialized_start=1848
-  _globals['_GETCOUNTERSRESPONSE_TURNSCAUGHTBYUPDATEENTRY']._serialized_end=1906
-  _globals['_GETPROFILEREQUEST']._serialized_start=1908
-  _globals['_GETPROFILEREQUEST']._serialized_end=1942
-  _globals['_PROFILEENTRY']._serialized_start=1944
-  _globals['_PROFILEENTRY']._serialized_end=2029
-  _globals['_GETPROFILERESPONSE']._serialized_start=2031
-  _globals['_GETPROFILERESPONSE']._serialized_end=2122
-  _globals['_ADMINSERVICE']._serialized_start=2125
-  _globals['_ADMINSERVICE']._serialized_end=2358
+  _globals['_CAPABILITIES']._serialized_end=941
+  _globals['_GETCOUNTERSREQUEST']._serialized_start=943
+  _globals['_GETCOUNTERSREQUEST']._serialized_end=963
+  _globals['_METHODCOUNTERS']._serialized_start=966
+  _globals['_METHODCOUNTERS']._serialized_end=1187
+  _globals['_METHODCOUNTERS_CALLSBYSTATUSENTRY']._serialized_start=1135
+  _globals['_METHODCOUNTERS_CALLSBYSTATUSENTRY']._serialized_end=1187
+  _globals['_STAGECOUNTERS']._serialized_start=1189
+  _globals['_STAGECOUNTERS']._serialized_end=1301
+  _globals['_GETCOUNTERSRESPONSE']._serialized_start=1304
+  _globals['_GETCOUNTERSRESPONSE']._serialized_end=2070
+  _globals['_GETCOUNTERSRESPONSE_RETRIESENTRY']._serialized_start=1852
+  _globals['_GETCOUNTERSRESPONSE_RETRIESENTRY']._serialized_end=1898
+  _globals['_GETCOUNTERSRESPONSE_NONMONOTONICHISTORIESENTRY']._serialized_start=1900
+  _globals['_GETCOUNTERSRESPONSE_NONMONOTONICHISTORIESENTRY']._serialized_end=1960
+  _globals['_GETCOUNTERSRESPONSE_TURNSCAUGHTBYUPDATEENTRY']._serialized_start=1962
+  _globals['_GETCOUNTERSRESPONSE_TURNSCAUGHTBYUPDATEENTRY']._serialized_end=2020
+  _globals['_GETCOUNTERSRESPONSE_SANDBOXESENTRY']._serialized_start=2022
+  _globals['_GETCOUNTERSRESPONSE_SANDBOXESENTRY']._serialized_end=2070
+  _globals['_GETPROFILEREQUEST']._serialized_start=2072
+  _globals['_GETPROFILEREQUEST']._serialized_end=2106
+  _globals['_PROFILEENTRY']._serialized_start=2108
+  _globals['_PROFILEENTRY']._serialized_end=2193
+  _globals['_GETPROFILERESPONSE']._serialized_start=2195
+  _globals['_GETPROFILERESPONSE']._serialized_end=2286
+  _globals['_ADMINSERVICE']._serialized_start=2289
+  _globals['_ADMINSERVICE']._serialized_end=2522
 # @@protoc_insertion_point(module_scope)

@@ -279,6 +279,7 @@ class Capabilities(_message.Message):
     TOKEN_IN_TOKEN_OUT_FIELD_NUMBER: _builtins.int
     MAX_SESSIONS_FIELD_NUMBER: _builtins.int
     RESUMABLE_ROLLOUTS_FIELD_NUMBER: _builtins.int
+    SANDBOXES_FIELD_NUMBER: _builtins.int
     max_receive_message_bytes: _builtins.int
     """Largest message the server accepts, in bytes; a larger request fails
     with RESOURCE_EXHAUSTED.
@@ -313,6 +314,10 @@ class Capabilities(_message.Message):
     """Agents: rollouts can be resumed from a turn boundary (protocol 1.9):
     RunRequest.resume, RunManyItem.durable and RunManyRequest.park_ids.
     """
+    sandboxes: _builtins.bool
+    """Resources servers: each session has a sandbox of its own, served by
+    SandboxService (protocol 1.10).
+    """
     def __init__(
         self,
         *,
@@ -322,10 +327,11 @@ class Capabilities(_message.Message):
         token_in_token_out: _builtins.bool = ...,
         max_sessions: _builtins.int = ...,
         resumable_rollouts: _builtins.bool = ...,
+        sandboxes: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_receive_message_bytes", b"max_receive_message_bytes", "max_send_message_bytes", b"max_send_message_bytes", "max_sessions", b"max_sessions", "resumable_rollouts", b"resumable_rollouts", "token_ids", b"token_ids", "token_in_token_out", b"token_in_token_out"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_receive_message_bytes", b"max_receive_message_bytes", "max_send_message_bytes", b"max_send_message_bytes", "max_sessions", b"max_sessions", "resumable_rollouts", b"resumable_rollouts", "sandboxes", b"sandboxes", "token_ids", b"token_ids", "token_in_token_out", b"token_in_token_out"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -516,6 +522,26 @@ class GetCountersResponse(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class SandboxesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     METHODS_FIELD_NUMBER: _builtins.int
     IN_FLIGHT_FIELD_NUMBER: _builtins.int
     CALLS_TOTAL_FIELD_NUMBER: _builtins.int
@@ -526,6 +552,8 @@ class GetCountersResponse(_message.Message):
     SESSIONS_OPEN_FIELD_NUMBER: _builtins.int
     SESSIONS_NOT_CLOSED_FIELD_NUMBER: _builtins.int
     TURNS_CAUGHT_BY_UPDATE_FIELD_NUMBER: _builtins.int
+    SANDBOXES_FIELD_NUMBER: _builtins.int
+    SANDBOX_START_FAILURES_FIELD_NUMBER: _builtins.int
     in_flight: _builtins.int
     """Calls running now, over all methods."""
     calls_total: _builtins.int
@@ -541,6 +569,10 @@ class GetCountersResponse(_message.Message):
     """Agents: sessions of their rollouts whose CloseSession failed, since
     start; each is also logged. The environment closes them at its idle
     time-out.
+    """
+    sandbox_start_failures: _builtins.int
+    """Resources servers with sandboxes: sandboxes that failed to start, since
+    start (each failed its session with SANDBOX_START_FAILED).
     """
     @_builtins.property
     def methods(self) -> _containers.RepeatedCompositeFieldContainer[Global___MethodCounters]:
@@ -581,6 +613,14 @@ class GetCountersResponse(_message.Message):
         when never seen.
         """
 
+    @_builtins.property
+    def sandboxes(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Resources servers with sandboxes (protocol 1.10): how many there are
+        now in each state: "starting", "warm" (ready, kept for the next
+        session), "in_use", "destroying", and "waiting" (sessions queued for
+        one beyond the fleet's caps). Absent when the server has none.
+        """
+
     def __init__(
         self,
         *,
@@ -594,10 +634,12 @@ class GetCountersResponse(_message.Message):
         sessions_open: _builtins.int = ...,
         sessions_not_closed: _builtins.int = ...,
         turns_caught_by_update: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        sandboxes: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        sandbox_start_failures: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls_total", b"calls_total", "in_flight", b"in_flight", "methods", b"methods", "non_monotonic_histories", b"non_monotonic_histories", "retries", b"retries", "sessions_not_closed", b"sessions_not_closed", "sessions_open", b"sessions_open", "stages", b"stages", "turns_caught_by_update", b"turns_caught_by_update", "uptime_seconds", b"uptime_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls_total", b"calls_total", "in_flight", b"in_flight", "methods", b"methods", "non_monotonic_histories", b"non_monotonic_histories", "retries", b"retries", "sandbox_start_failures", b"sandbox_start_failures", "sandboxes", b"sandboxes", "sessions_not_closed", b"sessions_not_closed", "sessions_open", b"sessions_open", "stages", b"stages", "turns_caught_by_update", b"turns_caught_by_update", "uptime_seconds", b"uptime_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
