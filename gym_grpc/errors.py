@@ -90,6 +90,8 @@ class Reason(StrEnum):
     PEER_UNAVAILABLE = "PEER_UNAVAILABLE", _S.UNAVAILABLE
     SERVER_STOPPING = "SERVER_STOPPING", _S.UNAVAILABLE
     MCP_SERVER_UNAVAILABLE = "MCP_SERVER_UNAVAILABLE", _S.UNAVAILABLE
+    SANDBOX_START_FAILED = "SANDBOX_START_FAILED", _S.UNAVAILABLE
+    SANDBOX_FAILED = "SANDBOX_FAILED", _S.FAILED_PRECONDITION
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED", _S.DEADLINE_EXCEEDED
     CANCELLED = "CANCELLED", _S.CANCELLED
     UNCLASSIFIED = "UNCLASSIFIED", None
@@ -271,6 +273,13 @@ class Unavailable(GymError):
     reason = Reason.PEER_UNAVAILABLE
 
 
+class SandboxStartFailed(Unavailable):
+    """A session's sandbox could not be started (its runtime's reason in the message): the rollout fails, it is
+    not scored."""
+
+    reason = Reason.SANDBOX_START_FAILED
+
+
 class Cancelled(GymError):
     """A downstream call was cancelled: by our own caller going away, or by the callee."""
 
@@ -303,6 +312,13 @@ class SessionLost(FailedPrecondition):
     """A resumed rollout's environment session is gone and the environment cannot restore it."""
 
     reason = Reason.SESSION_LOST
+
+
+class SandboxError(FailedPrecondition):
+    """An operation on a session's sandbox failed: the sandbox has ended, did not answer, or the path is
+    wrong (the message is the sandbox's own). Sandbox providers raise it."""
+
+    reason = Reason.SANDBOX_FAILED
 
 
 class StaleAttempt(FailedPrecondition):

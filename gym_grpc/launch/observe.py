@@ -66,6 +66,8 @@ async def _one(info: reg.ServerInfo, address: str, interval: float, security: Se
         turns_caught_by_update=dict(second.turns_caught_by_update),
         sessions_open=second.sessions_open,
         sessions_not_closed=second.sessions_not_closed,
+        sandboxes=dict(second.sandboxes),
+        sandbox_start_failures=second.sandbox_start_failures,
         version=server.version,
         config_hash=server.config_hash,
         profiling=server.profiling,

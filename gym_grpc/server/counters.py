@@ -80,6 +80,9 @@ class Counters:
         self.sessions_open: Callable[[], int] = lambda: 0
         #: Sessions of this agent's rollouts whose CloseSession failed.
         self.sessions_not_closed = 0
+        #: An environment with sandboxes: how many are in each state now, and how many failed to start.
+        self.sandboxes: Callable[[], dict[str, int]] = dict
+        self.sandbox_start_failures: Callable[[], int] = lambda: 0
 
     def begin(self, method: str) -> float:
         """A call started; returns the time to pass to end()."""
@@ -126,6 +129,8 @@ class Counters:
             turns_caught_by_update=dict(self.caught_by_update),
             sessions_open=self.sessions_open(),
             sessions_not_closed=self.sessions_not_closed,
+            sandboxes=self.sandboxes(),
+            sandbox_start_failures=self.sandbox_start_failures(),
         )
         for name, counters in sorted(self.methods.items()):
             ordered = counters.latency.sorted()

@@ -123,6 +123,22 @@ class CountersCollector(Collector):
         )
         not_closed.add_metric([server], counters.sessions_not_closed)
         yield from (sessions, not_closed)
+        sandboxes = counters.sandboxes()
+        if sandboxes:
+            by_state = GaugeMetricFamily(
+                "gym_server_sandboxes",
+                "Environments with sandboxes: sandboxes by state now (waiting: sessions queued for one).",
+                labels=["server", "state"],
+            )
+            for name, count in sandboxes.items():
+                by_state.add_metric([server, name], count)
+            failed = CounterMetricFamily(
+                "gym_server_sandbox_start_failures",
+                "Environments with sandboxes: sandboxes that failed to start.",
+                labels=["server"],
+            )
+            failed.add_metric([server], counters.sandbox_start_failures())
+            yield from (by_state, failed)
 
 
 def _by_label(name: str, documentation: str, server: str, label: str, counts: dict[str, int]) -> Metric:
