@@ -1,0 +1,3 @@
+from .ranges import parse_ranges
+
+__all__ = ["parse_ranges"]
