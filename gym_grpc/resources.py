@@ -354,6 +354,17 @@ class ResourcesServer(GymServer):
         finally:
             await super().stop()
 
+    def open_session(self, session_id: str) -> Session:
+        """The open session `session_id`; FAILED_PRECONDITION (SESSION_NOT_OPEN) when there is none."""
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise errors.FailedPrecondition(
+                f"session {session_id!r} is not open: call SeedSession first (idle sessions are closed)",
+                field="session_id",
+                reason=errors.Reason.SESSION_NOT_OPEN,
+            )
+        return session
+
     async def end_session(self, session_id: str) -> bool:
         """Forget a session and run close_session on it; False if it was not open."""
         session = self.sessions.pop(session_id, None)
@@ -456,15 +467,9 @@ class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
 
     def _session(self, session_id: str) -> Session:
         session = self.app.sessions.get(session_id)
-        if session is None:
-            if self.app.stateless:
-                return Session(id=session_id, task=_NO_TASK)
-            raise errors.FailedPrecondition(
-                f"session {session_id!r} is not open: call SeedSession first (idle sessions are closed)",
-                field="session_id",
-                reason=errors.Reason.SESSION_NOT_OPEN,
-            )
-        return session
+        if session is None and self.app.stateless:
+            return Session(id=session_id, task=_NO_TASK)
+        return session if session is not None else self.app.open_session(session_id)
 
     @rpc_method
     async def SeedSession(self, request: res_pb.SeedSessionRequest, context: Any) -> res_pb.SeedSessionResponse:

@@ -15,12 +15,15 @@ import pytest
 from gym_grpc import errors
 from gym_grpc.client.stubs import ResourcesClient
 from gym_grpc.data import rows
+from gym_grpc.rpc.registry import Registry
 from gym_grpc.rpc.transport import open_channel
 from gym_grpc.sandboxes import SandboxEnvironment, SandboxFleet, SandboxProvider, SandboxSpec
 from gym_grpc.sandboxes.bubblewrap import BubblewrapProvider, runtime_root
 from gym_grpc.testing import static_registry
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
+from gym_grpc.v1 import resources_service_pb2 as res_pb
+from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
 from gym_grpc.v1 import sandbox_service_pb2 as sb_pb
 from gym_grpc.v1 import sandbox_service_pb2_grpc as sb_grpc
 from tests.support import eventually
@@ -159,9 +162,6 @@ async def test_sessions_beyond_the_cap_wait_for_a_sandbox_and_get_one_when_anoth
 async def test_a_waiting_session_gives_up_at_its_callers_deadline(start):
     server = await start(Box({"sandbox": {"max_alive": 1}}, name="box"))
     async with open_channel(server.address) as channel:
-        from gym_grpc.v1 import resources_service_pb2 as res_pb
-        from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
-
         stub = res_grpc.ResourcesServiceStub(channel)
         await stub.SeedSession(res_pb.SeedSessionRequest(session_id="a", task=_task()))
         with pytest.raises(grpc.aio.AioRpcError) as caught:
@@ -178,7 +178,7 @@ async def test_the_warm_pool_hands_out_ready_sandboxes_and_refills(start):
     warm = set(fleet.warm)
     client = ResourcesClient(static_registry(box=server), "box")
     await client.seed_session("a", _task())
-    assert server.app.sessions["a"].state["_sandbox"].result() in warm
+    assert server.app.started_sandbox(server.app.sessions["a"]) in warm
     await eventually(lambda: fleet.states()["warm"] == 2 and fleet.states()["in_use"] == 1, "the pool refilled")
     await client.close_session("a")
     await client.registry.close()
@@ -227,7 +227,7 @@ async def test_closing_the_session_destroys_its_sandbox_and_its_processes(start)
     server = await start(Box({}, name="box"))
     client = ResourcesClient(static_registry(box=server), "box")
     await client.seed_session("s", _task())
-    sandbox = server.app.sessions["s"].state["_sandbox"].result()
+    sandbox = server.app.started_sandbox(server.app.sessions["s"])
     pid = sandbox.process.pid
     await client.close_session("s")
     await eventually(lambda: server.app.fleet.alive() == 0, "the sandbox destroyed")
@@ -275,17 +275,9 @@ async def test_256_sessions_alive_at_once_then_a_sigkilled_server_leaves_nothing
         address = child.stdout.readline().strip()
         assert address, "the server did not start"
         root = runtime_root() / str(child.pid)
-        client = ResourcesClient(static_registry(box=type("R", (), {"address": address})()), "box")
+        client = ResourcesClient(Registry(static={"box": address}), "box")
         sessions = [f"s{i}" for i in range(256)]
-        await asyncio.gather(
-            *(
-                client.seed_session(
-                    s,
-                    _task(),
-                )
-                for s in sessions
-            )
-        )
+        await asyncio.gather(*(client.seed_session(s, _task()) for s in sessions))
         async with open_channel(address) as channel:
             stub = sb_grpc.SandboxServiceStub(channel)
             ran = await asyncio.gather(

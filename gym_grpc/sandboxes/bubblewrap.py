@@ -351,7 +351,7 @@ class BubblewrapProvider(SandboxProvider):
         python_bin = os.path.dirname(self._python)
         path = "/usr/local/bin:/usr/bin:/bin" + ("" if python_bin.startswith("/usr/") else f":{python_bin}")
         command += ["--chdir", spec.workdir, "--clearenv"]
-        environment = {"PATH": path, "HOME": "/tmp", "LANG": "C.UTF-8", "TMPDIR": "/tmp", **spec.env}
+        environment = {"PATH": path, "HOME": "/tmp", "LANG": "C.UTF-8", "TMPDIR": "/tmp"}
         for name, value in environment.items():
             command += ["--setenv", name, value]
         prologue = f"import os, resource as r\nSTORE = {STORE!r}\n"

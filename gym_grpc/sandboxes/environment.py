@@ -28,11 +28,14 @@ from gym_grpc.resources import ResourcesConfig, ResourcesServer, Session
 from gym_grpc.rpc import transport
 from gym_grpc.server.entrypoints import load_class
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
-from gym_grpc.v1 import sandbox_service_pb2 as sb_pb
 
 from .bubblewrap import BubblewrapProvider
 from .fleet import SandboxFleet
 from .provider import CommandResult, Sandbox, SandboxProvider, SandboxSpec
+from .service import add_sandbox_service
+
+#: Where a session keeps its sandbox (a future: the fleet may make it wait) in `session.state`.
+_SANDBOX = "_sandbox"
 
 
 class SandboxSettings(BaseModel):
@@ -107,8 +110,6 @@ class SandboxEnvironment(ResourcesServer):
         return capabilities
 
     def add_services(self, server: grpc.aio.Server) -> list[str]:
-        from .service import add_sandbox_service
-
         return [*super().add_services(server), add_sandbox_service(self, server)]
 
     async def start(self) -> None:
@@ -129,18 +130,18 @@ class SandboxEnvironment(ResourcesServer):
 
     async def sandbox(self, session: Session) -> Sandbox:
         """The session's sandbox, started (or taken from the warm pool) on first use."""
-        found: asyncio.Future[Sandbox] | None = session.state.get("_sandbox")
+        found: asyncio.Future[Sandbox] | None = session.state.get(_SANDBOX)
         pending = found if found is not None else asyncio.ensure_future(self.fleet.acquire())
-        session.state["_sandbox"] = pending
+        session.state[_SANDBOX] = pending
         # A call's deadline does not cancel its handler: the wait for a sandbox ends with it here.
         left = transport.timeout_for(None)
         try:
             return await asyncio.wait_for(asyncio.shield(pending), left)
         except (TimeoutError, asyncio.CancelledError) as e:
             # The caller gave up (its deadline, or the call was cancelled): so does the wait.
-            if session.state.get("_sandbox") is pending and not pending.done():
+            if session.state.get(_SANDBOX) is pending and not pending.done():
                 pending.cancel()
-                session.state.pop("_sandbox", None)
+                session.state.pop(_SANDBOX, None)
             if isinstance(e, asyncio.CancelledError):
                 raise
             raise errors.DeadlineExceeded(
@@ -148,11 +149,18 @@ class SandboxEnvironment(ResourcesServer):
                 f"{self.fleet.max_alive}, {self.fleet.waiting} sessions waiting)"
             ) from None
         except errors.GymError:
-            session.state.pop("_sandbox", None)  # the next use tries again
+            session.state.pop(_SANDBOX, None)  # the next use tries again
             raise
 
+    def started_sandbox(self, session: Session) -> Sandbox | None:
+        """The session's sandbox if it has one ready now (None: not asked for yet, still waited for, or released)."""
+        pending: asyncio.Future[Sandbox] | None = session.state.get(_SANDBOX)
+        if pending is None or not pending.done() or pending.cancelled() or pending.exception() is not None:
+            return None
+        return pending.result()
+
     async def close_session(self, session: Session) -> None:
-        pending: asyncio.Future[Sandbox] | None = session.state.pop("_sandbox", None)
+        pending: asyncio.Future[Sandbox] | None = session.state.pop(_SANDBOX, None)
         if pending is None:
             return
         if not pending.done():
@@ -186,15 +194,3 @@ class SandboxEnvironment(ResourcesServer):
             timeout=timeout or settings.command_timeout_seconds,
             max_output=max_output or settings.max_output_bytes,
         )
-
-
-def exec_reply(result: CommandResult) -> sb_pb.ExecResponse:
-    return sb_pb.ExecResponse(
-        exit_code=result.exit_code,
-        stdout=result.stdout,
-        stderr=result.stderr,
-        stdout_bytes=result.stdout_bytes,
-        stderr_bytes=result.stderr_bytes,
-        timed_out=result.timed_out,
-        seconds=result.seconds,
-    )

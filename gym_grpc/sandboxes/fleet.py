@@ -84,8 +84,6 @@ class SandboxFleet:
     async def acquire(self) -> Sandbox:
         """A sandbox for one session: a warm one, or one started now once the caps allow.
         Waits (cancel it to give up) while the fleet is full; SandboxStartFailed when its start fails."""
-        if self._closed:
-            raise errors.Unavailable("the sandbox fleet is shut down")
         async with self._changed:
             self.waiting += 1
             try:

@@ -14,7 +14,7 @@ Every method runs on the server's event loop and must not block it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gym_grpc.errors import SandboxError
 
@@ -27,8 +27,6 @@ class SandboxSpec:
 
     #: Writable directories made in the sandbox, the first one its working directory.
     dirs: tuple[str, ...] = ("/app", "/tmp")
-    #: Environment variables every command gets (beside PATH, HOME and LANG).
-    env: dict[str, str] = field(default_factory=dict)
     #: Bytes all its writable directories may hold together (a disk filler gets ENOSPC there).
     disk_bytes: int = 256 << 20
     #: Bytes of address space each of its processes may use.

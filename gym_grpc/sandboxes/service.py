@@ -15,7 +15,7 @@ from gym_grpc.server.serving import rpc_method
 from gym_grpc.v1 import sandbox_service_pb2 as sb_pb
 from gym_grpc.v1 import sandbox_service_pb2_grpc as sb_grpc
 
-from .environment import exec_reply
+from .provider import CommandResult
 
 if TYPE_CHECKING:
     from .environment import SandboxEnvironment
@@ -24,6 +24,18 @@ if TYPE_CHECKING:
 def add_sandbox_service(app: SandboxEnvironment, server: grpc.aio.Server) -> str:
     sb_grpc.add_SandboxServiceServicer_to_server(_SandboxServicer(app), server)
     return sb_pb.DESCRIPTOR.services_by_name["SandboxService"].full_name
+
+
+def _exec_reply(result: CommandResult) -> sb_pb.ExecResponse:
+    return sb_pb.ExecResponse(
+        exit_code=result.exit_code,
+        stdout=result.stdout,
+        stderr=result.stderr,
+        stdout_bytes=result.stdout_bytes,
+        stderr_bytes=result.stderr_bytes,
+        timed_out=result.timed_out,
+        seconds=result.seconds,
+    )
 
 
 def _path(path: str) -> str:
@@ -38,13 +50,7 @@ class _SandboxServicer(sb_grpc.SandboxServiceServicer):
 
     @asynccontextmanager
     async def _session(self, session_id: str) -> AsyncIterator[Session]:
-        session = self.app.sessions.get(session_id)
-        if session is None:
-            raise errors.FailedPrecondition(
-                f"session {session_id!r} is not open: call SeedSession first (idle sessions are closed)",
-                field="session_id",
-                reason=errors.Reason.SESSION_NOT_OPEN,
-            )
+        session = self.app.open_session(session_id)
         session.in_flight += 1  # the idle time-out never closes a session under a running call
         try:
             yield session
@@ -71,7 +77,7 @@ class _SandboxServicer(sb_grpc.SandboxServiceServicer):
                 timeout=request.timeout_seconds or None,
                 max_output=request.max_output_bytes or None,
             )
-        return exec_reply(result)
+        return _exec_reply(result)
 
     @rpc_method
     async def ReadFile(self, request: sb_pb.ReadFileRequest, context: Any) -> sb_pb.ReadFileResponse:

@@ -27,7 +27,7 @@ from pydantic import Field
 
 from gym_grpc import errors
 from gym_grpc.resources import Session, Verification, tool
-from gym_grpc.sandboxes import SandboxEnvironment
+from gym_grpc.sandboxes import Sandbox, SandboxEnvironment
 from gym_grpc.sandboxes.environment import SandboxConfig
 from gym_grpc.v1 import responses_pb2 as r
 
@@ -193,13 +193,13 @@ class TerminalEnv(SandboxEnvironment):
     # --- the reward --------------------------------------------------------
 
     async def verify(self, session: Session, response: r.Response) -> Verification:
-        if "_sandbox" not in session.state:
+        sandbox = self.started_sandbox(session)
+        if sandbox is None:
             raise errors.FailedPrecondition(
                 "the terminal environment scores a rollout in its own sandbox, which is gone "
                 "(the session was closed): it cannot re-score it"
             )
         task = self._session_task(session)
-        sandbox = await self.sandbox(session)
         await sandbox.kill_processes()  # nothing the agent left running touches the tests
         await self.run_in_sandbox(session, "rm -rf /tests/* /logs/verifier && mkdir -p /logs/verifier", timeout=60)
         for path, (data, mode) in task.tests.items():
@@ -211,21 +211,20 @@ class TerminalEnv(SandboxEnvironment):
             env={**task.environment_env, **task.verifier_env},
             timeout=task.verifier_timeout,
         )
-        reward, components, source = await self._reward(session)
+        reward, components, source = await self._reward(sandbox)
         return Verification(
             reward=reward,
             fields={"tests_exit_code": result.exit_code, "tests_timed_out": result.timed_out, "reward_file": source},
             components=components,
         )
 
-    async def _reward(self, session: Session) -> tuple[float, dict[str, float], str]:
+    async def _reward(self, sandbox: Sandbox) -> tuple[float, dict[str, float], str]:
         """The reward test.sh wrote: reward.json's `reward` (its other numbers become components) or
         reward.txt's number; 0 when it wrote neither or something that is not a number."""
-        sandbox = await self.sandbox(session)
         for name in ("reward.json", "reward.txt"):
             try:
                 data, _ = await sandbox.read_file(f"/logs/verifier/{name}", 1 << 16)
-            except Exception:
+            except errors.SandboxError:  # not written
                 continue
             try:
                 value = json.loads(data)
