@@ -85,6 +85,29 @@ async def test_a_hung_command_is_killed_at_its_timeout_and_the_sandbox_goes_on(p
         await sandbox.destroy()
 
 
+def _sleeping(seconds: str) -> bool:
+    """Whether a `sleep SECONDS` runs on this machine (a sandbox's processes show in the host's /proc)."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (entry / "cmdline").read_bytes() == f"sleep\0{seconds}\0".encode():
+                return True
+        except OSError:
+            continue
+    return False
+
+
+async def test_a_command_whose_caller_gives_up_is_killed(provider):
+    sandbox = await provider.create(SPEC)
+    try:
+        running = asyncio.ensure_future(sandbox.exec(["sleep", "6017"], timeout=600, max_output=100))
+        await eventually(lambda: _sleeping("6017"), "the command running")
+        running.cancel()
+        await eventually(lambda: not _sleeping("6017"), "the command killed")
+        assert (await sandbox.exec(["echo", "on"], timeout=30, max_output=10)).stdout == b"on\n"
+    finally:
+        await sandbox.destroy()
+
+
 async def test_output_past_the_cap_is_counted_not_returned(provider):
     sandbox = await provider.create(SPEC)
     try:

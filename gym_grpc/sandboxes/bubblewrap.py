@@ -34,6 +34,7 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import uuid
@@ -157,22 +158,33 @@ class BubblewrapSandbox(Sandbox):
         except TimeoutError:
             raise SandboxError(f"sandbox {self.id} was not ready within {timeout:g} s{self._why()}") from None
 
-    async def _call(self, op: str, wait: float, **fields: Any) -> dict[str, Any]:
+    def _send(self, op: str, **fields: Any) -> int:
+        """Write a request; its id."""
         if self._destroyed or self.process.returncode is not None:
             raise SandboxError(f"sandbox {self.id} has ended")
         self._next += 1
-        request_id = self._next
-        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._pending[request_id] = future
         assert self.process.stdin is not None
+        self.process.stdin.write(orjson.dumps({"id": self._next, "op": op, **fields}) + b"\n")
+        return self._next
+
+    async def _call(self, op: str, wait: float, **fields: Any) -> dict[str, Any]:
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        request_id = 0
         try:
-            self.process.stdin.write(orjson.dumps({"id": request_id, "op": op, **fields}) + b"\n")
+            request_id = self._send(op, **fields)
+            self._pending[request_id] = future
+            assert self.process.stdin is not None
             await self.process.stdin.drain()
             reply = await asyncio.wait_for(future, wait)
         except (BrokenPipeError, ConnectionResetError):
             raise SandboxError(f"sandbox {self.id} has ended{self._why()}") from None
         except TimeoutError:
             raise SandboxError(f"sandbox {self.id} did not answer {op} within {wait:g} s") from None
+        except asyncio.CancelledError:
+            if op == "exec" and request_id and self.alive():  # its caller gave up: so does the command
+                with contextlib.suppress(OSError, SandboxError):
+                    self._send("cancel", target=request_id)
+            raise
         finally:
             self._pending.pop(request_id, None)
         if "error" in reply:
@@ -253,8 +265,13 @@ class BubblewrapSandbox(Sandbox):
         if self._destroyed:
             return
         self._destroyed = True
+        if not self._ready.done():
+            self._ready.cancel()  # destroyed while starting: nobody will ask why it did not get ready
+        # bwrap's process group: bwrap, and the sandbox's first process, which ends its pid namespace and so
+        # everything in it. Killing bwrap alone is not enough early in its start, before the first process
+        # has asked to die with it: that one would live on, holding the pipes (and so process.wait()) open.
         with contextlib.suppress(ProcessLookupError):
-            self.process.kill()  # bwrap; its pid namespace, and so everything in it, ends with it
+            os.killpg(self.process.pid, signal.SIGKILL)
         await self.process.wait()
         for _, server in self._forwards.values():
             server.close()
@@ -378,6 +395,7 @@ class BubblewrapProvider(SandboxProvider):
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 env={"PATH": os.defpath, "LANG": "C.UTF-8"},
+                start_new_session=True,  # a process group of its own, for destroy to kill whole
                 limit=1 << 26,  # one reply line holds a file or a command's output, base64
             )
             sandbox = BubblewrapSandbox(process, sandbox_id, home, uid, self._uids.append)

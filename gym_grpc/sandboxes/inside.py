@@ -16,6 +16,7 @@ Binary data travels as base64.
     {"id": 4, "op": "list", "path": "/app"} -> {"id": 4, "entries": [{"name", "type", "size"}]}
     {"id": 5, "op": "kill_others"} -> {"id": 5, "killed": n}
     {"id": 6, "op": "forward", "port": 8000, "socket": "/run/gym/forward.sock"} -> {"id": 6}
+    {"id": 7, "op": "cancel", "target": 1} -> {"id": 7}   (kills exec 1's process group: its caller gave up)
     a failure -> {"id": n, "error": "what went wrong"}
 
 The first line it writes, once ready, is {"ready": true, "pid": its pid}.
@@ -43,6 +44,8 @@ import time
 
 _out = sys.stdout.buffer
 _lock = threading.Lock()
+#: The commands running now: their process group by the id of their exec request.
+_running: dict = {}
 
 
 def _reply(message):
@@ -93,6 +96,7 @@ def _exec(request):
             "timed_out": False,
             "seconds": 0.0,
         }
+    _running[request["id"]] = child.pid
     stdin = base64.b64decode(request.get("stdin") or "")
     threading.Thread(target=_feed, args=(os.dup(child.stdin.fileno()), stdin), daemon=True).start()
     child.stdin.close()
@@ -139,6 +143,7 @@ def _exec(request):
     except OSError:
         pass
     code = child.wait()
+    _running.pop(request["id"], None)
     for fd in list(kept):
         if fd in selector.get_map():
             drain(fd)
@@ -201,6 +206,16 @@ def _kill_others(request):
     return {"killed": killed}
 
 
+def _cancel(request):
+    group = _running.get(request["target"])
+    if group is not None:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except OSError:
+            pass
+    return {}
+
+
 def _pump(source, sink):
     try:
         while True:
@@ -244,7 +259,15 @@ def _forward(request):
     return {}
 
 
-_OPS = {"exec": _exec, "read": _read, "write": _write, "list": _list, "kill_others": _kill_others, "forward": _forward}
+_OPS = {
+    "exec": _exec,
+    "read": _read,
+    "write": _write,
+    "list": _list,
+    "kill_others": _kill_others,
+    "forward": _forward,
+    "cancel": _cancel,
+}
 
 
 def _serve(request):
