@@ -34,6 +34,8 @@ from gym_grpc.v1 import model_service_pb2_grpc as model_grpc
 from gym_grpc.v1 import resources_service_pb2 as res_pb
 from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
 from gym_grpc.v1 import responses_pb2 as r
+from gym_grpc.v1 import sandbox_service_pb2 as sb_pb
+from gym_grpc.v1 import sandbox_service_pb2_grpc as sb_grpc
 from gym_grpc.v1 import task_pb2
 
 #: Timeout of one call, in seconds, when neither the caller's deadline nor the client's `timeout` gives one.
@@ -271,6 +273,7 @@ class ResourcesClient(_Client):
     def __init__(self, registry: Registry, name: str, *, timeout: float | None = None) -> None:
         super().__init__(registry, name, timeout=timeout)
         self._sessions: dict[str, str] = {}  # session id -> the address of the replica holding it
+        self._sandboxes = _SandboxCalls(registry, name, timeout=timeout)
 
     def _session(self, session_id: str) -> transport.Connection | None:
         """Where a session's calls go: the replica that holds it, else round the server's replicas."""
@@ -341,6 +344,24 @@ class ResourcesClient(_Client):
     async def describe_tools(self) -> res_pb.DescribeToolsResponse:
         """The environment's tools, and whether it is stateless."""
         return await self._call("DescribeTools", res_pb.DescribeToolsRequest())
+
+    async def sandbox_exec(self, request: sb_pb.ExecRequest, timeout: float | None = None) -> sb_pb.ExecResponse:
+        """Run a command in the session's sandbox (SandboxService.Exec, on the replica that holds the session)."""
+        return await self._sandboxes._call("Exec", request, timeout, connection=self._session(request.session_id))
+
+    async def sandbox_write(self, session_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
+        """Write a file of the session's sandbox (SandboxService.WriteFile)."""
+        request = sb_pb.WriteFileRequest(session_id=session_id, path=path, data=data, mode=mode)
+        await self._sandboxes._call("WriteFile", request, connection=self._session(session_id))
+
+
+class _SandboxCalls(_Client):
+    """SandboxService calls of a resources server, made through its ResourcesClient (which knows the
+    replica that holds each session)."""
+
+    _stub_class = sb_grpc.SandboxServiceStub
+    _kind = "resources server"
+    _service = sb_pb.DESCRIPTOR.services_by_name["SandboxService"].full_name
 
 
 class AgentClient(_Client):

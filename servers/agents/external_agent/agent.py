@@ -25,6 +25,15 @@ sooner). In every case the program and everything it started are stopped.
 At `max_steps` model calls the program is stopped and the rollout verified
 as it stands (stop reason max_steps).
 
+With `in_sandbox`, the program runs inside the rollout's own sandbox instead
+(an environment with sandboxes, gym_grpc/sandboxes: SandboxService.Exec on the
+session's replica): the task file goes to /tmp/gym-agent (with a `python`
+program's module, whose imports come from the server's Python, shown read-only
+when the environment sets `sandbox.python_packages`), and the endpoint's port
+inside the sandbox is forwarded to the endpoint, the one address the program
+can reach. A `command` must name a program the sandbox has. The program's
+environment is then only `env` and the variables above, none of the server's.
+
 The tool loop's hooks apply: `call_model` makes every model call and
 `call_tool` every tool call of the endpoint (this class is a ToolLoopAgent
 whose loop runs in another program).
@@ -33,11 +42,13 @@ whose loop runs in another program).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import os
 import sys
 import tempfile
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +58,19 @@ from gym_grpc import errors, policy_version
 from gym_grpc.agent import RolloutEvents, ToolLoopAgent, ToolLoopConfig
 from gym_grpc.data import rows
 from gym_grpc.rpc import transport
+from gym_grpc.v1 import sandbox_service_pb2 as sb_pb
 from gym_grpc.v1 import task_pb2
 
 from .endpoint import Endpoint
-from .process import AgentProcess, describe_exit
+from .process import TAIL_BYTES, AgentProcess, describe_exit
 from .recording import Recording
+
+#: Where the program's files (the task, a python program's module) go in a sandbox (`in_sandbox`).
+SANDBOX_DIR = "/tmp/gym-agent"
+#: Bytes of the program's output a sandbox returns (the message of a failure quotes its end).
+SANDBOX_OUTPUT_BYTES = 1 << 16
+#: Seconds past the program's limit its Exec may take to answer (the sandbox kills it at the limit).
+SANDBOX_GRACE_SECONDS = 30.0
 
 #: Runs "module:function" in the child: its return value (awaited if it is a coroutine) is the exit status.
 _CALL_FUNCTION = (
@@ -82,6 +101,11 @@ class ExternalAgentConfig(ToolLoopConfig):
     http_host: str = Field("127.0.0.1", description="where the OpenAI endpoint listens")
     http_port: int = Field(0, ge=0, le=65535, description="its port; 0 picks a free one (each worker its own)")
     served_model_name: str = Field("gym-grpc", description="the model /v1/models lists")
+    in_sandbox: bool = Field(
+        False,
+        description="run the program inside the rollout's sandbox (an environment with sandboxes, such as "
+        "terminal, with sandbox.python_packages for a python program): the endpoint is then all it can reach",
+    )
 
     @model_validator(mode="after")
     def _one_program(self) -> ExternalAgentConfig:
@@ -104,13 +128,18 @@ class ExternalAgent(ToolLoopAgent):
         self.argv = self._argv()
         self._slots = asyncio.Semaphore(self.config.max_programs)
 
-    def _argv(self) -> list[str]:
-        if self.config.command is not None:
-            return list(self.config.command)
+    def _target(self) -> tuple[str, str]:
+        """The python program's module (resolved) and function ("" to run it as -m)."""
         assert self.config.python is not None
         target, _, function = self.config.python.partition(":")
         if target.startswith("."):
             target = importlib.util.resolve_name(target, type(self).__module__.rpartition(".")[0])
+        return target, function
+
+    def _argv(self) -> list[str]:
+        if self.config.command is not None:
+            return list(self.config.command)
+        target, function = self._target()
         if function:
             return [sys.executable, "-c", _CALL_FUNCTION, target, function]
         return [sys.executable, "-m", target]
@@ -166,11 +195,14 @@ class ExternalAgent(ToolLoopAgent):
         )
         self.recordings[session_id] = recording
         try:
-            with tempfile.TemporaryDirectory(prefix="gym-grpc-agent-") as workdir:
-                task_file = Path(workdir) / "task.json"
-                task_file.write_text(rows.dumps(rows.task_to_row(task)))
-                env = self._environment(session_id, task_file)
-                code, tail = await self._run_program(recording, env, Path(workdir), limit)
+            if self.config.in_sandbox:
+                code, tail = await self._run_in_sandbox(session_id, task, recording, limit)
+            else:
+                with tempfile.TemporaryDirectory(prefix="gym-grpc-agent-") as workdir:
+                    task_file = Path(workdir) / "task.json"
+                    task_file.write_text(rows.dumps(rows.task_to_row(task)))
+                    env = self._environment(session_id, task_file)
+                    code, tail = await self._run_program(recording, env, Path(workdir), limit)
         finally:
             await recording.close()
             self.recordings.pop(session_id, None)
@@ -189,6 +221,66 @@ class ExternalAgent(ToolLoopAgent):
         if code is None:  # stopped at max_steps
             rollout.stop_reason = task_pb2.STOP_REASON_MAX_STEPS
         return rollout
+
+    async def _run_in_sandbox(
+        self, session_id: str, task: task_pb2.Task, recording: Recording, limit: float
+    ) -> tuple[int | None, str]:
+        """_run_program in the rollout's own sandbox (SandboxService.Exec on the environment): the task
+        file (and a python program's module) are written there, and the endpoint's port inside the
+        sandbox is joined to the endpoint outside, the one address the program can reach."""
+        files = {"task.json": rows.dumps(rows.task_to_row(task)).encode()}
+        env = dict(self.config.env)
+        argv = self.argv
+        if self.config.python is not None:  # the module's file goes in; its imports come from the server's Python
+            target, function = self._target()
+            spec = importlib.util.find_spec(target)
+            if spec is None or spec.origin is None:
+                raise errors.ConfigError(f"{self._program()}: no module {target!r} to copy into the sandbox")
+            leaf = target.rpartition(".")[2]
+            files[f"{leaf}.py"] = Path(spec.origin).read_bytes()
+            env["PYTHONPATH"] = SANDBOX_DIR
+            argv = [sys.executable, "-c", _CALL_FUNCTION, leaf, function] if function else [sys.executable, "-m", leaf]
+        for name, data in files.items():
+            await self.resources.sandbox_write(session_id, f"{SANDBOX_DIR}/{name}", data)
+        outside = urllib.parse.urlsplit(self.endpoint.base_url(session_id)).netloc
+        inside = f"http://127.0.0.1:{self.endpoint.port}/s/{session_id}"
+        env.update(
+            OPENAI_BASE_URL=f"{inside}/v1",
+            OPENAI_API_KEY=session_id,
+            GYM_GRPC_SESSION_ID=session_id,
+            GYM_GRPC_TASK_FILE=f"{SANDBOX_DIR}/task.json",
+            GYM_GRPC_TOOLS_URL=f"{inside}/tools",
+        )
+        request = sb_pb.ExecRequest(
+            session_id=session_id,
+            argv=argv,
+            env=env,
+            cwd=self.config.cwd or "",
+            timeout_seconds=limit,
+            max_output_bytes=SANDBOX_OUTPUT_BYTES,
+            forwards=[sb_pb.PortForward(port=self.endpoint.port, target=outside)],
+        )
+        ran = asyncio.ensure_future(self.resources.sandbox_exec(request, timeout=limit + SANDBOX_GRACE_SECONDS))
+        over = asyncio.ensure_future(recording.over.wait())
+        try:
+            done, _ = await asyncio.wait({ran, over}, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            over.cancel()
+            if not ran.done():
+                ran.cancel()  # the environment ends the program when its Exec is cancelled
+                with contextlib.suppress(asyncio.CancelledError, errors.GymError):
+                    await ran
+        if ran in done:
+            reply = ran.result()
+            tail = (reply.stderr or reply.stdout).decode("utf-8", "replace").strip()[-TAIL_BYTES:]
+            if not reply.timed_out:
+                return reply.exit_code, tail
+        elif over in done:
+            return None, ""
+        raise errors.DeadlineExceeded(
+            f"{self._program()} was still running in the sandbox after {limit:g} s (timeout_seconds or the "
+            f"call's deadline); stopped after {len(recording.turns)} model calls"
+        )
 
     async def _run_program(
         self, recording: Recording, env: dict[str, str], logs: Path, limit: float

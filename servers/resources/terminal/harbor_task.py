@@ -12,8 +12,8 @@
 
 The fields are Harbor's (harbor.models.task.config.TaskConfig, schema 1.4). The
 `harbor` package (0.25) needs Python 3.12 and gym-grpc runs on 3.11, so this reads
-task.toml with tomllib; the bundled tasks have not yet been checked with Harbor's
-own `Task` loader (docs/sandboxes.md says so).
+task.toml with tomllib; CI loads every bundled task with Harbor's own `Task` too and
+compares the two (.ci/harbor_check).
 What a sandbox of this machine cannot give is refused with the reason, never
 run wrongly: a container image (environment/Dockerfile, docker-compose.yaml,
 [environment] docker_image), GPUs or TPUs, Windows, multi-step tasks.

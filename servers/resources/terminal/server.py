@@ -4,7 +4,7 @@ Tasks are Harbor task folders (harbor_task.py) under `tasks_dir`; a row names
 one with its `task` field. SeedSession starts the session's sandbox (the
 `sandbox:` settings: gym_grpc/sandboxes), lays the task's environment files
 into its working directory and runs the task's setup.sh there. The model works
-with three tools, each in that sandbox: run_command (a shell line), read_file
+with three tools, each in that sandbox: run_command (a bash command line), read_file
 and write_file. Verify ends what the agent left running, copies the task's
 tests/ to /tests (the agent never saw them), runs `bash /tests/test.sh` in the
 working directory and reads the reward it wrote to /logs/verifier/reward.txt
@@ -142,20 +142,18 @@ class TerminalEnv(SandboxEnvironment):
     async def run_command(
         self,
         session: Session,
-        command: Annotated[
-            str, Field(description="A shell command line, run by /bin/sh in the task's working directory.")
-        ],
+        command: Annotated[str, Field(description="A command line, run by bash in the task's working directory.")],
         timeout_seconds: Annotated[
             float | None, Field(description="Seconds before the command is killed (default 60).")
         ] = None,
     ) -> str:
-        """Run a shell command in the sandbox; returns its exit code, stdout and stderr."""
+        """Run a bash command line in the sandbox; returns its exit code, stdout and stderr."""
         timeout = min(
             timeout_seconds or self.config.default_command_timeout_seconds, self.config.max_command_timeout_seconds
         )
         task = self._session_task(session)
         result = await self.run_in_sandbox(
-            session, command, cwd=task.workdir, env=task.environment_env, timeout=timeout
+            session, ["/bin/bash", "-c", command], cwd=task.workdir, env=task.environment_env, timeout=timeout
         )
         status = f"killed after {timeout:g} s" if result.timed_out else f"exit code {result.exit_code}"
         out = f"[{status}]\n{_shown(result.stdout, result.stdout_bytes)}"

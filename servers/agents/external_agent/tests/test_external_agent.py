@@ -336,3 +336,51 @@ async def test_rollouts_past_max_programs_wait_for_a_slot(start):
         await client.registry.close()
     assert [rollout.reward for rollout in rollouts] == [1.0] * 3
     assert running_at_each_call == [1, 1, 1]
+
+
+async def test_a_program_in_the_rollouts_sandbox_reaches_only_its_endpoint_and_its_work_is_scored(start, tmp_path):
+    """`in_sandbox`: the program runs in the terminal environment's bubblewrap sandbox for the rollout. It
+    finds itself there (its host, no way to a listener on the host's loopback, no host file), its one tool
+    call edits the sandbox's repository, and the task's hidden tests score that; every turn has its ids."""
+    from gym_grpc.bundled.servers.resources.terminal.server import TerminalEnv
+    from gym_grpc.data import rows
+
+    terminal = Path(__file__).resolve().parents[3] / "resources" / "terminal"
+    solve = (terminal / "tasks" / "git-commit-feature-branch" / "solution" / "solve.sh").read_text()
+    row = next(
+        row
+        for row in map(json.loads, (terminal / "data" / "example.jsonl").read_text().splitlines())
+        if row["task"] == "git-commit-feature-branch"
+    )
+    listener = await asyncio.start_server(lambda reader, writer: writer.close(), "127.0.0.1", 0)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("host only")
+    first = _with_ids([call("run_command", json.dumps({"command": solve}))], [1, 2, 3], [10, 11, 12])
+    second = _with_ids(say("Committed on feature/greeting."), [1, 2, 3, 10, 11, 12, 20], [30, 31])
+    m = await start(ScriptedModel([first, second]))
+    env = await start(TerminalEnv({"sandbox": {"python_packages": True}}, name="terminal"))
+    env_vars = {"PROBE_PORT": str(listener.sockets[0].getsockname()[1]), "PROBE_SECRET": str(secret)}
+    agent = ExternalAgent(
+        {
+            "model_server": "model",
+            "resources_server": "terminal",
+            "python": "tests.programs.sandbox_probe:main",
+            "in_sandbox": True,
+            "env": env_vars,
+        },
+        name="agent",
+        registry=static_registry(model=m, terminal=env),
+    )
+    a = await start(agent)
+    client = AgentClient(static_registry(agent=a), "agent")
+    try:
+        rollout = await client.run(rows.task_from_row(row), timeout=120)
+    finally:
+        await client.registry.close()
+        listener.close()
+    assert rollout.reward == 1.0, rollout.response.output[1].function_call_output.output
+    assert rollout.model_calls == 2
+    output = rollout.response.output
+    assert [i.WhichOneof("item") for i in output] == ["function_call", "function_call_output", "message"]
+    assert list(output[0].function_call.generation_token_ids) == [10, 11, 12]
+    assert list(output[2].message.generation_token_ids) == [30, 31]
