@@ -21,6 +21,9 @@ What it measures, each in real processes on loopback:
                        the same servers without Ray; calls per replica; and the registry
                        pushing one change to 2,000 watchers (bench/registry_fanout.py)
       startup          `gym-grpc run` of the quickstart, from start to every server healthy
+  --only sandboxes     a sandbox per session: start/destroy p50/p99 with and without a warm pool,
+                       memory and idle CPU per sandbox with 256 alive, terminal rollouts/s with each
+                       task's own solution as the policy (bench/sandboxes.py)
   --peer nemo-gym      (or --only peer) gym-grpc beside the real NeMo Gym 0.7.0 on one engine: the
                        weather, multi-turn and math workloads at 64, 1,024 and 4,096 in flight
                        (bench/nemo_gym_peer.py; results in <name>-peer-nemo-gym.json)
@@ -856,7 +859,7 @@ def main() -> None:
     parser.add_argument("--cpu-hogs", type=int, default=4, help="busy processes loading the machine during (e)")
     parser.add_argument(
         "--only",
-        choices=["collector_1m", "http_engine_16k", "replicas", "peer", "cpu_split", "durable"],
+        choices=["collector_1m", "http_engine_16k", "replicas", "peer", "cpu_split", "durable", "sandboxes"],
         help="run only this scenario; results go to <name>-<scenario>.json",
     )
     parser.add_argument(
@@ -955,6 +958,14 @@ def main() -> None:
         _save(args, results, f"{args.name}-{args.only}")
         print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
         sys.exit(1 if any(row["failed"] for rows in result["runs"].values() for row in rows) else 0)
+    if args.only == "sandboxes":
+        import sandboxes
+
+        result = sandboxes.bench_sandboxes(args.smoke)
+        results[args.only] = result
+        _save(args, results, f"{args.name}-{args.only}")
+        print(json.dumps(result, indent=2))
+        sys.exit(0 if result["terminal_scripted"]["mean_reward"] == 1.0 else 1)
     if args.only == "replicas":
         with tempfile.TemporaryDirectory() as directory:
             result = _bench_replicas(Path(directory), sizes)
