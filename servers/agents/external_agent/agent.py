@@ -139,10 +139,7 @@ class ExternalAgent(ToolLoopAgent):
     def _argv(self) -> list[str]:
         if self.config.command is not None:
             return list(self.config.command)
-        target, function = self._target()
-        if function:
-            return [sys.executable, "-c", _CALL_FUNCTION, target, function]
-        return [sys.executable, "-m", target]
+        return _python_argv(*self._target())
 
     def _environment(self, session_id: str, task_file: Path) -> dict[str, str]:
         env = dict(os.environ)
@@ -239,7 +236,7 @@ class ExternalAgent(ToolLoopAgent):
             leaf = target.rpartition(".")[2]
             files[f"{leaf}.py"] = Path(spec.origin).read_bytes()
             env["PYTHONPATH"] = SANDBOX_DIR
-            argv = [sys.executable, "-c", _CALL_FUNCTION, leaf, function] if function else [sys.executable, "-m", leaf]
+            argv = _python_argv(leaf, function)
         for name, data in files.items():
             await self.resources.sandbox_write(session_id, f"{SANDBOX_DIR}/{name}", data)
         outside = urllib.parse.urlsplit(self.endpoint.base_url(session_id)).netloc
@@ -261,26 +258,19 @@ class ExternalAgent(ToolLoopAgent):
             forwards=[sb_pb.PortForward(port=self.endpoint.port, target=outside)],
         )
         ran = asyncio.ensure_future(self.resources.sandbox_exec(request, timeout=limit + SANDBOX_GRACE_SECONDS))
-        over = asyncio.ensure_future(recording.over.wait())
         try:
-            done, _ = await asyncio.wait({ran, over}, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
+            ended = await self._until_over(ran, recording, limit)
         finally:
-            over.cancel()
             if not ran.done():
                 ran.cancel()  # the environment ends the program when its Exec is cancelled
                 with contextlib.suppress(asyncio.CancelledError, errors.GymError):
                     await ran
-        if ran in done:
-            reply = ran.result()
-            tail = (reply.stderr or reply.stdout).decode("utf-8", "replace").strip()[-TAIL_BYTES:]
-            if not reply.timed_out:
-                return reply.exit_code, tail
-        elif over in done:
+        if not ended:
             return None, ""
-        raise errors.DeadlineExceeded(
-            f"{self._program()} was still running in the sandbox after {limit:g} s (timeout_seconds or the "
-            f"call's deadline); stopped after {len(recording.turns)} model calls"
-        )
+        reply = ran.result()
+        if reply.timed_out:  # the sandbox ended it at the limit, a moment before our own clock did
+            raise self._outlived(recording, limit)
+        return reply.exit_code, (reply.stderr or reply.stdout).decode("utf-8", "replace").strip()[-TAIL_BYTES:]
 
     async def _run_program(
         self, recording: Recording, env: dict[str, str], logs: Path, limit: float
@@ -293,17 +283,35 @@ class ExternalAgent(ToolLoopAgent):
         except OSError as e:
             raise errors.AgentProcessFailed(f"cannot start {self._program()}: {e.strerror or e}") from None
         exited = asyncio.ensure_future(process.wait())
+        try:
+            ended = await self._until_over(exited, recording, limit)
+        finally:
+            await process.stop()
+        return (exited.result() if ended else None), process.output_tail()
+
+    async def _until_over(self, running: asyncio.Future[Any], recording: Recording, limit: float) -> bool:
+        """Wait for the program's run to end (True) or the rollout to end first (False: max_steps, a failed
+        server); DeadlineExceeded when neither happens within `limit` seconds. The caller stops the program."""
         over = asyncio.ensure_future(recording.over.wait())
         try:
-            done, _ = await asyncio.wait({exited, over}, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({running, over}, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
         finally:
             over.cancel()
-            await process.stop()
-        if exited in done:
-            return exited.result(), process.output_tail()
+        if running in done:
+            return True
         if over in done:
-            return None, process.output_tail()
-        raise errors.DeadlineExceeded(
+            return False
+        raise self._outlived(recording, limit)
+
+    def _outlived(self, recording: Recording, limit: float) -> errors.DeadlineExceeded:
+        return errors.DeadlineExceeded(
             f"{self._program()} was still running after {limit:g} s (timeout_seconds or the call's deadline); "
             f"stopped after {len(recording.turns)} model calls"
         )
+
+
+def _python_argv(module: str, function: str) -> list[str]:
+    """This server's Python running `module` (-m), or its `function` (its return value the exit status)."""
+    if function:
+        return [sys.executable, "-c", _CALL_FUNCTION, module, function]
+    return [sys.executable, "-m", module]
