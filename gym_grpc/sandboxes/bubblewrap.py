@@ -282,6 +282,11 @@ class BubblewrapSandbox(Sandbox):
             self._release_uid(self.uid)
 
 
+def _mode(path: str) -> str:
+    """A writable directory's permission bits: /tmp's sticky, as on any system."""
+    return "1777" if path == "/tmp" else "0777"
+
+
 async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     try:
         while data := await reader.read(65536):
@@ -347,13 +352,14 @@ class BubblewrapProvider(SandboxProvider):
             elif os.path.isdir(top):
                 command += ["--ro-bind", top, top]
         command += ["--ro-bind-try", "/etc/alternatives", "/etc/alternatives"]
-        prefixes = {os.path.dirname(os.path.dirname(self._python)), os.path.realpath(sys.base_prefix)}
-        if spec.python_packages:
-            prefixes.add(os.path.realpath(sys.prefix))
-        made: set[str] = set()
-        for prefix in sorted(prefixes):
-            if prefix in ("/", "/usr") or prefix.startswith("/usr/"):
-                continue
+        prefixes = [p for p in self.python_prefixes(spec) if p not in ("/", "/usr") and not p.startswith("/usr/")]
+        # A writable directory that holds a bound prefix (a virtualenv under /tmp) cannot be a link into
+        # the shared tmpfs: it is a tmpfs of its own, of the same size, and the prefix is bound inside it.
+        holding = {d for d in spec.dirs if any(p.startswith(d.rstrip("/") + "/") for p in prefixes)}
+        for path in sorted(holding):
+            command += ["--size", str(spec.disk_bytes), "--perms", _mode(path), "--tmpfs", path]
+        made = set(holding)
+        for prefix in prefixes:
             # Its parents as plain directories anyone may enter (the host's may be closed: /root).
             for parent in reversed(Path(prefix).parents[:-1]):
                 if str(parent) not in made:
@@ -363,8 +369,9 @@ class BubblewrapProvider(SandboxProvider):
         command += ["--ro-bind", str(home), RUN_DIR]
         command += ["--size", str(spec.disk_bytes), "--perms", "0777", "--tmpfs", STORE]
         for path in spec.dirs:
-            inside = f"{STORE}/{path.strip('/').replace('/', '_')}"
-            command += ["--perms", "1777" if path == "/tmp" else "0777", "--dir", inside, "--symlink", inside, path]
+            if path not in holding:
+                inside = f"{STORE}/{path.strip('/').replace('/', '_')}"
+                command += ["--perms", _mode(path), "--dir", inside, "--symlink", inside, path]
         python_bin = os.path.dirname(self._python)
         path = "/usr/local/bin:/usr/bin:/bin" + ("" if python_bin.startswith("/usr/") else f":{python_bin}")
         command += ["--chdir", spec.workdir, "--clearenv"]
@@ -381,6 +388,15 @@ class BubblewrapProvider(SandboxProvider):
             )
             prologue += f"os.setgroups([]); os.setresgid({uid}, {uid}, {uid}); os.setresuid({uid}, {uid}, {uid})\n"
         return [*command, "--", self._python, "-I", "-c", prologue + INSIDE]
+
+    def python_prefixes(self, spec: SandboxSpec) -> list[str]:
+        """The directories of Python a sandbox gets read-only: the interpreter's and its standard library's
+        (a virtualenv's interpreter is usually a link into them), and with `python_packages` the
+        server's environment itself."""
+        prefixes = {os.path.dirname(os.path.dirname(self._python)), os.path.realpath(sys.base_prefix)}
+        if spec.python_packages:
+            prefixes.add(os.path.realpath(sys.prefix))
+        return sorted(prefixes)
 
     async def create(self, spec: SandboxSpec) -> Sandbox:
         sandbox_id = uuid.uuid4().hex[:12]
