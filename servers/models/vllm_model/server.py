@@ -522,6 +522,9 @@ class VLLMModel(EngineModelServer):
             shown = ids[:-1]
         # In this thread: a fast tokenizer decodes a turn's ids in microseconds, less than a thread hop.
         text = self._local.tokenizer.decode(shown, skip_special_tokens=sampling.skip_special_tokens)
+        # A turn cut inside a character (byte-level tokens) decodes to a trailing U+FFFD, which vLLM's
+        # incremental detokenizer never writes: it holds such bytes back until the character is whole.
+        text = text.rstrip("\ufffd")
         if stopped_by == "matched_stop_str" and not sampling.include_stop_str_in_output:
             at = text.find(complete.matched_stop_str)
             text = text if at < 0 else text[:at]

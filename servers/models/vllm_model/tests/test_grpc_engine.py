@@ -101,6 +101,15 @@ async def test_a_turn_cut_at_max_output_tokens_is_incomplete(start, grpc_engine)
     await model.registry.close()
 
 
+async def test_a_turn_cut_inside_a_character_ends_before_it_as_vllms_detokenizer_writes_it(start, grpc_engine):
+    fake, face = await grpc_engine([Turn(content="ab\u20ac and more")])  # the euro sign is 3 byte tokens
+    model = await _model(start, face.base_url, return_token_ids=True)
+    response = await model.create_response(_params(max_output_tokens=4), "s")
+    carrier = response.output[-1].message
+    assert final_text(response) == "ab" and len(carrier.generation_token_ids) == 4
+    await model.registry.close()
+
+
 async def test_a_prompt_past_the_context_ends_the_rollout_incomplete(start, grpc_engine):
     fake, face = await grpc_engine([Turn(content="never")], max_model_len=10)
     model = await _model(start, face.base_url, return_token_ids=True)
