@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import grpc
 from pydantic import Field
 
-from gym_grpc import errors, policy_version
+from gym_grpc import errors, images, policy_version
 from gym_grpc.client import stubs
 from gym_grpc.client.stubs import ModelClient, ResourcesClient, ToolResult
 from gym_grpc.data import jsonl, record, rollout_state, rows
@@ -550,10 +550,19 @@ class ToolLoopAgent(AgentServer):
             if ended or step == self.config.max_steps:
                 rollout.model_calls = step
                 return await self.verified(session_id, task, rollout, events, verify)
+        sent = images.SentImages()
         while step < self.config.max_steps:
             attempt.park_if_asked()
             began = time.monotonic()
-            response = await self.call_model(request, step)
+            sent.before_call(params.input_items.items)
+            try:
+                response = await self.call_model(request, step)
+            except errors.GymError as e:
+                if e.reason != errors.Reason.IMAGE_NOT_FOUND:
+                    raise
+                sent.restore(params.input_items.items)  # a model server that restarted: once more, by value
+                response = await self.call_model(request, step)
+            sent.after_call(params.input_items.items)
             seconds = time.monotonic() - began
             events.model_call(step, response, seconds)
             so_far.take(response, seconds)
@@ -581,7 +590,9 @@ class ToolLoopAgent(AgentServer):
     async def verified(
         self, session_id: str, task: task_pb2.Task, rollout: task_pb2.Rollout, events: RolloutEvents, verify: bool
     ) -> task_pb2.Rollout:
-        """The rollout with its verdict from the resources server, or marked unverified without `verify`."""
+        """The rollout with its verdict from the resources server, or marked unverified without `verify`.
+        An image shown several times is held by value once in its response, referenced after."""
+        images.by_value_once(rollout.response.output)
         if not verify:
             rollout.verification_skipped = True
             return rollout
@@ -636,9 +647,11 @@ class _SoFar:
 
 def tool_call_output(call: r.FunctionCall, result: ToolResult) -> r.FunctionCallOutput:
     """The output item that answers `call` with `result`, as the model sees it (an error marked)."""
-    return r.FunctionCallOutput(
-        id=new_id("fco"),
-        call_id=call.call_id,
-        output=tool_error_output(result.output) if result.error else result.output,
-        status=r.ITEM_STATUS_COMPLETED,
-    )
+    output = r.FunctionCallOutput(id=new_id("fco"), call_id=call.call_id, status=r.ITEM_STATUS_COMPLETED)
+    if result.error:
+        output.output = tool_error_output(result.output)
+    elif result.parts:
+        output.output_parts.items.extend(result.parts)
+    else:
+        output.output = result.output
+    return output

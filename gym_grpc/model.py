@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 
 from gym_grpc import errors
+from gym_grpc.images import ImageStore
 from gym_grpc.policy_version import ServedVersion
 from gym_grpc.rpc import transport
 from gym_grpc.server import validation
@@ -41,6 +42,8 @@ class ModelServer(GymServer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.served_version = ServedVersion()
+        #: The images sessions sent, so that a later call may name them by hash (gym_grpc/images.py).
+        self.images = ImageStore()
 
     async def create_response(self, params: r.CreateParams, session_id: str) -> r.Response:
         """One model call: the response to the conversation in `params`."""
@@ -95,6 +98,7 @@ class _ModelServicer(model_grpc.ModelServiceServicer):
         self, request: model_pb.CreateResponseRequest, context: Any
     ) -> model_pb.CreateResponseResponse:
         validation.check_params(request.params, "params")
+        self.app.images.resolve(request.params, request.session_id)  # create_response sees every image's bytes
         response = await self.app.create_response(request.params, request.session_id)
         version = self.app.served_version.get()
         if version is None and request.HasField("policy_version"):

@@ -44,6 +44,8 @@ from pydantic.json_schema import GenerateJsonSchema
 from gym_grpc import errors
 from gym_grpc.data import json_input, rollout_stats
 from gym_grpc.data.rows import dumps, json_field, params_to_json, task_data
+from gym_grpc.images import Image
+from gym_grpc.responses import input_text_part, parts_text
 from gym_grpc.server import validation
 from gym_grpc.server.serving import GymServer, ServerConfig, rpc_method
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
@@ -395,8 +397,10 @@ class ResourcesServer(GymServer):
                 log.warning("closing session %r: no call for %g s", session_id, limit)
                 await self._end_quietly(session_id)
 
-    async def call_tool(self, session: Session, name: str, arguments: str) -> str:
-        """Run one tool call: parse and check the arguments, run the tool, render its output.
+    async def call_tool(self, session: Session, name: str, arguments: str) -> str | list[r.ContentPart]:
+        """Run one tool call: parse and check the arguments, run the tool, render its output:
+        text (a string as it is, anything else as JSON), or content parts when the tool returned an
+        `Image` or a list holding images (its strings text parts, anything else JSON text parts).
 
         A tool that raises (anything but a GymError other than ToolFailed) raises ToolFailed,
         with the tool's error as the message, for the model."""
@@ -420,7 +424,21 @@ class ResourcesServer(GymServer):
             raise errors.ToolFailed(
                 f"tool {name!r} raised {type(e).__name__}: {e}", metadata={"tool": name}, detail=repr(e)
             ) from None
-        return result if isinstance(result, str) else json.dumps(result)
+        return rendered(result)
+
+
+def rendered(result: Any) -> str | list[r.ContentPart]:
+    """A tool's return value as its output (see ResourcesServer.call_tool)."""
+    if isinstance(result, str):
+        return result
+    if isinstance(result, Image):
+        return [result.part()]
+    if isinstance(result, list) and any(isinstance(x, Image) for x in result):
+        return [
+            x.part() if isinstance(x, Image) else input_text_part(x if isinstance(x, str) else json.dumps(x))
+            for x in result
+        ]
+    return json.dumps(result)
 
 
 @contextlib.contextmanager
@@ -533,7 +551,9 @@ class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
         except errors.ToolFailed as e:
             # The model's problem, not the call's: its error goes back to the model as the tool's output.
             return res_pb.CallToolResponse(output=e.message, is_error=True)
-        return res_pb.CallToolResponse(output=output)
+        if isinstance(output, str):
+            return res_pb.CallToolResponse(output=output)
+        return res_pb.CallToolResponse(output=parts_text(output), parts=output)
 
     @rpc_method
     async def ResumeSession(self, request: res_pb.ResumeSessionRequest, context: Any) -> res_pb.ResumeSessionResponse:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from google.protobuf.message import Message
@@ -91,14 +91,23 @@ def message_text(message: r.Message) -> str:
     """The text of a message: its string content, or its text parts joined."""
     if message.WhichOneof("content") == "text":
         return message.text
+    return parts_text(message.parts.items)
+
+
+def parts_text(parts: Iterable[r.ContentPart]) -> str:
+    """The text parts of a content list, joined (images and files left out)."""
     texts = []
-    for part in message.parts.items:
+    for part in parts:
         kind = part.WhichOneof("part")
         if kind == "input_text":
             texts.append(part.input_text.text)
         elif kind == "output_text":
             texts.append(part.output_text.text)
     return "".join(texts)
+
+
+def input_text_part(text: str) -> r.ContentPart:
+    return r.ContentPart(input_text=r.InputText(text=text))
 
 
 def final_text(response: r.Response) -> str:
@@ -115,12 +124,9 @@ def function_calls(response: r.Response) -> list[r.FunctionCall]:
 
 
 def function_outputs(response: r.Response) -> dict[str, str]:
-    """Output of every function call of a response, by call_id."""
-    return {
-        i.function_call_output.call_id: i.function_call_output.output
-        for i in response.output
-        if i.WhichOneof("item") == "function_call_output"
-    }
+    """Output of every function call of a response, by call_id (the text parts of one given as parts)."""
+    outputs = (i.function_call_output for i in response.output if i.WhichOneof("item") == "function_call_output")
+    return {o.call_id: o.output or parts_text(o.output_parts.items) for o in outputs}
 
 
 #: How an agent tells the model that its tool call failed: the output starts with this.

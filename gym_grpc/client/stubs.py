@@ -261,6 +261,8 @@ class ToolResult:
     output: str
     error: bool = False
     reason: str | None = None
+    #: The output as content parts when the tool returned images (`output` is then their text).
+    parts: tuple[r.ContentPart, ...] = ()
 
 
 class ResourcesClient(_Client):
@@ -322,7 +324,7 @@ class ResourcesClient(_Client):
             return ToolResult(output=reply.details() or reply.code().name, error=True, reason=str(reason))
         if reply.is_error:
             return ToolResult(output=reply.output, error=True, reason=str(errors.Reason.TOOL_FAILED))
-        return ToolResult(output=reply.output)
+        return ToolResult(output=reply.output, parts=tuple(reply.parts))
 
     async def verify(self, session_id: str, task: task_pb2.Task, response: r.Response) -> res_pb.VerifyResponse:
         request = res_pb.VerifyRequest(session_id=session_id, task=task, response=response)

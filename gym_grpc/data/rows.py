@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from gym_grpc import images
 from gym_grpc.data.field_specs import (
     Spec,
     as_list,
@@ -125,11 +126,17 @@ _PART_SPECS: dict[str, list[Spec]] = {
 
 
 def _content_part(value: Any, path: str, exact: bool = True) -> r.ContentPart:
-    return read_union(r.ContentPart(), _PART_SPECS, value, path, exact)
+    part = read_union(r.ContentPart(), _PART_SPECS, value, path, exact)
+    if part.WhichOneof("part") == "input_image":
+        images.from_url(part.input_image)
+    return part
 
 
 def _content_part_to_json(part: r.ContentPart) -> JSON:
     out = write_union(part, "part", _PART_SPECS)
+    image = part.input_image
+    if part.WhichOneof("part") == "input_image" and (image.data or image.sha256):
+        out = {"type": "input_image", "image_url": images.to_url(image), **out}
     text = part.output_text
     if part.WhichOneof("part") == "output_text" and not text.annotations_json and text.annotations:
         out["annotations"] = [struct_to_dict(a) for a in text.annotations]  # the deprecated Struct list

@@ -41,7 +41,8 @@ from gym_grpc.v1 import agent_service_pb2, resources_service_pb2  # noqa: F401  
 #: 1.9: durable rollouts: RunRequest.rollout_id and resume, RunMany checkpoints and parking, ResumeSession, tool calls
 #: with an idempotency key and an attempt, DescribeToolsResponse.session_recovery, Capabilities.resumable_rollouts.
 #: 1.10: sandboxes: SandboxService, Capabilities.sandboxes, GetCountersResponse.sandboxes and .sandbox_start_failures.
-VERSION = (1, 10)
+#: 1.11: images by value and by reference: InputImage.data, .media_type and .sha256; CallToolResponse.parts.
+VERSION = (1, 11)
 
 
 class Unfilled(NamedTuple):

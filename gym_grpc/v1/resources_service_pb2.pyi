@@ -184,6 +184,7 @@ class CallToolResponse(_message.Message):
 
     OUTPUT_FIELD_NUMBER: _builtins.int
     IS_ERROR_FIELD_NUMBER: _builtins.int
+    PARTS_FIELD_NUMBER: _builtins.int
     output: _builtins.str
     """What the tool returned, as text for the model; when is_error, the
     tool's error.
@@ -194,15 +195,23 @@ class CallToolResponse(_message.Message):
     shows the output to the model as a failed tool call (gym-grpc's agent
     prefixes it with "Error: "), it does not fail the rollout.
     """
+    @_builtins.property
+    def parts(self) -> _containers.RepeatedCompositeFieldContainer[_responses_pb2.ContentPart]:
+        """The output as content parts (input_text and input_image), when the tool
+        returned images; `output` then holds its text parts joined, for callers
+        that show text only. Empty for a text-only output.
+        """
+
     def __init__(
         self,
         *,
         output: _builtins.str = ...,
         is_error: _builtins.bool = ...,
+        parts: _abc.Iterable[_responses_pb2.ContentPart] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["is_error", b"is_error", "output", b"output"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["is_error", b"is_error", "output", b"output", "parts", b"parts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

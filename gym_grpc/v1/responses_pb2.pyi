@@ -425,20 +425,48 @@ Global___Refusal: _TypeAlias = Refusal  # noqa: Y015
 
 @_typing.final
 class InputImage(_message.Message):
-    """An image given as input. JSON type "input_image"."""
+    """An image given as input. JSON type "input_image".
+
+    An image travels in one of four ways: by URL (image_url), as an uploaded
+    file (file_id), by value (data and media_type: the bytes themselves), or by
+    reference (sha256 alone) to an image that the same receiver was sent by
+    value earlier in the same session. A row's base64 data URL
+    ("data:image/png;base64,...") loads as data and media_type and is written
+    back as the same data URL; a reference is written "sha256:<hex>".
+    docs/images.md says who resolves references and what happens when the
+    receiver no longer holds the image (IMAGE_NOT_FOUND).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     IMAGE_URL_FIELD_NUMBER: _builtins.int
     FILE_ID_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    MEDIA_TYPE_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
     EXTRA_JSON_FIELD_NUMBER: _builtins.int
     image_url: _builtins.str
-    """URL or data URL of the image; empty when file_id is used."""
+    """URL of the image (a data URL that is not canonical base64 stays here);
+    empty when the image is given another way.
+    """
     file_id: _builtins.str
     """Id of an uploaded file; empty when image_url is used."""
     detail: _builtins.str
     """Detail level: "low", "high" or "auto"; empty means the engine's default."""
+    data: _builtins.bytes
+    """The image's encoded bytes (PNG, JPEG, GIF or WebP), when it travels by
+    value.
+    """
+    media_type: _builtins.str
+    """The media type of the bytes ("image/png"); set with data, and kept with a
+    reference.
+    """
+    sha256: _builtins.str
+    """SHA-256 of the bytes, lowercase hex. Alone (data empty) it is a reference
+    to an image sent earlier in the session; beside data it may be left empty
+    (the receiver computes it).
+    """
     extra_json: _builtins.str
     """Keys not held above, as a JSON object (see the file comment)."""
     def __init__(
@@ -447,11 +475,14 @@ class InputImage(_message.Message):
         image_url: _builtins.str = ...,
         file_id: _builtins.str = ...,
         detail: _builtins.str = ...,
+        data: _builtins.bytes = ...,
+        media_type: _builtins.str = ...,
+        sha256: _builtins.str = ...,
         extra_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "extra_json", b"extra_json", "file_id", b"file_id", "image_url", b"image_url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "detail", b"detail", "extra_json", b"extra_json", "file_id", b"file_id", "image_url", b"image_url", "media_type", b"media_type", "sha256", b"sha256"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

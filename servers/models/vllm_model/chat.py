@@ -14,10 +14,21 @@ then the message, then one function_call per tool call. finish_reason
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
+from gym_grpc import images
 from gym_grpc.data.rows import TOOL_CHOICE_MODE_NAMES, format_schema, params_extra, tool_parameters
-from gym_grpc.responses import assistant_message, input_items, item_body, message_text, new_id, new_response, turns
+from gym_grpc.responses import (
+    assistant_message,
+    input_items,
+    item_body,
+    message_text,
+    new_id,
+    new_response,
+    parts_text,
+    turns,
+)
 from gym_grpc.v1 import responses_pb2 as r
 
 JSON = dict[str, Any]
@@ -30,17 +41,34 @@ def _content(message: r.Message) -> str | list[JSON]:
     parts = message.parts.items
     if not any(p.WhichOneof("part") == "input_image" for p in parts):
         return message_text(message)
+    return _chat_parts(parts)
+
+
+def _chat_parts(parts: Iterable[r.ContentPart]) -> list[JSON]:
     out: list[JSON] = []
     for part in parts:
         kind = part.WhichOneof("part")
         if kind in ("input_text", "output_text"):
             out.append({"type": "text", "text": getattr(part, kind).text})
         elif kind == "input_image":
-            image = {"url": part.input_image.image_url}
+            image = {"url": images.to_url(part.input_image)}  # by value here: the server resolved references
             if part.input_image.detail:
                 image["detail"] = part.input_image.detail
             out.append({"type": "image_url", "image_url": image})
     return out
+
+
+def _tool_messages(output: r.FunctionCallOutput) -> list[JSON]:
+    """A function_call_output as Chat messages: a `tool` message with its text, and when it holds images
+    a user message with them after it (Chat's tool messages are text only)."""
+    parts = output.output_parts.items
+    if not parts:
+        return [{"role": "tool", "tool_call_id": output.call_id, "content": output.output}]
+    shown = [p for p in parts if p.WhichOneof("part") == "input_image"]
+    messages: list[JSON] = [{"role": "tool", "tool_call_id": output.call_id, "content": parts_text(parts)}]
+    if shown:
+        messages.append({"role": "user", "content": _chat_parts(shown)})
+    return messages
 
 
 def _assistant_message(turn: list[r.Item], tags: tuple[str, str]) -> JSON:
@@ -73,8 +101,7 @@ def to_messages(params: r.CreateParams, tags: tuple[str, str]) -> list[JSON]:
         if isinstance(part, list):
             messages.append(_assistant_message(part, tags))
         elif part.WhichOneof("item") == "function_call_output":
-            out = part.function_call_output
-            messages.append({"role": "tool", "tool_call_id": out.call_id, "content": out.output})
+            messages.extend(_tool_messages(part.function_call_output))
         else:
             role = "user" if part.message.role == r.ROLE_USER else "system"
             messages.append({"role": role, "content": _content(part.message)})

@@ -1,15 +1,19 @@
-"""An MCP tool result as the text a model reads.
+"""An MCP tool result as the output a model reads.
 
-The gym-grpc tool output is text, so text content passes through and other
-content is named in brackets, never dropped without a word: an image or
-audio block becomes `[image/png image, 10240 bytes base64, not shown]`, an
-embedded resource its text (or the same bracket for a binary one), a
-resource link `[resource link: URI]`. A result with no content but
-structured content gives that as JSON. Blocks are joined by newlines.
+Text content passes through and an image block becomes an image part (the
+output is then content parts, gym_grpc/images.py). Other content is named in
+brackets, never dropped without a word: an audio block becomes `[audio/wav
+audio, 10240 bytes base64, not shown]` (and so does an image block whose data
+is not an image gym-grpc takes, with the reason), an embedded resource its
+text (or the same bracket for a binary one), a resource link `[resource link:
+URI]`. A result with no content but structured content gives that as JSON.
+Text blocks are joined by newlines.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 
 from mcp.types import (
@@ -22,6 +26,11 @@ from mcp.types import (
     TextContent,
     TextResourceContents,
 )
+
+from gym_grpc import errors
+from gym_grpc.images import Image
+from gym_grpc.responses import input_text_part
+from gym_grpc.v1 import responses_pb2 as r
 
 
 def _not_shown(kind: str, mime_type: str | None, data: str) -> str:
@@ -46,6 +55,21 @@ def block_text(block: object) -> str:
         return f"[resource link: {block.uri}]"
     kind = getattr(block, "type", type(block).__name__)
     return f"[{kind} content, not shown]"
+
+
+def result_output(result: CallToolResult) -> str | list[r.ContentPart]:
+    """A tool result as text, or as content parts when it holds an image."""
+    if not any(isinstance(block, ImageContent) for block in result.content):
+        return result_text(result)
+    return [_image_part(b) if isinstance(b, ImageContent) else input_text_part(block_text(b)) for b in result.content]
+
+
+def _image_part(block: ImageContent) -> r.ContentPart:
+    try:
+        return Image.from_bytes(base64.b64decode(block.data, validate=True)).part()
+    except (binascii.Error, ValueError, errors.GymError) as e:
+        why = e.message if isinstance(e, errors.GymError) else f"not base64: {e}"
+        return input_text_part(f"{_not_shown('image', block.mime_type, block.data)[:-1]}: {why}]")
 
 
 def result_text(result: CallToolResult) -> str:

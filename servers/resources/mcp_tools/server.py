@@ -19,8 +19,8 @@ ConfigError (give one a prefix). `tools:` keeps only the named tools.
 
 CallTool checks the arguments against the tool's input schema (a mismatch is
 TOOL_ARGUMENTS_INVALID, as for any environment) and calls the MCP tool.
-Its text content is the output; other content is described in brackets (the
-protocol's tool output is text): `[image/png image, not shown]`. A result
+Its text content is the output, its images image parts (gym_grpc/images.py);
+other content is described in brackets: `[audio/wav audio, not shown]`. A result
 with `isError`, an error the server answers (a JSON-RPC error, a time-out)
 and a server that dies go back to the model as an error output; the
 resources server goes on.
@@ -62,11 +62,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from gym_grpc import errors
 from gym_grpc.data.rows import dumps
 from gym_grpc.resources import ResourcesConfig, ResourcesServer, Session, Verification, tool_arguments, unknown_tool
-from gym_grpc.responses import final_text, function_calls
+from gym_grpc.responses import final_text, function_calls, parts_text
 from gym_grpc.v1 import responses_pb2 as r
 
 from .connection import Connection, Endpoint, McpUnavailable, describe
-from .content import result_text
+from .content import result_output
 
 log = logging.getLogger("gym_grpc.mcp_tools")
 
@@ -312,7 +312,7 @@ class McpToolsEnv(ResourcesServer):
             raise McpUnavailable("the session has no connection to it")
         return connection
 
-    async def call_tool(self, session: Session, name: str, arguments: str) -> str:
+    async def call_tool(self, session: Session, name: str, arguments: str) -> str | list[r.ContentPart]:
         tool = self._offered.get(name)
         if tool is None:
             raise unknown_tool(name, self._offered)
@@ -356,10 +356,11 @@ class McpToolsEnv(ResourcesServer):
             raise errors.ToolFailed(
                 f"MCP server {server!r} answered {name!r} with {describe(e)}", metadata=failed
             ) from None
-        text = result_text(result)
+        output = result_output(result)
         if result.is_error:
+            text = output if isinstance(output, str) else parts_text(output)
             raise errors.ToolFailed(text or f"tool {name!r} failed (the MCP server gave no message)", metadata=failed)
-        return text
+        return output
 
     # --- the verifier ---------------------------------------------------------
 

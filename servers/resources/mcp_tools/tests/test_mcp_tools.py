@@ -122,11 +122,12 @@ async def test_arguments_that_do_not_fit_the_schema_are_invalid_naming_the_argum
         assert says in result.output, (arguments, result.output)
 
 
-async def test_non_text_content_is_named_not_dropped(serve):
+async def test_an_image_result_is_an_image_part(serve):
     client = await serve(env(fx=stdio()))
     result = await tool(client, "picture")
-    assert not result.error
-    assert result.output == "[image/png image, 12 bytes base64, not shown]"
+    assert not result.error and result.output == ""
+    [part] = result.parts
+    assert part.input_image.media_type == "image/png" and part.input_image.data == bytes.fromhex("89504e470d0a1a0a")
 
 
 async def test_a_tool_that_does_not_answer_in_time_is_an_error_output(serve):
