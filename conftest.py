@@ -28,6 +28,7 @@ OPT_IN = {
     "real_engine": "--real-engine",  # the local CPU vLLM (gym_grpc.engines.local_vllm)
     "ray_cluster": "--ray-cluster",  # a Ray cluster of several real nodes on this machine (ray.cluster_utils)
     "trainers": "--trainers",  # TRL and tinker-cookbook on CPU torch (tests/trainers/run installs them)
+    "browser": "--browser",  # Debian's chromium (apt-get install chromium), driven by Playwright
 }
 
 
@@ -41,6 +42,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--ray-cluster",
         action="store_true",
         help="run the tests marked ray_cluster on a Ray cluster of several nodes started by the tests",
+    )
+    parser.addoption(
+        "--browser",
+        action="store_true",
+        help="run the tests marked browser in headless Chromium (Debian's chromium package, installed beforehand)",
     )
     parser.addoption(
         "--trainers",

@@ -1,4 +1,5 @@
-"""One-file authoring: examples/one_file_env.py and examples/one_file_agent.py, as docs/authoring.md shows them.
+"""One-file authoring: examples/one_file_env.py and examples/one_file_agent.py, as docs/authoring.md shows them,
+and examples/one_file_screen_env.py, the computer-use one of docs/browser.md.
 
 Each is under 60 lines, passes the conformance kit in process, and runs in a
 real `gym-grpc run` where `gym-grpc conformance` passes it and `collect`
@@ -6,16 +7,18 @@ earns rewards with the embedded model."""
 
 from __future__ import annotations
 
+import io
 import json
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import PIL.Image
 import pytest
 
 from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
-from gym_grpc.client.stubs import AgentClient
+from gym_grpc.client.stubs import AgentClient, ResourcesClient
 from gym_grpc.data.rows import task_from_row
 from gym_grpc.server.entrypoints import load_entrypoint
 from gym_grpc.testing import AgentConformance, ResourcesConformance, ScriptedModel, Servers, call, static_registry
@@ -28,9 +31,12 @@ TASKS = EXAMPLES / "one_file_tasks.jsonl"
 OppositesEnv = load_entrypoint(f"{ENV_FILE}:OppositesEnv")
 FirmAgent = load_entrypoint(f"{AGENT_FILE}:FirmAgent")
 ROW = json.loads(TASKS.read_text().splitlines()[0])
+SCREEN_FILE, SCREEN_TASKS = EXAMPLES / "one_file_screen_env.py", EXAMPLES / "one_file_screen_tasks.jsonl"
+ScreenEnv = load_entrypoint(f"{SCREEN_FILE}:ScreenEnv")
+COLOURS = {"red": (220, 30, 30), "green": (30, 160, 60), "blue": (40, 60, 220), "yellow": (240, 210, 40)}
 
 
-@pytest.mark.parametrize("path", [ENV_FILE, AGENT_FILE], ids=["env", "agent"])
+@pytest.mark.parametrize("path", [ENV_FILE, AGENT_FILE, SCREEN_FILE], ids=["env", "agent", "screen"])
 def test_each_example_is_one_file_under_60_lines(path: Path):
     assert len(path.read_text().splitlines()) < 60
 
@@ -105,6 +111,36 @@ def test_the_env_file_serves_itself_and_gym_grpc_conformance_passes_it():
     finally:
         server.send_signal(signal.SIGINT)
         assert server.wait(timeout=30) == 0
+
+
+class TestOneFileScreenEnvConformance(ResourcesConformance):
+    task_row = json.loads(SCREEN_TASKS.read_text().splitlines()[0])
+    answer = "Clicked."
+
+    def server(self):
+        return ScreenEnv(name="screen")
+
+
+async def test_the_screen_env_shows_its_squares_and_a_click_on_the_named_one_scores_1():
+    """The screenshot read back with Pillow (a decoder not written here): click the square whose pixels are
+    the named colour and score 1; the square beside it scores 0."""
+    async with Servers() as servers:
+        client = ResourcesClient(static_registry(screen=await servers.start(ScreenEnv(name="screen"))), "screen")
+        for line in SCREEN_TASKS.read_text().splitlines():
+            row = json.loads(line)
+            task = task_from_row(row)
+            for offset, reward in ((0, 1.0), (40, 0.0)):
+                await client.seed_session("s", task)
+                shot = await client.call_tool("s", r.FunctionCall(name="screenshot", arguments="{}"))
+                picture = PIL.Image.open(io.BytesIO(shot.parts[0].input_image.data)).convert("RGB")
+                centres = [(x, y) for y in (20, 60) for x in (20, 60)]
+                x, y = next(c for c in centres if picture.getpixel(c) == COLOURS[row["target"]])
+                click = json.dumps({"x": (x + offset) % 80, "y": y})
+                await client.call_tool("s", r.FunctionCall(name="click", arguments=click))
+                verdict = await client.verify("s", task, r.Response())
+                assert verdict.reward == reward, (row["target"], offset)
+                await client.close_session("s")
+        await client.registry.close()
 
 
 def test_docs_authoring_shows_the_example_files_as_they_are():
