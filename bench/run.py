@@ -24,6 +24,9 @@ What it measures, each in real processes on loopback:
   --only sandboxes     a sandbox per session: start/destroy p50/p99 with and without a warm pool,
                        memory and idle CPU per sandbox with 256 alive, terminal rollouts/s with each
                        task's own solution as the policy (bench/sandboxes.py)
+  --only images        bytes on the wire for a 10-turn screenshot rollout (the browser environment in
+                       headless Chromium), link by link, beside the same rollout in NeMo Gym's JSON
+                       (bench/images.py)
   --peer nemo-gym      (or --only peer) gym-grpc beside the real NeMo Gym 0.7.0 on one engine: the
                        weather, multi-turn and math workloads at 64, 1,024 and 4,096 in flight
                        (bench/nemo_gym_peer.py; results in <name>-peer-nemo-gym.json)
@@ -859,7 +862,7 @@ def main() -> None:
     parser.add_argument("--cpu-hogs", type=int, default=4, help="busy processes loading the machine during (e)")
     parser.add_argument(
         "--only",
-        choices=["collector_1m", "http_engine_16k", "replicas", "peer", "cpu_split", "durable", "sandboxes"],
+        choices=["collector_1m", "http_engine_16k", "replicas", "peer", "cpu_split", "durable", "sandboxes", "images"],
         help="run only this scenario; results go to <name>-<scenario>.json",
     )
     parser.add_argument(
@@ -966,6 +969,14 @@ def main() -> None:
         _save(args, results, f"{args.name}-{args.only}")
         print(json.dumps(result, indent=2))
         sys.exit(0 if result["terminal_scripted"]["mean_reward"] == 1.0 else 1)
+    if args.only == "images":
+        import images
+
+        result = images.bench_images()
+        results[args.only] = result
+        _save(args, results, f"{args.name}-{args.only}")
+        print(json.dumps(result, indent=2))
+        sys.exit(0)
     if args.only == "replicas":
         with tempfile.TemporaryDirectory() as directory:
             result = _bench_replicas(Path(directory), sizes)

@@ -300,9 +300,12 @@ class _AgentServicer(agent_grpc.AgentServiceServicer):
     ) -> agent_pb.RunResponse:
         events = RolloutEvents(attempt=self._attempt(request, link))
         try:
-            return agent_pb.RunResponse(rollout=await self._roll_out(request, events))
+            rollout = await self._roll_out(request, events)
         except _Parked:
             return agent_pb.RunResponse()  # RunMany answers with the state the attempt left on the link
+        if link is not None and link.durable:
+            images.tool_images_to_references(rollout.response)  # its checkpoints carried them to the caller
+        return agent_pb.RunResponse(rollout=rollout)
 
     @rpc_method
     async def RunJson(self, request: agent_pb.RunJsonRequest, context: Any) -> agent_pb.RunJsonResponse:
@@ -597,7 +600,10 @@ class ToolLoopAgent(AgentServer):
             rollout.verification_skipped = True
             return rollout
         began = time.monotonic()
-        verdict = await self.resources.verify(session_id, task, rollout.response)
+        response = rollout.response
+        if self._described is not None and not self._described.stateless:
+            response = images.tool_images_as_references(response)  # the session holds them
+        verdict = await self.resources.verify(session_id, task, response)
         rollout.timings.verify_seconds = time.monotonic() - began
         fields_json = rows.json_text(verdict, "fields")  # passed on as text, never parsed here
         events.verification(verdict.reward, fields_json, rollout.timings.verify_seconds, verdict.reward_components)

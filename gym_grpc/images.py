@@ -11,7 +11,9 @@ alone, to an image the same receiver was sent by value earlier in the session). 
 - a model server resolves references with an `ImageStore` before its create_response
   sees the conversation, so a model server's own code always has the bytes;
 - a rollout's response holds each image by value once, at its first showing
-  (`by_value_once`); a row is written the same way.
+  (`by_value_once`); a row is written the same way;
+- its Verify names the tools' images by hash (`tool_images_as_references`): the resources
+  server that returned them keeps them for the session and fills them in (`fill`).
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ import binascii
 import hashlib
 import re
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 from gym_grpc import errors
 from gym_grpc.v1 import responses_pb2 as r
+from gym_grpc.v1 import task_pb2
 
 #: The largest image accepted (bytes, encoded); OpenAI's Responses API takes up to 20 MB per image.
 MAX_IMAGE_BYTES = 20 * 2**20
@@ -150,14 +153,19 @@ def images_in(items: Iterable[r.Item]) -> Iterator[tuple[int, r.InputImage]]:
                 yield index, part.input_image
 
 
-def _hash(image: r.InputImage) -> str:
+def has_references(items: Iterable[r.Item]) -> bool:
+    return any(not image.data for _, image in images_in(items))
+
+
+def sha256_of(image: r.InputImage) -> str:
+    """The image's hash (its sha256 field, filled in from its bytes when empty)."""
     if not image.sha256:
         image.sha256 = hashlib.sha256(image.data).hexdigest()
     return image.sha256
 
 
 def _to_reference(image: r.InputImage) -> None:
-    _hash(image)
+    sha256_of(image)
     image.ClearField("data")
 
 
@@ -166,7 +174,7 @@ def by_value_once(items: Iterable[r.Item]) -> None:
     seen: set[str] = set()
     for _, image in images_in(items):
         if image.data:
-            key = _hash(image)
+            key = sha256_of(image)
             if key in seen:
                 _to_reference(image)
             seen.add(key)
@@ -184,7 +192,7 @@ class SentImages:
         did not change) goes as a reference; the others are noted (and go by value)."""
         for _, image in images_in(items[self._checked :]):
             if image.data:
-                key = _hash(image)
+                key = sha256_of(image)
                 if key in self._bytes:
                     image.ClearField("data")
                 else:
@@ -200,10 +208,59 @@ class SentImages:
 
     def restore(self, items: Sequence[r.Item]) -> None:
         """Before sending again to a model server that no longer holds them: every reference by value."""
-        for _, image in images_in(items):
-            if not image.data and image.sha256 in self._bytes:
-                image.data = self._bytes[image.sha256]
+        fill(items, self._bytes)
         self._checked = 0
+
+
+def fill(items: Iterable[r.Item], known: Mapping[str, bytes]) -> None:
+    """Give each reference in `items` whose image is in `known` (bytes by hash) its bytes."""
+    for _, image in images_in(items):
+        if not image.data and image.sha256 in known:
+            image.data = known[image.sha256]
+
+
+def _tool_images(items: Iterable[r.Item]) -> Iterator[r.InputImage]:
+    for item in items:
+        if item.WhichOneof("item") == "function_call_output":
+            for part in item.function_call_output.output_parts.items:
+                if part.input_image.data:
+                    yield part.input_image
+
+
+def tool_images_as_references(response: r.Response) -> r.Response:
+    """`response` with the images of its tool outputs as references, for its Verify: the resources server that
+    returned them keeps them (Session.images). A copy when there are any, else `response` itself."""
+    if next(_tool_images(response.output), None) is None:
+        return response
+    copy = r.Response()
+    copy.CopyFrom(response)
+    for image in list(_tool_images(copy.output)):
+        _to_reference(image)
+    return copy
+
+
+def tool_images_to_references(response: r.Response) -> None:
+    """The images of `response`'s tool outputs as references, in place: for a durable run's result, whose
+    caller has them from the run's checkpoints (`from_checkpoints` fills them in again)."""
+    for image in list(_tool_images(response.output)):
+        _to_reference(image)
+
+
+def from_checkpoints(response: r.Response, state: task_pb2.RolloutState | None) -> None:
+    """Fill the references of a durable run's result from the tool outputs of the state its checkpoints
+    describe, then hold each image by value once again (its first showing)."""
+    if state is None:
+        return
+    known = {
+        sha256_of(part.input_image): part.input_image.data
+        for turn in state.turns
+        for output in turn.tool_outputs
+        for part in output.output_parts.items
+        if part.input_image.data
+    }
+    if known:
+        fill(response.output, known)
+        by_value_once(response.output)
 
 
 class ImageStore:

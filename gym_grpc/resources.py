@@ -41,7 +41,7 @@ import grpc
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from pydantic.json_schema import GenerateJsonSchema
 
-from gym_grpc import errors
+from gym_grpc import errors, images
 from gym_grpc.data import json_input, rollout_stats
 from gym_grpc.data.rows import dumps, json_field, params_to_json, task_data
 from gym_grpc.images import Image
@@ -77,6 +77,8 @@ class Session:
     attempt: int = 0
     #: The tool calls made with an idempotency key, by key: each runs once (see CallToolRequest).
     calls: dict[str, asyncio.Future[res_pb.CallToolResponse]] = field(default_factory=dict)
+    #: The images its tools returned, by hash: a Verify that names them by reference gets their bytes.
+    images: dict[str, bytes] = field(default_factory=dict)
 
     def fence(self, attempt: int) -> None:
         """Refuse a call of an attempt older than the latest one seen (0: not checked); note a newer one."""
@@ -553,7 +555,12 @@ class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
             return res_pb.CallToolResponse(output=e.message, is_error=True)
         if isinstance(output, str):
             return res_pb.CallToolResponse(output=output)
-        return res_pb.CallToolResponse(output=parts_text(output), parts=output)
+        reply = res_pb.CallToolResponse(output=parts_text(output), parts=output)
+        if session.id in self.app.sessions:
+            session.images.update(
+                (images.sha256_of(p.input_image), p.input_image.data) for p in reply.parts if p.input_image.data
+            )
+        return reply
 
     @rpc_method
     async def ResumeSession(self, request: res_pb.ResumeSessionRequest, context: Any) -> res_pb.ResumeSessionResponse:
@@ -573,6 +580,7 @@ class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
         validation.check_response(request.response, "response")
         # Verification needs no open session (re-scoring old rollouts has none).
         session = self.app.sessions.get(request.session_id) or Session(id=request.session_id, task=request.task)
+        images.fill(request.response.output, session.images)  # what its tools returned, named by hash
         limit = getattr(self.app.config, "verify_timeout_seconds", None)
         session.in_flight += 1
         try:

@@ -63,7 +63,11 @@ class Screens(ResourcesServer):
         return "pressed"
 
     async def verify(self, session: Session, response: r.Response) -> Verification:
-        return Verification(reward=1.0 if session.state["screen"] == BLUE and "done" in final_text(response) else 0.0)
+        shown = [i for _, i in images.images_in(response.output)]
+        return Verification(
+            reward=1.0 if session.state.get("screen") == BLUE and "done" in final_text(response) else 0.0,
+            fields={"pictures": len(shown), "with_bytes": sum(1 for i in shown if i.data)},
+        )
 
 
 class _Recording(ImageStore):
@@ -122,6 +126,15 @@ async def test_each_image_goes_to_the_model_server_once_and_the_model_sees_every
     look = [i.function_call_output.output_parts.items for i in model.requests[-1].input_items.items][-1]
     assert [p.WhichOneof("part") for p in look] == ["input_text", "input_image", "input_text"]
     assert (look[0].input_text.text, look[2].input_text.text) == ("The screen is blue.", '{"pixels": 3072}')
+
+
+async def test_verify_names_the_tools_images_by_hash_and_the_verifier_sees_their_bytes(start):
+    agent = await _stack(start, ScriptedModel(SCRIPT))
+    rollout = await agent.run(_task())
+    assert rows.json_field(rollout, "verifier_fields") == {"pictures": 3, "with_bytes": 3}
+    sent = images.tool_images_as_references(rollout.response)
+    assert [bool(i.data) for _, i in images.images_in(sent.output)] == [False] * 3
+    assert [bool(i.data) for _, i in images.images_in(rollout.response.output)] == [True, False, True]  # untouched
 
 
 async def test_a_rollout_row_holds_each_image_once_and_loads_back_equal(start):

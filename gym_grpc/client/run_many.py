@@ -41,7 +41,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from gym_grpc import errors
+from gym_grpc import errors, images
 from gym_grpc.data import rollout_state
 from gym_grpc.rpc import transport
 from gym_grpc.rpc.in_process import status_error
@@ -219,6 +219,10 @@ class _Call:
                         continue  # its caller gave up on it
                     outcome = result.WhichOneof("outcome")
                     if outcome == "rollout":
+                        response = result.rollout.response
+                        if result.id in self.progress and images.has_references(response.output):
+                            # A durable run's tool images came in its checkpoints, not again in its result.
+                            images.from_checkpoints(response, self.state_of(result.id))
                         future.set_result(result.rollout)
                         continue
                     if outcome == "parked":

@@ -57,6 +57,9 @@ class BrowserConfig(ResourcesConfig):
     width: int = Field(400, ge=64, le=4096, description="the page's width in pixels (the screenshots' too)")
     height: int = Field(300, ge=64, le=4096, description="the page's height in pixels")
     action_timeout_seconds: float = Field(10.0, gt=0, description="how long one action may take")
+    screenshot_after_action: bool = Field(
+        False, description="each action's output ends with a screenshot of the page after it (computer-use style)"
+    )
 
 
 def find_chromium(configured: str = "") -> str:
@@ -183,10 +186,12 @@ class BrowserEnv(ResourcesServer):
         if not (0 <= x < self.config.width and 0 <= y < self.config.height):
             raise ValueError(f"({x}, {y}) is outside the {self.config.width}x{self.config.height} screen")
 
-    @staticmethod
-    def _acted(session: Session, what: str) -> str:
+    async def _acted(self, session: Session, what: str) -> str | list[str | Image]:
+        """An action's output: what it did, and the screen after it when `screenshot_after_action`."""
         session.state["actions"] += 1
-        return what
+        if not self.config.screenshot_after_action:
+            return what
+        return [what, await self.screenshot(session)]
 
     # --- tools ---------------------------------------------------------------------
 
@@ -196,20 +201,20 @@ class BrowserEnv(ResourcesServer):
         return Image.from_bytes(await self._page(session).screenshot(type="png"), "screenshot")
 
     @tool
-    async def click(self, x: int, y: int, session: Session) -> str:
+    async def click(self, x: int, y: int, session: Session) -> str | list[str | Image]:
         """Click with the left mouse button at (x, y), in pixels from the top left of the screenshot."""
         self._inside(x, y)
         await self._page(session).mouse.click(x, y)
-        return self._acted(session, f"clicked at ({x}, {y})")
+        return await self._acted(session, f"clicked at ({x}, {y})")
 
     @tool
-    async def type_text(self, text: str, session: Session) -> str:
+    async def type_text(self, text: str, session: Session) -> str | list[str | Image]:
         """Type text with the keyboard, into whatever has the focus (click a text box first)."""
         await self._page(session).keyboard.type(text)
-        return self._acted(session, f"typed {json.dumps(text)}")
+        return await self._acted(session, f"typed {json.dumps(text)}")
 
     @tool
-    async def key(self, name: str, session: Session, times: int = 1) -> str:
+    async def key(self, name: str, session: Session, times: int = 1) -> str | list[str | Image]:
         """Press a key `times` times: a character, or Enter, Tab, Escape, Backspace, Delete, Home, End,
         PageUp, PageDown, ArrowLeft, ArrowRight, ArrowUp, ArrowDown, Space."""
         if name not in KEYS and len(name) != 1:
@@ -219,17 +224,17 @@ class BrowserEnv(ResourcesServer):
         keyboard = self._page(session).keyboard
         for _ in range(times):
             await keyboard.press(" " if name == "Space" else name)
-        return self._acted(session, f"pressed {name}" + (f" {times} times" if times > 1 else ""))
+        return await self._acted(session, f"pressed {name}" + (f" {times} times" if times > 1 else ""))
 
     @tool
-    async def scroll(self, dx: int, dy: int, session: Session) -> str:
+    async def scroll(self, dx: int, dy: int, session: Session) -> str | list[str | Image]:
         """Scroll the page by (dx, dy) pixels (positive dy: down)."""
         page = self._page(session)
         where = await page.evaluate("([dx, dy]) => { window.scrollBy(dx, dy); return [scrollX, scrollY]; }", [dx, dy])
-        return self._acted(session, f"scrolled to ({where[0]}, {where[1]})")
+        return await self._acted(session, f"scrolled to ({where[0]}, {where[1]})")
 
     @tool
-    async def drag(self, x1: int, y1: int, x2: int, y2: int, session: Session) -> str:
+    async def drag(self, x1: int, y1: int, x2: int, y2: int, session: Session) -> str | list[str | Image]:
         """Press the left mouse button at (x1, y1), move to (x2, y2) and release it there."""
         self._inside(x1, y1)
         self._inside(x2, y2)
@@ -238,7 +243,7 @@ class BrowserEnv(ResourcesServer):
         await mouse.down()
         await mouse.move(x2, y2, steps=8)
         await mouse.up()
-        return self._acted(session, f"dragged from ({x1}, {y1}) to ({x2}, {y2})")
+        return await self._acted(session, f"dragged from ({x1}, {y1}) to ({x2}, {y2})")
 
     async def verify(self, session: Session, response: r.Response) -> Verification:
         page = session.state.get("page")  # none: a verify without a session, which did nothing

@@ -149,3 +149,17 @@ def test_gym_grpc_run_and_collect_score_the_scripted_policy_1_and_the_idle_one_0
         assert len(hashes) == len(by_value) and all(
             url.removeprefix("sha256:") in hashes for url in urls if url not in by_value
         )
+
+
+async def test_with_screenshot_after_action_each_action_shows_the_screen_it_left(start):
+    running = await start(BrowserEnv({"screenshot_after_action": True}, name="browser"))
+    client = ResourcesClient(static_registry(browser=running), "browser")
+    row = next(row for row in ROWS if row["task"] == "enter-text")
+    await client.seed_session("s", rows.task_from_row(row))
+    before = (await client.call_tool("s", r.FunctionCall(name="screenshot", arguments="{}"))).parts[0]
+    await client.call_tool("s", r.FunctionCall(name="click", arguments='{"x": 120, "y": 74}'))
+    typed = await client.call_tool("s", r.FunctionCall(name="type_text", arguments='{"text": "hi"}'))
+    assert typed.output == 'typed "hi"' and [p.WhichOneof("part") for p in typed.parts] == ["input_text", "input_image"]
+    assert typed.parts[1].input_image.data != before.input_image.data  # the text box shows "hi" now
+    await client.close_session("s")
+    await client.registry.close()
