@@ -42,6 +42,9 @@ MODEL_SPEC: dict[str, Any] = {
     "format": 1,
 }
 MODEL_NAME = "SmolLM2-135M-Instruct"
+#: The vision-language model assembled from it (vision_model.py): `prepare(vision=True)`.
+VISION_MODEL_NAME = "SmolVLM-assembled-135M"
+VISION_SPEC: dict[str, Any] = {"from": MODEL_NAME, "assembly": "vision_model.py", "format": 1}
 _MARKER = ".gym-grpc-ready.json"
 
 
@@ -179,12 +182,19 @@ def is_prepared(cache: Path | None = None) -> bool:
     return _is_built(cache / "venv", VENV_SPEC) and _is_built(cache / "models" / MODEL_NAME, _model_spec())
 
 
-def prepare(cache: Path | None = None) -> Prepared:
-    """Build or reuse the engine's virtualenv and model under cache (default: cache_dir())."""
+def prepare(cache: Path | None = None, *, vision: bool = False) -> Prepared:
+    """Build or reuse the engine's virtualenv and model under cache (default: cache_dir()); with `vision`,
+    the vision-language model assembled from that model too (vision_model.py), which is then served."""
     cache = cache or cache_dir()
     venv = cache / "venv"
     model_dir = cache / "models" / MODEL_NAME
     _build(venv, VENV_SPEC, "vLLM virtualenv", _build_venv)
     python = _engine_python(venv)
     _build(model_dir, _model_spec(), "model", lambda d: _build_model(d, python))
-    return Prepared(python=python, model_dir=model_dir)
+    if not vision:
+        return Prepared(python=python, model_dir=model_dir)
+    vision_dir = cache / "models" / VISION_MODEL_NAME
+    assembly = Path(__file__).with_name("vision_model.py")
+    spec = {**VISION_SPEC, "model": _model_spec()}
+    _build(vision_dir, spec, "vision model", lambda d: _run("assembling it", [python, assembly, model_dir, d]))
+    return Prepared(python=python, model_dir=vision_dir, model_name=VISION_MODEL_NAME)

@@ -325,6 +325,16 @@ class VLLMModel(EngineModelServer):
         self, engine: Engine | GrpcEngine, params: r.CreateParams, body: dict[str, Any], session_id: str
     ) -> r.Response:
         messages = body.pop("messages")
+        if any(
+            isinstance(m.get("content"), list) and any(p.get("type") == "image_url" for p in m["content"])
+            for m in messages
+        ):
+            # The engine would need the images' features beside the ids (vLLM's render and generate): not done yet.
+            raise errors.InvalidArgument(
+                "the token path (return_token_ids with token_in_token_out) takes text only for now: a conversation "
+                "with images goes by Chat Completions (token_in_token_out: false)",
+                field="params.input",
+            )
         template: dict[str, Any] = {key: body.pop(key) for key in ("tools", "chat_template_kwargs") if key in body}
         if "reasoning_effort" in body:  # a template option (gpt-oss), as vLLM's chat path passes it
             template.setdefault("chat_template_kwargs", {}).setdefault("reasoning_effort", body.pop("reasoning_effort"))

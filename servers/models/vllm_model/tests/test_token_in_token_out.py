@@ -322,3 +322,16 @@ async def test_a_call_with_an_escaped_half_character_keeps_the_escape(vllm, engi
     (call,) = function_calls(await model.create_response(params, "s"))
     assert call.arguments == '{"a": "x\\ud8ca"}' and json.loads(call.arguments) == {"a": "x\ud8ca"}
     assert Hermes().parse('<tool_call>\n{"name": "f\\udc00", "arguments": {}}\n</tool_call>')[1] == []
+
+
+async def test_the_token_path_refuses_a_conversation_with_images_before_the_engine_sees_it(vllm, engine):
+    """Token ids for image turns need the images' features beside them (not done yet): said, not guessed."""
+    fake = await engine([Turn(content="a cat")])
+    _, model = await vllm(fake)
+    params = _params("What is this?")
+    png = b"\x89PNG\r\n\x1a\n" + b"\0" * 32
+    picture = r.ContentPart(input_image=r.InputImage(data=png, media_type="image/png"))
+    params.input_items.items.append(r.Item(message=r.Message(role=r.ROLE_USER, parts=r.ContentList(items=[picture]))))
+    with pytest.raises(errors.InvalidArgument, match="takes text only for now"):
+        await model.create_response(params, "s")
+    assert fake.requests == []

@@ -1,0 +1,129 @@
+"""A vision-language model on the real CPU vLLM, fed images by gym-grpc.
+
+The model is SmolVLM's architecture (vLLM's Idefics3) around SmolLM2-135M's real weights, with a small
+vision tower initialised at random, assembled by gym_grpc/engines/local_vllm/vision_model.py (no small
+vision-language model ships in a registry package). Its answers about images mean nothing; the engine,
+its image processor and the image tokens in its prompts are real. vllm_model gives it images by Chat
+Completions (the token path takes text only for now, and says so).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import urllib.request
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gym_grpc.bundled.servers.models.vllm_model.server import VLLMModel
+from gym_grpc.client.stubs import ModelClient
+from gym_grpc.engines import local_vllm
+from gym_grpc.images import Image
+from gym_grpc.responses import user_message
+from gym_grpc.testing import call, static_registry
+from gym_grpc.v1 import responses_pb2 as r
+from tests.real_engine import gym_cli
+from tests.support import start_run
+
+pytestmark = pytest.mark.real_engine
+
+BROWSER = gym_cli.REPO / "servers" / "resources" / "browser"
+
+
+@pytest.fixture(scope="session")
+def vision_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[local_vllm.Engine]:
+    """The vision-language model served by the local CPU vLLM (`start --vision`, or
+    GYM_GRPC_REAL_VISION_ENGINE_URL to reuse one)."""
+    given = os.environ.get("GYM_GRPC_REAL_VISION_ENGINE_URL")
+    if given:
+        with urllib.request.urlopen(f"{given.rstrip('/')}/models", timeout=10) as reply:
+            model = json.loads(reply.read())["data"][0]["id"]
+        yield local_vllm.Engine(given.rstrip("/"), pid=0, log_path=tmp_path_factory.mktemp("none"), model=model)
+        return
+    prepared = local_vllm.prepare(vision=True)
+    with local_vllm.running(prepared, log_path=tmp_path_factory.mktemp("vllm-vision") / "vllm.log") as running:
+        yield running
+
+
+def _png(rgb: tuple[int, int, int], width: int = 120, height: int = 90) -> bytes:
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    raw = b"".join(b"\0" + bytes(rgb) * width for _ in range(height))
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
+
+
+def _image_tokens() -> int:
+    """What one image costs in the prompt, from the model's own processor config: its <image> tokens
+    (image_seq_len), between two <fake_token_around_image> and after <global-img>, and the newline vLLM
+    writes after each image's placeholder in a template that takes text content."""
+    prepared = local_vllm.prepare(vision=True)
+    config = json.loads((prepared.model_dir / "processor_config.json").read_text())
+    return config["image_seq_len"] + 3 + 1
+
+
+async def _prompt_tokens(model: ModelClient, items: list[r.Item]) -> int:
+    params = r.CreateParams(max_output_tokens=4, temperature=0)
+    params.input_items.items.extend(items)
+    return (await model.create_response(params, "")).usage.input_tokens
+
+
+def _with(text: str, *pictures: bytes) -> r.Item:
+    parts = [r.ContentPart(input_text=r.InputText(text=text))] + [Image.from_bytes(p).part() for p in pictures]
+    return r.Item(message=r.Message(role=r.ROLE_USER, parts=r.ContentList(items=parts)))
+
+
+async def test_the_engine_gets_each_image_of_a_message_and_of_a_tool_output_as_its_image_tokens(
+    start, vision_engine: local_vllm.Engine
+) -> None:
+    server = VLLMModel({"base_url": vision_engine.base_url, "model": vision_engine.model}, name="vision")
+    model = ModelClient(static_registry(vision=await start(server)), "vision")
+    red, blue = _png((220, 30, 30)), _png((40, 60, 220))
+    per_image = _image_tokens()
+    text_only = await _prompt_tokens(model, [user_message("What do you see?")])
+    one = await _prompt_tokens(model, [_with("What do you see?", red)])
+    two = await _prompt_tokens(model, [_with("What do you see?", red, blue)])
+    assert (one - text_only, two - one) == (per_image, per_image)
+    # A tool's images: in a user message after the tool's text (Chat's tool messages are text only).
+    looked = call("screenshot", "{}")
+    output = r.FunctionCallOutput(call_id=looked.function_call.call_id)
+    output.output_parts.items.extend([Image.from_bytes(red).part()])
+    shown = [user_message("Look."), looked, r.Item(function_call_output=output)]
+    output_two = r.FunctionCallOutput(call_id=looked.function_call.call_id)
+    output_two.output_parts.items.extend([Image.from_bytes(red).part(), Image.from_bytes(blue).part()])
+    shown_two = [user_message("Look."), looked, r.Item(function_call_output=output_two)]
+    assert await _prompt_tokens(model, shown_two) - await _prompt_tokens(model, shown) == per_image
+    await model.registry.close()
+
+
+def test_browser_rollouts_go_through_the_vision_model_with_gym_grpc_run_and_collect(
+    vision_engine: local_vllm.Engine, tmp_path: Path
+) -> None:
+    """Real `gym-grpc run` (the browser environment, configs/vllm.yaml on Chat Completions) and `collect`:
+    every task page rolled out through the model, its screenshots (when it asks for them) sent as images."""
+    env = tmp_path / "env.yaml"
+    env.write_text(
+        f"policy_base_url: {vision_engine.base_url}\npolicy_api_key: EMPTY\npolicy_model_name: {vision_engine.model}\n"
+        f"policy_chat_template: {local_vllm.CHAT_TEMPLATE}\n"
+    )
+    output = tmp_path / "browser.jsonl"
+    overrides = (
+        "servers.policy_model.config.return_token_ids=false",
+        "servers.policy_model.config.token_in_token_out=false",
+        "servers.browser_agent.config.max_steps=4",
+    )
+    run = start_run("--env-file", str(env), *overrides, configs=(BROWSER / "config.yaml", gym_cli.VLLM))
+    try:
+        tasks = BROWSER / "data" / "example.jsonl"
+        done = gym_cli.collect(run, "browser_agent", tasks, output, "max_output_tokens=48", "temperature=1.0")
+    finally:
+        run.stop()
+    assert done.returncode == 0, done.stderr
+    written = gym_cli.rows(output)
+    assert len(written) == len(tasks.read_text().splitlines()) and gym_cli.failures(output) == []
+    assert all(row["response"]["usage"]["input_tokens"] > 0 and row["reward"] in (0.0, 1.0) for row in written)
