@@ -101,29 +101,73 @@ async def test_the_engine_gets_each_image_of_a_message_and_of_a_tool_output_as_i
     await model.registry.close()
 
 
-def test_browser_rollouts_go_through_the_vision_model_with_gym_grpc_run_and_collect(
+async def test_on_the_token_path_image_turns_extend_the_sampled_ids_and_generate_as_the_chat_path(
+    start, vision_engine: local_vllm.Engine
+) -> None:
+    """Token in, token out with images: the prompt ids hold each image's tokens, the images' features go
+    beside them (vLLM's render, then generate), a later turn's prompt extends the earlier prompt and its
+    sampled ids, and at temperature 0 the first turn generates what the engine's own chat path does for
+    the same picture (so the picture reached the model, not only its placeholder)."""
+    config = {"base_url": vision_engine.base_url, "model": vision_engine.model, "return_token_ids": True}
+    tokens = ModelClient(static_registry(t=await start(VLLMModel(config, name="t"))), "t")
+    chat = ModelClient(
+        static_registry(c=await start(VLLMModel({**config, "token_in_token_out": False}, name="c"))), "c"
+    )
+    red, blue = _png((220, 30, 30)), _png((40, 60, 220))
+    params = r.CreateParams(max_output_tokens=12, temperature=0)
+    params.input_items.items.append(_with("What colour is this?", red))
+    first = await tokens.create_response(params, "s")
+    by_chat = await chat.create_response(params, "")
+    turn = first.output[-1].message
+    assert list(turn.generation_token_ids) == list(by_chat.output[-1].message.generation_token_ids)
+    assert len(turn.prompt_token_ids) == await _prompt_tokens(chat, list(params.input_items.items))
+    params.input_items.items.extend(first.output)
+    params.input_items.items.append(_with("And this one?", blue))
+    second = (await tokens.create_response(params, "s")).output[-1].message
+    earlier = [*turn.prompt_token_ids, *turn.generation_token_ids]
+    assert list(second.prompt_token_ids[: len(earlier)]) == earlier
+    model_dir = local_vllm.prepare(vision=True).model_dir
+    image_token = json.loads((model_dir / "config.json").read_text())["image_token_id"]
+    per_image = json.loads((model_dir / "processor_config.json").read_text())["image_seq_len"]
+    assert [list(ids).count(image_token) for ids in (turn.prompt_token_ids, second.prompt_token_ids)] == [
+        per_image, 2 * per_image,
+    ]  # fmt: skip
+    assert second.generation_token_ids and len(second.generation_log_probs) == len(second.generation_token_ids)
+    await tokens.registry.close()
+    await chat.registry.close()
+
+
+def test_browser_rollouts_through_the_vision_model_carry_token_ids_that_extend_across_image_turns(
     vision_engine: local_vllm.Engine, tmp_path: Path
 ) -> None:
-    """Real `gym-grpc run` (the browser environment, configs/vllm.yaml on Chat Completions) and `collect`:
-    every task page rolled out through the model, its screenshots (when it asks for them) sent as images."""
+    """Real `gym-grpc run` (the browser environment, each action ending with a screenshot, and
+    configs/vllm.yaml on the token path) and `collect`, every turn made a tool call (tool_choice required):
+    every task page rolled out through the model, every turn's prompt the earlier turn's ids extended,
+    screenshots among the tool outputs and their image tokens in the next turn's prompt."""
     env = tmp_path / "env.yaml"
     env.write_text(
         f"policy_base_url: {vision_engine.base_url}\npolicy_api_key: EMPTY\npolicy_model_name: {vision_engine.model}\n"
         f"policy_chat_template: {local_vllm.CHAT_TEMPLATE}\n"
     )
     output = tmp_path / "browser.jsonl"
-    overrides = (
-        "servers.policy_model.config.return_token_ids=false",
-        "servers.policy_model.config.token_in_token_out=false",
-        "servers.browser_agent.config.max_steps=4",
-    )
+    overrides = ("servers.browser_agent.config.max_steps=4", "servers.browser.config.screenshot_after_action=true")
     run = start_run("--env-file", str(env), *overrides, configs=(BROWSER / "config.yaml", gym_cli.VLLM))
     try:
         tasks = BROWSER / "data" / "example.jsonl"
-        done = gym_cli.collect(run, "browser_agent", tasks, output, "max_output_tokens=48", "temperature=1.0")
+        extra = ("max_output_tokens=48", "temperature=1.0", "tool_choice=required")
+        done = gym_cli.collect(run, "browser_agent", tasks, output, *extra)
     finally:
         run.stop()
     assert done.returncode == 0, done.stderr
     written = gym_cli.rows(output)
     assert len(written) == len(tasks.read_text().splitlines()) and gym_cli.failures(output) == []
-    assert all(row["response"]["usage"]["input_tokens"] > 0 and row["reward"] in (0.0, 1.0) for row in written)
+    image_token = json.loads((local_vllm.prepare(vision=True).model_dir / "config.json").read_text())["image_token_id"]
+    image_turns = 0
+    for row in written:
+        turns = [item for item in row["response"]["output"] if item.get("generation_token_ids")]
+        assert turns, row["response"]["output"]
+        for before, after in zip(turns, turns[1:], strict=False):
+            earlier = before["prompt_token_ids"] + before["generation_token_ids"]
+            assert after["prompt_token_ids"][: len(earlier)] == earlier
+            image_turns += after["prompt_token_ids"].count(image_token) > before["prompt_token_ids"].count(image_token)
+    assert image_turns > 0, "no screenshot reached a later turn's prompt"

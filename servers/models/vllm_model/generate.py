@@ -31,13 +31,21 @@ _CONSTRAINTS = (
 
 def request(body: dict[str, Any]) -> dict[str, Any]:
     """The generate request standing for a /v1/completions body (its `prompt` the token ids)."""
-    sampling = {k: v for k, v in body.items() if k not in NOT_SAMPLING and k not in _CONSTRAINTS}
+    sampling = {k: v for k, v in body.items() if k not in NOT_SAMPLING and k not in _CONSTRAINTS and k != "features"}
     if "max_completion_tokens" in sampling:
         sampling.setdefault("max_tokens", sampling.pop("max_completion_tokens"))
     outputs = _structured_outputs(body)
     if outputs:
         sampling["structured_outputs"] = outputs
-    return {"token_ids": body["prompt"], "model": body.get("model"), "output_mode": "text", "sampling_params": sampling}
+    answer = {
+        "token_ids": body["prompt"],
+        "model": body.get("model"),
+        "output_mode": "text",
+        "sampling_params": sampling,
+    }
+    if "features" in body:  # the prompt's images (image_features.py)
+        answer["features"] = body["features"]
+    return answer
 
 
 def as_completion(answer: dict[str, Any]) -> dict[str, Any]:

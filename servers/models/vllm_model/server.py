@@ -84,7 +84,7 @@ from gym_grpc.responses import assistant_message, input_items, item_body, new_id
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import responses_pb2 as r
 
-from . import chat, generate, templates, token_prompts, tool_calls
+from . import chat, generate, image_features, templates, token_prompts, tool_calls
 
 log = logging.getLogger("gym_grpc.vllm_model")
 #: How many times in a row a turn the engine aborted is asked again (each wait for a weight update).
@@ -325,14 +325,15 @@ class VLLMModel(EngineModelServer):
         self, engine: Engine | GrpcEngine, params: r.CreateParams, body: dict[str, Any], session_id: str
     ) -> r.Response:
         messages = body.pop("messages")
-        if any(
+        with_images = any(
             isinstance(m.get("content"), list) and any(p.get("type") == "image_url" for p in m["content"])
             for m in messages
-        ):
-            # The engine would need the images' features beside the ids (vLLM's render and generate): not done yet.
+        )
+        if with_images and (isinstance(engine, GrpcEngine) or engine.base_url in self._no_generate):
             raise errors.InvalidArgument(
-                "the token path (return_token_ids with token_in_token_out) takes text only for now: a conversation "
-                "with images goes by Chat Completions (token_in_token_out: false)",
+                "a conversation with images takes the token path only on vLLM's HTTP server with "
+                f"{generate.PATH} (--enable-scale-out): the images' features go beside the ids; use Chat Completions "
+                "(token_in_token_out: false) with this engine",
                 field="params.input",
             )
         template: dict[str, Any] = {key: body.pop(key) for key in ("tools", "chat_template_kwargs") if key in body}
@@ -396,6 +397,9 @@ class VLLMModel(EngineModelServer):
             except ValueError as e:
                 raise errors.InvalidArgument(f"params.tool_choice: {e}", field="params.tool_choice") from None
         body.update(prompt=prompt.ids, logprobs=0, return_token_ids=True, return_tokens_as_token_ids=True)
+        if with_images:
+            assert isinstance(engine, Engine)
+            body["features"] = await self._image_features(engine, {**template, "messages": messages}, prompt.ids)
         if engine.base_url not in self._context and engine.base_url not in self._described:
             await self._context_length(engine)
         if engine.base_url in self._context:
@@ -483,6 +487,12 @@ class VLLMModel(EngineModelServer):
                     generate.PATH,
                     e.status,
                 )
+        if "features" in body:
+            raise errors.InvalidArgument(
+                f"engine {engine.base_url} does not serve {generate.PATH}: a conversation with images takes the "
+                "token path only there (--enable-scale-out); use Chat Completions (token_in_token_out: false)",
+                field="params.input",
+            )
         return await engine.post("/completions", body)
 
     async def _engine_template(self, engine: GrpcEngine) -> None:
@@ -660,6 +670,27 @@ class VLLMModel(EngineModelServer):
             )
         _attach(response, prompt, generated, log_probs)
         return response
+
+    async def _image_features(self, engine: Engine, request: dict[str, Any], prompt: list[int]) -> dict[str, Any]:
+        """The features of the conversation's images (vLLM's /v1/chat/completions/render), placed in `prompt`."""
+        try:
+            render = await engine.post("/chat/completions/render", {**request, "model": self.config.model})
+        except EngineError as e:
+            if e.status not in generate.NOT_SERVED:
+                raise
+            raise errors.InvalidArgument(
+                f"engine {engine.base_url} does not serve /v1/chat/completions/render (HTTP {e.status}): a "
+                "conversation with images takes the token path only with vLLM's render and generate; use Chat "
+                "Completions (token_in_token_out: false)",
+                field="params.input",
+            ) from None
+        try:
+            return image_features.place(render, prompt)
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            raise errors.GymError(
+                f"engine {engine.base_url}: the images of the conversation cannot be given beside its token ids: {e}",
+                reason=errors.Reason.ENGINE_FAILED,
+            ) from None
 
     async def _tokenize(self, engine: Engine, request: dict[str, Any], add_generation_prompt: bool) -> list[int]:
         """The ids of a conversation as the engine's chat template renders it (vLLM's /tokenize)."""

@@ -324,14 +324,15 @@ async def test_a_call_with_an_escaped_half_character_keeps_the_escape(vllm, engi
     assert Hermes().parse('<tool_call>\n{"name": "f\\udc00", "arguments": {}}\n</tool_call>')[1] == []
 
 
-async def test_the_token_path_refuses_a_conversation_with_images_before_the_engine_sees_it(vllm, engine):
-    """Token ids for image turns need the images' features beside them (not done yet): said, not guessed."""
+async def test_on_an_engine_without_vllms_render_a_conversation_with_images_is_refused_saying_so(vllm, engine):
+    """The fake engine serves neither /v1/chat/completions/render nor /inference/v1/generate: the images'
+    features cannot go beside the ids (tests/real_engine/test_vision.py has the real engine, which does)."""
     fake = await engine([Turn(content="a cat")])
     _, model = await vllm(fake)
     params = _params("What is this?")
     png = b"\x89PNG\r\n\x1a\n" + b"\0" * 32
     picture = r.ContentPart(input_image=r.InputImage(data=png, media_type="image/png"))
     params.input_items.items.append(r.Item(message=r.Message(role=r.ROLE_USER, parts=r.ContentList(items=[picture]))))
-    with pytest.raises(errors.InvalidArgument, match="takes text only for now"):
+    with pytest.raises(errors.InvalidArgument, match="does not serve /v1/chat/completions/render"):
         await model.create_response(params, "s")
-    assert fake.requests == []
+    assert not [request for request in fake.requests if "prompt" in request]  # nothing generated
