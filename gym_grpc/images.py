@@ -136,20 +136,24 @@ def to_url(image: r.InputImage) -> str:
 # --- walking a conversation -------------------------------------------------------
 
 
-def _parts(item: r.Item) -> Iterable[r.ContentPart]:
-    kind = item.WhichOneof("item")
-    if kind == "message" and item.message.WhichOneof("content") == "parts":
-        return item.message.parts.items
-    if kind == "function_call_output":
-        return item.function_call_output.output_parts.items
-    return ()
-
-
 def images_in(items: Iterable[r.Item]) -> Iterator[tuple[int, r.InputImage]]:
-    """Each image of `items` (in messages and tool outputs) with the index of its item, in order."""
+    """Each image of `items` (in messages and tool outputs) with the index of its item, in order.
+
+    Walked on every model call (ImageStore.resolve), text-only conversations included, so it looks at as
+    little as it can: an assistant message holds output text and refusals only (the Responses API has no
+    image in a model's own words), and is skipped without reading its parts."""
     for index, item in enumerate(items):
-        for part in _parts(item):
-            if part.WhichOneof("part") == "input_image" and (part.input_image.data or part.input_image.sha256):
+        kind = item.WhichOneof("item")
+        if kind == "function_call_output":
+            parts = item.function_call_output.output_parts.items
+        elif kind == "message" and item.message.role != r.ROLE_ASSISTANT:
+            if item.message.WhichOneof("content") != "parts":
+                continue
+            parts = item.message.parts.items
+        else:
+            continue
+        for part in parts:
+            if part.HasField("input_image") and (part.input_image.data or part.input_image.sha256):
                 yield index, part.input_image
 
 

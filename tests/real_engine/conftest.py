@@ -28,17 +28,38 @@ from gym_grpc.engines import local_vllm
 from gym_grpc.engines.local_vllm.installation import MODEL_NAME
 
 
+def _given_http(variable: str, tmp_path_factory: pytest.TempPathFactory) -> local_vllm.Engine | None:
+    """The running HTTP engine whose base URL `variable` gives (its model asked of it), or None."""
+    given = os.environ.get(variable)
+    if not given:
+        return None
+    with urllib.request.urlopen(f"{given.rstrip('/')}/models", timeout=10) as reply:
+        model = json.loads(reply.read())["data"][0]["id"]
+    return local_vllm.Engine(given.rstrip("/"), pid=0, log_path=tmp_path_factory.mktemp("none"), model=model)
+
+
 @pytest.fixture(scope="session")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[local_vllm.Engine]:
-    given = os.environ.get("GYM_GRPC_REAL_ENGINE_URL")
-    if given:
-        with urllib.request.urlopen(f"{given.rstrip('/')}/models", timeout=10) as reply:
-            model = json.loads(reply.read())["data"][0]["id"]
-        yield local_vllm.Engine(given.rstrip("/"), pid=0, log_path=tmp_path_factory.mktemp("none"), model=model)
+    given = _given_http("GYM_GRPC_REAL_ENGINE_URL", tmp_path_factory)
+    if given is not None:
+        yield given
         return
     prepared = local_vllm.prepare()
     log_path = tmp_path_factory.mktemp("vllm") / "vllm.log"
     with local_vllm.running(prepared, log_path=log_path) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def vision_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[local_vllm.Engine]:
+    """The vision-language model served by the local CPU vLLM (`start --vision`, or
+    GYM_GRPC_REAL_VISION_ENGINE_URL to reuse one): tests/real_engine/test_vision.py."""
+    given = _given_http("GYM_GRPC_REAL_VISION_ENGINE_URL", tmp_path_factory)
+    if given is not None:
+        yield given
+        return
+    prepared = local_vllm.prepare(vision=True)
+    with local_vllm.running(prepared, log_path=tmp_path_factory.mktemp("vllm-vision") / "vllm.log") as running:
         yield running
 
 

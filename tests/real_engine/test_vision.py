@@ -10,11 +10,6 @@ Completions (the token path takes text only for now, and says so).
 from __future__ import annotations
 
 import json
-import os
-import struct
-import urllib.request
-import zlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,34 +23,11 @@ from gym_grpc.testing import call, static_registry
 from gym_grpc.v1 import responses_pb2 as r
 from tests.real_engine import gym_cli
 from tests.support import start_run
+from tests.test_images import png
 
 pytestmark = pytest.mark.real_engine
 
 BROWSER = gym_cli.REPO / "servers" / "resources" / "browser"
-
-
-@pytest.fixture(scope="session")
-def vision_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[local_vllm.Engine]:
-    """The vision-language model served by the local CPU vLLM (`start --vision`, or
-    GYM_GRPC_REAL_VISION_ENGINE_URL to reuse one)."""
-    given = os.environ.get("GYM_GRPC_REAL_VISION_ENGINE_URL")
-    if given:
-        with urllib.request.urlopen(f"{given.rstrip('/')}/models", timeout=10) as reply:
-            model = json.loads(reply.read())["data"][0]["id"]
-        yield local_vllm.Engine(given.rstrip("/"), pid=0, log_path=tmp_path_factory.mktemp("none"), model=model)
-        return
-    prepared = local_vllm.prepare(vision=True)
-    with local_vllm.running(prepared, log_path=tmp_path_factory.mktemp("vllm-vision") / "vllm.log") as running:
-        yield running
-
-
-def _png(rgb: tuple[int, int, int], width: int = 120, height: int = 90) -> bytes:
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-
-    raw = b"".join(b"\0" + bytes(rgb) * width for _ in range(height))
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
 
 
 def _image_tokens() -> int:
@@ -83,7 +55,7 @@ async def test_the_engine_gets_each_image_of_a_message_and_of_a_tool_output_as_i
 ) -> None:
     server = VLLMModel({"base_url": vision_engine.base_url, "model": vision_engine.model}, name="vision")
     model = ModelClient(static_registry(vision=await start(server)), "vision")
-    red, blue = _png((220, 30, 30)), _png((40, 60, 220))
+    red, blue = png(120, 90, (220, 30, 30)), png(120, 90, (40, 60, 220))
     per_image = _image_tokens()
     text_only = await _prompt_tokens(model, [user_message("What do you see?")])
     one = await _prompt_tokens(model, [_with("What do you see?", red)])
@@ -113,7 +85,7 @@ async def test_on_the_token_path_image_turns_extend_the_sampled_ids_and_generate
     chat = ModelClient(
         static_registry(c=await start(VLLMModel({**config, "token_in_token_out": False}, name="c"))), "c"
     )
-    red, blue = _png((220, 30, 30)), _png((40, 60, 220))
+    red, blue = png(120, 90, (220, 30, 30)), png(120, 90, (40, 60, 220))
     params = r.CreateParams(max_output_tokens=12, temperature=0)
     params.input_items.items.append(_with("What colour is this?", red))
     first = await tokens.create_response(params, "s")
