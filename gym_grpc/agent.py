@@ -489,8 +489,15 @@ class ToolLoopAgent(AgentServer):
             await self._replay_session(task, attempt, record, None)
             return
         record.session_id = uuid.uuid4().hex
-        await self.resources.seed_session(record.session_id, task)
+        episode = await self.resources.seed_session(record.session_id, task)
         record.session_replica = self.resources.replica_of(record.session_id)
+        if episode is not None:
+            raise errors.FailedPrecondition(
+                f"environment {self.resources.name!r} runs episodes with several roles "
+                f"({', '.join(role.name for role in episode.roles)}): serve it with an episode agent "
+                "(servers/agents/episode_agent, docs/episodes.md)",
+                reason=errors.Reason.EPISODE_TURN_INVALID,
+            )
 
     async def _replay_session(
         self, task: task_pb2.Task, attempt: Attempt, record: task_pb2.RolloutAttempt, lost: errors.GymError | None

@@ -79,6 +79,8 @@ class Session:
     calls: dict[str, asyncio.Future[res_pb.CallToolResponse]] = field(default_factory=dict)
     #: The images its tools returned, by hash: a Verify that names them by reference gets their bytes.
     images: dict[str, bytes] = field(default_factory=dict)
+    #: In an episode with several roles, the role whose turn it is (None: not an episode, or over).
+    turn: str | None = None
 
     def fence(self, attempt: int) -> None:
         """Refuse a call of an attempt older than the latest one seen (0: not checked); note a newer one."""
@@ -104,6 +106,56 @@ class Verification:
     reward: float
     fields: dict[str, Any] = field(default_factory=dict)
     components: dict[str, float] = field(default_factory=dict)
+    #: Each role's reward in an episode with several roles (VerifyResponse.role_rewards).
+    role_rewards: dict[str, float] = field(default_factory=dict)
+
+
+def user_message(text: str) -> r.Item:
+    """A user message item: what an environment usually shows a role (EpisodeTurn.input)."""
+    return r.Item(message=r.Message(role=r.ROLE_USER, text=text))
+
+
+@dataclass
+class Role:
+    """A role of an episode with several (EpisodeRole): its name, and the messages its
+    conversation opens with (None: the task's input)."""
+
+    name: str
+    opening: list[r.Item] | None = None
+
+
+@dataclass
+class Turn:
+    """Whose turn it is in an episode, and what that role is shown (EpisodeTurn): `shown` is text
+    for a user message, or items."""
+
+    role: str
+    shown: str | list[r.Item] = ""
+
+    def message(self) -> res_pb.EpisodeTurn:
+        shown = [user_message(self.shown)] if isinstance(self.shown, str) else self.shown
+        return res_pb.EpisodeTurn(role=self.role, input=[item for item in shown if item.ByteSize()])
+
+
+@dataclass
+class Episode:
+    """What `seed_session` returns to run an episode with several roles: the roles, and the first turn.
+    The environment then answers each role's end of turn (`end_turn`) with the next turn, or None when
+    the episode is over."""
+
+    roles: list[Role]
+    first: Turn
+
+    def message(self) -> res_pb.Episode:
+        names = [role.name for role in self.roles]
+        if not names or len(set(names)) != len(names) or not all(names):
+            raise ValueError(f"an episode whose role names are not unique: {names}")
+        if self.first.role not in names:
+            raise ValueError(f"an episode's first turn is {self.first.role!r}'s, not one of the roles {names}")
+        return res_pb.Episode(
+            roles=[res_pb.EpisodeRole(name=role.name, opening=role.opening or []) for role in self.roles],
+            turn=self.first.message(),
+        )
 
 
 def tool(fn: Callable | None = None, *, name: str | None = None) -> Any:
@@ -312,8 +364,19 @@ class ResourcesServer(GymServer):
 
     # --- what an environment implements ------------------------------------
 
-    async def seed_session(self, session: Session) -> None:
-        """Hook: set up `session.state` from `session.task` before any tool call."""
+    async def seed_session(self, session: Session) -> Episode | None:
+        """Hook: set up `session.state` from `session.task` before any tool call. Return an Episode to
+        run an episode with several roles (docs/episodes.md); None: one agent plays the task."""
+        return None
+
+    async def end_turn(self, session: Session, role: str, response: r.Response) -> Turn | None:
+        """Hook of an episode with several roles: `role`'s turn ended with `response` (its model's
+        answer without a tool call: `final_text(response)` is its move or message). Return the next
+        turn, or None when the episode is over. Called only for the role whose turn it was."""
+        raise errors.FailedPrecondition(
+            f"environment {self.name!r} runs no episodes with several roles",
+            reason=errors.Reason.EPISODE_TURN_INVALID,
+        )
 
     async def verify(self, session: Session, response: r.Response) -> Verification | float:
         """Score the rollout's final response. Return a reward or a Verification.
@@ -459,8 +522,9 @@ def _hook(name: str, failure: type[errors.GymError] = errors.GymError) -> Iterat
 
 
 def _verification(result: Any) -> res_pb.VerifyResponse:
+    roles: dict[str, float] = {}
     if isinstance(result, Verification):
-        reward, fields, components = result.reward, result.fields, result.components
+        reward, fields, components, roles = result.reward, result.fields, result.components, result.role_rewards
     else:
         reward, fields, components = result, {}, {}
     if isinstance(reward, bool):
@@ -476,6 +540,10 @@ def _verification(result: Any) -> res_pb.VerifyResponse:
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             raise errors.VerifierFailed(f"verify returned reward component {name!r} = {value!r}; expected a number")
         reply.reward_components[name] = float(value)
+    for name, value in roles.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise errors.VerifierFailed(f"verify returned role reward {name!r} = {value!r}; expected a number")
+        reply.role_rewards[name] = float(value)
     return reply
 
 
@@ -517,14 +585,42 @@ class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
         session.in_flight += 1
         try:
             with _hook("seed_session"):
-                await self.app.seed_session(session)
+                episode = await self.app.seed_session(session)
+                reply = res_pb.SeedSessionResponse(replica=self.app.replica)
+                if episode is not None:
+                    reply.episode.CopyFrom(episode.message())
+                    session.turn = episode.first.role
         except BaseException:
             del self.app.sessions[session.id]
             raise
         finally:
             session.in_flight -= 1
         self.app._watch_idle_sessions()
-        return res_pb.SeedSessionResponse(replica=self.app.replica)
+        return reply
+
+    @rpc_method
+    async def EndTurn(self, request: res_pb.EndTurnRequest, context: Any) -> res_pb.EndTurnResponse:
+        validation.check_response(request.response, "response")
+        session = self._session(request.session_id)
+        if session.id not in self.app.sessions or session.turn is None or session.turn != request.role:
+            whose = "over or not an episode" if session.turn is None else f"{session.turn!r}'s turn"
+            raise errors.FailedPrecondition(
+                f"role {request.role!r} cannot end a turn in session {session.id!r}: it is {whose}",
+                field="role",
+                reason=errors.Reason.EPISODE_TURN_INVALID,
+            )
+        session.in_flight += 1
+        try:
+            with _hook("end_turn"):
+                turn = await self.app.end_turn(session, request.role, request.response)
+                reply = res_pb.EndTurnResponse()
+                if turn is not None:
+                    reply.next.CopyFrom(turn.message())
+        finally:
+            session.in_flight -= 1
+            session.last_used = time.monotonic()
+        session.turn = turn.role if turn is not None else None
+        return reply
 
     @rpc_method
     async def CallTool(self, request: res_pb.CallToolRequest, context: Any) -> res_pb.CallToolResponse:

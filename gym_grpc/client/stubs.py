@@ -282,12 +282,20 @@ class ResourcesClient(_Client):
         replica = self._sessions.get(session_id)
         return None if replica is None else self.registry.replica(replica)
 
-    async def seed_session(self, session_id: str, task: task_pb2.Task) -> None:
-        """Open a session. When the server has replicas, its later calls go to the one
-        that opened it (SeedSessionResponse.replica) until close_session."""
+    async def seed_session(self, session_id: str, task: task_pb2.Task) -> res_pb.Episode | None:
+        """Open a session; the episode it runs when the environment has several roles, else None.
+        When the server has replicas, its later calls go to the one that opened it
+        (SeedSessionResponse.replica) until close_session."""
         reply = await self._call("SeedSession", res_pb.SeedSessionRequest(session_id=session_id, task=task))
         if reply.replica:
             self._sessions[session_id] = reply.replica
+        return reply.episode if reply.HasField("episode") else None
+
+    async def end_turn(self, session_id: str, role: str, response: r.Response) -> res_pb.EpisodeTurn | None:
+        """End `role`'s turn with its model's `response`: the next turn, or None when the episode is over."""
+        request = res_pb.EndTurnRequest(session_id=session_id, role=role, response=response)
+        reply = await self._call("EndTurn", request, connection=self._session(session_id))
+        return reply.next if reply.HasField("next") else None
 
     def resumed(self, session_id: str, replica: str) -> None:
         """Send a session's calls to `replica` (a resumed rollout's session, opened by another agent)."""

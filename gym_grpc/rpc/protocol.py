@@ -42,7 +42,9 @@ from gym_grpc.v1 import agent_service_pb2, resources_service_pb2  # noqa: F401  
 #: with an idempotency key and an attempt, DescribeToolsResponse.session_recovery, Capabilities.resumable_rollouts.
 #: 1.10: sandboxes: SandboxService, Capabilities.sandboxes, GetCountersResponse.sandboxes and .sandbox_start_failures.
 #: 1.11: images by value and by reference: InputImage.data, .media_type and .sha256; CallToolResponse.parts.
-VERSION = (1, 11)
+#: 1.12: episodes with several roles: SeedSessionResponse.episode, ResourcesService.EndTurn,
+#:       VerifyResponse.role_rewards, Rollout.roles, STOP_REASON_EPISODE_OVER.
+VERSION = (1, 12)
 
 
 class Unfilled(NamedTuple):

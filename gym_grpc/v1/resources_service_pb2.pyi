@@ -100,6 +100,7 @@ class SeedSessionResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REPLICA_FIELD_NUMBER: _builtins.int
+    EPISODE_FIELD_NUMBER: _builtins.int
     replica: _builtins.str
     """Session affinity. When the server runs as several replicas (see the
     registry's ServerInfo.replicas), the address ("host:port") of the replica
@@ -112,18 +113,191 @@ class SeedSessionResponse(_message.Message):
     and fails otherwise. Empty when the server is a single instance
     or holds no state per session: any address will do.
     """
+    @_builtins.property
+    def episode(self) -> Global___Episode:
+        """Set when the environment runs an episode with several roles (protocol
+        1.12): who takes part and who acts first. Unset: one agent plays the
+        task alone, as before.
+        """
+
     def __init__(
         self,
         *,
         replica: _builtins.str = ...,
+        episode: Global___Episode | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["episode", b"episode"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["replica", b"replica"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode", b"episode", "replica", b"replica"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SeedSessionResponse: _TypeAlias = SeedSessionResponse  # noqa: Y015
+
+@_typing.final
+class Episode(_message.Message):
+    """An episode with several roles: players of a game, an agent and a simulated
+    user, a debater and a judge (protocol 1.12).
+
+    Why this shape. The environment owns the episode, as dm_env_rpc's world
+    does with the clients joined to it and as verifiers' multi-agent Env does
+    with its actors: only it knows the rules, so it decides whose turn it is
+    and what each role is shown; an agent that guessed the order would need
+    each game's rules. A role's turn is the usual tool loop (model calls and
+    the tool calls they make, on the same session and tools), ended by a model
+    answer without a tool call, which goes to EndTurn: a move in a game is
+    such an answer, as TextArena's own agents give it. Each role keeps a
+    conversation of its own (it sees only what the environment shows it), a
+    model server of its own (the agent's configuration says which; one shared
+    policy plays every role in self-play) and a reward of its own
+    (VerifyResponse.role_rewards), so that the training samples come out per
+    role.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLES_FIELD_NUMBER: _builtins.int
+    TURN_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def roles(self) -> _containers.RepeatedCompositeFieldContainer[Global___EpisodeRole]:
+        """The roles, in the order the rollout lists them."""
+
+    @_builtins.property
+    def turn(self) -> Global___EpisodeTurn:
+        """Who acts first, and what it is shown."""
+
+    def __init__(
+        self,
+        *,
+        roles: _abc.Iterable[Global___EpisodeRole] | None = ...,
+        turn: Global___EpisodeTurn | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["turn", b"turn"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["roles", b"roles", "turn", b"turn"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Episode: _TypeAlias = Episode  # noqa: Y015
+
+@_typing.final
+class EpisodeRole(_message.Message):
+    """One role of an episode."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    OPENING_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Its name, unique in the episode ("player_0", "user")."""
+    @_builtins.property
+    def opening(self) -> _containers.RepeatedCompositeFieldContainer[_responses_pb2.Item]:
+        """The items its conversation opens with (its system message, its
+        persona). Empty: the task's input (responses_create_params.input).
+        """
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        opening: _abc.Iterable[_responses_pb2.Item] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "opening", b"opening"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EpisodeRole: _TypeAlias = EpisodeRole  # noqa: Y015
+
+@_typing.final
+class EpisodeTurn(_message.Message):
+    """A turn of an episode: the role whose turn it is, and what it is shown."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    INPUT_FIELD_NUMBER: _builtins.int
+    role: _builtins.str
+    """The role that acts (an EpisodeRole.name)."""
+    @_builtins.property
+    def input(self) -> _containers.RepeatedCompositeFieldContainer[_responses_pb2.Item]:
+        """Items added to that role's conversation before its model is called:
+        what happened since its last turn (the other player's move, the board,
+        the simulated user's message), usually one user message.
+        """
+
+    def __init__(
+        self,
+        *,
+        role: _builtins.str = ...,
+        input: _abc.Iterable[_responses_pb2.Item] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["input", b"input", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EpisodeTurn: _TypeAlias = EpisodeTurn  # noqa: Y015
+
+@_typing.final
+class EndTurnRequest(_message.Message):
+    """Request of ResourcesService.EndTurn."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    RESPONSE_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """Session of the episode."""
+    role: _builtins.str
+    """The role whose turn ends."""
+    @_builtins.property
+    def response(self) -> _responses_pb2.Response:
+        """The role's last model response of the turn (the answer without a tool
+        call); its text is the role's move or message.
+        """
+
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        role: _builtins.str = ...,
+        response: _responses_pb2.Response | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["response", b"response"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["response", b"response", "role", b"role", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EndTurnRequest: _TypeAlias = EndTurnRequest  # noqa: Y015
+
+@_typing.final
+class EndTurnResponse(_message.Message):
+    """Response of ResourcesService.EndTurn."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NEXT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def next(self) -> Global___EpisodeTurn:
+        """Whose turn it is now. Unset: the episode is over, and the agent verifies it."""
+
+    def __init__(
+        self,
+        *,
+        next: Global___EpisodeTurn | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["next", b"next"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next", b"next"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EndTurnResponse: _TypeAlias = EndTurnResponse  # noqa: Y015
 
 @_typing.final
 class CallToolRequest(_message.Message):
@@ -277,10 +451,31 @@ class VerifyResponse(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class RoleRewardsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     REWARD_FIELD_NUMBER: _builtins.int
     FIELDS_FIELD_NUMBER: _builtins.int
     REWARD_COMPONENTS_FIELD_NUMBER: _builtins.int
     FIELDS_JSON_FIELD_NUMBER: _builtins.int
+    ROLE_REWARDS_FIELD_NUMBER: _builtins.int
     reward: _builtins.float
     """The reward."""
     fields_json: _builtins.str
@@ -298,6 +493,13 @@ class VerifyResponse(_message.Message):
         trainers that weigh several objectives; the reward itself is `reward`.
         """
 
+    @_builtins.property
+    def role_rewards(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Each role's reward, by role name, in an episode with several roles
+        (protocol 1.12); `reward` is then the episode's one number for callers
+        that read one (the environment says which: usually the first role's).
+        """
+
     def __init__(
         self,
         *,
@@ -305,10 +507,11 @@ class VerifyResponse(_message.Message):
         fields: _struct_pb2.Struct | None = ...,
         reward_components: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         fields_json: _builtins.str = ...,
+        role_rewards: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["fields", b"fields"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fields", b"fields", "fields_json", b"fields_json", "reward", b"reward", "reward_components", b"reward_components"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fields", b"fields", "fields_json", b"fields_json", "reward", b"reward", "reward_components", b"reward_components", "role_rewards", b"role_rewards"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -105,6 +105,11 @@ class ResourcesServiceStub:
                 request_serializer=gym_dot_v1_dot_resources__service__pb2.DescribeToolsRequest.SerializeToString,
                 response_deserializer=gym_dot_v1_dot_resources__service__pb2.DescribeToolsResponse.FromString,
                 _registered_method=True)
+        self.EndTurn = channel.unary_unary(
+                '/gym.v1.ResourcesService/EndTurn',
+                request_serializer=gym_dot_v1_dot_resources__service__pb2.EndTurnRequest.SerializeToString,
+                response_deserializer=gym_dot_v1_dot_resources__service__pb2.EndTurnResponse.FromString,
+                _registered_method=True)
 
 
 class ResourcesServiceServicer:
@@ -205,6 +210,18 @@ class ResourcesServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EndTurn(self, request, context):
+        """End the turn of a role in an episode with several roles (protocol
+        1.12; see Episode): the agent hands over what the role's model answered
+        once its tool calls were done, and the environment says whose turn it is
+        next, or that the episode is over (then the agent calls Verify).
+        FAILED_PRECONDITION (EPISODE_TURN_INVALID) when it is not that role's turn
+        or the session has no episode.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ResourcesServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -242,6 +259,11 @@ def add_ResourcesServiceServicer_to_server(servicer, server):
                     servicer.DescribeTools,
                     request_deserializer=gym_dot_v1_dot_resources__service__pb2.DescribeToolsRequest.FromString,
                     response_serializer=gym_dot_v1_dot_resources__service__pb2.DescribeToolsResponse.SerializeToString,
+            ),
+            'EndTurn': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndTurn,
+                    request_deserializer=gym_dot_v1_dot_resources__service__pb2.EndTurnRequest.FromString,
+                    response_serializer=gym_dot_v1_dot_resources__service__pb2.EndTurnResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -469,6 +491,33 @@ class ResourcesService:
             '/gym.v1.ResourcesService/DescribeTools',
             gym_dot_v1_dot_resources__service__pb2.DescribeToolsRequest.SerializeToString,
             gym_dot_v1_dot_resources__service__pb2.DescribeToolsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndTurn(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gym.v1.ResourcesService/EndTurn',
+            gym_dot_v1_dot_resources__service__pb2.EndTurnRequest.SerializeToString,
+            gym_dot_v1_dot_resources__service__pb2.EndTurnResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -96,6 +96,14 @@ class ResourcesServiceStub:
     """
     DescribeTools: _grpc.UnaryUnaryMultiCallable[_resources_service_pb2.DescribeToolsRequest, _resources_service_pb2.DescribeToolsResponse]
     """List the tools this environment offers, with their JSON schemas."""
+    EndTurn: _grpc.UnaryUnaryMultiCallable[_resources_service_pb2.EndTurnRequest, _resources_service_pb2.EndTurnResponse]
+    """End the turn of a role in an episode with several roles (protocol
+    1.12; see Episode): the agent hands over what the role's model answered
+    once its tool calls were done, and the environment says whose turn it is
+    next, or that the episode is over (then the agent calls Verify).
+    FAILED_PRECONDITION (EPISODE_TURN_INVALID) when it is not that role's turn
+    or the session has no episode.
+    """
 
 @_typing.type_check_only
 class ResourcesServiceAsyncStub(ResourcesServiceStub):
@@ -165,6 +173,14 @@ class ResourcesServiceAsyncStub(ResourcesServiceStub):
     """
     DescribeTools: _aio.UnaryUnaryMultiCallable[_resources_service_pb2.DescribeToolsRequest, _resources_service_pb2.DescribeToolsResponse]  # type: ignore[assignment]
     """List the tools this environment offers, with their JSON schemas."""
+    EndTurn: _aio.UnaryUnaryMultiCallable[_resources_service_pb2.EndTurnRequest, _resources_service_pb2.EndTurnResponse]  # type: ignore[assignment]
+    """End the turn of a role in an episode with several roles (protocol
+    1.12; see Episode): the agent hands over what the role's model answered
+    once its tool calls were done, and the environment says whose turn it is
+    next, or that the episode is over (then the agent calls Verify).
+    FAILED_PRECONDITION (EPISODE_TURN_INVALID) when it is not that role's turn
+    or the session has no episode.
+    """
 
 class ResourcesServiceServicer(metaclass=_abc_1.ABCMeta):
     """A resources server (an environment). An agent drives one rollout through
@@ -273,5 +289,19 @@ class ResourcesServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_resources_service_pb2.DescribeToolsResponse, _abc.Awaitable[_resources_service_pb2.DescribeToolsResponse]]:
         """List the tools this environment offers, with their JSON schemas."""
+
+    @_abc_1.abstractmethod
+    def EndTurn(
+        self,
+        request: _resources_service_pb2.EndTurnRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_resources_service_pb2.EndTurnResponse, _abc.Awaitable[_resources_service_pb2.EndTurnResponse]]:
+        """End the turn of a role in an episode with several roles (protocol
+        1.12; see Episode): the agent hands over what the role's model answered
+        once its tool calls were done, and the environment says whose turn it is
+        next, or that the episode is over (then the agent calls Verify).
+        FAILED_PRECONDITION (EPISODE_TURN_INVALID) when it is not that role's turn
+        or the session has no episode.
+        """
 
 def add_ResourcesServiceServicer_to_server(servicer: ResourcesServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -26,7 +26,7 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from gym_grpc.v1 import responses_pb2 as gym_dot_v1_dot_responses__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11gym/v1/task.proto\x12\x06gym.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x16gym/v1/responses.proto\"{\n\x04Task\x12\x35\n\x17responses_create_params\x18\x01 \x01(\x0b\x32\x14.gym.v1.CreateParams\x12)\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x17.google.protobuf.StructB\x02\x18\x01\x12\x11\n\tdata_json\x18\x03 \x01(\t\"\xeb\x03\n\x07Rollout\x12\"\n\x08response\x18\x01 \x01(\x0b\x32\x10.gym.v1.Response\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x34\n\x0fverifier_fields\x18\x03 \x01(\x0b\x32\x17.google.protobuf.StructB\x02\x18\x01\x12\'\n\x0bstop_reason\x18\x04 \x01(\x0e\x32\x12.gym.v1.StopReason\x12\x13\n\x0bmodel_calls\x18\x05 \x01(\r\x12\'\n\x07timings\x18\x06 \x01(\x0b\x32\x16.gym.v1.RolloutTimings\x12\x1c\n\x14verification_skipped\x18\x07 \x01(\x08\x12@\n\x11reward_components\x18\x08 \x03(\x0b\x32%.gym.v1.Rollout.RewardComponentsEntry\x12\x1c\n\x14verifier_fields_json\x18\t \x01(\t\x12\x1b\n\x0epolicy_version\x18\n \x01(\rH\x00\x88\x01\x01\x12(\n\x08\x61ttempts\x18\x0b \x03(\x0b\x32\x16.gym.v1.RolloutAttempt\x1a\x37\n\x15RewardComponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x11\n\x0f_policy_version\"u\n\x0cRolloutState\x12\"\n\x05turns\x18\x01 \x03(\x0b\x32\x13.gym.v1.RolloutTurn\x12(\n\x08\x61ttempts\x18\x02 \x03(\x0b\x32\x16.gym.v1.RolloutAttempt\x12\x17\n\x0f\x65lapsed_seconds\x18\x03 \x01(\x01\"\x91\x01\n\x0bRolloutTurn\x12\"\n\x08response\x18\x01 \x01(\x0b\x32\x10.gym.v1.Response\x12\x30\n\x0ctool_outputs\x18\x02 \x03(\x0b\x32\x1a.gym.v1.FunctionCallOutput\x12\x15\n\rmodel_seconds\x18\x03 \x01(\x01\x12\x15\n\rtools_seconds\x18\x04 \x01(\x01\"\x9c\x01\n\x0eRolloutAttempt\x12\r\n\x05\x61gent\x18\x01 \x01(\t\x12\x12\n\nfirst_turn\x18\x02 \x01(\r\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x17\n\x0fsession_replica\x18\x04 \x01(\t\x12\x18\n\x10session_replayed\x18\x05 \x01(\x08\x12\r\n\x05\x65nded\x18\x06 \x01(\t\x12\x11\n\tturn_lost\x18\x07 \x01(\x08\"m\n\x0eRolloutTimings\x12\x15\n\rmodel_seconds\x18\x01 \x01(\x01\x12\x15\n\rtools_seconds\x18\x02 \x01(\x01\x12\x16\n\x0everify_seconds\x18\x03 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x04 \x01(\x01\"\x80\x02\n\x12VerificationResult\x12\x12\n\ntask_index\x18\x01 \x01(\x04\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12+\n\x06\x66ields\x18\x03 \x01(\x0b\x32\x17.google.protobuf.StructB\x02\x18\x01\x12K\n\x11reward_components\x18\x04 \x03(\x0b\x32\x30.gym.v1.VerificationResult.RewardComponentsEntry\x12\x13\n\x0b\x66ields_json\x18\x05 \x01(\t\x1a\x37\n\x15RewardComponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*\x7f\n\nStopReason\x12\x1b\n\x17STOP_REASON_UNSPECIFIED\x10\x00\x12\x1d\n\x19STOP_REASON_FINAL_MESSAGE\x10\x01\x12\x19\n\x15STOP_REASON_MAX_STEPS\x10\x02\x12\x1a\n\x16STOP_REASON_INCOMPLETE\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11gym/v1/task.proto\x12\x06gym.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x16gym/v1/responses.proto\"{\n\x04Task\x12\x35\n\x17responses_create_params\x18\x01 \x01(\x0b\x32\x14.gym.v1.CreateParams\x12)\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x17.google.protobuf.StructB\x02\x18\x01\x12\x11\n\tdata_json\x18\x03 \x01(\t\"\x8f\x04\n\x07Rollout\x12\"\n\x08response\x18\x01 \x01(\x0b\x32\x10.gym.v1.Response\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x34\n\x0fverifier_fields\x18\x03 \x01(\x0b\x32\x17.google.protobuf.StructB\x02\x18\x01\x12\'\n\x0bstop_reason\x18\x04 \x01(\x0e\x32\x12.gym.v1.StopReason\x12\x13\n\x0bmodel_calls\x18\x05 \x01(\r\x12\'\n\x07timings\x18\x06 \x01(\x0b\x32\x16.gym.v1.RolloutTimings\x12\x1c\n\x14verification_skipped\x18\x07 \x01(\x08\x12@\n\x11reward_components\x18\x08 \x03(\x0b\x32%.gym.v1.Rollout.RewardComponentsEntry\x12\x1c\n\x14verifier_fields_json\x18\t \x01(\t\x12\x1b\n\x0epolicy_version\x18\n \x01(\rH\x00\x88\x01\x01\x12(\n\x08\x61ttempts\x18\x0b \x03(\x0b\x32\x16.gym.v1.RolloutAttempt\x12\"\n\x05roles\x18\x0c \x03(\x0b\x32\x13.gym.v1.RolloutRole\x1a\x37\n\x15RewardComponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x11\n\x0f_policy_version\"e\n\x0bRolloutRole\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0cmodel_server\x18\x02 \x01(\t\x12\x0e\n\x06reward\x18\x03 \x01(\x01\x12\x13\n\x0bmodel_calls\x18\x04 \x01(\r\x12\r\n\x05items\x18\x05 \x03(\r\"u\n\x0cRolloutState\x12\"\n\x05turns\x18\x01 \x03(\x0b\x32\x13.gym.v1.RolloutTurn\x12(\n\x08\x61ttempts\x18\x02 \x03(\x0b\x32\x16.gym.v1.RolloutAttempt\x12\x17\n\x0f\x65lapsed_seconds\x18\x03 \x01(\x01\"\x91\x01\n\x0bRolloutTurn\x12\"\n\x08response\x18\x01 \x01(\x0b\x32\x10.gym.v1.Response\x12\x30\n\x0ctool_outputs\x18\x02 \x03(\x0b\x32\x1a.gym.v1.FunctionCallOutput\x12\x15\n\rmodel_seconds\x18\x03 \x01(\x01\x12\x15\n\rtools_seconds\x18\x04 \x01(\x01\"\x9c\x01\n\x0eRolloutAttempt\x12\r\n\x05\x61gent\x18\x01 \x01(\t\x12\x12\n\nfirst_turn\x18\x02 \x01(\r\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x17\n\x0fsession_replica\x18\x04 \x01(\t\x12\x18\n\x10session_replayed\x18\x05 \x01(\x08\x12\r\n\x05\x65nded\x18\x06 \x01(\t\x12\x11\n\tturn_lost\x18\x07 \x01(\x08\"m\n\x0eRolloutTimings\x12\x15\n\rmodel_seconds\x18\x01 \x01(\x01\x12\x15\n\rtools_seconds\x18\x02 \x01(\x01\x12\x16\n\x0everify_seconds\x18\x03 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x04 \x01(\x01\"\x80\x02\n\x12VerificationResult\x12\x12\n\ntask_index\x18\x01 \x01(\x04\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12+\n\x06\x66ields\x18\x03 \x01(\x0b\x32\x17.google.protobuf.StructB\x02\x18\x01\x12K\n\x11reward_components\x18\x04 \x03(\x0b\x32\x30.gym.v1.VerificationResult.RewardComponentsEntry\x12\x13\n\x0b\x66ields_json\x18\x05 \x01(\t\x1a\x37\n\x15RewardComponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*\x9d\x01\n\nStopReason\x12\x1b\n\x17STOP_REASON_UNSPECIFIED\x10\x00\x12\x1d\n\x19STOP_REASON_FINAL_MESSAGE\x10\x01\x12\x19\n\x15STOP_REASON_MAX_STEPS\x10\x02\x12\x1a\n\x16STOP_REASON_INCOMPLETE\x10\x03\x12\x1c\n\x18STOP_REASON_EPISODE_OVER\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,24 +43,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERIFICATIONRESULT_REWARDCOMPONENTSENTRY']._serialized_options = b'8\001'
   _globals['_VERIFICATIONRESULT'].fields_by_name['fields']._loaded_options = None
   _globals['_VERIFICATIONRESULT'].fields_by_name['fields']._serialized_options = b'\030\001'
-  _globals['_STOPREASON']._serialized_start=1498
-  _globals['_STOPREASON']._serialized_end=1625
+  _globals['_STOPREASON']._serialized_start=1638
+  _globals['_STOPREASON']._serialized_end=1795
   _globals['_TASK']._serialized_start=83
   _globals['_TASK']._serialized_end=206
   _globals['_ROLLOUT']._serialized_start=209
-  _globals['_ROLLOUT']._serialized_end=700
-  _globals['_ROLLOUT_REWARDCOMPONENTSENTRY']._serialized_start=626
-  _globals['_ROLLOUT_REWARDCOMPONENTSENTRY']._serialized_end=681
-  _globals['_ROLLOUTSTATE']._serialized_start=702
-  _globals['_ROLLOUTSTATE']._serialized_end=819
-  _globals['_ROLLOUTTURN']._serialized_start=822
-  _globals['_ROLLOUTTURN']._serialized_end=967
-  _globals['_ROLLOUTATTEMPT']._serialized_start=970
-  _globals['_ROLLOUTATTEMPT']._serialized_end=1126
-  _globals['_ROLLOUTTIMINGS']._serialized_start=1128
-  _globals['_ROLLOUTTIMINGS']._serialized_end=1237
-  _globals['_VERIFICATIONRESULT']._serialized_start=1240
-  _globals['_VERIFICATIONRESULT']._serialized_end=1496
-  _globals['_VERIFICATIONRESULT_REWARDCOMPONENTSENTRY']._serialized_start=626
-  _globals['_VERIFICATIONRESULT_REWARDCOMPONENTSENTRY']._serialized_end=681
+  _globals['_ROLLOUT']._serialized_end=736
+  _globals['_ROLLOUT_REWARDCOMPONENTSENTRY']._serialized_start=662
+  _globals['_ROLLOUT_REWARDCOMPONENTSENTRY']._serialized_end=717
+  _globals['_ROLLOUTROLE']._serialized_start=738
+  _globals['_ROLLOUTROLE']._serialized_end=839
+  _globals['_ROLLOUTSTATE']._serialized_start=841
+  _globals['_ROLLOUTSTATE']._serialized_end=958
+  _globals['_ROLLOUTTURN']._serialized_start=961
+  _globals['_ROLLOUTTURN']._serialized_end=1106
+  _globals['_ROLLOUTATTEMPT']._serialized_start=1109
+  _globals['_ROLLOUTATTEMPT']._serialized_end=1265
+  _globals['_ROLLOUTTIMINGS']._serialized_start=1267
+  _globals['_ROLLOUTTIMINGS']._serialized_end=1376
+  _globals['_VERIFICATIONRESULT']._serialized_start=1379
+  _globals['_VERIFICATIONRESULT']._serialized_end=1635
+  _globals['_VERIFICATIONRESULT_REWARDCOMPONENTSENTRY']._serialized_start=662
+  _globals['_VERIFICATIONRESULT_REWARDCOMPONENTSENTRY']._serialized_end=717
 # @@protoc_insertion_point(module_scope)

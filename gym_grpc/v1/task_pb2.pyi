@@ -40,6 +40,10 @@ class _StopReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_StopReason
     """The agent reached its max_steps limit of model calls."""
     STOP_REASON_INCOMPLETE: _StopReason.ValueType  # 3
     """The model's output was cut short (see Response.incomplete_details)."""
+    STOP_REASON_EPISODE_OVER: _StopReason.ValueType  # 4
+    """The environment ended an episode with several roles (EndTurnResponse
+    without a next turn; protocol 1.12).
+    """
 
 class StopReason(_StopReason, metaclass=_StopReasonEnumTypeWrapper):
     """Why an agent stopped calling the model."""
@@ -52,6 +56,10 @@ STOP_REASON_MAX_STEPS: StopReason.ValueType  # 2
 """The agent reached its max_steps limit of model calls."""
 STOP_REASON_INCOMPLETE: StopReason.ValueType  # 3
 """The model's output was cut short (see Response.incomplete_details)."""
+STOP_REASON_EPISODE_OVER: StopReason.ValueType  # 4
+"""The environment ended an episode with several roles (EndTurnResponse
+without a next turn; protocol 1.12).
+"""
 Global___StopReason: _TypeAlias = StopReason  # noqa: Y015
 
 @_typing.final
@@ -132,6 +140,7 @@ class Rollout(_message.Message):
     VERIFIER_FIELDS_JSON_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     ATTEMPTS_FIELD_NUMBER: _builtins.int
+    ROLES_FIELD_NUMBER: _builtins.int
     reward: _builtins.float
     """Reward the resources server gave."""
     stop_reason: Global___StopReason.ValueType
@@ -181,6 +190,15 @@ class Rollout(_message.Message):
         items, whichever attempt made it.
         """
 
+    @_builtins.property
+    def roles(self) -> _containers.RepeatedCompositeFieldContainer[Global___RolloutRole]:
+        """The roles of an episode with several (protocol 1.12; see Episode in
+        resources_service.proto), in the order the environment listed them.
+        `response.output` then holds every role's items in the order they
+        happened, and each role names its own; `reward` is the environment's one
+        number for the episode. Empty for a rollout of one agent.
+        """
+
     def __init__(
         self,
         *,
@@ -195,16 +213,63 @@ class Rollout(_message.Message):
         verifier_fields_json: _builtins.str = ...,
         policy_version: _builtins.int | None = ...,
         attempts: _abc.Iterable[Global___RolloutAttempt] | None = ...,
+        roles: _abc.Iterable[Global___RolloutRole] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "policy_version", b"policy_version", "response", b"response", "timings", b"timings", "verifier_fields", b"verifier_fields"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "attempts", b"attempts", "model_calls", b"model_calls", "policy_version", b"policy_version", "response", b"response", "reward", b"reward", "reward_components", b"reward_components", "stop_reason", b"stop_reason", "timings", b"timings", "verification_skipped", b"verification_skipped", "verifier_fields", b"verifier_fields", "verifier_fields_json", b"verifier_fields_json"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "attempts", b"attempts", "model_calls", b"model_calls", "policy_version", b"policy_version", "response", b"response", "reward", b"reward", "reward_components", b"reward_components", "roles", b"roles", "stop_reason", b"stop_reason", "timings", b"timings", "verification_skipped", b"verification_skipped", "verifier_fields", b"verifier_fields", "verifier_fields_json", b"verifier_fields_json"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__policy_version: _TypeAlias = _typing.Literal["policy_version"]  # noqa: Y015
     _WhichOneofArgType__policy_version: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__policy_version) -> _WhichOneofReturnType__policy_version | None: ...
 
 Global___Rollout: _TypeAlias = Rollout  # noqa: Y015
+
+@_typing.final
+class RolloutRole(_message.Message):
+    """One role of an episode, in its rollout."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    MODEL_SERVER_FIELD_NUMBER: _builtins.int
+    REWARD_FIELD_NUMBER: _builtins.int
+    MODEL_CALLS_FIELD_NUMBER: _builtins.int
+    ITEMS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The role's name (EpisodeRole.name)."""
+    model_server: _builtins.str
+    """The model server that played it."""
+    reward: _builtins.float
+    """Its reward (VerifyResponse.role_rewards); 0 when the verifier gave it
+    none or verification was skipped.
+    """
+    model_calls: _builtins.int
+    """Model calls it made."""
+    @_builtins.property
+    def items(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Positions in the rollout's response.output of the role's trajectory, in
+        order: its opening when it has one of its own, what the environment
+        showed it each turn, its model's outputs and its tool outputs. Its
+        conversation is its opening (else the task's input) followed by these.
+        """
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        model_server: _builtins.str = ...,
+        reward: _builtins.float = ...,
+        model_calls: _builtins.int = ...,
+        items: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items", "model_calls", b"model_calls", "model_server", b"model_server", "name", b"name", "reward", b"reward"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RolloutRole: _TypeAlias = RolloutRole  # noqa: Y015
 
 @_typing.final
 class RolloutState(_message.Message):
