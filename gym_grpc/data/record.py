@@ -49,6 +49,7 @@ STOP_REASONS = {
     task_pb2.STOP_REASON_FINAL_MESSAGE: "final_message",
     task_pb2.STOP_REASON_MAX_STEPS: "max_steps",
     task_pb2.STOP_REASON_INCOMPLETE: "incomplete",
+    task_pb2.STOP_REASON_EPISODE_OVER: "episode_over",
 }
 
 
@@ -71,6 +72,8 @@ def build(task_row: JSON, rollout: task_pb2.Rollout, placeholder_reward: float =
         row["policy_version"] = rollout.policy_version
     if rollout.attempts:
         row["attempts"] = [_attempt(a) for a in rollout.attempts]
+    if rollout.roles:
+        row["roles"] = [_role(role, not rollout.verification_skipped) for role in rollout.roles]
     row["finished_at"] = time.time()  # for throughput over time (`gym-grpc report`)
     return row
 
@@ -87,6 +90,32 @@ def _attempt(attempt: task_pb2.RolloutAttempt) -> JSON:
     if attempt.turn_lost:
         out["turn_lost"] = True
     return out
+
+
+def _role(role: task_pb2.RolloutRole, verified: bool) -> JSON:
+    """One role of an episode with several, as its row shows it: `items` are positions in the row's
+    response.output."""
+    out: JSON = {"name": role.name, "model_server": role.model_server}
+    if verified:
+        out["reward"] = role.reward
+    out["model_calls"] = role.model_calls
+    out["items"] = list(role.items)
+    return out
+
+
+def role_rewards(row: JSON) -> dict[str, float]:
+    """The rewards of a row's roles, by name (empty for a rollout of one agent, or one not verified)."""
+    roles = row.get("roles")
+    if not isinstance(roles, list):
+        return {}
+    return {
+        str(role["name"]): float(role["reward"])
+        for role in roles
+        if isinstance(role, dict)
+        and "name" in role
+        and isinstance(role.get("reward"), int | float)
+        and not isinstance(role.get("reward"), bool)
+    }
 
 
 def turns_regenerated(row: JSON) -> int:
@@ -170,6 +199,7 @@ ROLLOUT_FIELDS = frozenset(
         "timings",
         "finished_at",
         "policy_version",
+        "roles",
         *KEY,
         *NEMO_KEY,
     }

@@ -64,6 +64,8 @@ class AgentStats:
     first_start: float = math.inf
     #: Failures of the sidecar that no row of the file made good, by "Class (CODE)".
     failures: Counter[str] = field(default_factory=Counter)
+    #: In episodes with several roles: each role's verified rewards, by role name in the order first seen.
+    roles: dict[str, array] = field(default_factory=dict)
     _reward: Means = field(default_factory=Means, repr=False, compare=False)
     #: The tasks scored at each pass threshold asked for.
     _scored: dict[float, TaskScores] = field(default_factory=dict, repr=False, compare=False)
@@ -81,6 +83,8 @@ class AgentStats:
             self.reward_tasks.append(slot)
             self._reward.add_number("reward", reward)
             self._scored.clear()
+            for role, value in record.role_rewards(row).items():
+                self.roles.setdefault(role, array("d")).append(value)
         tokens_in, tokens_out = record.usage_of(row)
         self.input_tokens += tokens_in
         self.output_tokens += tokens_out
@@ -160,6 +164,11 @@ class AgentStats:
         for stage, times in self.stages.items():
             out[f"{stage}_median_s"] = times.median() if times.count else math.nan
             out[f"{stage}_p95_s"] = times.quantile(0.95)
+        for role, rewards in self.roles.items():
+            mean = sum(rewards) / len(rewards)
+            out[f"role.{role}.reward_mean"] = mean
+            out[f"role.{role}.reward_std"] = spread(rewards, mean)
+            out[f"role.{role}.passed"] = sum(1 for x in rewards if x >= threshold) / len(rewards)
         return out
 
     def task_kinds(self, threshold: float) -> Counter[str]:

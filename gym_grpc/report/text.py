@@ -38,6 +38,10 @@ def _lines(agent: AgentStats, threshold: float, ks: Sequence[int]) -> dict[str, 
     for k in ks:
         value = m.get(f"pass@{k}", math.nan)
         lines.append((f"pass@{k}", _number(value), value))
+    for role in agent.roles:
+        mean, std, passed = (m[f"role.{role}.{what}"] for what in ("reward_mean", "reward_std", "passed"))
+        lines.append((f"  {role}: reward mean ± std", f"{_number(mean)} ± {_number(std)}", mean))
+        lines.append((f"  {role}: reward ≥ threshold", _number(passed), passed))
     lines.append(
         (
             "tasks always / never / mixed",

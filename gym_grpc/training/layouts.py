@@ -40,6 +40,7 @@ def _key(sample: Sample) -> dict[str, Any]:
         "failure": sample.failure,
         "policy_version": sample.policy_version,
         "lag": sample.lag,
+        "role": sample.role,
     }
 
 

@@ -55,6 +55,8 @@ class TrainingRollout:
     reward: float | None
     turns: list[TokenTurn]
     failure: errors.Failure | None = None
+    #: The role whose trajectory this is, in an episode with several; None otherwise.
+    role: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -62,28 +64,42 @@ class TrainingRollout:
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> TrainingRollout:
-        """A rollout row as `collect` writes it (or NeMo Gym does)."""
+        """A rollout row as `collect` writes it (or NeMo Gym does); of an episode with several roles, its
+        items and reward as one trajectory (`per_role` parts them)."""
         agent, task, repeat = record.rollout_key(row)
         reward = row.get("reward")
-        turns = []
-        for item in (row.get("response") or {}).get("output") or []:
-            if isinstance(item, dict) and item.get("generation_token_ids"):
-                version = item.get("policy_version")
-                turns.append(
-                    TokenTurn(
-                        list(item.get("prompt_token_ids") or []),
-                        list(item["generation_token_ids"]),
-                        list(item.get("generation_log_probs") or []),
-                        version if isinstance(version, int) and not isinstance(version, bool) else None,
-                    )
-                )
         return cls(
             agent=agent,
             task_index=task,
             repeat_index=repeat,
             reward=None if row.get("verification_skipped") or not isinstance(reward, int | float) else float(reward),
-            turns=turns,
+            turns=_token_turns((row.get("response") or {}).get("output") or []),
         )
+
+    @classmethod
+    def per_role(cls, row: dict[str, Any]) -> list[TrainingRollout]:
+        """A rollout row as training sees it: one rollout, or one per role of an episode with several
+        (its trajectory, RolloutRole.items, and its own reward)."""
+        whole = cls.from_row(row)
+        roles = row.get("roles")
+        if not isinstance(roles, list) or not roles:
+            return [whole]
+        output = (row.get("response") or {}).get("output") or []
+        rewards = record.role_rewards(row)
+        out = []
+        for number, role in enumerate(roles):
+            if not isinstance(role, dict) or not isinstance(role.get("name"), str):
+                raise RowError(f"roles.{number}.name", "is required: the role's name")
+            positions = role.get("items") or []
+            if not isinstance(positions, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(output) for i in positions
+            ):
+                raise RowError(f"roles.{number}.items", f"must be positions in response.output (0..{len(output) - 1})")
+            name = role["name"]
+            reward = None if whole.reward is None else rewards.get(name)
+            turns = _token_turns([output[i] for i in positions])
+            out.append(cls(whole.agent, whole.task_index, whole.repeat_index, reward, turns, role=name))
+        return out
 
     @classmethod
     def from_result(
@@ -93,6 +109,23 @@ class TrainingRollout:
         if not result.ok:
             return cls(agent, task_index, repeat_index, None, [], result.failure)
         return cls(agent, task_index, repeat_index, result.reward, result.turns)
+
+
+def _token_turns(items: list[Any]) -> list[TokenTurn]:
+    """The assistant turns with token ids among a row's output items, in order."""
+    turns = []
+    for item in items:
+        if isinstance(item, dict) and item.get("generation_token_ids"):
+            version = item.get("policy_version")
+            turns.append(
+                TokenTurn(
+                    list(item.get("prompt_token_ids") or []),
+                    list(item["generation_token_ids"]),
+                    list(item.get("generation_log_probs") or []),
+                    version if isinstance(version, int) and not isinstance(version, bool) else None,
+                )
+            )
+    return turns
 
 
 @dataclass
@@ -125,6 +158,8 @@ class Sample:
     lag: int | None = None
     #: More than `max_lag` behind: no loss (`stale="mask"`).
     stale: bool = False
+    #: The role whose trajectory it is, in an episode with several roles; None otherwise.
+    role: str | None = None
 
     @property
     def loss_multiplier(self) -> float:
@@ -133,8 +168,10 @@ class Sample:
 
     @property
     def group(self) -> str:
-        """The GRPO group: the rollouts of one task through one agent."""
-        return f"{self.agent}/{self.task_index}"
+        """The GRPO group: the rollouts of one task through one agent (and, in episodes with several
+        roles, one role: each role's rewards are compared among its own)."""
+        group = f"{self.agent}/{self.task_index}"
+        return group if self.role is None else f"{group}/{self.role}"
 
 
 @dataclass
@@ -179,7 +216,7 @@ def samples_of(
         stats.failed += 1
         stats.samples += 1
         f = rollout.failure
-        return [Sample(*key, part=0, failure=f"{f.error_class} ({f.code}): {f.message}")]
+        return [Sample(*key, part=0, failure=f"{f.error_class} ({f.code}): {f.message}", role=rollout.role)]
     if not rollout.turns:
         stats.without_ids += 1
         return []
@@ -202,7 +239,13 @@ def samples_of(
                 )
             current = None
         if current is None:
-            current = Sample(*key, part=len(samples), prompt_ids=list(turn.prompt_token_ids), reward=rollout.reward)
+            current = Sample(
+                *key,
+                part=len(samples),
+                prompt_ids=list(turn.prompt_token_ids),
+                reward=rollout.reward,
+                role=rollout.role,
+            )
             samples.append(current)
             seen = list(turn.prompt_token_ids)
         else:
@@ -257,9 +300,9 @@ def read_rollouts(path: Path) -> Iterator[TrainingRollout]:
     """The rollouts of a `collect` output, then its failures sidecar's failed rollouts that no row made good."""
     done: set[record.RolloutKey] = set()
     for row in jsonl.iter_rows(path):
-        rollout = TrainingRollout.from_row(row)
-        done.add((rollout.agent, rollout.task_index, rollout.repeat_index))
-        yield rollout
+        for rollout in TrainingRollout.per_role(row):
+            done.add((rollout.agent, rollout.task_index, rollout.repeat_index))
+            yield rollout
     for (agent, task, repeat), error in jsonl.sidecar_failures(path, done).missing.items():
         failure = errors.Failure(
             str(error.get("class")), str(error.get("code")), str(error.get("message")), error.get("field")
