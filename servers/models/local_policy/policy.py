@@ -3,7 +3,9 @@
 A small program that plays a model: it calls a tool the prompt is about with
 arguments read from the prompt, answers from tool outputs once they arrive,
 works out arithmetic, and guesses at multiple-choice questions (it cannot
-know their answers, so it takes the longest option, a test-taker's hunch).
+know their answers, so it takes the longest option, a test-taker's hunch),
+and in a game whose board lists the available moves (TextArena's), plays
+one of them, each as likely as the others.
 A tool call, a sum and a guess each rest on one random decision, whether to
 slip (mangle an argument, get a sum wrong, pick another option), whose
 chance grows with the work involved. The decision is sampled the way an
@@ -151,6 +153,18 @@ def choose_option(
     return rng.choice(others), logprob - math.log(len(others))
 
 
+# --- games -------------------------------------------------------------------
+
+#: The legal moves a TextArena board lists: "Available Moves: '[0]', '[3]', '[8]'".
+_MOVES = re.compile(r"Available Moves:((?:\s*'\[[^\]']{1,20}\]',?)+)")
+
+
+def find_moves(prompt: str) -> list[str]:
+    """The moves the last board of a prompt lists as available ("[4]"), in order; [] without one."""
+    boards = _MOVES.findall(prompt)
+    return re.findall(r"'(\[[^\]']{1,20}\])'", boards[-1]) if boards else []
+
+
 # --- tools -------------------------------------------------------------------
 
 _STOP_WORDS = {"what", "with", "this", "that", "from", "your", "have", "when", "please", "tell", "right", "like"}
@@ -294,6 +308,12 @@ def decide(
             args, decided = _mangle(args)
         reasoning = f"The user asks something {chosen.name} can answer; I will call it." if think else ""
         return Turn(calls=[(chosen.name, json.dumps(args))], reasoning=reasoning, logprob=logprob, decided=decided)
+
+    moves = find_moves(prompt)
+    if moves:  # a game's turn: any legal move, all equally likely
+        move = rng.choice(moves)
+        reasoning = "It is my move; any of the available ones will do." if think else ""
+        return Turn(text=move, reasoning=reasoning, logprob=-math.log(len(moves)), decided=move)
 
     options = find_options(prompt)
     if options:

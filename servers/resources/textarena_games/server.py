@@ -53,8 +53,8 @@ from typing import Annotated, Any
 from pydantic import Field, field_validator
 
 from gym_grpc import errors
-from gym_grpc.resources import ResourcesConfig, ResourcesServer, Session, Verification, tool
-from gym_grpc.responses import function_calls
+from gym_grpc.resources import Episode, ResourcesConfig, ResourcesServer, Role, Session, Turn, Verification, tool
+from gym_grpc.responses import final_text, function_calls
 from gym_grpc.v1 import responses_pb2 as r
 
 try:
@@ -122,13 +122,13 @@ def _innermost(env: Any) -> Any:
     return env
 
 
-def _render(messages: Any) -> str:
+def _render(messages: Any, player: int = 0) -> str:
     """A player's observation as text: the game's messages, without the player's own actions."""
     if isinstance(messages, str):
         return messages.strip()
     lines = []
     for sender, text, kind in messages:
-        if kind == ta.ObservationType.PLAYER_ACTION and sender == 0:
+        if kind == ta.ObservationType.PLAYER_ACTION and sender == player:
             continue
         lines.append(str(text).strip())
     return "\n".join(line for line in lines if line)
@@ -146,22 +146,25 @@ class Game:
     done: bool = False
     rewards: dict[int, float] | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    #: The player whose turn it is (two-player games).
+    player: int = 0
 
     @classmethod
-    def start(cls, game_id: str, seed: int, kwargs: dict[str, Any]) -> tuple[Game, str]:
-        """A new game, reset with `seed`, and its first observation."""
+    def start(cls, game_id: str, seed: int, kwargs: dict[str, Any], players: int = 1) -> tuple[Game, str]:
+        """A new game, reset with `seed`, and the first observation (of the player who moves first)."""
         game = cls(game_id, seed, ta.make(game_id, **kwargs))
         with _own_random(game.random_state):
             random.seed(seed)
             numpy = sys.modules.get("numpy")
             if numpy is not None:
                 numpy.random.seed(seed)
-            game.env.reset(num_players=1, seed=seed)
+            game.env.reset(num_players=players, seed=seed)
             return game, game.observe()
 
     def observe(self) -> str:
-        _, messages = _innermost(self.env).get_observation()
-        return _render(messages)
+        """What the player to move has not seen yet; that player becomes `player`."""
+        self.player, messages = _innermost(self.env).get_observation()
+        return _render(messages, self.player)
 
     def move(self, action: str) -> str:
         if self.done:
@@ -321,3 +324,133 @@ class TextArenaEnv(ResourcesServer):
             if isinstance(action, str):
                 game.move(action)
         return game
+
+
+PLAYER = "player_{}"
+
+
+class TextArenaDuelConfig(TextArenaConfig):
+    games: list[str] = Field(
+        min_length=1, description="TextArena env ids of two-player games this server plays; rows pick one"
+    )
+
+
+class TextArenaDuelEnv(ResourcesServer):
+    """TextArena's two-player games as episodes with two roles (docs/episodes.md).
+
+    The roles are player_0 and player_1, each played by its own model (or one policy for both).
+    A row's prompt is the instructions both players share; each turn shows the player to move what
+    it has not seen yet (the game's prompt for it on its first turn, then the other player's move and
+    the board), and its answer is its move, stepped into the game as TextArena's own agents do. The
+    game says whose turn is next, so a player who moved wrongly and has tries left moves again.
+    Verify gives each player the game's reward (1 win, -1 loss, 0 draw in the zero-sum games) and
+    the episode player_0's; a game not over gets `unfinished_reward` for both."""
+
+    verifier_fields = {
+        "game": "the TextArena env id played",
+        "seed": "the seed that dealt the game",
+        "finished": "the game ended (else unfinished_reward applies)",
+        "moves": "moves made, by both players",
+        "reason": "why the game ended, as TextArena says",
+        "invalid_move": "the game ended on an invalid move",
+    }
+
+    Config = TextArenaDuelConfig
+    config: TextArenaDuelConfig
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.games = GameStore()
+
+    async def start(self) -> None:
+        """Start each game once with two players: one that cannot run here stops the server, named."""
+        await super().start()
+        for game_id in self.config.games:
+            try:
+                Game.start(game_id, 0, self.config.game_kwargs.get(game_id, {}), players=2)
+            except Exception as e:
+                first = next((line.strip() for line in str(e).splitlines() if any(c.isalnum() for c in line)), "")
+                raise errors.ConfigError(
+                    f"server {self.name!r}: config.games: TextArena cannot start {game_id} for two players here: "
+                    f"{type(e).__name__}: {first}"
+                ) from None
+
+    async def seed_session(self, session: Session) -> Episode:
+        game_id, seed = game_of(self.config, session.data)
+        try:
+            game, first = Game.start(game_id, seed, self.config.game_kwargs.get(game_id, {}), players=2)
+        except Exception as e:
+            raise errors.FailedPrecondition(
+                f"TextArena could not start {game_id} with seed {seed}: {type(e).__name__}: {e}"
+            ) from None
+        self.games.live[session.id] = game
+        return Episode(
+            roles=[Role(PLAYER.format(0)), Role(PLAYER.format(1))], first=Turn(PLAYER.format(game.player), first)
+        )
+
+    async def end_turn(self, session: Session, role: str, response: r.Response) -> Turn | None:
+        game = self.games.live.get(session.id)
+        if game is None:
+            raise errors.FailedPrecondition(f"session {session.id!r} has no game", field="session_id")
+        with _own_random(game.random_state):
+            game.done, _ = game.env.step(final_text(response).strip())
+            game.moves += 1
+            if game.done:
+                rewards, game_info = game.env.close()
+                game.rewards = dict(rewards or {})
+                infos = [dict(info or {}) for info in (game_info or {}).values()]
+                game.info = {
+                    "reason": next((info["reason"] for info in infos if info.get("reason")), None),
+                    "invalid_move": any(info.get("invalid_move") for info in infos),
+                }
+                return None
+            shown = game.observe()
+        return Turn(PLAYER.format(game.player), shown)
+
+    async def close_session(self, session: Session) -> None:
+        self.games.release(session.id)
+
+    def task_rows(self, limit: int | None = None) -> list[dict[str, Any]]:
+        """Seeds 0 .. seeds-1 of each game (the first `limit` rows): the instructions both players share."""
+        rows = []
+        for seed in range(self.config.seeds):
+            for game_id in self.config.games:
+                rows.append(
+                    {
+                        "responses_create_params": {"input": [{"role": "system", "content": DUEL_INSTRUCTIONS}]},
+                        GAME_KEY: game_id,
+                        SEED_KEY: seed,
+                    }
+                )
+        return rows[:limit] if limit is not None else rows
+
+    async def verify(self, session: Session, response: r.Response) -> Verification:
+        game = self.games.live.get(session.id)
+        if game is None:
+            raise errors.FailedPrecondition(
+                f"session {session.id!r} has no game: a duel is scored from its open session (no replay)",
+                field="session_id",
+            )
+        unfinished = self.config.unfinished_reward
+        rewards = {
+            PLAYER.format(p): float(game.rewards.get(p, unfinished)) if game.done and game.rewards else unfinished
+            for p in (0, 1)
+        }
+        return Verification(
+            reward=rewards[PLAYER.format(0)],
+            role_rewards=rewards,
+            fields={
+                "game": game.game_id,
+                "seed": game.seed,
+                "finished": game.done,
+                "moves": game.moves,
+                "reason": game.info.get("reason"),
+                "invalid_move": bool(game.info.get("invalid_move", False)),
+            },
+        )
+
+
+DUEL_INSTRUCTIONS = (
+    "You are one of the two players of a game. Each turn you are shown what happened since your last move. "
+    "Answer with your move only, in the form the game asks for (for example [4])."
+)
