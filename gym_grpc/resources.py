@@ -117,11 +117,12 @@ def user_message(text: str) -> r.Item:
 
 @dataclass
 class Role:
-    """A role of an episode with several (EpisodeRole): its name, and the messages its
-    conversation opens with (None: the task's input)."""
+    """A role of an episode with several (EpisodeRole): its name, the messages its conversation
+    opens with (None: the task's input), and whether its model is offered the task's tools."""
 
     name: str
     opening: list[r.Item] | None = None
+    tools: bool = True
 
 
 @dataclass
@@ -133,8 +134,9 @@ class Turn:
     shown: str | list[r.Item] = ""
 
     def message(self) -> res_pb.EpisodeTurn:
-        shown = [user_message(self.shown)] if isinstance(self.shown, str) else self.shown
-        return res_pb.EpisodeTurn(role=self.role, input=[item for item in shown if item.ByteSize()])
+        if isinstance(self.shown, str):
+            return res_pb.EpisodeTurn(role=self.role, input=[user_message(self.shown)] if self.shown else [])
+        return res_pb.EpisodeTurn(role=self.role, input=self.shown)
 
 
 @dataclass
@@ -153,7 +155,10 @@ class Episode:
         if self.first.role not in names:
             raise ValueError(f"an episode's first turn is {self.first.role!r}'s, not one of the roles {names}")
         return res_pb.Episode(
-            roles=[res_pb.EpisodeRole(name=role.name, opening=role.opening or []) for role in self.roles],
+            roles=[
+                res_pb.EpisodeRole(name=role.name, opening=role.opening or [], without_tools=not role.tools)
+                for role in self.roles
+            ],
             turn=self.first.message(),
         )
 

@@ -27,7 +27,7 @@ from gym_grpc.v1 import responses_pb2 as gym_dot_v1_dot_responses__pb2
 from gym_grpc.v1 import task_pb2 as gym_dot_v1_dot_task__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1egym/v1/resources_service.proto\x12\x06gym.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x16gym/v1/responses.proto\x1a\x11gym/v1/task.proto\"D\n\x12SeedSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1a\n\x04task\x18\x02 \x01(\x0b\x32\x0c.gym.v1.Task\"H\n\x13SeedSessionResponse\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12 \n\x07\x65pisode\x18\x02 \x01(\x0b\x32\x0f.gym.v1.Episode\"P\n\x07\x45pisode\x12\"\n\x05roles\x18\x01 \x03(\x0b\x32\x13.gym.v1.EpisodeRole\x12!\n\x04turn\x18\x02 \x01(\x0b\x32\x13.gym.v1.EpisodeTurn\":\n\x0b\x45pisodeRole\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1d\n\x07opening\x18\x02 \x03(\x0b\x32\x0c.gym.v1.Item\"8\n\x0b\x45pisodeTurn\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x1b\n\x05input\x18\x02 \x03(\x0b\x32\x0c.gym.v1.Item\"V\n\x0e\x45ndTurnRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\"\n\x08response\x18\x03 \x01(\x0b\x32\x10.gym.v1.Response\"4\n\x0f\x45ndTurnResponse\x12!\n\x04next\x18\x01 \x01(\x0b\x32\x13.gym.v1.EpisodeTurn\"\x81\x01\n\x0f\x43\x61llToolRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\x12\x0f\n\x07\x63\x61ll_id\x18\x04 \x01(\t\x12\x17\n\x0fidempotency_key\x18\x05 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x06 \x01(\r\"X\n\x10\x43\x61llToolResponse\x12\x0e\n\x06output\x18\x01 \x01(\t\x12\x10\n\x08is_error\x18\x02 \x01(\x08\x12\"\n\x05parts\x18\x03 \x03(\x0b\x32\x13.gym.v1.ContentPart\"c\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1a\n\x04task\x18\x02 \x01(\x0b\x32\x0c.gym.v1.Task\x12\"\n\x08response\x18\x03 \x01(\x0b\x32\x10.gym.v1.Response\"\xd7\x02\n\x0eVerifyResponse\x12\x0e\n\x06reward\x18\x01 \x01(\x01\x12+\n\x06\x66ields\x18\x02 \x01(\x0b\x32\x17.google.protobuf.StructB\x02\x18\x01\x12G\n\x11reward_components\x18\x03 \x03(\x0b\x32,.gym.v1.VerifyResponse.RewardComponentsEntry\x12\x13\n\x0b\x66ields_json\x18\x04 \x01(\t\x12=\n\x0crole_rewards\x18\x05 \x03(\x0b\x32\'.gym.v1.VerifyResponse.RoleRewardsEntry\x1a\x37\n\x15RewardComponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x32\n\x10RoleRewardsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\";\n\x14ResumeSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\"\x17\n\x15ResumeSessionResponse\"\x16\n\x14\x43loseSessionResponse\"F\n\x17\x41ggregateMetricsRequest\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.gym.v1.VerificationResult\"D\n\x18\x41ggregateMetricsResponse\x12(\n\x07metrics\x18\x01 \x01(\x0b\x32\x17.google.protobuf.Struct\"\x16\n\x14\x44\x65scribeToolsRequest\"\x82\x01\n\x15\x44\x65scribeToolsResponse\x12#\n\x05tools\x18\x01 \x03(\x0b\x32\x14.gym.v1.FunctionTool\x12\x11\n\tstateless\x18\x02 \x01(\x08\x12\x31\n\x10session_recovery\x18\x03 \x01(\x0e\x32\x17.gym.v1.SessionRecovery*P\n\x0fSessionRecovery\x12 \n\x1cSESSION_RECOVERY_UNSPECIFIED\x10\x00\x12\x1b\n\x17SESSION_RECOVERY_REPLAY\x10\x01\x32\xcc\x04\n\x10ResourcesService\x12\x46\n\x0bSeedSession\x12\x1a.gym.v1.SeedSessionRequest\x1a\x1b.gym.v1.SeedSessionResponse\x12=\n\x08\x43\x61llTool\x12\x17.gym.v1.CallToolRequest\x1a\x18.gym.v1.CallToolResponse\x12\x37\n\x06Verify\x12\x15.gym.v1.VerifyRequest\x1a\x16.gym.v1.VerifyResponse\x12L\n\rResumeSession\x12\x1c.gym.v1.ResumeSessionRequest\x1a\x1d.gym.v1.ResumeSessionResponse\x12I\n\x0c\x43loseSession\x12\x1b.gym.v1.CloseSessionRequest\x1a\x1c.gym.v1.CloseSessionResponse\x12U\n\x10\x41ggregateMetrics\x12\x1f.gym.v1.AggregateMetricsRequest\x1a .gym.v1.AggregateMetricsResponse\x12L\n\rDescribeTools\x12\x1c.gym.v1.DescribeToolsRequest\x1a\x1d.gym.v1.DescribeToolsResponse\x12:\n\x07\x45ndTurn\x12\x16.gym.v1.EndTurnRequest\x1a\x17.gym.v1.EndTurnResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1egym/v1/resources_service.proto\x12\x06gym.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x16gym/v1/responses.proto\x1a\x11gym/v1/task.proto\"D\n\x12SeedSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1a\n\x04task\x18\x02 \x01(\x0b\x32\x0c.gym.v1.Task\"H\n\x13SeedSessionResponse\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12 \n\x07\x65pisode\x18\x02 \x01(\x0b\x32\x0f.gym.v1.Episode\"P\n\x07\x45pisode\x12\"\n\x05roles\x18\x01 \x03(\x0b\x32\x13.gym.v1.EpisodeRole\x12!\n\x04turn\x18\x02 \x01(\x0b\x32\x13.gym.v1.EpisodeTurn\"Q\n\x0b\x45pisodeRole\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1d\n\x07opening\x18\x02 \x03(\x0b\x32\x0c.gym.v1.Item\x12\x15\n\rwithout_tools\x18\x03 \x01(\x08\"8\n\x0b\x45pisodeTurn\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x1b\n\x05input\x18\x02 \x03(\x0b\x32\x0c.gym.v1.Item\"V\n\x0e\x45ndTurnRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\"\n\x08response\x18\x03 \x01(\x0b\x32\x10.gym.v1.Response\"4\n\x0f\x45ndTurnResponse\x12!\n\x04next\x18\x01 \x01(\x0b\x32\x13.gym.v1.EpisodeTurn\"\x81\x01\n\x0f\x43\x61llToolRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\x12\x0f\n\x07\x63\x61ll_id\x18\x04 \x01(\t\x12\x17\n\x0fidempotency_key\x18\x05 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x06 \x01(\r\"X\n\x10\x43\x61llToolResponse\x12\x0e\n\x06output\x18\x01 \x01(\t\x12\x10\n\x08is_error\x18\x02 \x01(\x08\x12\"\n\x05parts\x18\x03 \x03(\x0b\x32\x13.gym.v1.ContentPart\"c\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1a\n\x04task\x18\x02 \x01(\x0b\x32\x0c.gym.v1.Task\x12\"\n\x08response\x18\x03 \x01(\x0b\x32\x10.gym.v1.Response\"\xd7\x02\n\x0eVerifyResponse\x12\x0e\n\x06reward\x18\x01 \x01(\x01\x12+\n\x06\x66ields\x18\x02 \x01(\x0b\x32\x17.google.protobuf.StructB\x02\x18\x01\x12G\n\x11reward_components\x18\x03 \x03(\x0b\x32,.gym.v1.VerifyResponse.RewardComponentsEntry\x12\x13\n\x0b\x66ields_json\x18\x04 \x01(\t\x12=\n\x0crole_rewards\x18\x05 \x03(\x0b\x32\'.gym.v1.VerifyResponse.RoleRewardsEntry\x1a\x37\n\x15RewardComponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x32\n\x10RoleRewardsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\";\n\x14ResumeSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\"\x17\n\x15ResumeSessionResponse\"\x16\n\x14\x43loseSessionResponse\"F\n\x17\x41ggregateMetricsRequest\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.gym.v1.VerificationResult\"D\n\x18\x41ggregateMetricsResponse\x12(\n\x07metrics\x18\x01 \x01(\x0b\x32\x17.google.protobuf.Struct\"\x16\n\x14\x44\x65scribeToolsRequest\"\x82\x01\n\x15\x44\x65scribeToolsResponse\x12#\n\x05tools\x18\x01 \x03(\x0b\x32\x14.gym.v1.FunctionTool\x12\x11\n\tstateless\x18\x02 \x01(\x08\x12\x31\n\x10session_recovery\x18\x03 \x01(\x0e\x32\x17.gym.v1.SessionRecovery*P\n\x0fSessionRecovery\x12 \n\x1cSESSION_RECOVERY_UNSPECIFIED\x10\x00\x12\x1b\n\x17SESSION_RECOVERY_REPLAY\x10\x01\x32\xcc\x04\n\x10ResourcesService\x12\x46\n\x0bSeedSession\x12\x1a.gym.v1.SeedSessionRequest\x1a\x1b.gym.v1.SeedSessionResponse\x12=\n\x08\x43\x61llTool\x12\x17.gym.v1.CallToolRequest\x1a\x18.gym.v1.CallToolResponse\x12\x37\n\x06Verify\x12\x15.gym.v1.VerifyRequest\x1a\x16.gym.v1.VerifyResponse\x12L\n\rResumeSession\x12\x1c.gym.v1.ResumeSessionRequest\x1a\x1d.gym.v1.ResumeSessionResponse\x12I\n\x0c\x43loseSession\x12\x1b.gym.v1.CloseSessionRequest\x1a\x1c.gym.v1.CloseSessionResponse\x12U\n\x10\x41ggregateMetrics\x12\x1f.gym.v1.AggregateMetricsRequest\x1a .gym.v1.AggregateMetricsResponse\x12L\n\rDescribeTools\x12\x1c.gym.v1.DescribeToolsRequest\x1a\x1d.gym.v1.DescribeToolsResponse\x12:\n\x07\x45ndTurn\x12\x16.gym.v1.EndTurnRequest\x1a\x17.gym.v1.EndTurnResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,8 +40,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERIFYRESPONSE_ROLEREWARDSENTRY']._serialized_options = b'8\001'
   _globals['_VERIFYRESPONSE'].fields_by_name['fields']._loaded_options = None
   _globals['_VERIFYRESPONSE'].fields_by_name['fields']._serialized_options = b'\030\001'
-  _globals['_SESSIONRECOVERY']._serialized_start=1722
-  _globals['_SESSIONRECOVERY']._serialized_end=1802
+  _globals['_SESSIONRECOVERY']._serialized_start=1745
+  _globals['_SESSIONRECOVERY']._serialized_end=1825
   _globals['_SEEDSESSIONREQUEST']._serialized_start=115
   _globals['_SEEDSESSIONREQUEST']._serialized_end=183
   _globals['_SEEDSESSIONRESPONSE']._serialized_start=185
@@ -49,41 +49,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EPISODE']._serialized_start=259
   _globals['_EPISODE']._serialized_end=339
   _globals['_EPISODEROLE']._serialized_start=341
-  _globals['_EPISODEROLE']._serialized_end=399
-  _globals['_EPISODETURN']._serialized_start=401
-  _globals['_EPISODETURN']._serialized_end=457
-  _globals['_ENDTURNREQUEST']._serialized_start=459
-  _globals['_ENDTURNREQUEST']._serialized_end=545
-  _globals['_ENDTURNRESPONSE']._serialized_start=547
-  _globals['_ENDTURNRESPONSE']._serialized_end=599
-  _globals['_CALLTOOLREQUEST']._serialized_start=602
-  _globals['_CALLTOOLREQUEST']._serialized_end=731
-  _globals['_CALLTOOLRESPONSE']._serialized_start=733
-  _globals['_CALLTOOLRESPONSE']._serialized_end=821
-  _globals['_VERIFYREQUEST']._serialized_start=823
-  _globals['_VERIFYREQUEST']._serialized_end=922
-  _globals['_VERIFYRESPONSE']._serialized_start=925
-  _globals['_VERIFYRESPONSE']._serialized_end=1268
-  _globals['_VERIFYRESPONSE_REWARDCOMPONENTSENTRY']._serialized_start=1161
-  _globals['_VERIFYRESPONSE_REWARDCOMPONENTSENTRY']._serialized_end=1216
-  _globals['_VERIFYRESPONSE_ROLEREWARDSENTRY']._serialized_start=1218
-  _globals['_VERIFYRESPONSE_ROLEREWARDSENTRY']._serialized_end=1268
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1270
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1311
-  _globals['_RESUMESESSIONREQUEST']._serialized_start=1313
-  _globals['_RESUMESESSIONREQUEST']._serialized_end=1372
-  _globals['_RESUMESESSIONRESPONSE']._serialized_start=1374
-  _globals['_RESUMESESSIONRESPONSE']._serialized_end=1397
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1399
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1421
-  _globals['_AGGREGATEMETRICSREQUEST']._serialized_start=1423
-  _globals['_AGGREGATEMETRICSREQUEST']._serialized_end=1493
-  _globals['_AGGREGATEMETRICSRESPONSE']._serialized_start=1495
-  _globals['_AGGREGATEMETRICSRESPONSE']._serialized_end=1563
-  _globals['_DESCRIBETOOLSREQUEST']._serialized_start=1565
-  _globals['_DESCRIBETOOLSREQUEST']._serialized_end=1587
-  _globals['_DESCRIBETOOLSRESPONSE']._serialized_start=1590
-  _globals['_DESCRIBETOOLSRESPONSE']._serialized_end=1720
-  _globals['_RESOURCESSERVICE']._serialized_start=1805
-  _globals['_RESOURCESSERVICE']._serialized_end=2393
+  _globals['_EPISODEROLE']._serialized_end=422
+  _globals['_EPISODETURN']._serialized_start=424
+  _globals['_EPISODETURN']._serialized_end=480
+  _globals['_ENDTURNREQUEST']._serialized_start=482
+  _globals['_ENDTURNREQUEST']._serialized_end=568
+  _globals['_ENDTURNRESPONSE']._serialized_start=570
+  _globals['_ENDTURNRESPONSE']._serialized_end=622
+  _globals['_CALLTOOLREQUEST']._serialized_start=625
+  _globals['_CALLTOOLREQUEST']._serialized_end=754
+  _globals['_CALLTOOLRESPONSE']._serialized_start=756
+  _globals['_CALLTOOLRESPONSE']._serialized_end=844
+  _globals['_VERIFYREQUEST']._serialized_start=846
+  _globals['_VERIFYREQUEST']._serialized_end=945
+  _globals['_VERIFYRESPONSE']._serialized_start=948
+  _globals['_VERIFYRESPONSE']._serialized_end=1291
+  _globals['_VERIFYRESPONSE_REWARDCOMPONENTSENTRY']._serialized_start=1184
+  _globals['_VERIFYRESPONSE_REWARDCOMPONENTSENTRY']._serialized_end=1239
+  _globals['_VERIFYRESPONSE_ROLEREWARDSENTRY']._serialized_start=1241
+  _globals['_VERIFYRESPONSE_ROLEREWARDSENTRY']._serialized_end=1291
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1293
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1334
+  _globals['_RESUMESESSIONREQUEST']._serialized_start=1336
+  _globals['_RESUMESESSIONREQUEST']._serialized_end=1395
+  _globals['_RESUMESESSIONRESPONSE']._serialized_start=1397
+  _globals['_RESUMESESSIONRESPONSE']._serialized_end=1420
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1422
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1444
+  _globals['_AGGREGATEMETRICSREQUEST']._serialized_start=1446
+  _globals['_AGGREGATEMETRICSREQUEST']._serialized_end=1516
+  _globals['_AGGREGATEMETRICSRESPONSE']._serialized_start=1518
+  _globals['_AGGREGATEMETRICSRESPONSE']._serialized_end=1586
+  _globals['_DESCRIBETOOLSREQUEST']._serialized_start=1588
+  _globals['_DESCRIBETOOLSREQUEST']._serialized_end=1610
+  _globals['_DESCRIBETOOLSRESPONSE']._serialized_start=1613
+  _globals['_DESCRIBETOOLSRESPONSE']._serialized_end=1743
+  _globals['_RESOURCESSERVICE']._serialized_start=1828
+  _globals['_RESOURCESSERVICE']._serialized_end=2416
 # @@protoc_insertion_point(module_scope)

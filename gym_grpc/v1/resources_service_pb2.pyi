@@ -188,8 +188,14 @@ class EpisodeRole(_message.Message):
 
     NAME_FIELD_NUMBER: _builtins.int
     OPENING_FIELD_NUMBER: _builtins.int
+    WITHOUT_TOOLS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Its name, unique in the episode ("player_0", "user")."""
+    without_tools: _builtins.bool
+    """Offer its model no tools: the task's tools are the other roles' (a
+    simulated user does not call the assistant's tools). Otherwise it is
+    offered the task's tools, as every role is.
+    """
     @_builtins.property
     def opening(self) -> _containers.RepeatedCompositeFieldContainer[_responses_pb2.Item]:
         """The items its conversation opens with (its system message, its
@@ -201,10 +207,11 @@ class EpisodeRole(_message.Message):
         *,
         name: _builtins.str = ...,
         opening: _abc.Iterable[_responses_pb2.Item] | None = ...,
+        without_tools: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "opening", b"opening"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "opening", b"opening", "without_tools", b"without_tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

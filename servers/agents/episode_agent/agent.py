@@ -133,6 +133,9 @@ class EpisodeAgent(AgentServer):
             # Each role's model session is its own: a model server keeps one conversation per session.
             request = model_pb.CreateResponseRequest(session_id=f"{session_id}/{spec.name}")
             request.params.CopyFrom(task.responses_create_params)
+            if spec.without_tools:
+                request.params.ClearField("tools")
+                request.params.ClearField("tool_choice")
             opening = list(spec.opening) or input_items(request.params)
             conversation = request.params.input_items.items  # also replaces a plain-text input
             del conversation[:]
