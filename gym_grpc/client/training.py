@@ -25,6 +25,7 @@ import asyncio
 import logging
 import threading
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -170,6 +171,24 @@ class TokenTurn:
     policy_version: int | None = None
 
 
+def _token_turns(items: Iterable[r.Item]) -> list[TokenTurn]:
+    """The token turns among `items`: one per model call that reported token ids, in order."""
+    found = []
+    for item in items:
+        kind = item.WhichOneof("item")
+        inner = getattr(item, kind) if kind is not None and kind != "function_call_output" else None
+        if inner is not None and inner.generation_token_ids:
+            found.append(
+                TokenTurn(
+                    list(inner.prompt_token_ids),
+                    list(inner.generation_token_ids),
+                    list(inner.generation_log_probs),
+                    inner.policy_version if inner.HasField("policy_version") else None,
+                )
+            )
+    return found
+
+
 @dataclass(frozen=True)
 class RolloutResult:
     """One rollout's outcome: the rollout when it finished (`ok`), else its `failure`.
@@ -200,21 +219,15 @@ class RolloutResult:
 
     @property
     def turns(self) -> list[TokenTurn]:
-        """One entry per model call that reported token ids, in order."""
-        found = []
-        for item in self.response.output:
-            kind = item.WhichOneof("item")
-            inner = getattr(item, kind) if kind is not None and kind != "function_call_output" else None
-            if inner is not None and inner.generation_token_ids:
-                found.append(
-                    TokenTurn(
-                        list(inner.prompt_token_ids),
-                        list(inner.generation_token_ids),
-                        list(inner.generation_log_probs),
-                        inner.policy_version if inner.HasField("policy_version") else None,
-                    )
-                )
-        return found
+        """One entry per model call that reported token ids, in order (of every role, in an episode with
+        several: see `role_turns`)."""
+        return _token_turns(self.response.output)
+
+    def role_turns(self) -> dict[str, tuple[float, list[TokenTurn]]]:
+        """In an episode with several roles: each role's reward and token turns, by name (empty otherwise)."""
+        rollout = self._finished()
+        output = rollout.response.output
+        return {role.name: (role.reward, _token_turns(output[i] for i in role.items)) for role in rollout.roles}
 
     def to_row(self, task_row: dict[str, Any]) -> dict[str, Any]:
         """The rollout row (task row + response, reward, verifier fields, ...), as `collect` writes it."""

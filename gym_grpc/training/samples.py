@@ -105,10 +105,24 @@ class TrainingRollout:
     def from_result(
         cls, result: RolloutResult, agent: str, task_index: int | None, repeat_index: int | None = None
     ) -> TrainingRollout:
-        """A result of `GymClient.run` or `run_group`, failed or not."""
+        """A result of `GymClient.run` or `run_group`, failed or not (of an episode with several roles,
+        every role's turns as one trajectory: `per_role_result` parts them)."""
         if not result.ok:
             return cls(agent, task_index, repeat_index, None, [], result.failure)
         return cls(agent, task_index, repeat_index, result.reward, result.turns)
+
+    @classmethod
+    def per_role_result(
+        cls, result: RolloutResult, agent: str, task_index: int | None, repeat_index: int | None = None
+    ) -> list[TrainingRollout]:
+        """A result as training sees it: one rollout, or one per role of an episode with several (its
+        turns, its own reward)."""
+        roles = result.role_turns() if result.ok else {}
+        if not roles:
+            return [cls.from_result(result, agent, task_index, repeat_index)]
+        return [
+            cls(agent, task_index, repeat_index, reward, turns, role=name) for name, (reward, turns) in roles.items()
+        ]
 
 
 def _token_turns(items: list[Any]) -> list[TokenTurn]:

@@ -6,12 +6,14 @@ import pytest
 from gym_grpc import errors
 from gym_grpc.bundled.servers.agents.episode_agent.agent import EpisodeAgent
 from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
+from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
 from gym_grpc.client.stubs import AgentClient
+from gym_grpc.client.training import RolloutResult
 from gym_grpc.data import record, rows
 from gym_grpc.resources import Episode, ResourcesServer, Role, Session, Turn, Verification, tool, user_message
 from gym_grpc.responses import final_text, message_text
 from gym_grpc.testing import Calculator, ScriptedModel, call, say, static_registry
-from gym_grpc.training import TrainingRollout
+from gym_grpc.training import SampleStats, TrainingRollout, samples_of
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
 
@@ -151,3 +153,16 @@ async def test_the_simple_agent_refuses_an_environment_of_several_roles_naming_t
         await client.registry.close()
     assert caught.value.reason == errors.Reason.EPISODE_TURN_INVALID
     assert "episode agent" in caught.value.message and "asker, answerer" in caught.value.message
+
+
+async def test_a_trainers_result_parts_into_one_trajectory_per_role_with_its_own_reward(start):
+    policy = LocalPolicyModel({"error_rate": 0.0}, name="answerer_model")  # token ids for every turn
+    rollout = await _episode(start, Interview(name="env"), {"answerer_model": policy})
+    per_role = TrainingRollout.per_role_result(RolloutResult(rollout), "agent", 0, 0)
+    assert [(t.role, t.reward, len(t.turns)) for t in per_role] == [
+        (role.name, role.reward, role.model_calls) for role in rollout.roles
+    ]
+    stats = SampleStats()
+    samples = [sample for t in per_role for sample in samples_of(t, "refuse", stats)]
+    assert [(s.role, s.group) for s in samples] == [("asker", "agent/0/asker"), ("answerer", "agent/0/answerer")]
+    assert stats.non_monotonic_turns == 0  # "refuse" would have raised on a trajectory of mixed roles
