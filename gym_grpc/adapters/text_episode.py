@@ -60,6 +60,12 @@ log = logging.getLogger("gym_grpc.adapters")
 
 T = TypeVar("T")
 
+#: The stop_reason of a step taken after the episode ended.
+ENDED = "the episode has ended"
+
+#: How much longer than a call's timeout a caller waits for the loop to end the call.
+_STUCK_LOOP_SECONDS = 10.0
+
 #: The chat role of each Responses message role.
 _CHAT_ROLES = {r.ROLE_SYSTEM: "system", r.ROLE_DEVELOPER: "system", r.ROLE_USER: "user", r.ROLE_ASSISTANT: "assistant"}
 
@@ -103,28 +109,40 @@ class SyncLoop:
 
     def _running(self) -> asyncio.AbstractEventLoop:
         with self._lock:
-            if self._loop is None or self._pid != os.getpid():
-                # A forked child (a vector env's worker) has the parent's loop without its thread.
+            if self._loop is not None and self._pid != os.getpid():
+                # A forked child (a vector env's worker) has the parent's loop without its thread, and
+                # gRPC, started in the parent, does not work in it: every call would wait out its deadline.
+                raise errors.FailedPrecondition(
+                    "gym-grpc's calls cannot run in a process forked from one that made them (gRPC is not "
+                    "fork-safe): start the workers with the spawn or forkserver method "
+                    '(gymnasium.vector.AsyncVectorEnv(..., context="spawn"))'
+                )
+            if self._loop is None:
                 loop = asyncio.new_event_loop()
                 threading.Thread(target=loop.run_forever, name="gym-grpc-adapters", daemon=True).start()
-                self._loop, self._pid, self._registries = loop, os.getpid(), {}
+                self._loop, self._pid = loop, os.getpid()
             return self._loop
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
         """Run `coro` on the loop and wait for it, at most `timeout` seconds (then it is
         cancelled and DeadlineExceeded raised)."""
-        loop = self._running()
         try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop:
+            loop = self._running()
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is loop:
+                raise RuntimeError("a gym-grpc environment was called from its own event loop's thread")
+        except BaseException:
             coro.close()
-            raise RuntimeError("a gym-grpc environment was called from its own event loop's thread")
+            raise
         future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), loop)
         try:
-            return future.result()
+            # The loop cancels the call at `timeout`; the wait here is bounded too, should the loop be stuck.
+            return future.result(timeout + _STUCK_LOOP_SECONDS)
         except (TimeoutError, concurrent.futures.TimeoutError):
+            future.cancel()
             raise errors.DeadlineExceeded(f"no answer within {timeout:g} s (timeout_seconds)") from None
 
     def registry(self, config: EpisodeConfig) -> Registry:
@@ -241,7 +259,7 @@ class TextEpisode:
         if self.ended is not None:
             if self.error is not None:
                 return copy.deepcopy(self.ended)
-            return Step([], 0.0, True, {"stop_reason": "the episode has ended"})
+            return Step([], 0.0, True, {"stop_reason": ENDED})
         self.turns += 1
         text, calls = Hermes().parse(action)
         if text:
