@@ -6,6 +6,10 @@ adapter without its framework raises an ImportError that says what to install:
 
 - `gym_grpc.adapters.skyrl` (`pip install 'gym-grpc[skyrl]'`): any gym-grpc
   resources server as a SkyRL-Gym text environment, registered as "gym-grpc".
+- `gym_grpc.adapters.gymnasium_env` (`pip install 'gym-grpc[gymnasium]'`):
+  any gym-grpc resources server as a `gymnasium.Env`, registered as
+  "gym_grpc/Env-v0". It and the SkyRL adapter play the same episode,
+  `gym_grpc.adapters.text_episode` (which needs no framework).
 - `gym_grpc.adapters.verifiers` (`pip install 'gym-grpc[verifiers]'`): a
   gym-grpc resources server as a verifiers taskset, and a verifiers taskset
   served as a gym-grpc resources server.
