@@ -43,10 +43,17 @@ class OpenEnvInstall:
         """The command that serves the echo env with OpenEnv's own server (uvicorn on a port of its choosing)."""
         return [str(self.python), "-m", "uvicorn", "echo_env.server.app:app", "--host", "127.0.0.1", "--port", "0"]
 
-    def run(self, script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        """A Python program run by OpenEnv's interpreter (its own client code), output captured."""
+    def run(
+        self, script: str, *args: str, timeout: float = 120, cwd: Path | None = None
+    ) -> subprocess.CompletedProcess:
+        """A Python program run by OpenEnv's interpreter (its own client code) in `cwd` (default: where the
+        echo env is), output captured."""
         return subprocess.run(
-            [str(self.python), "-c", script, *args], capture_output=True, text=True, timeout=timeout, cwd=self.envs
+            [str(self.python), "-c", script, *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=cwd or self.envs,
         )
 
 

@@ -14,7 +14,11 @@ gym-grpc itself (connection.py: the `openenv` package is not needed beside gym-g
   (more keyword arguments of the env's `reset`, over the config's `reset_kwargs`). A server that cannot
   be reached fails the rollout at once with OPENENV_UNAVAILABLE naming it; so does one that stops
   answering (each message waits at most `message_timeout_seconds`), never a hang.
-- The model acts with one tool (`step`, or `tool_name`) whose parameters are the env's action JSON
+- An MCP environment's tools (an OpenEnv `MCPEnvironment`, whose action is `CallToolAction`: `tools: auto`
+  sees it in the schema) are listed at start with OpenEnv's `list_tools` action and offered one by one,
+  with their MCP names and input schemas; a call is the env's `call_tool` action, its output the MCP
+  result's text, an MCP error the model's error output.
+- Otherwise the model acts with one tool (`step`, or `tool_name`) whose parameters are the env's action JSON
   schema, read from the server's `GET /schema` (without OpenEnv's own `metadata` field). Its output is
   the observation as JSON, the step's reward, and `[episode over]` once the env says done. An action the
   env refuses (its validation, or an error while stepping) is the model's error, as an error output.
@@ -70,6 +74,11 @@ class OpenEnvConfig(ResourcesConfig):
     message_timeout_seconds: float = Field(
         120.0, gt=0, description="most time for one reset or step: longer fails the rollout, named"
     )
+    tools: Literal["auto", "step", "mcp"] = Field(
+        "auto",
+        description="step: one tool taking the env's action; mcp: an MCP env's own tools, one by one; auto: mcp "
+        "when the action is OpenEnv's CallToolAction, else step",
+    )
     tool_name: str = Field("step", min_length=1, description="the name of the model's tool that steps the env")
     tool_description: str | None = Field(None, description="the tool's description; default: the action's own")
     reward: Literal["sum", "last"] = Field(
@@ -80,8 +89,8 @@ class OpenEnvConfig(ResourcesConfig):
     )
     seeds: int = Field(10, ge=1, description="task_rows writes seeds 0 .. seeds-1")
     instructions: str = Field(
-        "You act in an OpenEnv environment. Call the {tool} tool once per action; stop when the episode is over.",
-        description="task_rows' prompt, before the first observation ({tool} is the tool's name)",
+        "You act in an OpenEnv environment through its tools, one call per action; stop when the episode is over.",
+        description="task_rows' prompt, before the first observation",
     )
 
     @model_validator(mode="after")
@@ -126,6 +135,35 @@ def described(data: dict[str, Any]) -> str:
     return text if reward is None else f"{text}\nreward: {reward:g}"
 
 
+def is_mcp_action(action: dict[str, Any]) -> bool:
+    """Whether an action schema is OpenEnv's CallToolAction (an MCPEnvironment's): `type` is "call_tool"."""
+    kind = (action.get("properties") or {}).get("type")
+    return isinstance(kind, dict) and kind.get("const") == "call_tool"
+
+
+def mcp_output(data: dict[str, Any]) -> str:
+    """A CallToolObservation's frame as the model reads it: the MCP result's text (else the result as JSON),
+    then the reward if the env gave one. A tool's error (MCP's isError, or OpenEnv's `error`) raises
+    ToolFailed with it, for the model."""
+    observation = data.get("observation") or {}
+    error = observation.get("error")
+    if isinstance(error, dict) and error:
+        raise errors.ToolFailed(f"{error.get('error_type', 'error')}: {error.get('message', '')}")
+    result = observation.get("result")
+    content = result.get("content") if isinstance(result, dict) else None
+    if isinstance(content, list) and all(isinstance(c, dict) for c in content):
+        text = "\n".join(
+            str(c.get("text", "")) if c.get("type") == "text" else f"[{c.get('type', 'content')} content, not shown]"
+            for c in content
+        )
+        if isinstance(result, dict) and result.get("is_error"):
+            raise errors.ToolFailed(text)
+    else:
+        text = json.dumps(result, ensure_ascii=False)
+    reward = _reward(data.get("reward"))
+    return text if reward is None else f"{text}\nreward: {reward:g}"
+
+
 def action_tool_schema(action: dict[str, Any]) -> dict[str, Any]:
     """The env's action schema as a tool's parameters: OpenEnv's `metadata` field (every Action has it, for
     the framework, not the policy) taken out."""
@@ -160,6 +198,9 @@ class OpenEnvBridge(ResourcesServer):
         self.base_url = self.config.url or ""
         self.process: ServerProcess | None = None
         self.schema: dict[str, Any] | None = None
+        #: An MCP env's tools (name -> OpenEnv's tool: name, description, input_schema); None: not one, or not
+        #: listed yet.
+        self.mcp_tools: dict[str, dict[str, Any]] | None = None
         self._http: aiohttp.ClientSession | None = None
 
     # --- the OpenEnv server ---------------------------------------------------------------
@@ -173,11 +214,37 @@ class OpenEnvBridge(ResourcesServer):
             self.base_url = await self.process.start(self.config.start_timeout_seconds)
             log.info("server %r: OpenEnv server %s started (pid %s)", self.name, self.base_url, self.process_pid)
         try:
-            self.schema = await fetch_schema(self._http, self.base_url, self.config.connect_timeout_seconds)
+            await self._describe()
         except errors.Unavailable as e:
             if self.process is not None:
                 raise errors.ConfigError(f"config.command: {e.message}") from None
             log.warning("server %r: %s; its rollouts fail until it answers", self.name, e.message)
+
+    async def _describe(self) -> None:
+        """Read the action schema and, for an MCP env, list its tools (on a session of their own; OpenEnv lists
+        them without a reset)."""
+        assert self._http is not None
+        schema = await fetch_schema(self._http, self.base_url, self.config.connect_timeout_seconds)
+        mcp = self.config.tools == "mcp" or (self.config.tools == "auto" and is_mcp_action(schema["action"]))
+        if mcp:
+            session = await EnvSession.open(
+                self._http, self.base_url, self.config.connect_timeout_seconds, self.config.message_timeout_seconds
+            )
+            try:
+                frame = await session.ask({"type": "step", "data": {"type": "list_tools"}})
+            except OpenEnvError as e:
+                raise errors.ConfigError(
+                    f"config.tools: OpenEnv server {self.base_url} did not list tools: {e}"
+                ) from None
+            finally:
+                await session.close()
+            observation = frame.get("observation") or {}
+            listed = observation.get("tools")
+            if not isinstance(listed, list) or (observation.get("metadata") or {}).get("error"):
+                why = (observation.get("metadata") or {}).get("error") or "no tools in its answer"
+                raise errors.ConfigError(f"config.tools: OpenEnv server {self.base_url} did not list tools: {why}")
+            self.mcp_tools = {t["name"]: t for t in listed if isinstance(t, dict) and isinstance(t.get("name"), str)}
+        self.schema = schema
 
     @property
     def process_pid(self) -> int | None:
@@ -217,7 +284,7 @@ class OpenEnvBridge(ResourcesServer):
         if self._http is None:
             raise errors.FailedPrecondition(f"server {self.name!r} has not started")
         if self.schema is None:  # a url's server that was down at start: ask again
-            self.schema = await fetch_schema(self._http, self.base_url, self.config.connect_timeout_seconds)
+            await self._describe()
         try:
             session = await EnvSession.open(
                 self._http, self.base_url, self.config.connect_timeout_seconds, self.config.message_timeout_seconds
@@ -262,6 +329,15 @@ class OpenEnvBridge(ResourcesServer):
             await episode.session.close()
 
     def tool_schemas(self) -> list[r.FunctionTool]:
+        if self.mcp_tools is not None:
+            return [
+                r.FunctionTool(
+                    name=name,
+                    description=str(t.get("description") or ""),
+                    parameters_json=json.dumps(t.get("input_schema") or {"type": "object"}),
+                )
+                for name, t in self.mcp_tools.items()
+            ]
         action = self.schema["action"] if self.schema else None
         description = (
             self.config.tool_description
@@ -273,10 +349,19 @@ class OpenEnvBridge(ResourcesServer):
             r.FunctionTool(name=self.config.tool_name, description=description, parameters_json=json.dumps(parameters))
         ]
 
-    async def call_tool(self, session: Session, name: str, arguments: str) -> str | list[r.ContentPart]:
+    def _action(self, name: str, arguments: str) -> dict[str, Any]:
+        """The OpenEnv action a tool call is: the arguments themselves (the step tool), or an MCP env's
+        CallToolAction."""
+        if self.mcp_tools is not None:
+            if name not in self.mcp_tools:
+                raise unknown_tool(name, self.mcp_tools)
+            return {"type": "call_tool", "tool_name": name, "arguments": tool_arguments(name, arguments)}
         if name != self.config.tool_name:
             raise unknown_tool(name, [self.config.tool_name])
-        action = tool_arguments(name, arguments)
+        return tool_arguments(name, arguments)
+
+    async def call_tool(self, session: Session, name: str, arguments: str) -> str | list[r.ContentPart]:
+        action = self._action(name, arguments)
         episode = self.episodes.get(session.id)
         if episode is None:
             raise errors.FailedPrecondition(f"session {session.id!r} has no OpenEnv session", field="session_id")
@@ -294,7 +379,7 @@ class OpenEnvBridge(ResourcesServer):
         reward = _reward(frame.get("reward"))
         episode.rewards.append(reward or 0.0)
         episode.done = bool(frame.get("done"))
-        said = described(frame)
+        said = mcp_output(frame) if self.mcp_tools is not None else described(frame)
         if episode.done:
             said += f"\n[episode over] return {episode.score(self.config.reward):g}"
         return said
@@ -323,11 +408,11 @@ class OpenEnvBridge(ResourcesServer):
         episode, _ = await self._open(seed, reset)
         try:
             for call in function_calls(response):
-                if call.name != self.config.tool_name or episode.done:
-                    continue
+                if episode.done:
+                    break
                 try:
-                    await self._step(episode, tool_arguments(call.name, call.arguments))
-                except (errors.ToolFailed, errors.InvalidArgument):
+                    await self._step(episode, self._action(call.name, call.arguments))
+                except (errors.ToolFailed, errors.InvalidArgument, errors.NotFound):
                     continue  # it failed in the rollout too, and changed nothing
         finally:
             await episode.session.close()
@@ -364,7 +449,7 @@ class OpenEnvBridge(ResourcesServer):
             for seed in range(self.config.seeds if limit is None else min(limit, self.config.seeds)):
                 episode, frame = await self._open(seed, {})
                 await episode.session.close()
-                prompt = f"{self.config.instructions.format(tool=self.config.tool_name)}\n\n{described(frame)}"
+                prompt = f"{self.config.instructions}\n\n{described(frame)}"
                 rows.append(
                     {
                         "responses_create_params": {"input": [{"role": "user", "content": prompt}], "tools": tools},

@@ -237,6 +237,64 @@ async def test_a_command_that_exits_before_listening_is_a_config_error_quoting_i
         await app.start()
 
 
+# --- an MCP environment: its tools, one by one ------------------------------------------
+
+MCP_ECHO = REPO / "tests" / "programs" / "openenv_mcp_echo"  # OpenEnv's own envs/echo_env (BSD-3-Clause)
+
+MCP_DIRECT = """
+import json
+from mcp_echo_env.server.echo_environment import EchoEnvironment
+from openenv.core.env_server.mcp_types import CallToolAction
+
+env = EchoEnvironment()
+env.reset(seed=0)
+result = env.step(CallToolAction(tool_name="echo_with_length", arguments={"message": "hey"})).result
+print(json.dumps(result.content[0].text))
+"""
+
+
+def _mcp_echo_config(openenv) -> dict:
+    command = [
+        str(openenv.python),
+        "-m",
+        "uvicorn",
+        "mcp_echo_env.server.app:app",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+    ]
+    return {"command": command, "cwd": str(MCP_ECHO)}
+
+
+async def test_an_mcp_envs_tools_are_offered_one_by_one_and_answer_as_the_env_does_directly(start, openenv):
+    running = await start(OpenEnvBridge(_mcp_echo_config(openenv), name="openenv"))
+    client = ResourcesClient(static_registry(openenv=running), "openenv")
+    tools = {t.name: json.loads(t.parameters_json) for t in (await client.describe_tools()).tools}
+    assert set(tools) == {"echo_message", "echo_with_length"} and tools["echo_message"]["required"] == ["message"]
+    await client.seed_session("s", _task())
+    said = await client.call_tool("s", r.FunctionCall(name="echo_with_length", arguments='{"message": "hey"}'))
+    done = await asyncio.to_thread(openenv.run, MCP_DIRECT, cwd=MCP_ECHO)
+    assert done.returncode == 0, done.stderr
+    assert (
+        not said.error
+        and said.output == json.loads(done.stdout)
+        and json.loads(said.output)
+        == {
+            "message": "hey",
+            "length": 3,
+        }
+    )
+    refused = await client.call_tool("s", r.FunctionCall(name="echo_message", arguments='{"text": "hey"}'))
+    assert refused.error and "message" in refused.output  # FastMCP's validation, through OpenEnv, for the model
+    unknown = await client.call_tool("s", r.FunctionCall(name="step", arguments='{"message": "hey"}'))
+    assert unknown.error and unknown.reason == "TOOL_NOT_FOUND" and "echo_message" in unknown.output
+    fields = rows.json_field(await client.verify("s", _task(), r.Response()), "fields")
+    assert fields["steps"] == 2 and fields["done"] is False  # the env took both calls; echo gives no reward
+    await client.close_session("s")
+    await client.registry.close()
+
+
 # --- a user's run: gym-grpc run + gym-grpc collect -----------------------------------
 
 
