@@ -23,11 +23,13 @@ import logging
 import os
 import re
 import signal
+import sys
 from typing import Any
 
 import aiohttp
 
 from gym_grpc import errors
+from gym_grpc.engines.local_vllm.process import die_with_parent
 
 log = logging.getLogger("gym_grpc.openenv_envs")
 
@@ -74,6 +76,8 @@ class ServerProcess:
                 env={**os.environ, **self.env},
                 cwd=self.cwd,
                 start_new_session=True,  # its own process group: stop() ends what it started too
+                # Ended with this process even when no stop() runs (SIGKILL, a crash): no server left behind.
+                preexec_fn=die_with_parent if sys.platform == "linux" else None,
             )
         except OSError as e:
             raise errors.ConfigError(f"config.command: cannot start {self.command[0]!r}: {e}") from None

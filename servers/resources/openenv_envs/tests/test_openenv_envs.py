@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import select
 import signal
 import socket
 import sys
@@ -23,7 +24,7 @@ from gym_grpc.data import rows
 from gym_grpc.testing import ResourcesConformance, call, static_registry
 from gym_grpc.testing.fake_engine import FakeEngine, Turn
 from gym_grpc.v1 import responses_pb2 as r
-from tests.support import REPO, collect_args, gym, start_run
+from tests.support import REPO, collect_args, gym, start_run, worker_process
 
 HERE = Path(__file__).resolve().parent.parent
 CONFIG = HERE / "config.yaml"
@@ -212,6 +213,24 @@ async def test_stopping_the_server_stops_the_openenv_process_it_started(openenv)
     process = app.process.process
     await app.stop()
     assert process.returncode is not None
+
+
+def test_the_openenv_process_ends_when_its_gym_grpc_server_is_killed(openenv):
+    """SIGKILL leaves no stop() to run: the child dies with its parent (PR_SET_PDEATHSIG), seen through a pidfd."""
+    config = {"command": openenv.echo_command(), "cwd": str(openenv.envs)}
+    server, _ = worker_process(
+        "openenv", "gym_grpc.bundled.servers.resources.openenv_envs.server:OpenEnvBridge", config
+    )
+    try:
+        [child] = Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()
+        pidfd = os.pidfd_open(int(child))
+    finally:
+        server.kill()
+        server.wait()
+    try:
+        assert select.select([pidfd], [], [], 30)[0] == [pidfd], "the OpenEnv server outlived its gym-grpc server"
+    finally:
+        os.close(pidfd)
 
 
 @pytest.mark.parametrize(
