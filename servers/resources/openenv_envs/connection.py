@@ -211,7 +211,10 @@ class EnvSession:
             if self.ws.closed:
                 raise unavailable(self.base_url, "the session's connection is closed")
             try:
-                await self.ws.send_str(json.dumps(message))
+                with contextlib.suppress(ConnectionError):
+                    # A session the server refuses (at capacity) gets its error frame, then the server closes: a
+                    # send that finds it closed still has that frame to read (OpenEnv's own client does the same).
+                    await self.ws.send_str(json.dumps(message))
                 frame = await self.ws.receive(timeout=self.message_timeout)
             except TimeoutError:
                 await self.close(polite=False)
