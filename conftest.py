@@ -22,6 +22,25 @@ def local_ray() -> Iterator[Any]:
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def openenv() -> Any:
+    """The real OpenEnv (tests/openenv_support.py): its own virtualenv and the echo env its template makes,
+    built once per machine (~30 s) and cached."""
+    from tests import openenv_support
+
+    return openenv_support.prepare()
+
+
+@pytest.fixture(scope="session")
+def openenv_echo(openenv: Any) -> Iterator[Any]:
+    """OpenEnv's echo env served by OpenEnv's own server, a child process for the whole session."""
+    from tests import openenv_support
+
+    server = openenv_support.OpenEnvServer(openenv.echo_command(), openenv.envs)
+    yield server
+    server.stop()
+
+
 #: Suites that need something the default run does not start, each behind its option: without
 #: it their tests are deselected (never skipped), with it a skip fails the run.
 OPT_IN = {

@@ -15,6 +15,8 @@ adapter without its framework raises an ImportError that says what to install:
   served as a gym-grpc resources server.
 - `gym_grpc.adapters.trl`: TRL GRPOTrainer's `rollout_func` and a reward
   function over a running gym-grpc agent.
+- `gym_grpc.adapters.openenv_server`: a gym-grpc resources server served to
+  OpenEnv clients over OpenEnv's HTTP/WebSocket protocol (no extra: aiohttp).
 - `gym_grpc.adapters.tinker`: tinker-cookbook's RL `Env` and `EnvGroupBuilder`
   over a resources server's sessions.
 
