@@ -20,7 +20,7 @@ from gym_grpc.testing import static_registry
 from gym_grpc.testing.fake_engine import FakeEngine, Turn
 from gym_grpc.training import assign_advantages, build, read_rollouts
 from gym_grpc.v1 import responses_pb2 as r
-from tests.support import REPO, collect_args, gym, start_run
+from tests.support import REPO, collect_args, grpcurl, gym, start_run
 
 HERE = Path(__file__).resolve().parent.parent
 CONFIG = HERE / "config.yaml"
@@ -196,3 +196,57 @@ async def test_collect_with_two_model_servers_writes_both_trajectories_zero_sum_
         assert sample.num_turns == next(r["model_calls"] for r in row["roles"] if r["name"] == "player_0")
     groups = assign_advantages(samples)
     assert sorted(group.group for group in groups) == [f"textarena_duel_agent/{t}/player_0" for t in range(3)]
+
+
+def _create_responses(address: str) -> int:
+    """CreateResponse calls a model server answered OK, by its own counters (AdminService.GetCounters)."""
+    counters = json.loads(grpcurl(address, "gym.v1.AdminService/GetCounters"))
+    method = next((m for m in counters["methods"] if m["method"] == "CreateResponse"), {"calls_by_status": {}})
+    return int(method["calls_by_status"].get("OK", 0))
+
+
+@pytest.mark.slow
+async def test_two_embedded_policies_each_play_their_own_role_and_the_samples_split_per_role(tmp_path):
+    second = tmp_path / "second.yaml"
+    second.write_text(
+        yaml.safe_dump(
+            {
+                "servers": {
+                    "second_policy": {
+                        "entrypoint": str(REPO / "servers/models/local_policy/server.py") + ":LocalPolicyModel",
+                        "config": {"seed": 7},
+                    }
+                }
+            }
+        )
+    )
+    output = tmp_path / "rollouts.jsonl"
+    with start_run(
+        "servers.textarena_duel_agent.config.role_model_servers={player_1: second_policy}",
+        configs=(REPO / "configs" / "local_policy.yaml", second, CONFIG),
+    ) as run:
+        args = [*collect_args(run.registry, "textarena_duel_agent", EXAMPLES, output), "--num-repeats", "3"]
+        collected = await asyncio.to_thread(gym, *args)
+        assert collected.returncode == 0, collected.stderr
+        served = {name: _create_responses(run.servers[name]) for name in ("policy_model", "second_policy")}
+    written = [json.loads(line) for line in output.read_text().splitlines()]
+    calls = {"player_0": 0, "player_1": 0}
+    for row in written:
+        rewards = {role["name"]: role["reward"] for role in row["roles"]}
+        assert sum(rewards.values()) == 0 and row["reward"] == rewards["player_0"]
+        for role in row["roles"]:
+            calls[role["name"]] += role["model_calls"]
+    # Each model server answered exactly its role's turns, by its own count.
+    assert served == {"policy_model": calls["player_0"], "second_policy": calls["player_1"]}
+    samples, stats = build(read_rollouts(output))
+    assert stats.non_monotonic_turns == 0 and len(samples) == 2 * len(written)
+    for sample in samples:
+        row = next(
+            r for r in written if (r["task_index"], r["repeat_index"]) == (sample.task_index, sample.repeat_index)
+        )
+        role = next(role for role in row["roles"] if role["name"] == sample.role)
+        assert (sample.reward, sample.num_turns) == (role["reward"], role["model_calls"])
+    groups = assign_advantages(samples)
+    assert sorted(g.group for g in groups) == sorted(
+        f"textarena_duel_agent/{t}/{p}" for t in range(3) for p in ("player_0", "player_1")
+    )
