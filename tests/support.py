@@ -183,3 +183,12 @@ def cpu_ticks(pid: int) -> int:
     """The CPU time a process used so far, in clock ticks (user + system)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def one_server_config(directory: Path, name: str, entrypoint: str, config: dict[str, Any]) -> Path:
+    """A config file (in `directory`) that adds one server to a run: `name`, its `entrypoint` (a file of
+    this repository, as "servers/models/local_policy/server.py:LocalPolicyModel") and its config."""
+    path = directory / f"{name}.yaml"
+    spec = {"entrypoint": str(REPO / entrypoint), "config": config}
+    path.write_text(json.dumps({"servers": {name: spec}}))  # JSON is YAML
+    return path

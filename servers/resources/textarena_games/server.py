@@ -200,6 +200,35 @@ def game_of(config: TextArenaConfig, data: dict[str, Any]) -> tuple[str, int]:
     return game, int(seed)
 
 
+def check_games(server: str, config: TextArenaConfig, players: int) -> None:
+    """Start each configured game once (seed 0): a game that cannot run here (missing data, settings it
+    does not take, a module this Python cannot import, too few players) stops the server with a
+    ConfigError naming it, instead of failing every rollout that draws it."""
+    for game_id in config.games:
+        try:
+            Game.start(game_id, 0, config.game_kwargs.get(game_id, {}), players)
+        except Exception as e:
+            first = next((line.strip() for line in str(e).splitlines() if any(c.isalnum() for c in line)), "")
+            key = "game_kwargs" if game_id in config.game_kwargs else "games"
+            who = "" if players == 1 else f" for {players} players"
+            raise errors.ConfigError(
+                f"server {server!r}: config.{key}: TextArena cannot start {game_id}{who} here: "
+                f"{type(e).__name__}: {first}"
+            ) from None
+
+
+def start_game(config: TextArenaConfig, data: dict[str, Any], players: int) -> tuple[Game, str]:
+    """The game a task row names, started from its seed, and its first observation; FailedPrecondition
+    when TextArena cannot start it."""
+    game_id, seed = game_of(config, data)
+    try:
+        return Game.start(game_id, seed, config.game_kwargs.get(game_id, {}), players)
+    except Exception as e:
+        raise errors.FailedPrecondition(
+            f"TextArena could not start {game_id} with seed {seed}: {type(e).__name__}: {e}"
+        ) from None
+
+
 class GameStore:
     """The games being played, by session id (what SeedSession acquires and CloseSession releases)."""
 
@@ -232,29 +261,11 @@ class TextArenaEnv(ResourcesServer):
         self.games = GameStore()
 
     async def start(self) -> None:
-        """Start each game once (seed 0): a game that cannot run here (missing data, settings it does
-        not take, a module this Python cannot import) stops the server with the game named, instead
-        of failing every rollout that draws it."""
         await super().start()
-        for game_id in self.config.games:
-            try:
-                Game.start(game_id, 0, self.config.game_kwargs.get(game_id, {}))
-            except Exception as e:
-                first = next((line.strip() for line in str(e).splitlines() if any(c.isalnum() for c in line)), "")
-                key = "game_kwargs" if game_id in self.config.game_kwargs else "games"
-                raise errors.ConfigError(
-                    f"server {self.name!r}: config.{key}: TextArena cannot start {game_id} here: "
-                    f"{type(e).__name__}: {first}"
-                ) from None
+        check_games(self.name, self.config, players=1)
 
     def _start(self, session: Session) -> tuple[Game, str]:
-        game_id, seed = game_of(self.config, session.data)
-        try:
-            return Game.start(game_id, seed, self.config.game_kwargs.get(game_id, {}))
-        except Exception as e:
-            raise errors.FailedPrecondition(
-                f"TextArena could not start {game_id} with seed {seed}: {type(e).__name__}: {e}"
-            ) from None
+        return start_game(self.config, session.data, players=1)
 
     async def seed_session(self, session: Session) -> None:
         game, _ = self._start(session)  # the row's prompt holds the first observation (task_rows)
@@ -363,26 +374,11 @@ class TextArenaDuelEnv(ResourcesServer):
         self.games = GameStore()
 
     async def start(self) -> None:
-        """Start each game once with two players: one that cannot run here stops the server, named."""
         await super().start()
-        for game_id in self.config.games:
-            try:
-                Game.start(game_id, 0, self.config.game_kwargs.get(game_id, {}), players=2)
-            except Exception as e:
-                first = next((line.strip() for line in str(e).splitlines() if any(c.isalnum() for c in line)), "")
-                raise errors.ConfigError(
-                    f"server {self.name!r}: config.games: TextArena cannot start {game_id} for two players here: "
-                    f"{type(e).__name__}: {first}"
-                ) from None
+        check_games(self.name, self.config, players=2)
 
     async def seed_session(self, session: Session) -> Episode:
-        game_id, seed = game_of(self.config, session.data)
-        try:
-            game, first = Game.start(game_id, seed, self.config.game_kwargs.get(game_id, {}), players=2)
-        except Exception as e:
-            raise errors.FailedPrecondition(
-                f"TextArena could not start {game_id} with seed {seed}: {type(e).__name__}: {e}"
-            ) from None
+        game, first = start_game(self.config, session.data, players=2)
         self.games.live[session.id] = game
         return Episode(
             roles=[Role(PLAYER.format(0)), Role(PLAYER.format(1))], first=Turn(PLAYER.format(game.player), first)

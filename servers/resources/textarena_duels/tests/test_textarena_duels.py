@@ -20,7 +20,7 @@ from gym_grpc.testing import static_registry
 from gym_grpc.testing.fake_engine import FakeEngine, Turn
 from gym_grpc.training import assign_advantages, build, read_rollouts
 from gym_grpc.v1 import responses_pb2 as r
-from tests.support import REPO, collect_args, grpcurl, gym, start_run
+from tests.support import REPO, collect_args, grpcurl, gym, one_server_config, start_run
 
 HERE = Path(__file__).resolve().parent.parent
 CONFIG = HERE / "config.yaml"
@@ -125,18 +125,11 @@ async def test_collect_with_two_model_servers_writes_both_trajectories_zero_sum_
 ):
     engine = FakeEngine(_lowest_move_player)
     base_url = await engine.start()
-    opponent = tmp_path / "opponent.yaml"
-    opponent.write_text(
-        yaml.safe_dump(
-            {
-                "servers": {
-                    "opponent_model": {
-                        "entrypoint": str(REPO / "servers/models/openai_model/server.py") + ":OpenAIModel",
-                        "config": {"base_url": base_url, "api_key": "none", "model": "lowest-move"},
-                    }
-                }
-            }
-        )
+    opponent = one_server_config(
+        tmp_path,
+        "opponent_model",
+        "servers/models/openai_model/server.py:OpenAIModel",
+        {"base_url": base_url, "api_key": "none", "model": "lowest-move"},
     )
     tasks = tmp_path / "duels.jsonl"
     tasks.write_text(EXAMPLES.read_text())
@@ -207,18 +200,8 @@ def _create_responses(address: str) -> int:
 
 @pytest.mark.slow
 async def test_two_embedded_policies_each_play_their_own_role_and_the_samples_split_per_role(tmp_path):
-    second = tmp_path / "second.yaml"
-    second.write_text(
-        yaml.safe_dump(
-            {
-                "servers": {
-                    "second_policy": {
-                        "entrypoint": str(REPO / "servers/models/local_policy/server.py") + ":LocalPolicyModel",
-                        "config": {"seed": 7},
-                    }
-                }
-            }
-        )
+    second = one_server_config(
+        tmp_path, "second_policy", "servers/models/local_policy/server.py:LocalPolicyModel", {"seed": 7}
     )
     output = tmp_path / "rollouts.jsonl"
     with start_run(

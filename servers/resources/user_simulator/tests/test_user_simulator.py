@@ -17,7 +17,7 @@ from gym_grpc.testing import static_registry
 from gym_grpc.testing.fake_engine import FakeEngine, Turn
 from gym_grpc.training import build, read_rollouts
 from gym_grpc.v1 import responses_pb2 as r
-from tests.support import REPO, collect_args, gym, start_run
+from tests.support import REPO, collect_args, gym, one_server_config, start_run
 
 HERE = Path(__file__).resolve().parent.parent
 CONFIG = HERE / "config.yaml"
@@ -102,18 +102,11 @@ def _customer(body: dict) -> Turn:
 async def test_collect_with_the_user_on_its_own_model_server_rewards_each_role(tmp_path):
     engine = FakeEngine(_customer)
     base_url = await engine.start()
-    user_model = tmp_path / "user_model.yaml"
-    user_model.write_text(
-        yaml.safe_dump(
-            {
-                "servers": {
-                    "user_model": {
-                        "entrypoint": str(REPO / "servers/models/openai_model/server.py") + ":OpenAIModel",
-                        "config": {"base_url": base_url, "api_key": "none", "model": "customer"},
-                    }
-                }
-            }
-        )
+    user_model = one_server_config(
+        tmp_path,
+        "user_model",
+        "servers/models/openai_model/server.py:OpenAIModel",
+        {"base_url": base_url, "api_key": "none", "model": "customer"},
     )
     output = tmp_path / "rollouts.jsonl"
     try:
