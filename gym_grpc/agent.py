@@ -367,7 +367,8 @@ class ToolLoopConfig(AgentConfig):
     )
 
 
-def _add_usage(total: r.Usage, usage: r.Usage) -> None:
+def add_usage(total: r.Usage, usage: r.Usage) -> None:
+    """Add one model call's usage to a rollout's total."""
     total.input_tokens += usage.input_tokens
     total.output_tokens += usage.output_tokens
     total.total_tokens += usage.total_tokens
@@ -635,7 +636,7 @@ class _SoFar:
             self.first = False
         else:
             final.model, final.status = response.model, response.status
-            _add_usage(final.usage, response.usage)
+            add_usage(final.usage, response.usage)
             final.output.extend(response.output)
         self.rollout.timings.model_seconds += seconds
         self.conversation.extend(response.output)

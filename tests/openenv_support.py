@@ -11,24 +11,20 @@ once; a marker file holding the spec makes it rebuilt when the spec changes. Ope
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import json
 import os
 import queue
 import re
-import shutil
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from gym_grpc.engines.local_vllm.installation import build_once
+
 OPENENV_VERSION = "0.10.0"
 SPEC = {"requirements": [f"openenv=={OPENENV_VERSION}"], "env": "openenv init echo_env", "max_concurrent_envs": 16}
-_MARKER = ".gym-grpc-openenv.json"
 _LISTENING = re.compile(r"running on (http://[^\s]+)")
 
 
@@ -63,17 +59,6 @@ def cache_dir() -> Path:
     return base / OPENENV_VERSION
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def _run(step: str, command: list[str], **kwargs) -> None:
     done = subprocess.run(command, capture_output=True, text=True, **kwargs)
     if done.returncode != 0:
@@ -82,30 +67,26 @@ def _run(step: str, command: list[str], **kwargs) -> None:
 
 
 def prepare() -> OpenEnvInstall:
-    """The OpenEnv virtualenv and echo env, built unless the cache holds them (about 30 s the first time)."""
+    """The OpenEnv virtualenv and echo env, built unless the cache holds them (about 30 s the first time),
+    as the local vLLM's are (installation.build_once: a marker of the spec, a file lock)."""
     root = cache_dir()
     install = OpenEnvInstall(root / "venv" / "bin" / "python", root / "envs")
-    with _locked(root.with_name(root.name + ".lock")):
-        try:
-            if json.loads((root / _MARKER).read_text()) == SPEC:
-                return install
-        except (OSError, ValueError):
-            pass
-        if root.exists():
-            shutil.rmtree(root)
-        root.mkdir(parents=True)
-        _run("creating the virtualenv", [sys.executable, "-m", "venv", str(root / "venv")])
-        _run("installing openenv", [str(install.python), "-m", "pip", "install", "-q", *SPEC["requirements"]])
-        install.envs.mkdir()
-        _run("openenv init echo_env", [str(root / "venv" / "bin" / "openenv"), "init", "echo_env"], cwd=install.envs)
-        # The template serves one session at a time ("increase this number to allow more concurrent WebSocket
-        # sessions", its app.py says); a run collects several rollouts at once.
-        app = install.envs / "echo_env" / "server" / "app.py"
-        text = app.read_text()
-        assert "max_concurrent_envs=1," in text, "OpenEnv's template changed: see tests/openenv_support.py"
-        app.write_text(text.replace("max_concurrent_envs=1,", f"max_concurrent_envs={SPEC['max_concurrent_envs']},"))
-        (root / _MARKER).write_text(json.dumps(SPEC))
+    build_once(root, SPEC, "OpenEnv virtualenv", lambda directory: _build(directory, install))
     return install
+
+
+def _build(root: Path, install: OpenEnvInstall) -> None:
+    root.mkdir(parents=True)
+    _run("creating the virtualenv", [sys.executable, "-m", "venv", str(root / "venv")])
+    _run("installing openenv", [str(install.python), "-m", "pip", "install", "-q", *SPEC["requirements"]])
+    install.envs.mkdir()
+    _run("openenv init echo_env", [str(root / "venv" / "bin" / "openenv"), "init", "echo_env"], cwd=install.envs)
+    # The template serves one session at a time ("increase this number to allow more concurrent WebSocket
+    # sessions", its app.py says); a run collects several rollouts at once.
+    app = install.envs / "echo_env" / "server" / "app.py"
+    text = app.read_text()
+    assert "max_concurrent_envs=1," in text, "OpenEnv's template changed: see tests/openenv_support.py"
+    app.write_text(text.replace("max_concurrent_envs=1,", f"max_concurrent_envs={SPEC['max_concurrent_envs']},"))
 
 
 class OpenEnvServer:

@@ -67,23 +67,18 @@ class TrainingRollout:
         """A rollout row as `collect` writes it (or NeMo Gym does); of an episode with several roles, its
         items and reward as one trajectory (`per_role` parts them)."""
         agent, task, repeat = record.rollout_key(row)
-        reward = row.get("reward")
-        return cls(
-            agent=agent,
-            task_index=task,
-            repeat_index=repeat,
-            reward=None if row.get("verification_skipped") or not isinstance(reward, int | float) else float(reward),
-            turns=_token_turns((row.get("response") or {}).get("output") or []),
-        )
+        output = (row.get("response") or {}).get("output") or []
+        return cls(agent, task, repeat, _row_reward(row), _token_turns(output))
 
     @classmethod
     def per_role(cls, row: dict[str, Any]) -> list[TrainingRollout]:
         """A rollout row as training sees it: one rollout, or one per role of an episode with several
         (its trajectory, RolloutRole.items, and its own reward)."""
-        whole = cls.from_row(row)
         roles = row.get("roles")
         if not isinstance(roles, list) or not roles:
-            return [whole]
+            return [cls.from_row(row)]
+        agent, task, repeat = record.rollout_key(row)
+        verified = _row_reward(row) is not None
         output = (row.get("response") or {}).get("output") or []
         rewards = record.role_rewards(row)
         out = []
@@ -96,9 +91,8 @@ class TrainingRollout:
             ):
                 raise RowError(f"roles.{number}.items", f"must be positions in response.output (0..{len(output) - 1})")
             name = role["name"]
-            reward = None if whole.reward is None else rewards.get(name)
-            turns = _token_turns([output[i] for i in positions])
-            out.append(cls(whole.agent, whole.task_index, whole.repeat_index, reward, turns, role=name))
+            reward = rewards.get(name) if verified else None
+            out.append(cls(agent, task, repeat, reward, _token_turns([output[i] for i in positions]), role=name))
         return out
 
     @classmethod
@@ -123,6 +117,14 @@ class TrainingRollout:
         return [
             cls(agent, task_index, repeat_index, reward, turns, role=name) for name, (reward, turns) in roles.items()
         ]
+
+
+def _row_reward(row: dict[str, Any]) -> float | None:
+    """A row's verified reward; None when it was not verified or has no number."""
+    reward = row.get("reward")
+    if row.get("verification_skipped") or not isinstance(reward, int | float):
+        return None
+    return float(reward)
 
 
 def _token_turns(items: list[Any]) -> list[TokenTurn]:

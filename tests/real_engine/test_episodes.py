@@ -16,29 +16,15 @@ import json
 from pathlib import Path
 
 import pytest
-import textarena as ta
 
 from gym_grpc.engines import local_vllm
 from gym_grpc.training import build, read_rollouts
+from servers.resources.textarena_duels.tests.test_textarena_duels import tictactoe_rewards
 from tests.real_engine.gym_cli import REPO, VLLM, collect, rows, serving, tasks_file
 
 pytestmark = pytest.mark.real_engine
 
 DUELS = REPO / "servers" / "resources" / "textarena_duels"
-
-
-def _replay(seed: int, moves: list[str]) -> dict[int, float]:
-    """TextArena's own rewards for these moves of a TicTacToe game, stepped in order (played alone)."""
-    env = ta.make("TicTacToe-v0")
-    env.reset(num_players=2, seed=seed)
-    done = False
-    for move in moves:
-        done, _ = env.step(move)
-        if done:
-            break
-    assert done, "the recorded moves do not end the game"
-    rewards, _ = env.close()
-    return dict(rewards)
 
 
 def test_self_play_on_the_real_engine_keeps_each_roles_ids_its_own_and_samples_per_role(
@@ -69,7 +55,7 @@ def test_self_play_on_the_real_engine_keeps_each_roles_ids_its_own_and_samples_p
                 assert turn["prompt_token_ids"][: len(sampled)] == sampled
             moves += [(i, role["name"]) for i in role["items"] if output_items[i].get("role") == "assistant"]
         played = [output_items[i]["content"][0]["text"].strip() for i, _ in sorted(moves)]
-        rewards = _replay(row["textarena_seed"], played)
+        rewards = tictactoe_rewards(row["textarena_seed"], played)
         assert {role["name"]: role["reward"] for role in row["roles"]} == {
             "player_0": rewards[0],
             "player_1": rewards[1],

@@ -91,8 +91,9 @@ def _is_built(directory: Path, spec: dict[str, Any]) -> bool:
         return False
 
 
-def _build(directory: Path, spec: dict[str, Any], what: str, steps: Callable[[Path], None]) -> None:
-    """Run steps(directory) in a fresh directory unless it is already built from spec."""
+def build_once(directory: Path, spec: dict[str, Any], what: str, steps: Callable[[Path], None]) -> None:
+    """Run steps(directory) in a fresh directory unless it is already built from spec (a marker file says
+    so), under a file lock beside it: one process builds, the others wait and find it built."""
     with _locked(directory.with_name(directory.name + ".lock")):
         if _is_built(directory, spec):
             _say(f"{what}: cached in {directory}")
@@ -188,13 +189,13 @@ def prepare(cache: Path | None = None, *, vision: bool = False) -> Prepared:
     cache = cache or cache_dir()
     venv = cache / "venv"
     model_dir = cache / "models" / MODEL_NAME
-    _build(venv, VENV_SPEC, "vLLM virtualenv", _build_venv)
+    build_once(venv, VENV_SPEC, "vLLM virtualenv", _build_venv)
     python = _engine_python(venv)
-    _build(model_dir, _model_spec(), "model", lambda d: _build_model(d, python))
+    build_once(model_dir, _model_spec(), "model", lambda d: _build_model(d, python))
     if not vision:
         return Prepared(python=python, model_dir=model_dir)
     vision_dir = cache / "models" / VISION_MODEL_NAME
     assembly = Path(__file__).with_name("vision_model.py")
     spec = {**VISION_SPEC, "model": _model_spec()}
-    _build(vision_dir, spec, "vision model", lambda d: _run("assembling it", [python, assembly, model_dir, d]))
+    build_once(vision_dir, spec, "vision model", lambda d: _run("assembling it", [python, assembly, model_dir, d]))
     return Prepared(python=python, model_dir=vision_dir, model_name=VISION_MODEL_NAME)

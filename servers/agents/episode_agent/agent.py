@@ -42,7 +42,7 @@ from typing import Any
 from pydantic import Field
 
 from gym_grpc import errors
-from gym_grpc.agent import AgentConfig, AgentServer, RolloutEvents, tool_call_output
+from gym_grpc.agent import AgentConfig, AgentServer, RolloutEvents, add_usage, tool_call_output
 from gym_grpc.client import stubs
 from gym_grpc.client.stubs import ModelClient, ResourcesClient
 from gym_grpc.data import rows
@@ -237,8 +237,6 @@ def _take(rollout: task_pb2.Rollout, response: r.Response, seconds: float) -> No
         final.output.extend(output)
     else:
         final.model, final.status = response.model, response.status
-        final.usage.input_tokens += response.usage.input_tokens
-        final.usage.output_tokens += response.usage.output_tokens
-        final.usage.total_tokens += response.usage.total_tokens
+        add_usage(final.usage, response.usage)
     rollout.model_calls += 1
     rollout.timings.model_seconds += seconds

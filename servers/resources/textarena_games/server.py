@@ -48,7 +48,7 @@ import random
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, field_validator
 
@@ -242,7 +242,27 @@ class GameStore:
                 game.env.close()
 
 
-class TextArenaEnv(ResourcesServer):
+class _TextArenaServer(ResourcesServer):
+    """What both servers share: the games being played, each configured game started once at start, and
+    a session's game released at close (and the idle time-out)."""
+
+    #: Players a game is started for.
+    players: ClassVar[int] = 1
+    config: TextArenaConfig
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.games = GameStore()
+
+    async def start(self) -> None:
+        await super().start()
+        check_games(self.name, self.config, players=self.players)
+
+    async def close_session(self, session: Session) -> None:
+        self.games.release(session.id)
+
+
+class TextArenaEnv(_TextArenaServer):
     verifier_fields = {
         "game": "the TextArena env id played",
         "seed": "the seed that dealt the game",
@@ -256,23 +276,12 @@ class TextArenaEnv(ResourcesServer):
     Config = TextArenaConfig
     config: TextArenaConfig
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.games = GameStore()
-
-    async def start(self) -> None:
-        await super().start()
-        check_games(self.name, self.config, players=1)
-
     def _start(self, session: Session) -> tuple[Game, str]:
         return start_game(self.config, session.data, players=1)
 
     async def seed_session(self, session: Session) -> None:
         game, _ = self._start(session)  # the row's prompt holds the first observation (task_rows)
         self.games.live[session.id] = game
-
-    async def close_session(self, session: Session) -> None:
-        self.games.release(session.id)
 
     @tool
     async def move(
@@ -346,7 +355,7 @@ class TextArenaDuelConfig(TextArenaConfig):
     )
 
 
-class TextArenaDuelEnv(ResourcesServer):
+class TextArenaDuelEnv(_TextArenaServer):
     """TextArena's two-player games as episodes with two roles (docs/episodes.md).
 
     The roles are player_0 and player_1, each played by its own model (or one policy for both).
@@ -368,14 +377,7 @@ class TextArenaDuelEnv(ResourcesServer):
 
     Config = TextArenaDuelConfig
     config: TextArenaDuelConfig
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.games = GameStore()
-
-    async def start(self) -> None:
-        await super().start()
-        check_games(self.name, self.config, players=2)
+    players = 2
 
     async def seed_session(self, session: Session) -> Episode:
         game, first = start_game(self.config, session.data, players=2)
@@ -402,9 +404,6 @@ class TextArenaDuelEnv(ResourcesServer):
                 return None
             shown = game.observe()
         return Turn(PLAYER.format(game.player), shown)
-
-    async def close_session(self, session: Session) -> None:
-        self.games.release(session.id)
 
     def task_rows(self, limit: int | None = None) -> list[dict[str, Any]]:
         """Seeds 0 .. seeds-1 of each game (the first `limit` rows): the instructions both players share."""

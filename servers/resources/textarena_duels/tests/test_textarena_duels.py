@@ -106,10 +106,11 @@ def _lowest_move_player(body: dict) -> Turn:
     return Turn(content=f"[{min(cells)}]")
 
 
-def _replay(seed: int, moves: list[str]) -> dict[int, float]:
+def tictactoe_rewards(seed: int, moves: list[str]) -> dict[int, float]:
     """The rewards TextArena itself gives for a TicTacToe game of these moves (played alone, in order)."""
     env = ta.make("TicTacToe-v0")
     env.reset(num_players=2, seed=seed)
+    done = False
     for move in moves:
         done, _ = env.step(move)
         if done:
@@ -173,7 +174,7 @@ async def test_collect_with_two_model_servers_writes_both_trajectories_zero_sum_
         assert len(moves) == row["moves"] == row["model_calls"]
         assert sum(role["model_calls"] for role in roles.values()) == row["model_calls"]
         # The rewards are the game's, for the moves the row attributes to each player, and zero-sum.
-        expected = _replay(row["textarena_seed"], [move for _, move in moves])
+        expected = tictactoe_rewards(row["textarena_seed"], [move for _, move in moves])
         assert roles["player_0"]["reward"] == expected[0] and roles["player_1"]["reward"] == expected[1]
         assert roles["player_0"]["reward"] + roles["player_1"]["reward"] == 0
         assert row["reward"] == roles["player_0"]["reward"]
