@@ -17,7 +17,9 @@ from gym_grpc.batch.jobs import TIMEOUT_SECONDS, BatchSummary
 from gym_grpc.batch.overrides import NEMO_OPTIONS, OverrideError
 from gym_grpc.batch.overrides import parse as parse_overrides
 from gym_grpc.batch.reverify import ReverifyOptions, reverify
+from gym_grpc.batch.task_batches import TaskBatchOptions, collect_batches
 from gym_grpc.cli.options import (
+    given,
     no_unknown_options,
     progress_option,
     range_option,
@@ -93,10 +95,21 @@ def _interruptible(coroutine: Awaitable[T], output: Path) -> T:
 @click.option(
     "--input",
     "input_path",
-    required=True,
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="JSONL of tasks.",
+    help="JSONL of tasks (or --task-server).",
 )
+@click.option(
+    "--task-server",
+    help="Collect the groups this task server chooses (docs/task-service.md) instead of the tasks of --input.",
+)
+@click.option(
+    "--batches",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="With --task-server: batches to ask for.",
+)
+@click.option("--groups", type=click.IntRange(min=1), help="With --task-server: groups per batch.")
 @click.option(
     "--output",
     required=True,
@@ -152,7 +165,10 @@ def _interruptible(coroutine: Awaitable[T], output: Path) -> T:
 @security_options
 def collect_command(
     overrides: tuple[str, ...],
-    input_path: Path,
+    input_path: Path | None,
+    task_server: str | None,
+    batches: int,
+    groups: int | None,
     output: Path,
     agent: str | None,
     registry: str,
@@ -184,12 +200,23 @@ def collect_command(
     Running the same command again resumes: keys already in OUTPUT are skipped.
     OUTPUT.run.json records what defines the run (input rows, agent, overrides,
     repeats, verification); another run into the same OUTPUT is refused unless --force.
+
+    With --task-server, the tasks are the server's choice: --batches batches of
+    --groups groups of --num-repeats rollouts (the server's group size unless given).
     """
+    ctx = click.get_current_context()
+    if task_server is not None:
+        _collect_task_batches(ctx, task_server, batches, groups, output, registry, timeout, security)
+        return
+    if input_path is None:
+        raise click.UsageError("give --input (a JSONL of tasks) or --task-server")
+    wrong = given(ctx, ("batches", "groups"))
+    if wrong:
+        raise click.UsageError(f"{' and '.join(wrong)} go with --task-server")
     try:
         parsed = parse_overrides(list(overrides))
     except OverrideError as e:
         raise click.UsageError(str(e)) from None
-    ctx = click.get_current_context()
     for key, value in parsed.options.items():
         if ctx.get_parameter_source(key) is not click.core.ParameterSource.DEFAULT:
             raise click.UsageError(f"+{key}={value} and {NEMO_OPTIONS[key]} are both given: keep one")
@@ -223,6 +250,49 @@ def collect_command(
     if wandb_project or mlflow_experiment:
         export_reports([stats.read(output)], pass_threshold, wandb_project, mlflow_experiment, export_rows)
     if summary.failed or summary.bad_rows:
+        sys.exit(1)
+
+
+#: The collect options that say how to read a file of tasks: nothing to do with a task server.
+_FILE_ONLY = (
+    "input_path",
+    "overrides",
+    "agent",
+    "limit",
+    "max_in_flight",
+    "resume_attempts",
+    "events",
+    "skip_verify",
+    "placeholder_reward",
+    "force",
+)
+
+
+def _collect_task_batches(
+    ctx: click.Context,
+    task_server: str,
+    batches: int,
+    groups: int | None,
+    output: Path,
+    registry: str,
+    timeout: float,
+    security: Security,
+) -> None:
+    wrong = given(ctx, _FILE_ONLY) + (["KEY=VALUE overrides"] if ctx.params["overrides"] else [])
+    if wrong:
+        raise click.UsageError(f"{', '.join(wrong)}: not with --task-server (the task server chooses the tasks)")
+    if groups is None:
+        raise click.UsageError("--task-server needs --groups (groups per batch)")
+    size = ctx.params["num_repeats"] if given(ctx, ("num_repeats",)) else 0
+    if size == 1:
+        raise click.UsageError("--num-repeats: a group needs at least 2 rollouts")
+    options = TaskBatchOptions(task_server, output, batches, groups, size, timeout)
+    totals = _interruptible(
+        with_registry(registry, task_server, lambda reg: collect_batches(reg, options, sys.stderr), security), output
+    )
+    for line in totals.lines() + totals.short:
+        click.echo(line, err=True)
+    if totals.failed:
         sys.exit(1)
 
 

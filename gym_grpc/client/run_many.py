@@ -105,7 +105,7 @@ def _status_text(error: Exception) -> str:
 ErrorOf = Callable[[grpc.aio.AioRpcError | None, str, transport.Connection], Awaitable[errors.GymError]]
 
 
-def _run_failed(error: agent_pb.RunError) -> grpc.aio.AioRpcError:
+def run_error_as_call(error: agent_pb.RunError) -> grpc.aio.AioRpcError:
     """A run's failure as the error its unary Run call would have raised, details included
     (RunError's bytes are a google.rpc.Status's)."""
     code = next((c for c in grpc.StatusCode if c.value[0] == error.code), grpc.StatusCode.UNKNOWN)
@@ -228,7 +228,7 @@ class _Call:
                     if outcome == "parked":
                         future.set_exception(_Parked(result.parked))
                         continue
-                    failed = _run_failed(result.error)
+                    failed = run_error_as_call(result.error)
                     if errors.reason_of(failed) == errors.Reason.SERVER_STOPPING:
                         self.close()
                         future.set_exception(_NotStarted())

@@ -37,6 +37,8 @@ from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import sandbox_service_pb2 as sb_pb
 from gym_grpc.v1 import sandbox_service_pb2_grpc as sb_grpc
 from gym_grpc.v1 import task_pb2
+from gym_grpc.v1 import task_service_pb2 as tasks_pb
+from gym_grpc.v1 import task_service_pb2_grpc as tasks_grpc
 
 #: Timeout of one call, in seconds, when neither the caller's deadline nor the client's `timeout` gives one.
 DEFAULT_TIMEOUT = 600.0
@@ -182,6 +184,26 @@ class _Client:
             raise
         connection.answered()
         return reply
+
+    async def _stream(self, method: str, request: Any, timeout: float | None) -> AsyncIterator[Any]:
+        """The replies of a server-streaming call, after the handshake; its failure as a GymError."""
+        await self.check_protocol()
+        stub, connection = await self._peer()
+        wait = connection.wait
+        call = getattr(stub, method)(request, timeout=self._deadline(timeout), wait_for_ready=wait)
+        if wait:
+            connection.waiting(call)
+        try:
+            async for reply in call:
+                yield reply
+        except grpc.aio.AioRpcError as e:
+            raise await self._error(e, method, connection) from None
+        except asyncio.CancelledError:
+            if _cancelled_by(connection):
+                raise await self._error(None, method, connection) from None
+            raise
+        finally:
+            call.cancel()
 
 
 def _lost_peer(error: grpc.aio.AioRpcError | None) -> bool:
@@ -466,24 +488,39 @@ class AgentClient(_Client):
         policy_version: int | None = None,
     ) -> AsyncIterator[agent_pb.RunStreamResponse]:
         """The events of one rollout as they happen; the last one holds the rollout."""
-        await self.check_protocol()
-        stub, connection = await self._peer()
-        wait = connection.wait
-        call = stub.RunStream(
-            agent_pb.RunStreamRequest(task=task, skip_verification=skip_verification, policy_version=policy_version),
-            timeout=self._deadline(timeout),
-            wait_for_ready=wait,
+        request = agent_pb.RunStreamRequest(
+            task=task, skip_verification=skip_verification, policy_version=policy_version
         )
-        if wait:
-            connection.waiting(call)
-        try:
-            async for event in call:
-                yield event
-        except grpc.aio.AioRpcError as e:
-            raise await self._error(e, "RunStream", connection) from None
-        except asyncio.CancelledError:
-            if _cancelled_by(connection):
-                raise await self._error(None, "RunStream", connection) from None
-            raise
-        finally:
-            call.cancel()
+        async for event in self._stream("RunStream", request, timeout):
+            yield event
+
+
+class TaskClient(_Client):
+    """Calls a TaskService (a task server: gym_grpc/tasks)."""
+
+    _stub_class = tasks_grpc.TaskServiceStub
+    _kind = "task"
+    _service = tasks_pb.DESCRIPTOR.services_by_name["TaskService"].full_name
+
+    async def next_batch(
+        self,
+        groups: int,
+        group_size: int = 0,
+        *,
+        policy_version: int | None = None,
+        rollout_timeout: float | None = None,
+        timeout: float | None = None,
+    ) -> AsyncIterator[tasks_pb.NextBatchResponse]:
+        """The groups of a batch as the server completes them, then its summary (NextBatch)."""
+        request = tasks_pb.NextBatchRequest(
+            groups=groups,
+            group_size=group_size,
+            policy_version=policy_version,
+            rollout_timeout_seconds=rollout_timeout or 0.0,
+        )
+        async for reply in self._stream("NextBatch", request, timeout):
+            yield reply
+
+    async def task_stats(self, limit: int = 0) -> tasks_pb.GetTaskStatsResponse:
+        """What the server knows of its tasks (GetTaskStats)."""
+        return await self._call("GetTaskStats", tasks_pb.GetTaskStatsRequest(limit=limit))

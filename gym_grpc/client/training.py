@@ -31,13 +31,14 @@ from types import TracebackType
 from typing import Any
 
 from gym_grpc import errors
-from gym_grpc.client.run_many import RESUME_ATTEMPTS
-from gym_grpc.client.stubs import AgentClient, ModelClient
+from gym_grpc.client.run_many import RESUME_ATTEMPTS, run_error_as_call
+from gym_grpc.client.stubs import AgentClient, ModelClient, TaskClient
 from gym_grpc.data import record, rows
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.rpc.security import Security
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
+from gym_grpc.v1 import task_service_pb2 as tasks_pb
 
 log = logging.getLogger("gym_grpc.client.training")
 
@@ -234,6 +235,47 @@ class RolloutResult:
         return record.build(task_row, self._finished())
 
 
+@dataclass(frozen=True)
+class TaskGroup:
+    """A group a task server served (TaskService.NextBatch): one task's rollouts, failed ones marked."""
+
+    dataset: str
+    task_index: int
+    #: The task as its row gives it (the row without the rollout's fields).
+    task_row: dict[str, Any]
+    agent: str
+    #: The difficulty pool it was drawn from: "easy", "learning" or "hard".
+    pool: str
+    results: list[RolloutResult]
+    has_signal: bool
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The rollout rows of the members that finished, as `collect` writes them."""
+        return [result.to_row(self.task_row) for result in self.results if result.ok]
+
+
+@dataclass(frozen=True)
+class TaskBatch:
+    """The groups of one TaskService.NextBatch call, and what they cost (BatchSummary)."""
+
+    groups: list[TaskGroup]
+    summary: tasks_pb.BatchSummary
+
+
+def task_group(group: tasks_pb.TaskGroup) -> TaskGroup:
+    """A TaskService group as Python values."""
+    results = []
+    for member in group.members:
+        if member.HasField("rollout"):
+            results.append(RolloutResult(member.rollout))
+        else:
+            error = errors.from_rpc_error(run_error_as_call(member.error), f"agent {group.agent!r}")
+            results.append(RolloutResult(None, errors.Failure.of(error)))
+    pool = tasks_pb.TaskPool.Name(group.pool).removeprefix("TASK_POOL_").lower()
+    task_row = rows.task_to_row(group.task)
+    return TaskGroup(group.dataset, group.task_index, task_row, group.agent, pool, results, group.has_signal)
+
+
 class _Pacing:
     """Staleness bounded before work (AReaL's rule): the n-th rollout (from 0, in the order they
     start) starts only once the trainer's version, counted from the first, is at least
@@ -291,6 +333,7 @@ class GymClient:
         self._registry = registry if isinstance(registry, Registry) else Registry(registry, security=security)
         self._owns_registry = not isinstance(registry, Registry)
         self._agent = AgentClient(self._registry, agent, resume_attempts=resume_attempts)
+        self._tasks: dict[str, TaskClient] = {}
         self.timeout = timeout
         #: The version every rollout is asked under (None: none); `weights_updated` moves it.
         self.policy_version = policy_version
@@ -363,6 +406,26 @@ class GymClient:
         finally:
             for member in members:  # a member that raised (a bug) leaves none of the others running
                 member.cancel()
+
+    async def next_batch(self, task_server: str, groups: int, group_size: int = 0) -> TaskBatch:
+        """`groups` groups of `group_size` rollouts (0: the server's default) that a task server chose and
+        ran (docs/task-service.md): with dynamic sampling on, every one carries signal. Its rollouts run
+        through the task server's agents under this client's `policy_version` and `timeout`, not under
+        `max_concurrent_rollouts` or pacing: the task server has its own limit. An empty batch is no
+        error: its summary says why (`short_reason`)."""
+        client = self._tasks.get(task_server)
+        if client is None:
+            client = self._tasks[task_server] = TaskClient(self._registry, task_server, timeout=None)
+        found: list[TaskGroup] = []
+        summary = tasks_pb.BatchSummary()
+        async for reply in client.next_batch(
+            groups, group_size, policy_version=self.policy_version, rollout_timeout=self.timeout, timeout=None
+        ):
+            if reply.HasField("group"):
+                found.append(task_group(reply.group))
+            else:
+                summary = reply.summary
+        return TaskBatch(found, summary)
 
     async def close(self) -> None:
         await self._agent.close()

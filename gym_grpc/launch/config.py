@@ -311,6 +311,9 @@ def _resolve_paths(data: dict[str, Any], directory: Path) -> None:
             path, _, cls = entry.rpartition(":")
             spec["entrypoint"] = f"{(directory / path).resolve()}:{cls}"
         datasets = spec.get("datasets")
+        config = spec.get("config")
+        if isinstance(config, dict) and isinstance(config.get("datasets"), list):  # a task server's
+            datasets = [*(datasets if isinstance(datasets, list) else ()), *config["datasets"]]
         for dataset in datasets if isinstance(datasets, list) else ():
             fpath = dataset.get("jsonl_fpath") if isinstance(dataset, dict) else None
             if isinstance(fpath, str) and "${" not in fpath:

@@ -47,7 +47,12 @@ REGISTRY_SERVICE = reg.DESCRIPTOR.services_by_name["RegistryService"].full_name
 
 
 #: A server role's name, for tables and JSON.
-SERVER_ROLES = {reg.SERVER_ROLE_MODEL: "model", reg.SERVER_ROLE_RESOURCES: "resources", reg.SERVER_ROLE_AGENT: "agent"}
+SERVER_ROLES = {
+    reg.SERVER_ROLE_MODEL: "model",
+    reg.SERVER_ROLE_RESOURCES: "resources",
+    reg.SERVER_ROLE_AGENT: "agent",
+    reg.SERVER_ROLE_TASKS: "tasks",
+}
 
 
 def closest(name: str, known: list[str]) -> str:

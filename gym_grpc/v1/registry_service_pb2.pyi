@@ -33,6 +33,8 @@ class _ServerRoleEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ServerRole
     """Serves gym.v1.ResourcesService."""
     SERVER_ROLE_AGENT: _ServerRole.ValueType  # 3
     """Serves gym.v1.AgentService."""
+    SERVER_ROLE_TASKS: _ServerRole.ValueType  # 4
+    """Serves gym.v1.TaskService (protocol 1.13)."""
 
 class ServerRole(_ServerRole, metaclass=_ServerRoleEnumTypeWrapper):
     """Role of a server."""
@@ -45,6 +47,8 @@ SERVER_ROLE_RESOURCES: ServerRole.ValueType  # 2
 """Serves gym.v1.ResourcesService."""
 SERVER_ROLE_AGENT: ServerRole.ValueType  # 3
 """Serves gym.v1.AgentService."""
+SERVER_ROLE_TASKS: ServerRole.ValueType  # 4
+"""Serves gym.v1.TaskService (protocol 1.13)."""
 Global___ServerRole: _TypeAlias = ServerRole  # noqa: Y015
 
 @_typing.final

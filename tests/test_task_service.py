@@ -1,0 +1,208 @@
+"""The task server: difficulty pools, dynamic sampling, a cap per task, over the real math environment.
+
+The task set mixes tasks the embedded policy always solves (arithmetic at temperature 0), never
+solves (the expected answer is wrong), and sometimes solves (temperature 1, where it slips).
+"""
+
+import json
+from collections import Counter
+
+import pytest
+
+from gym_grpc import errors
+from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
+from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
+from gym_grpc.bundled.servers.resources.math.server import MathEnv
+from gym_grpc.client.stubs import TaskClient
+from gym_grpc.client.training import GymClient
+from gym_grpc.tasks import TaskServer
+from gym_grpc.tasks.sampler import EASY, HARD, LEARNING, PoolRule, TaskSampler
+from gym_grpc.v1 import task_service_pb2 as tasks_pb
+from tests.support import static_registry
+
+# --- the sampler alone -------------------------------------------------------------
+
+
+def test_a_task_moves_to_the_pool_its_recent_pass_rate_says():
+    sampler = TaskSampler([3], [1.0], PoolRule(history=4), seed=1)
+    held = [sampler.draw() for _ in range(3)]
+    assert {pool for _, _, pool in held} == {LEARNING}  # unseen tasks learn
+    rewards = {0: [1.0] * 4, 1: [0.0] * 4, 2: [1.0, 0.0, 1.0, 0.0]}
+    for dataset, index, _ in held:
+        sampler.observe(dataset, index, rewards[index])
+        sampler.release(dataset, index)
+    assert [sampler.pool_of(0, i) for i in range(3)] == [EASY, HARD, LEARNING]
+    assert sampler.pool_sizes() == {EASY: 1, LEARNING: 1, HARD: 1}
+    # only the last `history` outcomes count: four passes make the hard task easy
+    sampler.observe(0, 1, [1.0] * 4)
+    assert sampler.record(0, 1).pass_rate == 1.0
+
+
+def test_draws_follow_the_pool_proportions_and_a_pool_with_no_share_is_never_drawn():
+    rule = PoolRule(proportions={EASY: 0.0, LEARNING: 1.0, HARD: 0.0})
+    sampler = TaskSampler([4], [1.0], rule, seed=3)
+    for index in range(4):  # make 0 and 1 easy, 2 and 3 hard
+        drawn = sampler.draw()
+        assert drawn is not None
+        sampler.observe(0, drawn[1], [1.0] if drawn[1] < 2 else [0.0])
+        sampler.release(0, drawn[1])
+    assert sampler.draw() is None  # only easy and hard tasks are left, and neither has a share
+
+
+def test_dataset_weights_share_the_draws():
+    sampler = TaskSampler([100, 100], [3.0, 1.0], seed=7)
+    counts: Counter[int] = Counter()
+    for _ in range(200):
+        dataset, index, _ = sampler.draw()
+        counts[dataset] += 1
+        sampler.release(dataset, index)
+    assert 130 <= counts[0] <= 170, counts  # 150 expected; the seed makes it exact, the range says what it means
+
+
+def test_a_held_task_is_not_drawn_again_and_a_task_at_its_cap_is_retired():
+    sampler = TaskSampler([2], [1.0], max_groups=1, seed=0)
+    first, second = sampler.draw(), sampler.draw()
+    assert {first[1], second[1]} == {0, 1}
+    assert sampler.draw() is None  # both held
+    sampler.release(0, 0)
+    sampler.release(0, 1)
+    assert sampler.draw() is None and sampler.retired == 2
+
+
+# --- the server, over real servers ---------------------------------------------------
+
+ALWAYS = [(f"What is {a} + {b}? Put the final answer in \\boxed{{}}.", a + b) for a, b in [(17, 25), (40, 2), (8, 9)]]
+
+
+def _rows() -> list[dict]:
+    rows = []
+    for question, answer in ALWAYS:  # temperature 0: the policy never slips
+        rows.append({"responses_create_params": {"input": question, "temperature": 0}, "expected_answer": str(answer)})
+    for question, answer in ALWAYS:  # a wrong expected answer: never solved
+        rows.append({"responses_create_params": {"input": question, "temperature": 0}, "expected_answer": str(-answer)})
+    for a, b in [(123, 456), (77, 88), (91, 19)]:  # temperature 1: it slips now and then
+        question = f"Compute {a} * 3 + {b} - 7. Put the final answer in \\boxed{{}}."
+        rows.append({"responses_create_params": {"input": question, "temperature": 1.0}, "expected_answer": str(a * 3 + b - 7)})
+    return rows
+
+
+@pytest.fixture
+def tasks_file(tmp_path):
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in _rows()))
+    return path
+
+
+async def _task_server(start, tasks_file, **config):
+    model = await start(LocalPolicyModel({"error_rate": 0.3}))
+    env = await start(MathEnv())
+    agent = await start(
+        SimpleAgent(
+            {"model_server": "model", "resources_server": "math", "max_steps": 2},
+            name="math_agent",
+            registry=static_registry(model=model, math=env),
+        )
+    )
+    settings = {"agent": "math_agent", "datasets": [{"name": "mixed", "jsonl_fpath": str(tasks_file)}], "seed": 5}
+    server = TaskServer({**settings, **config}, name="tasks", registry=static_registry(math_agent=agent))
+    return server, static_registry(tasks=await start(server))
+
+
+async def test_dynamic_sampling_serves_only_groups_with_signal_and_counts_what_it_dropped(start, tasks_file):
+    server, registry = await _task_server(start, tasks_file, group_size=6)
+    client = TaskClient(registry, "tasks")
+    groups, summary = [], None
+    async for reply in client.next_batch(2):
+        if reply.HasField("group"):
+            groups.append(reply.group)
+        else:
+            summary = reply.summary
+    assert summary is not None and summary.groups == len(groups) == 2
+    for group in groups:
+        rewards = [m.rollout.reward for m in group.members]
+        assert len(rewards) == 6 and len(set(rewards)) == 2 and group.has_signal
+        assert group.task_index >= 6  # only the tasks at temperature 1 can carry signal
+    assert summary.groups_tried == 2 + summary.groups_without_signal + summary.groups_failed
+    assert summary.rollouts == 6 * summary.groups_tried
+    assert len({g.task_index for g in groups}) == 2  # distinct tasks in one batch
+    await registry.close()
+
+
+async def test_without_dynamic_sampling_groups_without_signal_are_served_too(start, tasks_file):
+    server, registry = await _task_server(start, tasks_file, group_size=3, dynamic_sampling=False)
+    async with GymClient("math_agent", registry) as gym:
+        batch = await gym.next_batch("tasks", 9)
+    assert batch.summary.groups == batch.summary.groups_tried == 9  # every task once
+    by_task = {g.task_index: g for g in batch.groups}
+    for index in range(3):
+        assert [r.reward for r in by_task[index].results] == [1.0] * 3 and not by_task[index].has_signal
+        assert [r.reward for r in by_task[index + 3].results] == [0.0] * 3
+    row = by_task[0].rows()[0]
+    assert row["reward"] == 1.0 and row["expected_answer"] == "42"
+    await registry.close()
+
+
+async def test_served_outcomes_move_tasks_between_pools_and_the_next_batch_skips_the_solved(start, tasks_file):
+    server, registry = await _task_server(
+        start, tasks_file, group_size=4, dynamic_sampling=False, pools={"easy": 0.0, "hard": 0.0, "learning": 1.0}
+    )
+    client = TaskClient(registry, "tasks")
+    async for _ in client.next_batch(9):
+        pass
+    stats = await client.task_stats()
+    pools = {t.task_index: t.pool for t in stats.tasks}
+    assert [pools[i] for i in range(6)] == [EASY] * 3 + [HARD] * 3
+    assert stats.easy == 3 and stats.hard == 3 and stats.total == 9 and stats.served.groups == 9
+    # only the learning pool has a share now: the next batch draws the tasks still learning, never 0-5
+    learning = [i for i in range(6, 9) if pools[i] == LEARNING]
+    async with GymClient("math_agent", registry) as gym:
+        batch = await gym.next_batch("tasks", 3)
+    assert sorted(g.task_index for g in batch.groups) == learning
+    if len(learning) < 3:
+        assert "no task left to draw" in batch.summary.short_reason
+    await registry.close()
+
+
+async def test_a_batch_that_cannot_fill_ends_short_and_says_why(start, tasks_file):
+    server, registry = await _task_server(start, tasks_file, group_size=2, max_draws_per_group=1)
+    async with GymClient("math_agent", registry) as gym:
+        batch = await gym.next_batch("tasks", 9)  # 9 draws at most, and 6 tasks never carry signal
+    assert batch.summary.groups_tried == 9 and batch.summary.groups < 9
+    assert "9 groups tried" in batch.summary.short_reason
+    assert len(batch.groups) == batch.summary.groups
+    await registry.close()
+
+
+async def test_the_cap_retires_a_task_and_an_exhausted_server_says_so(start, tasks_file):
+    server, registry = await _task_server(start, tasks_file, group_size=2, dynamic_sampling=False, max_groups_per_task=1)
+    client = TaskClient(registry, "tasks")
+    async for _ in client.next_batch(9):
+        pass
+    assert (await client.task_stats()).retired == 9
+    with pytest.raises(errors.FailedPrecondition) as caught:
+        async for _ in client.next_batch(1):
+            pass
+    assert caught.value.reason == errors.Reason.TASKS_EXHAUSTED
+    await registry.close()
+
+
+async def test_a_request_outside_the_limits_names_its_field(start, tasks_file):
+    server, registry = await _task_server(start, tasks_file)
+    client = TaskClient(registry, "tasks")
+    for request, field in (({"groups": 0}, "groups"), ({"groups": 1, "group_size": 1}, "group_size")):
+        with pytest.raises(errors.InvalidArgument) as caught:
+            async for _ in client.next_batch(**request):
+                pass
+        assert caught.value.field == field
+    await registry.close()
+
+
+def test_a_dataset_row_that_is_not_a_task_stops_the_server_naming_its_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"responses_create_params": {"input": "hi"}}\n\n{"responses_create_params": 3}\n')
+    with pytest.raises(errors.ConfigError, match=r"bad\.jsonl:3: .*responses_create_params"):
+        TaskServer({"agent": "a", "datasets": [{"name": "d", "jsonl_fpath": str(path)}]}, name="tasks")
+    with pytest.raises(errors.ConfigError, match="dataset names must differ: d"):
+        TaskServer({"agent": "a", "datasets": [{"name": "d", "jsonl_fpath": str(path)}] * 2}, name="tasks")
+    with pytest.raises(errors.ConfigError, match="group_sise"):
+        TaskServer({"datasets": [{"name": "d", "jsonl_fpath": str(path)}], "group_sise": 4}, name="tasks")
