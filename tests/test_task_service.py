@@ -17,8 +17,7 @@ from gym_grpc.client.stubs import TaskClient
 from gym_grpc.client.training import GymClient
 from gym_grpc.tasks import TaskServer
 from gym_grpc.tasks.sampler import EASY, HARD, LEARNING, PoolRule, TaskSampler
-from gym_grpc.v1 import task_service_pb2 as tasks_pb
-from tests.support import static_registry
+from tests.support import REPO, grpcurl, gym, read_rows, run_status, start_run, static_registry
 
 # --- the sampler alone -------------------------------------------------------------
 
@@ -41,7 +40,7 @@ def test_a_task_moves_to_the_pool_its_recent_pass_rate_says():
 def test_draws_follow_the_pool_proportions_and_a_pool_with_no_share_is_never_drawn():
     rule = PoolRule(proportions={EASY: 0.0, LEARNING: 1.0, HARD: 0.0})
     sampler = TaskSampler([4], [1.0], rule, seed=3)
-    for index in range(4):  # make 0 and 1 easy, 2 and 3 hard
+    for _ in range(4):  # make 0 and 1 easy, 2 and 3 hard
         drawn = sampler.draw()
         assert drawn is not None
         sampler.observe(0, drawn[1], [1.0] if drawn[1] < 2 else [0.0])
@@ -80,9 +79,11 @@ def _rows() -> list[dict]:
         rows.append({"responses_create_params": {"input": question, "temperature": 0}, "expected_answer": str(answer)})
     for question, answer in ALWAYS:  # a wrong expected answer: never solved
         rows.append({"responses_create_params": {"input": question, "temperature": 0}, "expected_answer": str(-answer)})
-    for a, b in [(123, 456), (77, 88), (91, 19)]:  # temperature 1: it slips now and then
+    for a, b in [(123, 456), (77, 88), (91, 19), (15, 16), (230, 4), (62, 71)]:  # temperature 1: it slips now and then
         question = f"Compute {a} * 3 + {b} - 7. Put the final answer in \\boxed{{}}."
-        rows.append({"responses_create_params": {"input": question, "temperature": 1.0}, "expected_answer": str(a * 3 + b - 7)})
+        rows.append(
+            {"responses_create_params": {"input": question, "temperature": 1.0}, "expected_answer": str(a * 3 + b - 7)}
+        )
     return rows
 
 
@@ -109,7 +110,7 @@ async def _task_server(start, tasks_file, **config):
 
 
 async def test_dynamic_sampling_serves_only_groups_with_signal_and_counts_what_it_dropped(start, tasks_file):
-    server, registry = await _task_server(start, tasks_file, group_size=6)
+    server, registry = await _task_server(start, tasks_file, group_size=8)
     client = TaskClient(registry, "tasks")
     groups, summary = [], None
     async for reply in client.next_batch(2):
@@ -120,10 +121,10 @@ async def test_dynamic_sampling_serves_only_groups_with_signal_and_counts_what_i
     assert summary is not None and summary.groups == len(groups) == 2
     for group in groups:
         rewards = [m.rollout.reward for m in group.members]
-        assert len(rewards) == 6 and len(set(rewards)) == 2 and group.has_signal
+        assert len(rewards) == 8 and len(set(rewards)) == 2 and group.has_signal
         assert group.task_index >= 6  # only the tasks at temperature 1 can carry signal
     assert summary.groups_tried == 2 + summary.groups_without_signal + summary.groups_failed
-    assert summary.rollouts == 6 * summary.groups_tried
+    assert summary.rollouts == 8 * summary.groups_tried
     assert len({g.task_index for g in groups}) == 2  # distinct tasks in one batch
     await registry.close()
 
@@ -131,8 +132,8 @@ async def test_dynamic_sampling_serves_only_groups_with_signal_and_counts_what_i
 async def test_without_dynamic_sampling_groups_without_signal_are_served_too(start, tasks_file):
     server, registry = await _task_server(start, tasks_file, group_size=3, dynamic_sampling=False)
     async with GymClient("math_agent", registry) as gym:
-        batch = await gym.next_batch("tasks", 9)
-    assert batch.summary.groups == batch.summary.groups_tried == 9  # every task once
+        batch = await gym.next_batch("tasks", 12)
+    assert batch.summary.groups == batch.summary.groups_tried == 12  # every task once
     by_task = {g.task_index: g for g in batch.groups}
     for index in range(3):
         assert [r.reward for r in by_task[index].results] == [1.0] * 3 and not by_task[index].has_signal
@@ -147,18 +148,25 @@ async def test_served_outcomes_move_tasks_between_pools_and_the_next_batch_skips
         start, tasks_file, group_size=4, dynamic_sampling=False, pools={"easy": 0.0, "hard": 0.0, "learning": 1.0}
     )
     client = TaskClient(registry, "tasks")
-    async for _ in client.next_batch(9):
+    async for _ in client.next_batch(12):
         pass
     stats = await client.task_stats()
     pools = {t.task_index: t.pool for t in stats.tasks}
     assert [pools[i] for i in range(6)] == [EASY] * 3 + [HARD] * 3
-    assert stats.easy == 3 and stats.hard == 3 and stats.total == 9 and stats.served.groups == 9
+    for task in (
+        t for t in stats.tasks if t.task_index >= 6
+    ):  # the tasks at temperature 1: where their own four outcomes put them
+        rate = task.recent_pass_rate
+        assert task.pool == (EASY if rate == 1.0 else HARD if rate == 0.0 else LEARNING)
+    counts = Counter(pools.values())
+    assert (stats.easy, stats.learning, stats.hard) == (counts[EASY], counts[LEARNING], counts[HARD])
+    assert stats.total == 12 and stats.served.groups == 12
     # only the learning pool has a share now: the next batch draws the tasks still learning, never 0-5
-    learning = [i for i in range(6, 9) if pools[i] == LEARNING]
+    learning = [i for i in range(6, 12) if pools[i] == LEARNING]
     async with GymClient("math_agent", registry) as gym:
-        batch = await gym.next_batch("tasks", 3)
+        batch = await gym.next_batch("tasks", 6)
     assert sorted(g.task_index for g in batch.groups) == learning
-    if len(learning) < 3:
+    if len(learning) < 6:
         assert "no task left to draw" in batch.summary.short_reason
     await registry.close()
 
@@ -166,19 +174,21 @@ async def test_served_outcomes_move_tasks_between_pools_and_the_next_batch_skips
 async def test_a_batch_that_cannot_fill_ends_short_and_says_why(start, tasks_file):
     server, registry = await _task_server(start, tasks_file, group_size=2, max_draws_per_group=1)
     async with GymClient("math_agent", registry) as gym:
-        batch = await gym.next_batch("tasks", 9)  # 9 draws at most, and 6 tasks never carry signal
-    assert batch.summary.groups_tried == 9 and batch.summary.groups < 9
-    assert "9 groups tried" in batch.summary.short_reason
+        batch = await gym.next_batch("tasks", 12)  # 12 draws at most, and 6 tasks never carry signal
+    assert batch.summary.groups_tried == 12 and batch.summary.groups <= 6
+    assert "12 groups tried" in batch.summary.short_reason
     assert len(batch.groups) == batch.summary.groups
     await registry.close()
 
 
 async def test_the_cap_retires_a_task_and_an_exhausted_server_says_so(start, tasks_file):
-    server, registry = await _task_server(start, tasks_file, group_size=2, dynamic_sampling=False, max_groups_per_task=1)
+    server, registry = await _task_server(
+        start, tasks_file, group_size=2, dynamic_sampling=False, max_groups_per_task=1
+    )
     client = TaskClient(registry, "tasks")
-    async for _ in client.next_batch(9):
+    async for _ in client.next_batch(12):
         pass
-    assert (await client.task_stats()).retired == 9
+    assert (await client.task_stats()).retired == 12
     with pytest.raises(errors.FailedPrecondition) as caught:
         async for _ in client.next_batch(1):
             pass
@@ -206,3 +216,57 @@ def test_a_dataset_row_that_is_not_a_task_stops_the_server_naming_its_line(tmp_p
         TaskServer({"agent": "a", "datasets": [{"name": "d", "jsonl_fpath": str(path)}] * 2}, name="tasks")
     with pytest.raises(errors.ConfigError, match="group_sise"):
         TaskServer({"datasets": [{"name": "d", "jsonl_fpath": str(path)}], "group_sise": 4}, name="tasks")
+
+
+# --- through `gym-grpc run` and `collect` -------------------------------------------------
+
+
+def test_collect_writes_the_groups_a_task_server_serves_and_grpcurl_reads_its_stats(tmp_path):
+    configs = (
+        REPO / "configs/local_policy.yaml",
+        REPO / "servers/resources/math/config.yaml",
+        REPO / "configs/math_tasks.yaml",
+    )
+    output = tmp_path / "groups.jsonl"
+    # a policy that slips often enough that most groups carry signal, and room to draw many
+    overrides = ("servers.policy_model.config.error_rate=0.3", "servers.math_tasks.config.max_draws_per_group=10")
+    with start_run(*overrides, configs=configs) as run:
+        done = gym(
+            "collect", "--task-server", "math_tasks", "--batches", "2", "--groups", "3", "--num-repeats", "4",
+            "--output", str(output), "--registry", run.registry,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert "batch 2/2: 3 groups of" in done.stderr
+        status, servers = run_status(run.registry)
+        stats = json.loads(grpcurl(run.servers["math_tasks"], "gym.v1.TaskService/GetTaskStats"))
+    assert status == 0 and servers["math_tasks"]["role"] == "tasks"
+    rows = read_rows(output)
+    assert len(rows) == 2 * 3 * 4  # the embedded policy fails no rollout
+    groups: dict[int, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(row["task_index"], []).append(row)
+    assert sorted(groups) == list(range(6)) and all(len(g) == 4 for g in groups.values())
+    for members in groups.values():
+        assert len({m["reward"] for m in members}) == 2  # dynamic sampling: signal in every group
+        served = {json.dumps(m["served_from"], sort_keys=True) for m in members}
+        assert len(served) == 1
+        assert members[0]["served_from"]["dataset"] in ("example", "train")
+    assert int(stats["served"]["groups"]) == 6
+    assert int(stats["served"]["rollouts"]) == 4 * stats["served"]["groups_tried"]
+    # the samples of the output: one GRPO group per served group
+    done = gym("samples", str(output), "--output", str(tmp_path / "samples.jsonl"))
+    assert done.returncode == 0, done.stderr
+    assert {s["uid"] for s in read_rows(tmp_path / "samples.jsonl")} == {f"math_agent/{i}" for i in groups}
+
+
+def test_collect_refuses_file_options_with_a_task_server(tmp_path):
+    done = gym("collect", "--task-server", "t", "--groups", "2", "--limit", "3", "--output", str(tmp_path / "o.jsonl"))
+    assert done.returncode == 2 and "--limit: not with --task-server" in done.stderr
+    done = gym("collect", "--task-server", "t", "--output", str(tmp_path / "o.jsonl"))
+    assert done.returncode == 2 and "--task-server needs --groups" in done.stderr
+    done = gym(
+        "collect", "--groups", "2", "--input", str(REPO / "servers/resources/math/data/example.jsonl"), "--output", "o"
+    )
+    assert done.returncode == 2 and "--groups go with --task-server" in done.stderr
+    done = gym("collect", "--output", str(tmp_path / "o.jsonl"))
+    assert done.returncode == 2 and "give --input" in done.stderr

@@ -273,6 +273,7 @@ def task_group(group: tasks_pb.TaskGroup) -> TaskGroup:
             results.append(RolloutResult(None, errors.Failure.of(error)))
     pool = tasks_pb.TaskPool.Name(group.pool).removeprefix("TASK_POOL_").lower()
     task_row = rows.task_to_row(group.task)
+    task_row.setdefault("agent_ref", {"name": group.agent})  # as collect writes it: which agent ran it
     return TaskGroup(group.dataset, group.task_index, task_row, group.agent, pool, results, group.has_signal)
 
 
