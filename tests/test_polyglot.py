@@ -9,15 +9,17 @@ import subprocess
 import pytest
 
 from gym_grpc.rpc import protocol
-from tests.support import BIN, REPO, start_run
+from tests.support import BIN, QUICKSTART, REPO, start_run
 
 NODE_CLIENT = REPO / "clients" / "node"
 RECIPES = REPO / "clients" / "grpcurl"
+MATH_TASKS = REPO / "configs" / "math_tasks.yaml"
 
 
 @pytest.fixture(scope="module")
 def live():
-    run = start_run()
+    """The quickstart with a task server over math's tasks, with room to draw until groups carry signal."""
+    run = start_run("servers.math_tasks.config.max_draws_per_group=20", configs=(QUICKSTART, MATH_TASKS))
     yield run
     run.stop()
 
@@ -55,7 +57,7 @@ def _recipe(name: str, *args: str) -> str:
 
 def test_the_grpcurl_recipes_work_against_live_servers(live):
     servers = {s["name"]: s for s in json.loads(_recipe("servers.sh", live.registry))["servers"]}
-    assert set(servers) == {"policy_model", "weather", "weather_agent", "math", "math_agent"}
+    assert set(servers) == {"policy_model", "weather", "weather_agent", "math", "math_agent", "math_tasks"}
     math = servers["math"]["addresses"][0]
     assert "gym.v1.ResourcesService" in _recipe("list.sh", math).split()
     assert "rpc Verify" in _recipe("describe.sh", math)
@@ -71,6 +73,9 @@ def test_the_grpcurl_recipes_work_against_live_servers(live):
     results = {result["id"]: result for reply in _json_values(many) for result in reply["results"]}
     assert sorted(results) == ["1", "2"]
     assert results["1"]["rollout"]["reward"] == 1 and "reward" not in results["2"]["rollout"]  # 0 is left out
+    *groups, summary = _json_values(_recipe("batch.sh", servers["math_tasks"]["addresses"][0], "2", "4"))
+    assert len(groups) == summary["summary"]["groups"] == 2
+    assert all(len(g["group"]["members"]) == 4 and g["group"]["has_signal"] for g in groups)
 
 
 def _json_values(text: str) -> list:
@@ -144,3 +149,53 @@ def test_the_training_loop_examples_in_python_and_node_train_on_groups_under_mov
         (1, 1, [1], 9),
     ]
     assert all(s["trained_tokens"] > 0 and _centred(s["advantages"]) for s in python)
+
+
+def test_the_task_server_serves_groups_with_signal_to_node_and_to_the_python_training_loop(live):
+    """docs/task-service.md's clients: Node.js over the .proto files, and examples/training_loop.py over
+    GymClient.next_batch; two steps of two groups, each step under its own policy version."""
+    done = subprocess.run(
+        [shutil.which("node"), str(NODE_CLIENT / "task_batches.js"), live.registry, "math_tasks", "2", "4", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    *steps, pools = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [s["step"] for s in steps] == [0, 1]
+    for step in steps:
+        assert len(step["groups"]) == 2 and not step["short_reason"]
+        assert step["rollouts_run"] == 4 * step["groups_tried"]
+        for group in step["groups"]:
+            assert len(set(group["rewards"])) == 2 and group["policy_versions"] == [step["step"]]
+            assert group["dataset"] in ("example", "train") and group["pool"] == "TASK_POOL_LEARNING"
+        assert _centred([g["advantages"] for g in step["groups"]])
+    assert pools["total"] == 70 and pools["easy"] + pools["learning"] + pools["hard"] == 70
+    python = _steps(
+        subprocess.run(
+            [
+                str(BIN / "python"),
+                str(REPO / "examples" / "training_loop.py"),
+                "--registry",
+                live.registry,
+                "--agent",
+                "math_agent",
+                "--task-server",
+                "math_tasks",
+                "--limit",
+                "2",
+                "--group-size",
+                "4",
+                "--steps",
+                "2",
+            ],  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    )
+    assert [(s["step"], s["versions_seen"], s["samples"], s["groups_with_signal"]) for s in python] == [
+        (0, [0], 8, 2),
+        (1, [1], 8, 2),
+    ]
+    assert all(s["rollouts_run"] == 4 * s["groups_tried"] and _centred(s["advantages"]) for s in python)
