@@ -168,7 +168,11 @@ def test_the_task_server_serves_groups_with_signal_to_node_and_to_the_python_tra
         assert step["rollouts_run"] == 4 * step["groups_tried"]
         for group in step["groups"]:
             assert len(set(group["rewards"])) == 2 and group["policy_versions"] == [step["step"]]
-            assert group["dataset"] in ("example", "train") and group["pool"] == "TASK_POOL_LEARNING"
+            assert group["dataset"] in ("example", "train") and group["pool"] in (
+                "TASK_POOL_EASY",
+                "TASK_POOL_LEARNING",
+                "TASK_POOL_HARD",
+            )
         assert _centred([g["advantages"] for g in step["groups"]])
     assert pools["total"] == 70 and pools["easy"] + pools["learning"] + pools["hard"] == 70
     python = _steps(
