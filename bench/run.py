@@ -27,6 +27,9 @@ What it measures, each in real processes on loopback:
   --only images        bytes on the wire for a 10-turn screenshot rollout (the browser environment in
                        headless Chromium), link by link, beside the same rollout in NeMo Gym's JSON
                        (bench/images.py)
+  --only task_sampling rollouts run per GRPO group with signal: a plain sampler beside dynamic sampling,
+                       and dynamic sampling with difficulty pools, through a real task server over
+                       always-, never- and sometimes-solved math tasks (bench/task_sampling.py)
   --peer nemo-gym      (or --only peer) gym-grpc beside the real NeMo Gym 0.7.0 on one engine: the
                        weather, multi-turn and math workloads at 64, 1,024 and 4,096 in flight
                        (bench/nemo_gym_peer.py; results in <name>-peer-nemo-gym.json)
@@ -862,7 +865,17 @@ def main() -> None:
     parser.add_argument("--cpu-hogs", type=int, default=4, help="busy processes loading the machine during (e)")
     parser.add_argument(
         "--only",
-        choices=["collector_1m", "http_engine_16k", "replicas", "peer", "cpu_split", "durable", "sandboxes", "images"],
+        choices=[
+            "collector_1m",
+            "http_engine_16k",
+            "replicas",
+            "peer",
+            "cpu_split",
+            "durable",
+            "sandboxes",
+            "images",
+            "task_sampling",
+        ],
         help="run only this scenario; results go to <name>-<scenario>.json",
     )
     parser.add_argument(
@@ -969,6 +982,14 @@ def main() -> None:
         _save(args, results, f"{args.name}-{args.only}")
         print(json.dumps(result, indent=2))
         sys.exit(0 if result["terminal_scripted"]["mean_reward"] == 1.0 else 1)
+    if args.only == "task_sampling":
+        import task_sampling
+
+        result = task_sampling.bench_task_sampling(args.smoke)
+        results[args.only] = result
+        _save(args, results, f"{args.name}-{args.only}")
+        print(task_sampling.table(result))
+        sys.exit(0)
     if args.only == "images":
         import images
 

@@ -48,6 +48,17 @@ def test_draws_follow_the_pool_proportions_and_a_pool_with_no_share_is_never_dra
     assert sampler.draw() is None  # only easy and hard tasks are left, and neither has a share
 
 
+def test_without_pools_every_task_stays_drawable_whatever_its_outcomes():
+    sampler = TaskSampler([2], [1.0], PoolRule(pools=False), seed=2)
+    for reward in (1.0, 0.0):
+        dataset, index, pool = sampler.draw()
+        assert pool == LEARNING
+        sampler.observe(dataset, index, [reward] * 4)
+        sampler.release(dataset, index)
+    assert sampler.pool_sizes() == {EASY: 0, LEARNING: 2, HARD: 0}
+    assert {sampler.record(0, i).pass_rate for i in range(2)} == {0.0, 1.0}  # outcomes are still kept
+
+
 def test_dataset_weights_share_the_draws():
     sampler = TaskSampler([100, 100], [3.0, 1.0], seed=7)
     counts: Counter[int] = Counter()

@@ -87,9 +87,11 @@ class PoolRule:
     proportions: dict[Pool, float] = field(default_factory=lambda: {EASY: 0.05, LEARNING: 0.9, HARD: 0.05})
     #: Finished rollouts remembered per task.
     history: int = 16
+    #: Pools at all; without, every task stays in the learning pool and draws are uniform.
+    pools: bool = True
 
     def pool(self, record: TaskRecord) -> Pool:
-        if not record.recent:
+        if not record.recent or not self.pools:
             return LEARNING
         rate = record.pass_rate
         if rate >= self.easy_at:

@@ -64,7 +64,9 @@ class TaskServerConfig(ServerConfig):
     datasets: list[DatasetConfig] = Field(min_length=1, description="the task datasets to draw from")
     group_size: int = Field(8, ge=2, description="rollouts per group when a request gives none")
     pass_threshold: float = Field(1.0, description="a reward at or above it is a pass")
-    pools: PoolsConfig = Field(default_factory=PoolsConfig)
+    pools: PoolsConfig | None = Field(
+        default_factory=PoolsConfig, description="difficulty pools; null: none, every task drawn alike"
+    )
     dynamic_sampling: bool = Field(True, description="drop and replace groups whose rewards are all equal")
     max_draws_per_group: int = Field(
         4, ge=1, description="a batch of N groups rolls out at most N times this many groups, then ends short"
@@ -103,12 +105,16 @@ class TaskServer(GymServer):
         for dataset in self.config.datasets:
             self._load(dataset)
         pools = self.config.pools
-        rule = PoolRule(
-            pass_threshold=self.config.pass_threshold,
-            easy_at=pools.easy_at,
-            hard_at=pools.hard_at,
-            proportions={EASY: pools.easy, LEARNING: pools.learning, HARD: pools.hard},
-            history=pools.history,
+        rule = (
+            PoolRule(
+                pass_threshold=self.config.pass_threshold,
+                easy_at=pools.easy_at,
+                hard_at=pools.hard_at,
+                proportions={EASY: pools.easy, LEARNING: pools.learning, HARD: pools.hard},
+                history=pools.history,
+            )
+            if pools is not None
+            else PoolRule(pass_threshold=self.config.pass_threshold, pools=False)
         )
         self.sampler = TaskSampler(
             [len(t) for t in self.tasks],
