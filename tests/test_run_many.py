@@ -247,9 +247,9 @@ async def test_a_stopping_agent_starts_no_new_run_and_ends_the_call_once_its_run
         assert await call.code() == grpc.StatusCode.OK
         await stopping
     assert results[1].rollout.reward == 1.0
-    refused = rpc_status.from_call(_run_many_client._run_failed(results[2].error))
+    refused = rpc_status.from_call(_run_many_client.run_error_as_call(results[2].error))
     assert results[2].error.code == grpc.StatusCode.UNAVAILABLE.value[0]
-    assert errors.reason_of(_run_many_client._run_failed(results[2].error)) == errors.Reason.SERVER_STOPPING
+    assert errors.reason_of(_run_many_client.run_error_as_call(results[2].error)) == errors.Reason.SERVER_STOPPING
     assert refused.message == "agent 'agent' is stopping: the run was not started"
     assert len(model.requests) == 1  # run 2 never reached the model
 
