@@ -17,7 +17,7 @@ from gym_grpc.client.stubs import TaskClient
 from gym_grpc.client.training import GymClient
 from gym_grpc.tasks import TaskServer
 from gym_grpc.tasks.sampler import EASY, HARD, LEARNING, PoolRule, TaskSampler
-from tests.support import REPO, grpcurl, gym, read_rows, run_status, start_run, static_registry
+from tests.support import REPO, eventually, grpcurl, gym, read_rows, run_status, start_run, static_registry
 
 # --- the sampler alone -------------------------------------------------------------
 
@@ -281,3 +281,57 @@ def test_collect_refuses_file_options_with_a_task_server(tmp_path):
     assert done.returncode == 2 and "--groups go with --task-server" in done.stderr
     done = gym("collect", "--output", str(tmp_path / "o.jsonl"))
     assert done.returncode == 2 and "give --input" in done.stderr
+
+
+async def test_failed_rollouts_are_marked_members_and_a_group_without_two_finished_is_dropped(start, tasks_file):
+    """A model server slower than the rollouts' deadline: every rollout fails, each batch ends short, no call
+    fails, and the failures are no outcomes."""
+    model = await start(LocalPolicyModel({"latency_seconds": 30}))
+    env = await start(MathEnv())
+    agent = await start(
+        SimpleAgent(
+            {"model_server": "model", "resources_server": "math"},
+            name="math_agent",
+            registry=static_registry(model=model, math=env),
+        )
+    )
+    config = {"agent": "math_agent", "datasets": [{"name": "mixed", "jsonl_fpath": str(tasks_file)}]}
+    server = TaskServer(
+        {**config, "group_size": 2, "rollout_timeout_seconds": 0.3},
+        name="tasks",
+        registry=static_registry(math_agent=agent),
+    )
+    registry = static_registry(tasks=await start(server))
+    client = TaskClient(registry, "tasks")
+    replies = [reply async for reply in client.next_batch(2)]  # no timeout asked: the server's 0.3 s
+    assert [reply.WhichOneof("event") for reply in replies] == ["summary"]
+    s = replies[0].summary
+    assert s.groups_failed == s.groups_tried == 8 and s.rollouts_failed == s.rollouts == 16
+    assert "8 groups tried" in s.short_reason
+    stats = await client.task_stats()
+    assert stats.learning == 12 and all(t.recent_rollouts == 0 for t in stats.tasks)
+    await registry.close()
+
+
+async def test_a_cancelled_batch_cancels_its_rollouts_and_gives_its_tasks_back(start, tasks_file):
+    model = await start(LocalPolicyModel({"latency_seconds": 30}))
+    env = await start(MathEnv())
+    agent = await start(
+        SimpleAgent(
+            {"model_server": "model", "resources_server": "math"},
+            name="math_agent",
+            registry=static_registry(model=model, math=env),
+        )
+    )
+    config = {"agent": "math_agent", "datasets": [{"name": "mixed", "jsonl_fpath": str(tasks_file)}]}
+    server = TaskServer({**config, "group_size": 2}, name="tasks", registry=static_registry(math_agent=agent))
+    registry = static_registry(tasks=await start(server))
+    client = TaskClient(registry, "tasks")
+    with pytest.raises(errors.DeadlineExceeded):
+        async for _ in client.next_batch(3, timeout=1.0):
+            pass
+    calls = model.app.counters.methods["CreateResponse"]
+    await eventually(lambda: calls.in_flight == 0, "the rollouts' model calls to be cancelled")
+    assert dict(calls.by_status) == {"CANCELLED": 6}  # three groups of two, each cut in its first model call
+    assert (await client.task_stats()).learning == 12  # the three held tasks are drawable again
+    await registry.close()
