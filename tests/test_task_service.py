@@ -105,8 +105,10 @@ def tasks_file(tmp_path):
     return path
 
 
-async def _task_server(start, tasks_file, **config):
-    model = await start(LocalPolicyModel({"error_rate": 0.3}))
+async def _task_server(start, tasks_file, model_config=None, **config):
+    """A task server over `tasks_file` in front of the math agent and the embedded policy
+    (`model_config`: its settings): (the running model server, a registry that knows the task server)."""
+    model = await start(LocalPolicyModel(model_config or {"error_rate": 0.3}))
     env = await start(MathEnv())
     agent = await start(
         SimpleAgent(
@@ -117,11 +119,11 @@ async def _task_server(start, tasks_file, **config):
     )
     settings = {"agent": "math_agent", "datasets": [{"name": "mixed", "jsonl_fpath": str(tasks_file)}], "seed": 5}
     server = TaskServer({**settings, **config}, name="tasks", registry=static_registry(math_agent=agent))
-    return server, static_registry(tasks=await start(server))
+    return model, static_registry(tasks=await start(server))
 
 
 async def test_dynamic_sampling_serves_only_groups_with_signal_and_counts_what_it_dropped(start, tasks_file):
-    server, registry = await _task_server(start, tasks_file, group_size=8)
+    _, registry = await _task_server(start, tasks_file, group_size=8)
     client = TaskClient(registry, "tasks")
     groups, summary = [], None
     async for reply in client.next_batch(2):
@@ -141,7 +143,7 @@ async def test_dynamic_sampling_serves_only_groups_with_signal_and_counts_what_i
 
 
 async def test_without_dynamic_sampling_groups_without_signal_are_served_too(start, tasks_file):
-    server, registry = await _task_server(start, tasks_file, group_size=3, dynamic_sampling=False)
+    _, registry = await _task_server(start, tasks_file, group_size=3, dynamic_sampling=False)
     async with GymClient("math_agent", registry) as gym:
         batch = await gym.next_batch("tasks", 12)
     assert batch.summary.groups == batch.summary.groups_tried == 12  # every task once
@@ -155,7 +157,7 @@ async def test_without_dynamic_sampling_groups_without_signal_are_served_too(sta
 
 
 async def test_served_outcomes_move_tasks_between_pools_and_the_next_batch_skips_the_solved(start, tasks_file):
-    server, registry = await _task_server(
+    _, registry = await _task_server(
         start, tasks_file, group_size=4, dynamic_sampling=False, pools={"easy": 0.0, "hard": 0.0, "learning": 1.0}
     )
     client = TaskClient(registry, "tasks")
@@ -183,7 +185,7 @@ async def test_served_outcomes_move_tasks_between_pools_and_the_next_batch_skips
 
 
 async def test_a_batch_that_cannot_fill_ends_short_and_says_why(start, tasks_file):
-    server, registry = await _task_server(start, tasks_file, group_size=2, max_draws_per_group=1)
+    _, registry = await _task_server(start, tasks_file, group_size=2, max_draws_per_group=1)
     async with GymClient("math_agent", registry) as gym:
         batch = await gym.next_batch("tasks", 12)  # 12 draws at most, and 6 tasks never carry signal
     assert batch.summary.groups_tried == 12 and batch.summary.groups <= 6
@@ -193,9 +195,7 @@ async def test_a_batch_that_cannot_fill_ends_short_and_says_why(start, tasks_fil
 
 
 async def test_the_cap_retires_a_task_and_an_exhausted_server_says_so(start, tasks_file):
-    server, registry = await _task_server(
-        start, tasks_file, group_size=2, dynamic_sampling=False, max_groups_per_task=1
-    )
+    _, registry = await _task_server(start, tasks_file, group_size=2, dynamic_sampling=False, max_groups_per_task=1)
     client = TaskClient(registry, "tasks")
     async for _ in client.next_batch(12):
         pass
@@ -208,7 +208,7 @@ async def test_the_cap_retires_a_task_and_an_exhausted_server_says_so(start, tas
 
 
 async def test_a_request_outside_the_limits_names_its_field(start, tasks_file):
-    server, registry = await _task_server(start, tasks_file)
+    _, registry = await _task_server(start, tasks_file)
     client = TaskClient(registry, "tasks")
     for request, field in (({"groups": 0}, "groups"), ({"groups": 1, "group_size": 1}, "group_size")):
         with pytest.raises(errors.InvalidArgument) as caught:
@@ -286,22 +286,9 @@ def test_collect_refuses_file_options_with_a_task_server(tmp_path):
 async def test_failed_rollouts_are_marked_members_and_a_group_without_two_finished_is_dropped(start, tasks_file):
     """A model server slower than the rollouts' deadline: every rollout fails, each batch ends short, no call
     fails, and the failures are no outcomes."""
-    model = await start(LocalPolicyModel({"latency_seconds": 30}))
-    env = await start(MathEnv())
-    agent = await start(
-        SimpleAgent(
-            {"model_server": "model", "resources_server": "math"},
-            name="math_agent",
-            registry=static_registry(model=model, math=env),
-        )
+    _, registry = await _task_server(
+        start, tasks_file, {"latency_seconds": 30}, group_size=2, rollout_timeout_seconds=0.3
     )
-    config = {"agent": "math_agent", "datasets": [{"name": "mixed", "jsonl_fpath": str(tasks_file)}]}
-    server = TaskServer(
-        {**config, "group_size": 2, "rollout_timeout_seconds": 0.3},
-        name="tasks",
-        registry=static_registry(math_agent=agent),
-    )
-    registry = static_registry(tasks=await start(server))
     client = TaskClient(registry, "tasks")
     replies = [reply async for reply in client.next_batch(2)]  # no timeout asked: the server's 0.3 s
     assert [reply.WhichOneof("event") for reply in replies] == ["summary"]
@@ -314,18 +301,7 @@ async def test_failed_rollouts_are_marked_members_and_a_group_without_two_finish
 
 
 async def test_a_cancelled_batch_cancels_its_rollouts_and_gives_its_tasks_back(start, tasks_file):
-    model = await start(LocalPolicyModel({"latency_seconds": 30}))
-    env = await start(MathEnv())
-    agent = await start(
-        SimpleAgent(
-            {"model_server": "model", "resources_server": "math"},
-            name="math_agent",
-            registry=static_registry(model=model, math=env),
-        )
-    )
-    config = {"agent": "math_agent", "datasets": [{"name": "mixed", "jsonl_fpath": str(tasks_file)}]}
-    server = TaskServer({**config, "group_size": 2}, name="tasks", registry=static_registry(math_agent=agent))
-    registry = static_registry(tasks=await start(server))
+    model, registry = await _task_server(start, tasks_file, {"latency_seconds": 30}, group_size=2)
     client = TaskClient(registry, "tasks")
     with pytest.raises(errors.DeadlineExceeded):
         async for _ in client.next_batch(3, timeout=1.0):
