@@ -690,8 +690,8 @@ class TokenBudget:
     returned by a tool since the prompt (and the chat template's tokens around them).
 
     The tool outputs of a turn are counted when the next model call reports its input_tokens, so the
-    cap on a call (`limit`) can only leave out those just added: the trajectory may end past the
-    budget by the last turn's tool outputs, never by a generation."""
+    cap on a call (`limit`) cannot count those just added: the trajectory may end past the budget by
+    as many tokens as the last turn's tool outputs hold, and no more."""
 
     def __init__(self, tokens: int, own: int | None, model_server: str) -> None:
         self.tokens = tokens
