@@ -18,9 +18,10 @@ from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
 from gym_grpc.bundled.servers.models.vllm_model.server import VLLMModel
 from gym_grpc.bundled.servers.resources.weather.server import WeatherEnv
 from gym_grpc.client.stubs import AgentClient
-from gym_grpc.data import rows
+from gym_grpc.data import record, rows
 from gym_grpc.report import stats, text
-from gym_grpc.testing import Calculator, ScriptedModel, static_registry
+from gym_grpc.responses import assistant_message
+from gym_grpc.testing import Calculator, ScriptedModel, call, static_registry
 from gym_grpc.testing import calculator_task as task
 from gym_grpc.testing.fake_engine import Turn
 from gym_grpc.v1 import responses_pb2 as r
@@ -122,6 +123,9 @@ async def test_the_budget_caps_the_last_turn_and_ends_the_rollout_verified_with_
     assert capped["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
     assert "verification_skipped" not in capped and capped["verifier_fields"]  # verified, as it stands
     assert capped["reward"] == 0.0 and free["reward"] == 1.0
+    task_row, _, response = record.parse(capped)  # the row reads back: its task row as given, its response whole
+    assert {k: v for k, v in task_row.items() if k != "agent_ref"} == WEATHER_ROW
+    assert response.status == r.RESPONSE_STATUS_INCOMPLETE and rows.response_to_json(response) == capped["response"]
 
     report = stats.read(tmp_path / "capped.jsonl")
     assert report.agents["agent"].metrics(1.0)["stopped.token_budget"] == 1
@@ -222,3 +226,47 @@ async def test_a_model_server_without_usage_cannot_be_budgeted(start):
     finally:
         await client.registry.close()
     assert "max_rollout_tokens: model server 'model' reports no usage" in error.value.message
+
+
+def _resumed(turns: list[tuple[r.Response, str | None]]) -> task_pb2.RolloutState:
+    """A rollout parked after `turns`: each a model response and the output of its get_weather call, if any."""
+    state = task_pb2.RolloutState()
+    for response, output in turns:
+        turn = state.turns.add(response=response)
+        if output is not None:
+            turn.tool_outputs.add(call_id=response.output[0].function_call.call_id, output=output)
+    state.attempts.add(agent="gone", ended="parked")
+    return state
+
+
+async def test_a_resumed_rollout_counts_its_earlier_turns_against_the_budget(start):
+    """The weather environment is stateless: a parked rollout resumes on any agent. Its first turn (40 tokens
+    generated, as the usage it carried says) leaves 5 of a budget of 45 for the next call, which is cut there;
+    a rollout parked just after a turn cut at its cap ends at once, with no model call."""
+    first = r.Response(
+        status=r.RESPONSE_STATUS_COMPLETED,
+        output=[call("get_weather", '{"city": "Paris"}')],
+        usage=r.Usage(input_tokens=100, output_tokens=40, total_tokens=140),
+    )
+    policy = _recording(RecordingPolicy({"error_rate": 0.0}, name="model"))
+    model, env = await start(policy), await start(WeatherEnv())
+    agent = await _agent(start, model, env, max_rollout_tokens=45)
+    client = AgentClient(static_registry(agent=agent), "agent")
+    the_task = rows.task_from_row(WEATHER_ROW)
+    try:
+        rollout = await client.run(the_task, 30, rollout_id="a", resume=_resumed([(first, "Sunny, 21 C")]))
+        assert [asked for asked, _, _ in policy.calls] == [5]
+        assert rollout.stop_reason == task_pb2.STOP_REASON_TOKEN_BUDGET and rollout.model_calls == 2
+
+        cut = r.Response(
+            status=r.RESPONSE_STATUS_INCOMPLETE,
+            incomplete_details=r.IncompleteDetails(reason=r.INCOMPLETE_REASON_MAX_OUTPUT_TOKENS),
+            output=[assistant_message("The weather", r.ITEM_STATUS_INCOMPLETE)],
+            usage=r.Usage(input_tokens=160, output_tokens=5, total_tokens=165),
+        )
+        policy.calls.clear()
+        state = _resumed([(first, "Sunny, 21 C"), (cut, None)])
+        rollout = await client.run(the_task, 30, rollout_id="b", resume=state)
+        assert policy.calls == [] and rollout.stop_reason == task_pb2.STOP_REASON_TOKEN_BUDGET
+    finally:
+        await client.registry.close()
