@@ -365,6 +365,14 @@ class ToolLoopConfig(AgentConfig):
         description="most seconds one model call may take; null: what is left of the rollout's deadline "
         f"({stubs.DEFAULT_TIMEOUT:g} s when the rollout has none)",
     )
+    max_rollout_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="most tokens of the whole trajectory after the prompt (generated and tool outputs, as the "
+        "model's usage counts them), as a trainer's max_response_length cuts it: each model call's "
+        "max_output_tokens is capped to what is left, and the rollout ends (stop reason token_budget) when a turn "
+        "is cut at that cap or the budget is used up; null: no budget",
+    )
 
 
 def add_usage(total: r.Usage, usage: r.Usage) -> None:
@@ -382,8 +390,9 @@ class ToolLoopAgent(AgentServer):
 
     Call the model; run every function call it made against the resources
     server, in order, and feed the outputs back; repeat until the model answers
-    without calling a tool, its output is cut short, or `max_steps` model calls
-    were made. Then verify and close the session. (A stateless environment, as
+    without calling a tool, its output is cut short, `max_steps` model calls
+    were made, or the trajectory used up `max_rollout_tokens` (TokenBudget).
+    Then verify and close the session. (A stateless environment, as
     DescribeTools says, gets no SeedSession and CloseSession.) A tool's failure
     (unknown tool, arguments that are not JSON, an exception in the tool) goes
     back to the model as the tool's output; only a failing server fails the rollout.
@@ -545,9 +554,15 @@ class ToolLoopAgent(AgentServer):
         self.first_request(request, task)
         rollout = task_pb2.Rollout(stop_reason=task_pb2.STOP_REASON_MAX_STEPS)
         rollout.response.status = r.RESPONSE_STATUS_COMPLETED
-        so_far = _SoFar(rollout, params.input_items.items)
+        budget = None
+        if self.config.max_rollout_tokens is not None:
+            own = params.max_output_tokens if params.HasField("max_output_tokens") else None
+            budget = TokenBudget(self.config.max_rollout_tokens, own, self.config.model_server)
+        so_far = _SoFar(rollout, params.input_items.items, budget)
         attempt = events.attempt
         for resumed in attempt.resume.turns:
+            if budget is not None:
+                budget.limit()  # the cap that turn had, to tell why it ended
             so_far.take(resumed.response, resumed.model_seconds)
             for output in resumed.tool_outputs:
                 so_far.tool_output(output, 0.0)
@@ -564,6 +579,8 @@ class ToolLoopAgent(AgentServer):
         sent = images.SentImages()
         while step < self.config.max_steps:
             attempt.park_if_asked()
+            if budget is not None:
+                params.max_output_tokens = budget.limit()
             began = time.monotonic()
             sent.before_call(params.input_items.items)
             try:
@@ -625,8 +642,9 @@ class _SoFar:
     """The rollout as its turns come in: its response (the model's envelope from the first
     turn, every output item after), its timings, the conversation sent to the model."""
 
-    def __init__(self, rollout: task_pb2.Rollout, conversation: Any) -> None:
+    def __init__(self, rollout: task_pb2.Rollout, conversation: Any, budget: TokenBudget | None = None) -> None:
         self.rollout, self.conversation = rollout, conversation
+        self.budget = budget
         self.first = True
 
     def take(self, response: r.Response, seconds: float) -> None:
@@ -640,15 +658,21 @@ class _SoFar:
             final.output.extend(response.output)
         self.rollout.timings.model_seconds += seconds
         self.conversation.extend(response.output)
+        if self.budget is not None:
+            self.budget.took(response)
 
     def stop(self, response: r.Response) -> bool:
         """Whether the rollout ends with this response, its stop reason set when it does."""
         if response.status == r.RESPONSE_STATUS_INCOMPLETE:
             self.rollout.response.incomplete_details.CopyFrom(response.incomplete_details)
-            self.rollout.stop_reason = task_pb2.STOP_REASON_INCOMPLETE
+            cut = self.budget is not None and self.budget.cut(response)
+            self.rollout.stop_reason = task_pb2.STOP_REASON_TOKEN_BUDGET if cut else task_pb2.STOP_REASON_INCOMPLETE
             return True
         if not function_calls(response):
             self.rollout.stop_reason = task_pb2.STOP_REASON_FINAL_MESSAGE
+            return True
+        if self.budget is not None and self.budget.spent:  # its tool outputs would only add to a trajectory cut anyway
+            self.rollout.stop_reason = task_pb2.STOP_REASON_TOKEN_BUDGET
             return True
         return False
 
@@ -657,6 +681,64 @@ class _SoFar:
         item = r.Item(function_call_output=output)
         self.rollout.response.output.append(item)
         self.conversation.append(item)
+
+
+class TokenBudget:
+    """A rollout's budget of tokens after the prompt (ToolLoopConfig.max_rollout_tokens), as a trainer
+    that cuts a multi-turn sample at a total response length counts them, from the model's usage:
+    turn k's input_tokens + output_tokens - turn 0's input_tokens, i.e. every token generated or
+    returned by a tool since the prompt (and the chat template's tokens around them).
+
+    The tool outputs of a turn are counted when the next model call reports its input_tokens, so the
+    cap on a call (`limit`) cannot count those just added: the trajectory may end past the budget by
+    as many tokens as the last turn's tool outputs hold, and no more."""
+
+    def __init__(self, tokens: int, own: int | None, model_server: str) -> None:
+        self.tokens = tokens
+        #: The request's own max_output_tokens; a smaller one is kept, and a turn it cuts stays INCOMPLETE.
+        self.own = own
+        self.model_server = model_server
+        #: Tokens of the trajectory after the prompt, as of the last model call.
+        self.used = 0
+        self._prompt: int | None = None
+        #: The budget's cap on the last model call; None when the request's own limit was the smaller.
+        self._cap: int | None = None
+
+    def limit(self) -> int:
+        """The max_output_tokens of the next model call: what the budget has left, or the request's own if smaller."""
+        left = self.tokens - self.used
+        if self.own is not None and self.own <= left:
+            self._cap = None
+            return self.own
+        self._cap = left
+        return left
+
+    def took(self, response: r.Response) -> None:
+        """Count a model call's response."""
+        usage = response.usage
+        if usage.input_tokens == 0:
+            if response.status == r.RESPONSE_STATUS_INCOMPLETE:
+                return  # nothing generated: a context-length error the model server answers as incomplete
+            raise errors.FailedPrecondition(
+                f"max_rollout_tokens: model server {self.model_server!r} reports no usage (input_tokens), "
+                "so the rollout's tokens cannot be counted; serve a model that reports usage or set it to null"
+            )
+        if self._prompt is None:
+            self._prompt = usage.input_tokens
+        self.used = max(self.used, usage.input_tokens + usage.output_tokens - self._prompt)
+
+    @property
+    def spent(self) -> bool:
+        return self.used >= self.tokens
+
+    def cut(self, response: r.Response) -> bool:
+        """Whether an incomplete response was cut at the budget's cap (not at the request's own limit,
+        not by a full context, which generates nothing)."""
+        return (
+            self._cap is not None
+            and response.incomplete_details.reason == r.INCOMPLETE_REASON_MAX_OUTPUT_TOKENS
+            and response.usage.output_tokens >= self._cap
+        )
 
 
 def tool_call_output(call: r.FunctionCall, result: ToolResult) -> r.FunctionCallOutput:

@@ -50,6 +50,7 @@ STOP_REASONS = {
     task_pb2.STOP_REASON_MAX_STEPS: "max_steps",
     task_pb2.STOP_REASON_INCOMPLETE: "incomplete",
     task_pb2.STOP_REASON_EPISODE_OVER: "episode_over",
+    task_pb2.STOP_REASON_TOKEN_BUDGET: "token_budget",
 }
 
 

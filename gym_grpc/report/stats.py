@@ -4,7 +4,7 @@ A file is read once, a row at a time. Per agent: the rollouts, the reward's
 mean, spread and distribution, pass@k for every k the repeats allow, how the
 tasks split into always solved / never solved / mixed (the mixed ones are
 those an RL step learns from: a group whose rewards all agree has no
-advantage), tokens, stage times, and the failures of its sidecar
+advantage), tokens, how many rollouts stopped for each reason, stage times, and the failures of its sidecar
 (`<stem>.failures.jsonl`) that no later run made good.
 
 The numbers themselves (which rollouts count, the pass@k estimator, means,
@@ -64,6 +64,9 @@ class AgentStats:
     first_start: float = math.inf
     #: Failures of the sidecar that no row of the file made good, by "Class (CODE)".
     failures: Counter[str] = field(default_factory=Counter)
+    #: Rollouts per stop reason (the row's `stop_reason`: final_message, max_steps, incomplete, token_budget,
+    #: episode_over), in the order first seen; rows without one (NeMo Gym's) count in none.
+    stop_reasons: Counter[str] = field(default_factory=Counter)
     #: In episodes with several roles: each role's verified rewards, by role name in the order first seen.
     roles: dict[str, array] = field(default_factory=dict)
     _reward: Means = field(default_factory=Means, repr=False, compare=False)
@@ -85,6 +88,9 @@ class AgentStats:
             self._scored.clear()
             for role, value in record.role_rewards(row).items():
                 self.roles.setdefault(role, array("d")).append(value)
+        stop_reason = row.get("stop_reason")
+        if isinstance(stop_reason, str) and stop_reason:
+            self.stop_reasons[stop_reason] += 1
         tokens_in, tokens_out = record.usage_of(row)
         self.input_tokens += tokens_in
         self.output_tokens += tokens_out
@@ -161,6 +167,8 @@ class AgentStats:
             "model_calls_per_rollout": self.model_calls * per,
             "rollouts_per_second": self.rollouts_per_second(),
         }
+        for reason, count in self.stop_reasons.items():
+            out[f"stopped.{reason}"] = count
         for stage, times in self.stages.items():
             out[f"{stage}_median_s"] = times.median() if times.count else math.nan
             out[f"{stage}_p95_s"] = times.quantile(0.95)

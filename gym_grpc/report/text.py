@@ -52,6 +52,8 @@ def _lines(agent: AgentStats, threshold: float, ks: Sequence[int]) -> dict[str, 
     tokens = f"{_number(m['input_tokens_per_rollout'], 4)} / {_number(m['output_tokens_per_rollout'], 4)}"
     lines.append(("tokens in / out per rollout", tokens, m["output_tokens_per_rollout"]))
     lines.append(("model calls per rollout", _number(m["model_calls_per_rollout"]), m["model_calls_per_rollout"]))
+    for reason, count in agent.stop_reasons.items():
+        lines.append((f"stopped: {reason}", f"{count:,} ({count / agent.rollouts:.0%})", count))
     for stage in TIMINGS:
         median = m[f"{stage}_median_s"]
         lines.append((f"{stage} median / p95 ms", f"{_ms(median)} / {_ms(m[f'{stage}_p95_s'])}", 1000 * median))

@@ -44,6 +44,14 @@ class _StopReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_StopReason
     """The environment ended an episode with several roles (EndTurnResponse
     without a next turn; protocol 1.12).
     """
+    STOP_REASON_TOKEN_BUDGET: _StopReason.ValueType  # 5
+    """The rollout used up the agent's budget of tokens for the whole trajectory
+    (max_rollout_tokens: every token after the prompt, generated and tool
+    outputs, as the model counts them): its last turn was cut at what the
+    budget had left, or it ended with tool calls that would have gone past the
+    budget (they are not run). A turn cut by the request's own
+    max_output_tokens is STOP_REASON_INCOMPLETE. Protocol 1.13.
+    """
 
 class StopReason(_StopReason, metaclass=_StopReasonEnumTypeWrapper):
     """Why an agent stopped calling the model."""
@@ -59,6 +67,14 @@ STOP_REASON_INCOMPLETE: StopReason.ValueType  # 3
 STOP_REASON_EPISODE_OVER: StopReason.ValueType  # 4
 """The environment ended an episode with several roles (EndTurnResponse
 without a next turn; protocol 1.12).
+"""
+STOP_REASON_TOKEN_BUDGET: StopReason.ValueType  # 5
+"""The rollout used up the agent's budget of tokens for the whole trajectory
+(max_rollout_tokens: every token after the prompt, generated and tool
+outputs, as the model counts them): its last turn was cut at what the
+budget had left, or it ended with tool calls that would have gone past the
+budget (they are not run). A turn cut by the request's own
+max_output_tokens is STOP_REASON_INCOMPLETE. Protocol 1.13.
 """
 Global___StopReason: _TypeAlias = StopReason  # noqa: Y015
 

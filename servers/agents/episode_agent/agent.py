@@ -27,7 +27,13 @@ row's "roles", and the training samples come out per role.
 A model output cut short ends its role's turn like an answer (the
 environment judges what it got). Reaching `max_steps_per_turn` ends the
 turn with the last response; reaching `max_steps` ends the episode
-(stop reason max_steps) and it is verified as it stands. The agent cannot
+(stop reason max_steps) and it is verified as it stands. With
+`max_rollout_tokens` each role's trajectory has that budget of tokens after
+its prompt (the role's own usage: what it generated, its tools' outputs and
+what the environment showed it), as a trainer cuts each role's sample: the
+role's calls are capped to what is left, and a call cut at that cap, tool
+calls past it, or a turn that would begin with nothing left end the episode
+(stop reason token_budget), verified as it stands. The agent cannot
 resume an episode (Capabilities.resumable_rollouts is false): a durable
 run of one starts again from its prompt.
 """
@@ -42,7 +48,7 @@ from typing import Any
 from pydantic import Field
 
 from gym_grpc import errors
-from gym_grpc.agent import AgentConfig, AgentServer, RolloutEvents, add_usage, tool_call_output
+from gym_grpc.agent import AgentConfig, AgentServer, RolloutEvents, TokenBudget, add_usage, tool_call_output
 from gym_grpc.client import stubs
 from gym_grpc.client.stubs import ModelClient, ResourcesClient
 from gym_grpc.data import rows
@@ -67,6 +73,14 @@ class EpisodeAgentConfig(AgentConfig):
         description="most seconds one model call may take; null: what is left of the rollout's deadline "
         f"({stubs.DEFAULT_TIMEOUT:g} s when the rollout has none)",
     )
+    max_rollout_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="most tokens of each role's trajectory after its prompt (generated and tool outputs and what "
+        "the environment showed it, as the model's usage counts them), as a trainer cuts each role's sample: a "
+        "role's model calls are capped to what its budget has left, and the episode ends (stop reason "
+        "token_budget) when a call is cut at that cap or a role's budget is used up; null: no budget",
+    )
 
 
 @dataclass
@@ -78,6 +92,8 @@ class _Role:
     request: model_pb.CreateResponseRequest
     #: It opens with the environment's items for it, not the task's input.
     own_opening: bool
+    #: What is left of its trajectory's tokens (max_rollout_tokens), None without a budget.
+    budget: TokenBudget | None = None
 
 
 class EpisodeAgent(AgentServer):
@@ -141,7 +157,12 @@ class EpisodeAgent(AgentServer):
             del conversation[:]
             conversation.extend(opening)
             record = task_pb2.RolloutRole(name=spec.name, model_server=server)
-            roles[spec.name] = _Role(record, self.models[server], request, bool(spec.opening))
+            budget = None
+            if self.config.max_rollout_tokens is not None:
+                params = request.params
+                own = params.max_output_tokens if params.HasField("max_output_tokens") else None
+                budget = TokenBudget(self.config.max_rollout_tokens, own, server)
+            roles[spec.name] = _Role(record, self.models[server], request, bool(spec.opening), budget)
         return roles
 
     async def _episode(
@@ -162,24 +183,31 @@ class EpisodeAgent(AgentServer):
                     reason=errors.Reason.EPISODE_TURN_INVALID,
                 )
             self._add(rollout, role, turn.input)
-            response = await self._turn(session_id, role, rollout, events)
-            if response is None:
-                rollout.stop_reason = task_pb2.STOP_REASON_MAX_STEPS
+            response, stop = await self._turn(session_id, role, rollout, events)
+            if stop is not None:
+                rollout.stop_reason = stop
                 break
+            assert response is not None  # a turn that was not stopped made at least one call
             turn = await self.resources.end_turn(session_id, role.record.name, response)
         rollout.roles.extend(each.record for each in roles.values())
         return rollout
 
     async def _turn(
         self, session_id: str, role: _Role, rollout: task_pb2.Rollout, events: RolloutEvents
-    ) -> r.Response | None:
-        """One turn of `role`: the tool loop, up to max_steps_per_turn model calls. Its last response, or
-        None when the episode's max_steps ran out first."""
+    ) -> tuple[r.Response | None, task_pb2.StopReason.ValueType | None]:
+        """One turn of `role`: the tool loop, up to max_steps_per_turn model calls. Its last response, and
+        the reason the episode stops when it does here: the episode's max_steps ran out, or the role's
+        token budget (then the turn is not handed to the environment)."""
         response = None
+        budget = role.budget
         for _ in range(self.config.max_steps_per_turn):
             step = rollout.model_calls
             if step == self.config.max_steps:
-                return None
+                return response, task_pb2.STOP_REASON_MAX_STEPS
+            if budget is not None:
+                if budget.spent:  # what the environment showed the role since its last call filled it
+                    return response, task_pb2.STOP_REASON_TOKEN_BUDGET
+                role.request.params.max_output_tokens = budget.limit()
             began = time.monotonic()
             response = await role.model.send(role.request)
             seconds = time.monotonic() - began
@@ -188,7 +216,14 @@ class EpisodeAgent(AgentServer):
             role.record.model_calls += 1
             self._add(rollout, role, response.output)
             calls = function_calls(response)
-            if not calls or response.status == r.RESPONSE_STATUS_INCOMPLETE:
+            incomplete = response.status == r.RESPONSE_STATUS_INCOMPLETE
+            if budget is not None:
+                budget.took(response)
+                if budget.cut(response) if incomplete else bool(calls) and budget.spent:
+                    if incomplete:
+                        rollout.response.incomplete_details.CopyFrom(response.incomplete_details)
+                    return response, task_pb2.STOP_REASON_TOKEN_BUDGET
+            if not calls or incomplete:
                 break
             for position, call in enumerate(calls):
                 began = time.monotonic()
@@ -199,7 +234,7 @@ class EpisodeAgent(AgentServer):
                 events.tool_call(step, call, out, result.error, seconds)
                 rollout.timings.tools_seconds += seconds
                 self._add(rollout, role, [r.Item(function_call_output=out)])
-        return response
+        return response, None
 
     def _add(self, rollout: task_pb2.Rollout, role: _Role, items: Any, conversation: bool = True) -> None:
         """Items of `role`'s trajectory: into the rollout's output (their positions the role's) and, unless

@@ -112,6 +112,37 @@ async def test_the_episode_ends_at_max_steps_and_is_verified_as_it_stands(start)
     assert {role.name: role.reward for role in rollout.roles} == {"asker": 0.5, "answerer": 0.0}
 
 
+class _AskedLimits(LocalPolicyModel):
+    """The local policy, recording the max_output_tokens of each call (None: not set)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.asked: list[int | None] = []
+
+    async def create_response(self, params: r.CreateParams, session_id: str) -> r.Response:
+        self.asked.append(params.max_output_tokens if params.HasField("max_output_tokens") else None)
+        return await super().create_response(params, session_id)
+
+
+async def test_each_roles_trajectory_has_its_own_token_budget(start):
+    """The local policy writes 34 tokens for each role's one turn. A budget of 34 per role fits both (each
+    call capped at 34, the episode plays out); 33 cuts the asker's turn and ends the episode, verified."""
+    policy = _AskedLimits({"error_rate": 0.0}, name="answerer_model")
+    rollout = await _episode(start, Interview(name="env"), {"answerer_model": policy}, max_rollout_tokens=34)
+    assert rollout.stop_reason == task_pb2.STOP_REASON_EPISODE_OVER and policy.asked == [34, 34]
+    assert rollout.response.usage.output_tokens == 68
+
+    policy = _AskedLimits({"error_rate": 0.0}, name="answerer_model")
+    rollout = await _episode(start, Interview(name="env"), {"answerer_model": policy}, max_rollout_tokens=33)
+    assert rollout.stop_reason == task_pb2.STOP_REASON_TOKEN_BUDGET and policy.asked == [33]
+    assert rollout.response.incomplete_details.reason == r.INCOMPLETE_REASON_MAX_OUTPUT_TOKENS
+    assert [(role.name, role.model_calls, role.reward) for role in rollout.roles] == [
+        ("asker", 1, 0.5),
+        ("answerer", 0, 0.0),
+    ]
+    assert record.build({}, rollout)["stop_reason"] == "token_budget"
+
+
 async def test_a_turn_that_keeps_calling_tools_ends_after_max_steps_per_turn(start):
     asker = ScriptedModel([[call("lookup", '{"q": "x"}')]], name="answerer_model")  # plays both, never answers
     rollout = await _episode(start, Interview(name="env"), {"answerer_model": asker}, max_steps_per_turn=2)
