@@ -48,11 +48,12 @@ from typing import Any
 from pydantic import Field
 
 from gym_grpc import errors
-from gym_grpc.agent import AgentConfig, AgentServer, RolloutEvents, TokenBudget, add_usage, tool_call_output
+from gym_grpc.agent import AgentConfig, AgentServer, RolloutEvents, add_usage, tool_call_output
 from gym_grpc.client import stubs
 from gym_grpc.client.stubs import ModelClient, ResourcesClient
 from gym_grpc.data import rows
 from gym_grpc.responses import function_calls, input_items
+from gym_grpc.token_budget import TokenBudget
 from gym_grpc.v1 import model_service_pb2 as model_pb
 from gym_grpc.v1 import resources_service_pb2 as res_pb
 from gym_grpc.v1 import responses_pb2 as r
