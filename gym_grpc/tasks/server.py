@@ -228,10 +228,8 @@ class TaskServer(GymServer):
                     dataset, index, pool = drawn
                     held.append((dataset, index))
                     summary.groups_tried += 1
-                    running[asyncio.ensure_future(self._group(dataset, index, pool, size, timeout, version))] = (
-                        dataset,
-                        index,
-                    )
+                    future = asyncio.ensure_future(self._group(dataset, index, pool, size, timeout, version))
+                    running[future] = (dataset, index)
                 if not running:
                     if summary.groups_tried == 0:
                         raise errors.FailedPrecondition(
