@@ -1,0 +1,238 @@
+"""OpenTelemetry traces (gym_grpc/tracing.py): one trace per rollout, across the processes it passes.
+
+The receiver is a real OTLP/gRPC endpoint in the test's process (opentelemetry-proto's
+TraceService, the protocol every OTel collector speaks); the processes are a real `gym-grpc run`
+(agent, embedded policy model server and weather environment, each in its own process) and a real
+`gym-grpc collect`, configured only by the standard OTEL_* variables.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from concurrent import futures
+
+import grpc
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as otlp
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as otlp_grpc
+
+from gym_grpc import tracing
+from gym_grpc.testing.processes import GymRun
+from tests.support import REPO, WEATHER, collect_args, gym
+
+WEATHER_CONFIG = REPO / "servers" / "resources" / "weather" / "config.yaml"
+LOCAL_POLICY = REPO / "configs" / "local_policy.yaml"
+
+
+class Receiver(otlp_grpc.TraceServiceServicer):
+    """An OTLP trace receiver: keeps every span exported to it, with its process's resource."""
+
+    def __init__(self) -> None:
+        self.spans: list[dict] = []
+        self._lock = threading.Lock()
+
+    def Export(self, request: otlp.ExportTraceServiceRequest, context) -> otlp.ExportTraceServiceResponse:
+        with self._lock:
+            for resource_spans in request.resource_spans:
+                resource = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
+                for scope_spans in resource_spans.scope_spans:
+                    for span in scope_spans.spans:
+                        self.spans.append(
+                            {
+                                "name": span.name,
+                                "trace": span.trace_id.hex(),
+                                "id": span.span_id.hex(),
+                                "parent": span.parent_span_id.hex(),
+                                "kind": span.kind,
+                                "attributes": {a.key: _value(a.value) for a in span.attributes},
+                                "service": resource.get("service.name"),
+                                "pid": resource.get("process.pid"),
+                            }
+                        )
+        return otlp.ExportTraceServiceResponse()
+
+
+def _value(value) -> object:
+    kind = value.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(v) for v in value.array_value.values]
+    return getattr(value, kind) if kind else None
+
+
+@pytest.fixture
+def receiver():
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[("grpc.so_reuseport", 0)])
+    received = Receiver()
+    otlp_grpc.add_TraceServiceServicer_to_server(received, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    received.endpoint = f"http://127.0.0.1:{port}"
+    yield received
+    server.stop(0)
+
+
+def _otel_env(endpoint: str, **more: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    return {
+        **env,
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+        **more,
+    }
+
+
+def test_one_rollout_is_one_trace_across_the_collector_agent_model_server_and_environment(receiver, tmp_path):
+    """A rollout's spans, exported by four processes, form one tree: one root (the collector's
+    rl.sample), every other span's parent in the trace, with the queue wait, each model call with
+    its token counts, the tool call and the verification."""
+    env = _otel_env(receiver.endpoint)
+    output = tmp_path / "rollouts.jsonl"
+    # A policy that does not slip: the rollout calls get_weather, then answers.
+    with GymRun.start(LOCAL_POLICY, WEATHER_CONFIG, "servers.policy_model.config.error_rate=0", env=env) as run:
+        collect = [*collect_args(run.registry, "weather_agent", WEATHER, output), "--limit", "1", "--no-progress"]
+        done = gym(*collect, env={**env, "OTEL_SERVICE_NAME": "trainer"})
+        assert done.returncode == 0, done.stderr
+        assert run.stop() == 0  # the servers send their last spans as they stop
+    assert json.loads(output.read_text())["reward"] == 1.0
+
+    roots = [s for s in receiver.spans if s["name"] == "rl.sample"]
+    assert len(roots) == 1, [s["name"] for s in receiver.spans]
+    root = roots[0]
+    spans = [s for s in receiver.spans if s["trace"] == root["trace"]]
+    by_id = {s["id"]: s for s in spans}
+    assert [s for s in spans if not s["parent"]] == [root]
+    orphans = [s["name"] for s in spans if s["parent"] and s["parent"] not in by_id]
+    assert orphans == []
+    services = {s["service"] for s in spans}
+    assert services == {"trainer", "weather_agent", "policy_model", "weather"}
+    assert len({s["pid"] for s in spans}) == 4
+
+    def children(span: dict) -> list[str]:
+        return sorted(s["name"] for s in spans if s["parent"] == span["id"])
+
+    def one(name: str) -> dict:
+        found = [s for s in spans if s["name"] == name]
+        assert len(found) == 1, f"{name}: {len(found)} spans in {sorted(s['name'] for s in spans)}"
+        return found[0]
+
+    assert root["service"] == "trainer"
+    assert root["attributes"]["rl.reward.score"] == 1.0
+    assert root["attributes"]["gym_grpc.agent"] == "weather_agent"
+    assert children(root) == ["gym.v1.AgentService/Run", "gym_grpc.queue_wait"]
+    run_span = one("gym.v1.AgentService/Run")
+    assert run_span["service"] == "weather_agent"
+    model_calls = [s for s in spans if s["attributes"].get("gen_ai.operation.name") == "chat"]
+    assert len(model_calls) == 2  # the tool call, then the answer
+    for call in model_calls:
+        assert call["parent"] == run_span["id"]
+        assert call["attributes"]["gen_ai.usage.input_tokens"] > 0
+        assert call["attributes"]["gen_ai.usage.output_tokens"] > 0
+        assert children(call) == ["gym.v1.ModelService/CreateResponse"]
+    served = [s for s in spans if s["name"] == "gym.v1.ModelService/CreateResponse"]
+    assert {s["service"] for s in served} == {"policy_model"}
+    tool = one("execute_tool get_weather")
+    assert tool["parent"] == run_span["id"]
+    assert tool["attributes"]["gen_ai.tool.name"] == "get_weather"
+    assert children(tool) == ["gym.v1.ResourcesService/CallTool"]
+    assert by_id[tool["id"]]["service"] == "weather_agent"
+    verify = one("gym_grpc.verify")
+    assert verify["parent"] == run_span["id"]
+    assert verify["attributes"]["rl.reward.score"] == 1.0
+    assert children(verify) == ["gym.v1.ResourcesService/Verify"]
+    assert one("gym.v1.ResourcesService/Verify")["service"] == "weather"
+    assert sum(root["attributes"][f"rl.sample.{k}_tokens"] for k in ("input", "output")) == sum(
+        c["attributes"][f"gen_ai.usage.{k}_tokens"] for c in model_calls for k in ("input", "output")
+    )
+
+
+async def test_the_model_server_sends_its_trace_to_the_engine_as_traceparent(start):
+    """The model server's request to its engine carries W3C `traceparent`: the trace of the call
+    it serves, with the engine request's span as parent, for vLLM (--otlp-traces-endpoint) to
+    continue. The engine is gym_grpc/testing/fake_engine.py, an HTTP server in this process that
+    records the headers it gets; the spans go to the SDK's in-memory exporter."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from gym_grpc.bundled.servers.models.vllm_model.server import VLLMModel
+    from gym_grpc.client.stubs import ModelClient
+    from gym_grpc.testing import static_registry
+    from gym_grpc.testing.fake_engine import FakeEngine, Turn
+    from gym_grpc.v1 import model_service_pb2 as model_pb
+    from gym_grpc.v1 import responses_pb2 as r
+
+    exported = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exported))
+    engine = FakeEngine([Turn(content="5")])
+    base_url = await engine.start()
+    tracing.use_provider(provider)
+    try:
+        server = await start(VLLMModel({"base_url": base_url, "model": "policy"}, name="model"))
+        client = ModelClient(static_registry(model=server), "model")
+        request = model_pb.CreateResponseRequest(session_id="s")
+        request.params.input_items.items.add().message.CopyFrom(r.Message(role=r.ROLE_USER, text="2 + 3?"))
+        with provider.get_tracer("test").start_as_current_span("rollout") as rollout:
+            await client.send(request)
+    finally:
+        tracing.use_provider(None)
+        await engine.stop()
+    spans = {span.name: span for span in exported.get_finished_spans()}
+    served = spans["gym.v1.ModelService/CreateResponse"]
+    to_engine = next(span for name, span in spans.items() if name.startswith("POST "))
+    assert served.parent.span_id == rollout.get_span_context().span_id
+    assert to_engine.parent.span_id == served.context.span_id
+    assert to_engine.attributes["gen_ai.usage.output_tokens"] > 0
+    sent = [headers.get("traceparent") for headers in engine.headers if "traceparent" in headers]
+    trace_id = f"{rollout.get_span_context().trace_id:032x}"
+    assert len(sent) == 1
+    version, sent_trace, parent, flags = sent[0].split("-")
+    assert (version, sent_trace, parent) == ("00", trace_id, f"{to_engine.context.span_id:016x}")
+    assert int(flags, 16) & 1  # sampled
+
+
+_UNTRACED_ROLLOUT = """
+import asyncio, sys
+from gym_grpc.agent import ToolLoopAgent
+from gym_grpc.client.training import GymClient
+from gym_grpc.testing import Calculator, ScriptedModel, Servers, call, say, static_registry
+from gym_grpc.testing import calculator_task
+
+async def main():
+    async with Servers() as servers:
+        model = await servers.start(ScriptedModel([[call("add", '{"a": 2, "b": 3}')], say("5")]))
+        env = await servers.start(Calculator(name="calc"))
+        config = {"model_server": "model", "resources_server": "calc"}
+        registry = static_registry(model=model, calc=env)
+        agent = await servers.start(ToolLoopAgent(config, name="agent", registry=registry))
+        async with GymClient("agent", static_registry(agent=agent)) as client:
+            result = await client.run(calculator_task("2 + 3?", expected_answer="5"))
+    assert result.ok and result.reward == 1.0, result
+    assert not [m for m in sys.modules if m.startswith("opentelemetry")], "OpenTelemetry was imported"
+
+asyncio.run(main())
+"""
+
+
+def test_with_tracing_off_nothing_is_exported_and_opentelemetry_is_never_imported(receiver, tmp_path):
+    """OTEL_TRACES_EXPORTER unset (the default): a rollout through an agent, a model server and an
+    environment, with an OTLP endpoint configured, exports nothing and never imports OpenTelemetry."""
+    env = _otel_env(receiver.endpoint)
+    del env["OTEL_TRACES_EXPORTER"]
+    script = tmp_path / "rollout.py"
+    script.write_text(_UNTRACED_ROLLOUT)
+    done = subprocess.run([sys.executable, str(script)], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert receiver.spans == []
+
+
+def test_a_traced_process_without_an_exporter_package_says_which_to_install(monkeypatch):
+    """An exporter name nothing installed provides is a clear error, not traces silently lost."""
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin_json_nonexistent")
+    with pytest.raises(ValueError, match="no exporter 'zipkin_json_nonexistent' is installed"):
+        tracing._exporters()
