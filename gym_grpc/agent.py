@@ -10,6 +10,7 @@ subclasses it and overrides a hook (`first_request`, `call_model`,
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 import uuid
@@ -453,7 +454,9 @@ class ToolLoopAgent(AgentServer):
                 # Closed once its caller has the result: lost before that, the rollout is resumed and
                 # verified again, in this session.
                 session_id = record.session_id
-                attempt.link.after_result(lambda: self.start_closing(self.resources, session_id))
+                # In the rollout's context, so that the close is in its trace too.
+                rollout_context = contextvars.copy_context()
+                attempt.link.after_result(lambda: rollout_context.run(self.start_closing, self.resources, session_id))
                 keep = True
         except BaseException as e:
             keep = attempt.keeps_session(e)

@@ -8,6 +8,7 @@ TraceService, the protocol every OTel collector speaks); the processes are a rea
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import subprocess
@@ -65,32 +66,63 @@ def _value(value) -> object:
 
 @pytest.fixture
 def receiver():
+    """An OTLP/gRPC receiver on 127.0.0.1 (its `endpoint`)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[("grpc.so_reuseport", 0)])
     received = Receiver()
     otlp_grpc.add_TraceServiceServicer_to_server(received, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    received.endpoint = f"http://127.0.0.1:{port}"
+    received.endpoint, received.protocol = f"http://127.0.0.1:{port}", "grpc"
     yield received
     server.stop(0)
 
 
-def _otel_env(endpoint: str, **more: str) -> dict[str, str]:
+@pytest.fixture
+def http_receiver():
+    """An OTLP/HTTP receiver (POST /v1/traces, binary protobuf) on 127.0.0.1 (its `endpoint`)."""
+    received = Receiver()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            assert self.path == "/v1/traces", self.path
+            reply = received.Export(otlp.ExportTraceServiceRequest.FromString(body), None).SerializeToString()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    received.endpoint, received.protocol = f"http://127.0.0.1:{server.server_port}", "http/protobuf"
+    yield received
+    server.shutdown()
+    server.server_close()
+
+
+def _otel_env(receiver: Receiver, **more: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     return {
         **env,
         "OTEL_TRACES_EXPORTER": "otlp",
-        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
-        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": receiver.protocol,
         **more,
     }
 
 
-def test_one_rollout_is_one_trace_across_the_collector_agent_model_server_and_environment(receiver, tmp_path):
+@pytest.mark.parametrize("over", ["receiver", "http_receiver"])
+def test_one_rollout_is_one_trace_across_the_collector_agent_model_server_and_environment(over, request, tmp_path):
     """A rollout's spans, exported by four processes, form one tree: one root (the collector's
     rl.sample), every other span's parent in the trace, with the queue wait, each model call with
-    its token counts, the tool call and the verification."""
-    env = _otel_env(receiver.endpoint)
+    its token counts, the tool call and the verification. OTLP over gRPC, and over HTTP."""
+    receiver = request.getfixturevalue(over)
+    env = _otel_env(receiver)
     output = tmp_path / "rollouts.jsonl"
     # A policy that does not slip: the rollout calls get_weather, then answers.
     with GymRun.start(LOCAL_POLICY, WEATHER_CONFIG, "servers.policy_model.config.error_rate=0", env=env) as run:
@@ -126,6 +158,13 @@ def test_one_rollout_is_one_trace_across_the_collector_agent_model_server_and_en
     assert children(root) == ["gym.v1.AgentService/Run", "gym_grpc.queue_wait"]
     run_span = one("gym.v1.AgentService/Run")
     assert run_span["service"] == "weather_agent"
+    # The weather environment is stateless: no SeedSession, no CloseSession.
+    assert children(run_span) == [
+        *["chat"] * 2,
+        "execute_tool get_weather",
+        "gym.v1.ResourcesService/DescribeTools",  # asked once, by the agent's first rollout
+        "gym_grpc.verify",
+    ]
     model_calls = [s for s in spans if s["attributes"].get("gen_ai.operation.name") == "chat"]
     assert len(model_calls) == 2  # the tool call, then the answer
     for call in model_calls:
@@ -222,7 +261,7 @@ asyncio.run(main())
 def test_with_tracing_off_nothing_is_exported_and_opentelemetry_is_never_imported(receiver, tmp_path):
     """OTEL_TRACES_EXPORTER unset (the default): a rollout through an agent, a model server and an
     environment, with an OTLP endpoint configured, exports nothing and never imports OpenTelemetry."""
-    env = _otel_env(receiver.endpoint)
+    env = _otel_env(receiver)
     del env["OTEL_TRACES_EXPORTER"]
     script = tmp_path / "rollout.py"
     script.write_text(_UNTRACED_ROLLOUT)
