@@ -116,16 +116,14 @@ def _otel_env(receiver: Receiver, **more: str) -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize("over", ["receiver", "http_receiver"])
-def test_one_rollout_is_one_trace_across_the_collector_agent_model_server_and_environment(over, request, tmp_path):
-    """A rollout's spans, exported by four processes, form one tree: one root (the collector's
-    rl.sample), every other span's parent in the trace, with the queue wait, each model call with
-    its token counts, the tool call and the verification. OTLP over gRPC, and over HTTP."""
-    receiver = request.getfixturevalue(over)
+def _one_traced_rollout(receiver: Receiver, tmp_path, *overrides: str) -> tuple[list[dict], dict]:
+    """Collect one weather rollout through a traced `gym-grpc run` (with `overrides`) and a traced
+    `gym-grpc collect` (service "trainer"); the spans of its trace, checked to be one tree, and its root."""
     env = _otel_env(receiver)
     output = tmp_path / "rollouts.jsonl"
     # A policy that does not slip: the rollout calls get_weather, then answers.
-    with GymRun.start(LOCAL_POLICY, WEATHER_CONFIG, "servers.policy_model.config.error_rate=0", env=env) as run:
+    configs = (LOCAL_POLICY, WEATHER_CONFIG, "servers.policy_model.config.error_rate=0", *overrides)
+    with GymRun.start(*configs, env=env) as run:
         collect = [*collect_args(run.registry, "weather_agent", WEATHER, output), "--limit", "1", "--no-progress"]
         done = gym(*collect, env={**env, "OTEL_SERVICE_NAME": "trainer"})
         assert done.returncode == 0, done.stderr
@@ -136,10 +134,33 @@ def test_one_rollout_is_one_trace_across_the_collector_agent_model_server_and_en
     assert len(roots) == 1, [s["name"] for s in receiver.spans]
     root = roots[0]
     spans = [s for s in receiver.spans if s["trace"] == root["trace"]]
-    by_id = {s["id"]: s for s in spans}
+    ids = {s["id"] for s in spans}
     assert [s for s in spans if not s["parent"]] == [root]
-    orphans = [s["name"] for s in spans if s["parent"] and s["parent"] not in by_id]
+    orphans = [s["name"] for s in spans if s["parent"] and s["parent"] not in ids]
     assert orphans == []
+    return spans, root
+
+
+def test_servers_of_one_process_group_pass_the_trace_on_in_process(receiver, tmp_path):
+    """Servers of one `process:` group call each other without gRPC: the trace goes with the
+    in-process call's metadata, and the rollout is still one tree (two processes now)."""
+    group = [f"servers.{name}.process=rollout" for name in ("policy_model", "weather", "weather_agent")]
+    spans, root = _one_traced_rollout(receiver, tmp_path, *group)
+    assert {s["service"] for s in spans} == {"trainer", "rollout"}
+    names = [s["name"] for s in spans]
+    assert names.count("gym.v1.ModelService/CreateResponse") == 2
+    assert names.count("gym.v1.ResourcesService/CallTool") == 1
+    assert names.count("gym.v1.ResourcesService/Verify") == 1
+
+
+@pytest.mark.parametrize("over", ["receiver", "http_receiver"])
+def test_one_rollout_is_one_trace_across_the_collector_agent_model_server_and_environment(over, request, tmp_path):
+    """A rollout's spans, exported by four processes, form one tree: one root (the collector's
+    rl.sample), every other span's parent in the trace, with the queue wait, each model call with
+    its token counts, the tool call and the verification. OTLP over gRPC, and over HTTP."""
+    receiver = request.getfixturevalue(over)
+    spans, root = _one_traced_rollout(receiver, tmp_path)
+    by_id = {s["id"]: s for s in spans}
     services = {s["service"] for s in spans}
     assert services == {"trainer", "weather_agent", "policy_model", "weather"}
     assert len({s["pid"] for s in spans}) == 4
