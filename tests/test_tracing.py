@@ -8,118 +8,37 @@ TraceService, the protocol every OTel collector speaks); the processes are a rea
 
 from __future__ import annotations
 
-import http.server
 import json
-import os
 import subprocess
 import sys
-import threading
-from concurrent import futures
 
-import grpc
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as otlp
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as otlp_grpc
 
 from gym_grpc import tracing
 from gym_grpc.testing.processes import GymRun
+from tests.otlp import Receiver, grpc_receiver, http_receiver, otel_env
 from tests.support import REPO, WEATHER, collect_args, gym
 
 WEATHER_CONFIG = REPO / "servers" / "resources" / "weather" / "config.yaml"
 LOCAL_POLICY = REPO / "configs" / "local_policy.yaml"
 
 
-class Receiver(otlp_grpc.TraceServiceServicer):
-    """An OTLP trace receiver: keeps every span exported to it, with its process's resource."""
-
-    def __init__(self) -> None:
-        self.spans: list[dict] = []
-        self._lock = threading.Lock()
-
-    def Export(self, request: otlp.ExportTraceServiceRequest, context) -> otlp.ExportTraceServiceResponse:
-        with self._lock:
-            for resource_spans in request.resource_spans:
-                resource = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
-                for scope_spans in resource_spans.scope_spans:
-                    for span in scope_spans.spans:
-                        self.spans.append(
-                            {
-                                "name": span.name,
-                                "trace": span.trace_id.hex(),
-                                "id": span.span_id.hex(),
-                                "parent": span.parent_span_id.hex(),
-                                "kind": span.kind,
-                                "attributes": {a.key: _value(a.value) for a in span.attributes},
-                                "service": resource.get("service.name"),
-                                "pid": resource.get("process.pid"),
-                            }
-                        )
-        return otlp.ExportTraceServiceResponse()
-
-
-def _value(value) -> object:
-    kind = value.WhichOneof("value")
-    if kind == "array_value":
-        return [_value(v) for v in value.array_value.values]
-    return getattr(value, kind) if kind else None
-
-
 @pytest.fixture
 def receiver():
-    """An OTLP/gRPC receiver on 127.0.0.1 (its `endpoint`)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[("grpc.so_reuseport", 0)])
-    received = Receiver()
-    otlp_grpc.add_TraceServiceServicer_to_server(received, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    received.endpoint, received.protocol = f"http://127.0.0.1:{port}", "grpc"
-    yield received
-    server.stop(0)
+    with grpc_receiver() as received:
+        yield received
 
 
 @pytest.fixture
-def http_receiver():
-    """An OTLP/HTTP receiver (POST /v1/traces, binary protobuf) on 127.0.0.1 (its `endpoint`)."""
-    received = Receiver()
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            body = self.rfile.read(int(self.headers["Content-Length"]))
-            assert self.path == "/v1/traces", self.path
-            reply = received.Export(otlp.ExportTraceServiceRequest.FromString(body), None).SerializeToString()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/x-protobuf")
-            self.send_header("Content-Length", str(len(reply)))
-            self.end_headers()
-            self.wfile.write(reply)
-
-        def log_message(self, *args) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    received.endpoint, received.protocol = f"http://127.0.0.1:{server.server_port}", "http/protobuf"
-    yield received
-    server.shutdown()
-    server.server_close()
-
-
-def _otel_env(receiver: Receiver, **more: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    return {
-        **env,
-        "OTEL_TRACES_EXPORTER": "otlp",
-        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
-        "OTEL_EXPORTER_OTLP_PROTOCOL": receiver.protocol,
-        **more,
-    }
+def http_receiver_():
+    with http_receiver() as received:
+        yield received
 
 
 def _one_traced_rollout(receiver: Receiver, tmp_path, *overrides: str) -> tuple[list[dict], dict]:
     """Collect one weather rollout through a traced `gym-grpc run` (with `overrides`) and a traced
     `gym-grpc collect` (service "trainer"); the spans of its trace, checked to be one tree, and its root."""
-    env = _otel_env(receiver)
+    env = otel_env(receiver)
     output = tmp_path / "rollouts.jsonl"
     # A policy that does not slip: the rollout calls get_weather, then answers.
     configs = (LOCAL_POLICY, WEATHER_CONFIG, "servers.policy_model.config.error_rate=0", *overrides)
@@ -153,7 +72,7 @@ def test_servers_of_one_process_group_pass_the_trace_on_in_process(receiver, tmp
     assert names.count("gym.v1.ResourcesService/Verify") == 1
 
 
-@pytest.mark.parametrize("over", ["receiver", "http_receiver"])
+@pytest.mark.parametrize("over", ["receiver", "http_receiver_"])
 def test_one_rollout_is_one_trace_across_the_collector_agent_model_server_and_environment(over, request, tmp_path):
     """A rollout's spans, exported by four processes, form one tree: one root (the collector's
     rl.sample), every other span's parent in the trace, with the queue wait, each model call with
@@ -256,6 +175,41 @@ async def test_the_model_server_sends_its_trace_to_the_engine_as_traceparent(sta
     assert int(flags, 16) & 1  # sampled
 
 
+async def test_a_model_server_sends_its_trace_to_a_vllm_grpc_engine_as_metadata(tmp_path):
+    """Toward vLLM's gRPC server the trace goes as `traceparent` metadata of Generate, its parent the
+    engine request's span, which carries the token counts. The engine is
+    gym_grpc/testing/fake_vllm_grpc.py, a grpc.aio server in this process recording the metadata."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from smg_grpc_proto import vllm_engine_pb2 as pb
+
+    from gym_grpc.engines.settings import EngineSettings
+    from gym_grpc.engines.vllm_grpc import GrpcEngine
+    from gym_grpc.testing.fake_engine import FakeEngine, Turn, write_tokenizer
+    from gym_grpc.testing.fake_vllm_grpc import FakeGrpcEngine
+
+    exported = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exported))
+    fake = FakeGrpcEngine(FakeEngine([Turn(content="5")]), write_tokenizer(tmp_path / "tok"))
+    base_url = await fake.start()
+    link = GrpcEngine(base_url, EngineSettings(base_url=[base_url], model="p"))
+    tracing.use_provider(provider)
+    try:
+        with provider.get_tracer("test").start_as_current_span("model call"):
+            complete = await link.generate([1, 2, 3], pb.SamplingParams(max_tokens=4))
+    finally:
+        tracing.use_provider(None)
+        await link.close()
+        await fake.stop()
+    (to_engine,) = [s for s in exported.get_finished_spans() if s.name.endswith("/Generate")]
+    assert to_engine.attributes["gen_ai.usage.input_tokens"] == 3
+    assert to_engine.attributes["gen_ai.usage.output_tokens"] == complete.completion_tokens > 0
+    (sent,) = [m["traceparent"] for m in fake.metadata]
+    assert sent.split("-")[1:3] == [f"{to_engine.context.trace_id:032x}", f"{to_engine.context.span_id:016x}"]
+
+
 _UNTRACED_ROLLOUT = """
 import asyncio, sys
 from gym_grpc.agent import ToolLoopAgent
@@ -282,7 +236,7 @@ asyncio.run(main())
 def test_with_tracing_off_nothing_is_exported_and_opentelemetry_is_never_imported(receiver, tmp_path):
     """OTEL_TRACES_EXPORTER unset (the default): a rollout through an agent, a model server and an
     environment, with an OTLP endpoint configured, exports nothing and never imports OpenTelemetry."""
-    env = _otel_env(receiver)
+    env = otel_env(receiver)
     del env["OTEL_TRACES_EXPORTER"]
     script = tmp_path / "rollout.py"
     script.write_text(_UNTRACED_ROLLOUT)
