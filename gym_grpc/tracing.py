@@ -64,6 +64,8 @@ class _State:
 
     def __init__(self) -> None:
         self.on = _wanted()
+        #: The program gave its own provider (`use_provider`): nothing to set up.
+        self.given = False
         self._tracer: Tracer | None = None
         #: The provider `configure` made (and shuts down), when it made one.
         self.provider: Any = None
@@ -90,7 +92,7 @@ def configure(service_name: str, **resource: str | int) -> None:
     tracing is on and the process has no tracer provider yet: `service_name` unless
     OTEL_SERVICE_NAME says otherwise, `resource` added to its resource attributes. The provider
     is shut down (its last spans sent) at exit, or by `shutdown`."""
-    if not _state.on or _state.provider is not None:
+    if not _wanted() or _state.given or _state.provider is not None:
         return
     from opentelemetry import trace
     from opentelemetry.sdk.resources import Resource
@@ -148,6 +150,7 @@ def use_provider(provider: Any | None) -> None:
     """Trace with `provider` (a TracerProvider: a program's own, a test's in-memory exporter),
     whatever the environment says; None goes back to what the environment says."""
     _state.on = provider is not None or _wanted()
+    _state.given = provider is not None
     _state._tracer = provider.get_tracer(SCOPE) if provider is not None else None
 
 

@@ -210,6 +210,53 @@ async def test_a_model_server_sends_its_trace_to_a_vllm_grpc_engine_as_metadata(
     assert sent.split("-")[1:3] == [f"{to_engine.context.trace_id:032x}", f"{to_engine.context.span_id:016x}"]
 
 
+async def test_a_gym_client_rollout_is_one_trace_under_the_programs_span_with_its_session():
+    """A trainer's GymClient, with the program's own tracer provider: each rollout is an rl.sample
+    span under the span the program has current, with its queue wait, and everything the rollout
+    does on a stateful environment is in its trace, the session's close too (a durable run closes
+    it after its result went out, from the RunMany call's task)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from gym_grpc.agent import ToolLoopAgent
+    from gym_grpc.client.training import GymClient
+    from gym_grpc.testing import Calculator, ScriptedModel, Servers, calculator_task, call, say, static_registry
+
+    exported = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exported))
+    tracing.use_provider(provider)
+    try:
+        async with Servers() as servers:
+            model = await servers.start(ScriptedModel([[call("add", '{"a": 2, "b": 3}')], say("5")]))
+            env = await servers.start(Calculator(name="calc"))
+            config = {"model_server": "model", "resources_server": "calc"}
+            registry = static_registry(model=model, calc=env)
+            agent = await servers.start(ToolLoopAgent(config, name="agent", registry=registry))
+            async with GymClient("agent", static_registry(agent=agent)) as client:
+                with provider.get_tracer("trainer").start_as_current_span("train step") as step:
+                    result = await client.run(calculator_task("2 + 3?", expected_answer="5"))
+    finally:
+        tracing.use_provider(None)
+    assert result.ok and result.reward == 1.0
+    spans = [s for s in exported.get_finished_spans() if s.context.trace_id == step.get_span_context().trace_id]
+    by_id = {s.context.span_id: s for s in spans}
+    names = sorted(s.name for s in spans)
+    assert [s.name for s in spans if s.parent is None] == ["train step"]
+    assert [s.name for s in spans if s.parent is not None and s.parent.span_id not in by_id] == []
+    (sample,) = [s for s in spans if s.name == "rl.sample"]
+    assert sample.parent.span_id == step.get_span_context().span_id
+    assert sample.attributes["rl.reward.score"] == 1.0 and sample.attributes["rl.sample.turns"] == 2
+    (run,) = [s for s in spans if s.name == "gym.v1.AgentService/Run"]
+    assert by_id[run.parent.span_id].name == "rl.sample"
+    for method in ("SeedSession", "CallTool", "Verify", "CloseSession"):
+        assert f"gym.v1.ResourcesService/{method}" in names, names
+    (close,) = [s for s in spans if s.name == "gym.v1.ResourcesService/CloseSession"]
+    assert close.parent.span_id == run.context.span_id
+    assert "gym_grpc.queue_wait" in names
+
+
 _UNTRACED_ROLLOUT = """
 import asyncio, sys
 from gym_grpc.agent import ToolLoopAgent
