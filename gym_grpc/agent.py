@@ -10,6 +10,7 @@ subclasses it and overrides a hook (`first_request`, `call_model`,
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 import uuid
@@ -19,7 +20,7 @@ from typing import Any, ClassVar
 import grpc
 from pydantic import Field
 
-from gym_grpc import errors, images, policy_version
+from gym_grpc import errors, images, policy_version, tracing
 from gym_grpc.client import stubs
 from gym_grpc.client.stubs import ModelClient, ResourcesClient, ToolResult
 from gym_grpc.data import jsonl, record, rollout_state, rows
@@ -463,7 +464,9 @@ class ToolLoopAgent(AgentServer):
                 # Closed once its caller has the result: lost before that, the rollout is resumed and
                 # verified again, in this session.
                 session_id = record.session_id
-                attempt.link.after_result(lambda: self.start_closing(self.resources, session_id))
+                # In the rollout's context, so that the close is in its trace too.
+                rollout_context = contextvars.copy_context()
+                attempt.link.after_result(lambda: rollout_context.run(self.start_closing, self.resources, session_id))
                 keep = True
         except BaseException as e:
             keep = attempt.keeps_session(e)
@@ -584,13 +587,15 @@ class ToolLoopAgent(AgentServer):
                 params.max_output_tokens = budget.limit()
             began = time.monotonic()
             sent.before_call(params.input_items.items)
-            try:
-                response = await self.call_model(request, step)
-            except errors.GymError as e:
-                if e.reason != errors.Reason.IMAGE_NOT_FOUND:
-                    raise
-                sent.restore(params.input_items.items)  # a model server that restarted: once more, by value
-                response = await self.call_model(request, step)
+            with tracing.model_call(params.model, session_id, step) as span:
+                try:
+                    response = await self.call_model(request, step)
+                except errors.GymError as e:
+                    if e.reason != errors.Reason.IMAGE_NOT_FOUND:
+                        raise
+                    sent.restore(params.input_items.items)  # a model server that restarted: once more, by value
+                    response = await self.call_model(request, step)
+                tracing.model_answered(span, response)
             sent.after_call(params.input_items.items)
             seconds = time.monotonic() - began
             events.model_call(step, response, seconds)
@@ -610,7 +615,9 @@ class ToolLoopAgent(AgentServer):
         for position, call in enumerate(function_calls(response)[first:], start=first):
             began = time.monotonic()
             key = attempt.tool_key(step, position)
-            result = await self.call_tool(session_id, call, step, key=key, attempt=attempt.number)
+            with tracing.tool_call(call.name, call.call_id, step) as span:
+                result = await self.call_tool(session_id, call, step, key=key, attempt=attempt.number)
+                tracing.tool_answered(span, result.error, result.reason)
             seconds = time.monotonic() - began
             output = tool_call_output(call, result)
             events.tool_call(step, call, output, result.error, seconds)
@@ -629,7 +636,9 @@ class ToolLoopAgent(AgentServer):
         response = rollout.response
         if self._described is not None and not self._described.stateless:
             response = images.tool_images_as_references(response)  # the session holds them
-        verdict = await self.resources.verify(session_id, task, response)
+        with tracing.verification(self.resources.name) as span:
+            verdict = await self.resources.verify(session_id, task, response)
+            tracing.verified(span, verdict.reward)
         rollout.timings.verify_seconds = time.monotonic() - began
         fields_json = rows.json_text(verdict, "fields")  # passed on as text, never parsed here
         events.verification(verdict.reward, fields_json, rollout.timings.verify_seconds, verdict.reward_components)

@@ -112,6 +112,9 @@ async def test_cancel_ids_cancel_one_run_and_leave_the_others(start):
         await call.write(agent_pb.RunManyRequest(cancel_ids=[2, 99]))  # 99 is not in flight: ignored
         await call.done_writing()
         results = {result.id: result for result in (await call.read()).results}  # run 1 waits on the gate
+        # The cancel reaches the model server's call on its own; opened before, the gate would let
+        # run 2's model call finish instead.
+        await eventually(lambda: model.cancelled == 1, "run 2's model call cancelled")
         model.gate.set()
         results |= await _results(call)
         assert await call.code() == grpc.StatusCode.OK

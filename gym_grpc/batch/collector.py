@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from gym_grpc import errors
+from gym_grpc import errors, tracing
 from gym_grpc.batch import fingerprint, overrides
 from gym_grpc.batch.jobs import BadInput, Batch, BatchSummary, Job, RunOptions
 from gym_grpc.client.run_many import RESUME_ATTEMPTS
@@ -162,7 +162,9 @@ async def collect(registry: Registry, options: CollectOptions, *, log: TextIO = 
         return last
 
     async def produce(job: Job[_Task]) -> dict[str, Any]:
-        return record.build(job.payload.row, await rollout(job), options.placeholder_reward)
+        done = await rollout(job)
+        tracing.sampled(done)
+        return record.build(job.payload.row, done, options.placeholder_reward)
 
     batch: Batch[_Task] = Batch(options.batch(count_rows(options.input, options.limit), options.num_repeats), log)
     verified = _Verified()

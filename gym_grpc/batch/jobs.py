@@ -23,7 +23,7 @@ from typing import Any, Generic, TextIO, TypeVar
 
 from tqdm import tqdm
 
-from gym_grpc import errors
+from gym_grpc import errors, tracing
 from gym_grpc.batch.summary import GroupIndex, RunStats, summarise_file
 from gym_grpc.batch.window import Window
 from gym_grpc.data import jsonl, record
@@ -72,6 +72,8 @@ class BatchOptions:
     input_name: str = "input"
     #: Seconds between two lines that tell how many failures of a kind there were so far.
     report_every: float = 10.0
+    #: The name of each job's root span, when tracing (docs/observability.md#traces).
+    span: str = "rl.sample"
 
 
 #: The default deadline of one rollout (collect) and of one verification (reverify): a verification
@@ -220,12 +222,16 @@ class Batch(Generic[P]):
             for task in self._running:
                 task.cancel()
 
-    async def _one(self, job: Job[P], produce: Produce[P], out: jsonl.Appender) -> None:
+    async def _one(self, job: Job[P], produce: Produce[P], out: jsonl.Appender, queued: int) -> None:
+        """Run `job`, asked for at `queued` (time.time_ns(): its wait for the window is in its trace)."""
         assert self.bar is not None
         began, past_deadline = time.monotonic(), False
+        attributes: dict[str, str | int] = {"gym_grpc.agent": job.group, "rl.sample.task.id": f"{job.task_index}"}
+        attributes.update({"gym_grpc.task_index": job.task_index, "gym_grpc.repeat_index": job.repeat_index})
         try:
             try:
-                row = await produce(job)
+                with tracing.rollout(queued, self.options.span, **attributes):
+                    row = await produce(job)
                 record.set_key(row, job.task_index, job.repeat_index)
                 out.append(row)
             except errors.OutputError:
@@ -307,10 +313,11 @@ class Batch(Generic[P]):
                     self.summary.skipped += 1
                     self.bar.update(1)
                     continue
+                queued = time.time_ns()
                 await self.window.acquire()
                 if self._stop is not None:
                     break
-                task = asyncio.create_task(self._one(job, produce, out))
+                task = asyncio.create_task(self._one(job, produce, out, queued))
                 running.add(task)
                 task.add_done_callback(running.discard)
             if running:

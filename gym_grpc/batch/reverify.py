@@ -174,5 +174,7 @@ async def reverify(
         return row
 
     layout = _scan(options.input)
-    batch: Batch[_Rollout] = Batch(options.batch(layout.n_tasks, layout.repeats, total=layout.lines), log)
+    batch_options = options.batch(layout.n_tasks, layout.repeats, total=layout.lines)
+    batch_options.span = "gym_grpc.reverify"  # a verification, not a rollout
+    batch: Batch[_Rollout] = Batch(batch_options, log)
     return await batch.run(_jobs(options, layout), produce), changes

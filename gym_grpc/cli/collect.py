@@ -11,7 +11,7 @@ from typing import TypeVar
 
 import click
 
-from gym_grpc import errors
+from gym_grpc import errors, tracing
 from gym_grpc.batch.collector import CollectOptions, collect
 from gym_grpc.batch.jobs import TIMEOUT_SECONDS, BatchSummary
 from gym_grpc.batch.overrides import NEMO_OPTIONS, OverrideError
@@ -67,12 +67,14 @@ def print_summary(
         click.echo(f"warning: {warning}", err=True)
 
 
-def _interruptible(coroutine: Awaitable[T], output: Path) -> T:
+def _interruptible(coroutine: Awaitable[T], output: Path, verb: str) -> T:
     """Run a batch. Ctrl-C (SIGINT) says how many rows the output holds and exits 130;
-    an output that cannot be written (a full disk) is one line and exit 1."""
+    an output that cannot be written (a full disk) is one line and exit 1. Traced (when the
+    OTEL_* variables say so) as service "gym-grpc-VERB", its spans sent before it returns."""
     # A shell starts a background job with SIGINT ignored, and Python keeps it so:
     # `kill -INT` must stop a collection wherever it runs.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    tracing.configure(f"gym-grpc-{verb}")
     try:
         return event_loop.run(coroutine)  # type: ignore[arg-type]
     except KeyboardInterrupt:
@@ -88,6 +90,8 @@ def _interruptible(coroutine: Awaitable[T], output: Path) -> T:
             f"{e}. Stopped; every rollout written before is kept in {output}: "
             "make room, then run the same command again to resume"
         ) from None
+    finally:
+        tracing.shutdown()
 
 
 @click.command("collect", context_settings={"ignore_unknown_options": True})
@@ -243,7 +247,9 @@ def collect_command(
         progress=not no_progress,
     )
     summary = _interruptible(
-        with_registry(registry, agent, lambda reg: collect(reg, options), security, rows=input_path), output
+        with_registry(registry, agent, lambda reg: collect(reg, options), security, rows=input_path),
+        output,
+        "collect",
     )
     print_summary(summary, output, "collected", estimate_for, collected=True)
     click.echo(json.dumps(summary.metrics, indent=2))
@@ -349,6 +355,7 @@ def reverify_command(
     summary, changes = _interruptible(
         with_registry(registry, resources or agent, lambda reg: reverify(reg, options), security, rows=input_path),
         output,
+        "reverify",
     )
     print_summary(summary, output, "re-verified")
     click.echo(changes.line(), err=True)

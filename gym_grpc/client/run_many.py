@@ -41,7 +41,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from gym_grpc import errors, images
+from gym_grpc import errors, images, tracing
 from gym_grpc.data import rollout_state
 from gym_grpc.rpc import transport
 from gym_grpc.rpc.in_process import status_error
@@ -142,9 +142,12 @@ class _Call:
     ) -> tuple[int, asyncio.Future[task_pb2.Rollout]]:
         run_id = next(self._ids)
         future = self.waiting[run_id] = asyncio.get_running_loop().create_future()
-        self._outbox.filling(run.ByteSize()).runs.add(
+        item = self._outbox.filling(run.ByteSize()).runs.add(
             id=run_id, run=run, timeout_seconds=timeout or 0.0, durable=durable
         )
+        trace = tracing.carrier()  # each run its own: the runs of a call belong to different traces
+        if trace:
+            item.trace_context.update(trace)
         if durable:
             self.progress[run_id] = (run.resume, [])
         self._wake.set()

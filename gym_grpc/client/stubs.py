@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 from google.protobuf import struct_pb2
 
-from gym_grpc import errors
+from gym_grpc import errors, tracing
 from gym_grpc.client import run_many
 from gym_grpc.policy_version import requested as requested_version
 from gym_grpc.rpc import protocol, transport
@@ -154,10 +154,11 @@ class _Client:
             timeout = timeout if timeout is not None else self.timeout if self.timeout is not None else DEFAULT_TIMEOUT
         else:
             timeout = self._deadline(timeout)
+        metadata = tracing.outgoing()  # the trace of the rollout this call is part of, when tracing
         local = None if connection is not None or admin else self.registry.in_process.get(self.name)
         if local is not None:
             try:
-                return await local.call(f"/{self._service}/{method}", request, timeout)
+                return await local.call(f"/{self._service}/{method}", request, timeout, metadata)
             except grpc.aio.AioRpcError as e:
                 if e.code() in passing:
                     return e
@@ -169,7 +170,7 @@ class _Client:
         if admin:
             stub = connection.stub(admin_grpc.AdminServiceStub)
         wait = connection.wait
-        call = getattr(stub, method)(request, timeout=timeout, wait_for_ready=wait)
+        call = getattr(stub, method)(request, timeout=timeout, wait_for_ready=wait, metadata=metadata)
         if wait:
             connection.waiting(call)
         try:
@@ -190,7 +191,9 @@ class _Client:
         await self.check_protocol()
         stub, connection = await self._peer()
         wait = connection.wait
-        call = getattr(stub, method)(request, timeout=self._deadline(timeout), wait_for_ready=wait)
+        call = getattr(stub, method)(
+            request, timeout=self._deadline(timeout), wait_for_ready=wait, metadata=tracing.outgoing()
+        )
         if wait:
             connection.waiting(call)
         try:

@@ -24,13 +24,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from gym_grpc import errors
+from gym_grpc import errors, tracing
 from gym_grpc.client.run_many import RESUME_ATTEMPTS, run_error_as_call
 from gym_grpc.client.stubs import AgentClient, ModelClient, TaskClient
 from gym_grpc.data import record, rows
@@ -348,6 +349,7 @@ class GymClient:
                 )
             self._pacing = _Pacing(max_lag, rollouts_per_version, policy_version)
         _LIMIT.limit  # noqa: B018 - the limit is set (and logged) when the first client starts
+        tracing.configure("gym-grpc-client")  # when OTEL_TRACES_EXPORTER says so and the program set up none
 
     async def weights_updated(self, version: int, *model_servers: str) -> None:
         """After a weight update: ask later rollouts under `version`, and tell `model_servers` (every
@@ -382,9 +384,13 @@ class GymClient:
         return await self._run(task)
 
     async def _run(self, task: task_pb2.Task) -> RolloutResult:
+        queued = time.time_ns()  # its wait for the limit is in its trace
         await _LIMIT.acquire()
         try:
-            return RolloutResult(await self._agent.run(task, timeout=self.timeout, policy_version=self.policy_version))
+            with tracing.rollout(queued, **{"gym_grpc.agent": self._agent.name}):
+                rollout = await self._agent.run(task, timeout=self.timeout, policy_version=self.policy_version)
+                tracing.sampled(rollout)
+            return RolloutResult(rollout)
         except errors.IncompatibleServer:
             raise  # the setup is wrong, not this rollout
         except errors.GymError as e:

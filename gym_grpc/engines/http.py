@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from gym_grpc import errors
+from gym_grpc import errors, tracing
 from gym_grpc.engines.link import EngineError, EngineLink
 from gym_grpc.engines.retries import Failure, FailureClass, retry_after_seconds
 from gym_grpc.engines.settings import EngineSettings
@@ -72,15 +72,18 @@ class Engine(EngineLink):
 
         Raises EngineError for an HTTP error not worth retrying, and a GymError
         (UNAVAILABLE, DEADLINE_EXCEEDED) when retries, budget or deadline run out."""
-        return await self._request("POST", path, orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS), from_root)
+        payload = orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS)
+        return await self._request("POST", path, payload, from_root, str(body.get("model") or ""))
 
     async def get(self, path: str, *, from_root: bool = False) -> dict[str, Any]:
         """GET base_url + path (vLLM's /models, say), retried as `post` is; the answer's JSON."""
         return await self._request("GET", path, None, from_root)
 
-    async def _request(self, method: str, path: str, payload: bytes | None, from_root: bool) -> dict[str, Any]:
+    async def _request(
+        self, method: str, path: str, payload: bytes | None, from_root: bool, model: str = ""
+    ) -> dict[str, Any]:
         url = f"{self.base_url.removesuffix('/v1') if from_root else self.base_url}{path}"
-        return await self._retried(f"engine {url}", lambda: self._send(method, url, payload))
+        return await self._retried(f"engine {url}", lambda: self._send(method, url, payload, path, model))
 
     async def control(self, path: str, body: dict[str, Any] | None = None, **query: str) -> dict[str, Any]:
         """POST to the engine's root once, without retries: a call of vLLM's RL control API
@@ -106,15 +109,21 @@ class Engine(EngineLink):
             return Failure("connect", f"{type(error).__name__}: {error}" if str(error) else type(error).__name__)
         return None
 
-    async def _send(self, method: str, url: str, payload: bytes | None) -> dict[str, Any]:
-        async with self._client().request(method, url, data=payload) as reply:
-            self._heard_from()
-            body = await reply.read()
-            if reply.status in RETRY_STATUSES:
-                raise _Retryable(reply.status, _error_message(reply.status, body), reply.headers.get("Retry-After"))
-            if reply.status >= 400:
-                raise EngineError(reply.status, _error_message(reply.status, body), url)
-            return _parse(body, reply.status, url)
+    async def _send(self, method: str, url: str, payload: bytes | None, path: str, model: str) -> dict[str, Any]:
+        # Each attempt a span of its own, whose traceparent the engine continues (vLLM does, started
+        # with --otlp-traces-endpoint).
+        with tracing.engine_request(method, url, path, model) as span:
+            async with self._client().request(method, url, data=payload, headers=tracing.engine_headers()) as reply:
+                self._heard_from()
+                body = await reply.read()
+                if reply.status in RETRY_STATUSES:
+                    detail = _error_message(reply.status, body)
+                    raise _Retryable(reply.status, detail, reply.headers.get("Retry-After"))
+                if reply.status >= 400:
+                    raise EngineError(reply.status, _error_message(reply.status, body), url)
+                answer = _parse(body, reply.status, url)
+                tracing.engine_answered(span, reply.status, answer)
+                return answer
 
     async def close(self) -> None:
         if self._session is not None:

@@ -40,7 +40,7 @@ from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto import vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2
 
-from gym_grpc import errors
+from gym_grpc import errors, tracing
 from gym_grpc.engines.link import EngineError, EngineLink
 from gym_grpc.engines.retries import Failure
 from gym_grpc.engines.settings import GRPC_SCHEME, EngineSettings
@@ -115,15 +115,20 @@ class GrpcEngine(EngineLink):
                 stream=False,
             )
             complete = None
-            # A task cancelled here cancels its RPC (grpc.aio), and vLLM's servicer aborts the generation.
-            async for reply in self._engine().Generate(request, timeout=self.settings.read_timeout):
-                self._heard_from()
-                if reply.HasField("complete"):
-                    complete = reply.complete
-            if complete is None:
-                raise errors.GymError(
-                    f"engine {self.base_url}: Generate ended without its answer", reason=errors.Reason.ENGINE_FAILED
+            with tracing.engine_request("", self.base_url, "vllm.grpc.engine.VllmEngine/Generate", "") as span:
+                # A task cancelled here cancels its RPC (grpc.aio), and vLLM's servicer aborts the generation.
+                replies = self._engine().Generate(
+                    request, timeout=self.settings.read_timeout, metadata=tracing.outgoing()
                 )
+                async for reply in replies:
+                    self._heard_from()
+                    if reply.HasField("complete"):
+                        complete = reply.complete
+                if complete is None:
+                    raise errors.GymError(
+                        f"engine {self.base_url}: Generate ended without its answer", reason=errors.Reason.ENGINE_FAILED
+                    )
+                tracing.engine_tokens(span, complete.prompt_tokens, complete.completion_tokens)
             return complete
 
         if self._slots is None:

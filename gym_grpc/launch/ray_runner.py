@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from gym_grpc import tracing
 from gym_grpc.launch.config import ConfigError, GymConfig, ServerSpec
 from gym_grpc.launch.runner import RegistryHost, StartupError
 from gym_grpc.rpc.registry import SERVER_ROLES
@@ -83,6 +84,9 @@ class ReplicaServer:
             stream=sys.stderr, level=spec["log_level"], format=f"%(asctime)s [{label}] %(levelname)s %(message)s"
         )
         open_files.raise_limit(f"replica {label}")
+        # Traced when the OTEL_* variables reach the actor (a local cluster inherits them; a remote one
+        # through its runtime_env): the server's name is the service's, the replica an attribute.
+        tracing.configure(spec["name"], **{"gym_grpc.replica": spec["index"]})
         security = Security.model_validate(spec["security"])
         cls = load_entrypoint(spec["entrypoint"])
         app = cls(spec["config"], name=spec["name"], registry=Registry(spec["registry"], security=security))
@@ -100,6 +104,7 @@ class ReplicaServer:
     async def stop(self, grace: float) -> None:
         if self.running is not None:
             await self.running.stop(grace)
+        tracing.shutdown()  # the replica's last spans go out before Ray ends the actor
 
 
 @dataclass

@@ -17,9 +17,11 @@ difference except by speed:
 * errors: an aborted call raises the same `grpc.aio.AioRpcError`, status
   details (ErrorInfo, BadRequest) included, that the wire would have given;
 * the handler runs in a task of its own with an empty context: context
-  variables of the caller (a rollout's policy version, its deadline) do not
-  leak into it, as they would not cross a process. A cancelled caller
-  cancels it.
+  variables of the caller (a rollout's policy version, its deadline, its
+  trace) do not leak into it, as they would not cross a process. A cancelled
+  caller cancels it;
+* metadata: what the caller sends (a trace's `traceparent`) is what the
+  handler's `invocation_metadata()` gives.
 
 What it leaves out: interceptors (the bearer token check and TLS concern
 callers from outside the process), and the message size limit.
@@ -45,24 +47,32 @@ class InProcessServer:
     def __init__(self) -> None:
         self.methods: dict[str, grpc.RpcMethodHandler] = {}
 
-    async def call(self, path: str, request: Any, timeout: float | None) -> Any:
-        """Call method `path` with a copy of `request`; a copy of its reply. Failures raise
-        `grpc.aio.AioRpcError` as a gRPC call would."""
+    async def call(
+        self, path: str, request: Any, timeout: float | None, metadata: Sequence[tuple[str, str]] | None = None
+    ) -> Any:
+        """Call method `path` with a copy of `request` (and `metadata`); a copy of its reply.
+        Failures raise `grpc.aio.AioRpcError` as a gRPC call would."""
         handler = self.methods.get(path)
         if handler is None:
             raise status_error(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {path}")
         copied = handler.request_deserializer(request.SerializeToString())
-        reply = await invoke(handler.unary_unary, copied, timeout)
+        reply = await invoke(handler.unary_unary, copied, timeout, metadata=metadata)
         return type(reply).FromString(handler.response_serializer(reply))
 
 
 async def invoke(
-    behaviour: Callable[[Any, Any], Coroutine[Any, Any, Any]], request: Any, timeout: float | None, peer: str = PEER
+    behaviour: Callable[[Any, Any], Coroutine[Any, Any, Any]],
+    request: Any,
+    timeout: float | None,
+    peer: str = PEER,
+    *,
+    metadata: Sequence[tuple[str, str]] | None = None,
 ) -> Any:
     """Run a unary handler (`behaviour(request, context)`) as gRPC would run it for a call
-    from `peer` with `timeout`: in a task of its own with an empty context, cancelled when the
-    deadline passes. Its reply, or the `grpc.aio.AioRpcError` the call would have ended with."""
-    context = _Context(timeout, peer)
+    from `peer` with `timeout` and `metadata`: in a task of its own with an empty context,
+    cancelled when the deadline passes. Its reply, or the `grpc.aio.AioRpcError` the call
+    would have ended with."""
+    context = _Context(timeout, peer, metadata)
     try:
         async with asyncio.timeout(timeout) as deadline:  # None: no deadline
             return await asyncio.get_running_loop().create_task(
@@ -106,8 +116,11 @@ class _Aborted(grpc.aio.AbortError):
 class _Context:
     """The part of `grpc.aio.ServicerContext` that handlers use, for one in-process call."""
 
-    def __init__(self, timeout: float | None, peer: str = PEER) -> None:
+    def __init__(
+        self, timeout: float | None, peer: str = PEER, metadata: Sequence[tuple[str, str]] | None = None
+    ) -> None:
         self._peer = peer
+        self._metadata = tuple(metadata or ())
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._code: grpc.StatusCode | None = None
         self._details = ""
@@ -120,7 +133,7 @@ class _Context:
         return None if self._deadline is None else max(self._deadline - time.monotonic(), 0.0)
 
     def invocation_metadata(self) -> tuple:
-        return ()
+        return self._metadata
 
     def cancelled(self) -> bool:
         return False

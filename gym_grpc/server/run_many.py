@@ -161,7 +161,9 @@ class _Runs:
             return self._run(request, context, link)
 
         try:
-            reply = await in_process.invoke(run, item.run, item.timeout_seconds or None, self._peer)
+            # The run's trace context as the metadata of a call of its own would carry it.
+            metadata = tuple(item.trace_context.items())
+            reply = await in_process.invoke(run, item.run, item.timeout_seconds or None, self._peer, metadata=metadata)
         except grpc.aio.AioRpcError as e:
             self._result(item.id).error.CopyFrom(_from_call(e))
         except asyncio.CancelledError:

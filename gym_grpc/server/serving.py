@@ -12,6 +12,7 @@ serves its Prometheus metrics over HTTP (metrics.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import difflib
 import functools
 import inspect
@@ -26,7 +27,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from gym_grpc import errors
+from gym_grpc import errors, tracing
 from gym_grpc.errors import ConfigError
 from gym_grpc.rpc import in_process, protocol, transport
 from gym_grpc.rpc.registry import SERVER_ROLES, Registry
@@ -137,11 +138,13 @@ class _Call:
     touching a grpc.aio context after its call has ended (client cancel,
     deadline, client death) can crash the process."""
 
-    __slots__ = ("app", "method", "peer", "deadline", "began", "status", "detail", "out_of_files", "ended")
+    __slots__ = ("app", "method", "peer", "deadline", "began", "status", "detail", "out_of_files", "ended", "metadata")
 
     def __init__(self, app: GymServer, method: str, context: grpc.aio.ServicerContext) -> None:
         self.app, self.method = app, method
         self.peer = context.peer()
+        #: What the call's metadata says, when tracing: the trace it belongs to.
+        self.metadata = context.invocation_metadata() or () if tracing.active() else ()
         remaining = context.time_remaining()
         self.deadline = None if remaining is None else time.monotonic() + remaining
         self.began = app.counters.begin(method)
@@ -212,13 +215,15 @@ def rpc_method(handler: H) -> H:
             # Not reset: the stream may be closed from another task, and each call
             # runs in its own task, whose context dies with it.
             transport.set_deadline(context.time_remaining())
-            try:
-                async for reply in handler(self, request, context, *rest):
-                    yield reply
-            except BaseException as e:
-                await call.fail(e, context)
-            finally:
-                call.end()
+            with _traced(self, method, call) as span:
+                try:
+                    async for reply in handler(self, request, context, *rest):
+                        yield reply
+                except BaseException as e:
+                    await call.fail(e, context)
+                finally:
+                    call.end()
+                    tracing.call_ended(span, call.status, call.detail)
 
         return stream  # type: ignore[return-value]
 
@@ -226,15 +231,42 @@ def rpc_method(handler: H) -> H:
     async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext, *rest: Any) -> Any:
         call = _Call(self.app, method, context)
         token = transport.set_deadline(context.time_remaining())
-        try:
-            return await handler(self, request, context, *rest)
-        except BaseException as e:
-            await call.fail(e, context)
-        finally:
-            transport.reset_deadline(token)
-            call.end()
+        with _traced(self, method, call) as span:
+            try:
+                return await handler(self, request, context, *rest)
+            except BaseException as e:
+                await call.fail(e, context)
+            finally:
+                transport.reset_deadline(token)
+                call.end()
+                tracing.call_ended(span, call.status, call.detail)
 
     return unary  # type: ignore[return-value]
+
+
+# Calls that are no span of their own: each run of a RunMany call is one (its Run handler's),
+# in the trace the run carries; the call, open for many rollouts, belongs to none of them.
+_UNTRACED = frozenset({"RunMany"})
+#: What a call that is no span gets (reusable: it holds nothing).
+_NO_SPAN: contextlib.nullcontext[None] = contextlib.nullcontext()
+
+
+def _traced(servicer: Any, method: str, call: _Call) -> contextlib.AbstractContextManager[Any]:
+    """The SERVER span of a call (nothing when tracing is off), in the trace its metadata carries."""
+    if not tracing.active() or method in _UNTRACED:
+        return _NO_SPAN
+    service = _service_of(servicer.__class__)
+    return tracing.server_call(f"{service}/{method}", call.metadata, servicer.app.name)
+
+
+@functools.cache
+def _service_of(servicer: Any) -> str:
+    """The full name of the gRPC service a servicer class serves ("gym.v1.AgentService"): the
+    generated base it extends is named for it."""
+    for base in servicer.__mro__:
+        if base.__module__.startswith("gym_grpc.v1.") and base.__name__.endswith("Servicer"):
+            return f"gym.v1.{base.__name__.removesuffix('Servicer')}"
+    return servicer.__name__
 
 
 # Failures that come from the caller's request (or the model's tool call), not the server.

@@ -22,6 +22,7 @@ import signal
 import sys
 from typing import Any, TextIO
 
+from gym_grpc import tracing
 from gym_grpc.errors import ConfigError
 from gym_grpc.model import ModelServer
 from gym_grpc.policy_version import ServedVersion
@@ -138,6 +139,8 @@ def main() -> None:
         level=message.get("log_level", "INFO"),
         format=f"%(asctime)s [{name}] %(levelname)s %(message)s",
     )
+    # Traced when the OTEL_* variables say so: the server's name (the group's) is the service's.
+    tracing.configure(name, **{"gym_grpc.worker": specs[0].get("worker", 0)})
     try:
         security = Security.model_validate(message.get("security") or {})
         apps = [_app(spec, security, profiled=i == 0) for i, spec in enumerate(specs)]
@@ -149,6 +152,8 @@ def main() -> None:
         log.exception("could not serve")
         _report({"error": f"{type(e).__name__}: {e}"})
         sys.exit(1)
+    finally:
+        tracing.shutdown()  # the last spans go out before the process ends (SIGTERM, SIGINT, stdin closed)
 
 
 if __name__ == "__main__":

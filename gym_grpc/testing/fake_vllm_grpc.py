@@ -14,7 +14,8 @@ parameters as a dict, with the prompt as `prompt`), its `calls` (by RPC
 name) and its faults: `fail_next` HTTP statuses are answered as the gRPC codes
 vLLM's servicer would use (429 RESOURCE_EXHAUSTED, 500 INTERNAL, 503
 UNAVAILABLE, other 4xx INVALID_ARGUMENT), and `hang` keeps a Generate open
-until it is cancelled, which `cancelled` counts. A stand-in for tests of the
+until it is cancelled, which `cancelled` counts; `metadata` keeps each Generate's metadata (a
+trace's `traceparent`). A stand-in for tests of the
 client side only: the real vLLM gRPC server is what tests/real_engine runs.
 """
 
@@ -43,6 +44,8 @@ class FakeGrpcEngine(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.tokenizer_dir = tokenizer_dir
         self.running = 0
         self.cancelled = 0
+        #: The metadata of each Generate call, as a dict.
+        self.metadata: list[dict[str, str | bytes]] = []
         self.server: grpc.aio.Server | None = None
         self.base_url = ""
 
@@ -66,6 +69,7 @@ class FakeGrpcEngine(vllm_engine_pb2_grpc.VllmEngineServicer):
             await context.abort(_CODES.get(status, grpc.StatusCode.INVALID_ARGUMENT), f"injected {status}")
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        self.metadata.append(dict(context.invocation_metadata() or ()))
         await self._gate("Generate", context)
         prompt = list(request.tokenized.input_ids)
         sampling = request.sampling_params

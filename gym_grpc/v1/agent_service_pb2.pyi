@@ -163,10 +163,31 @@ class RunManyItem(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class TraceContextEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     ID_FIELD_NUMBER: _builtins.int
     RUN_FIELD_NUMBER: _builtins.int
     TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
     DURABLE_FIELD_NUMBER: _builtins.int
+    TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """The caller's id for the run, echoed on its result. Unique among the runs
     in flight on the call; a run whose id is already in flight fails with
@@ -190,6 +211,16 @@ class RunManyItem(_message.Message):
     def run(self) -> Global___RunRequest:
         """What to run, as for Run."""
 
+    @_builtins.property
+    def trace_context(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The run's trace context (protocol 1.13): what a unary Run call would
+        carry as gRPC metadata, W3C Trace Context's `traceparent` and
+        `tracestate` (and `baggage`), keys lowercase. The runs of one call belong
+        to different traces, so each run carries its own; the agent continues the
+        trace as if the run had come as a call. Empty: no trace context (the
+        client does not trace). See docs/observability.md#traces.
+        """
+
     def __init__(
         self,
         *,
@@ -197,10 +228,11 @@ class RunManyItem(_message.Message):
         run: Global___RunRequest | None = ...,
         timeout_seconds: _builtins.float = ...,
         durable: _builtins.bool = ...,
+        trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["run", b"run"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["durable", b"durable", "id", b"id", "run", b"run", "timeout_seconds", b"timeout_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["durable", b"durable", "id", b"id", "run", b"run", "timeout_seconds", b"timeout_seconds", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -28,7 +28,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -163,9 +163,11 @@ def start(
     port: int | None = None,
     tied: bool = False,
     grpc: bool = False,
+    extra_args: Sequence[str] = (),
 ) -> Engine:
     """Start vLLM and return once GET /v1/models answers (with `grpc`, its gRPC server, once its health
-    answers SERVING); raise EngineStartError if it dies or times out.
+    answers SERVING); raise EngineStartError if it dies or times out. `extra_args`: more options for
+    vLLM's server (`--otlp-traces-endpoint URL`, say).
 
     With `port` (say, an engine's again after a restart) vLLM binds that port or fails: a
     port in use is an error, not a reason to try another. `tied`: the engine ends when this
@@ -184,7 +186,7 @@ def start(
             log.write(f"--- gym_grpc.engines.local_vllm: attempt {attempt}, port {bound}\n")
             log.flush()
             process = subprocess.Popen(
-                _command(prepared, bound, max_model_len, grpc),
+                [*_command(prepared, bound, max_model_len, grpc), *extra_args],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -263,10 +265,13 @@ def running(
     ready_timeout: float = 600.0,
     port: int | None = None,
     grpc: bool = False,
+    extra_args: Sequence[str] = (),
 ) -> Iterator[Engine]:
     """A vLLM for the duration of a block (a test session): started, then stopped whatever happens,
     this process's death by a signal included."""
-    engine = start(prepared, log_path=log_path, ready_timeout=ready_timeout, port=port, tied=True, grpc=grpc)
+    engine = start(
+        prepared, log_path=log_path, ready_timeout=ready_timeout, port=port, tied=True, grpc=grpc, extra_args=extra_args
+    )
     try:
         yield engine
     finally:
