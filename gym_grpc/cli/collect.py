@@ -294,7 +294,9 @@ def _collect_task_batches(
         raise click.UsageError("--num-repeats: a group needs at least 2 rollouts")
     options = TaskBatchOptions(task_server, output, batches, groups, size, timeout)
     totals = _interruptible(
-        with_registry(registry, task_server, lambda reg: collect_batches(reg, options, sys.stderr), security), output
+        with_registry(registry, task_server, lambda reg: collect_batches(reg, options, sys.stderr), security),
+        output,
+        "collect",
     )
     for line in totals.lines() + totals.short:
         click.echo(line, err=True)
