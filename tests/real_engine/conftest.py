@@ -17,15 +17,35 @@ server renders and decodes for the gRPC one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
+from unittest import mock
 
 import pytest
 
 from gym_grpc.engines import local_vllm
 from gym_grpc.engines.local_vllm.installation import MODEL_NAME
+from tests.otlp import Receiver, grpc_receiver
+
+#: What a traced vLLM reads from its environment: its name in traces, and a short batch delay.
+TRACED_ENGINE_ENV = {"OTEL_SERVICE_NAME": "vllm", "OTEL_BSP_SCHEDULE_DELAY": "200"}
+
+
+@contextlib.contextmanager
+def traced_vllm(receiver: Receiver, log_path: Path, **options: object) -> Iterator[local_vllm.Engine]:
+    """The local CPU vLLM, sending the spans of its requests to `receiver` (--otlp-traces-endpoint)."""
+    with contextlib.ExitStack() as stack:
+        with mock.patch.dict(os.environ, TRACED_ENGINE_ENV):  # the process takes its environment when it starts
+            engine = stack.enter_context(
+                local_vllm.running(
+                    log_path=log_path, extra_args=["--otlp-traces-endpoint", receiver.endpoint], **options
+                )
+            )
+        yield engine
 
 
 def _given_http(variable: str, tmp_path_factory: pytest.TempPathFactory) -> local_vllm.Engine | None:
@@ -39,14 +59,21 @@ def _given_http(variable: str, tmp_path_factory: pytest.TempPathFactory) -> loca
 
 
 @pytest.fixture(scope="session")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[local_vllm.Engine]:
+def engine_traces() -> Iterator[Receiver]:
+    """The OTLP receiver that the session's engine sends its requests' spans to (test_traces.py)."""
+    with grpc_receiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="session")
+def engine(tmp_path_factory: pytest.TempPathFactory, engine_traces: Receiver) -> Iterator[local_vllm.Engine]:
     given = _given_http("GYM_GRPC_REAL_ENGINE_URL", tmp_path_factory)
     if given is not None:
         yield given
         return
     prepared = local_vllm.prepare()
     log_path = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    with local_vllm.running(prepared, log_path=log_path) as running:
+    with traced_vllm(engine_traces, log_path, prepared=prepared) as running:
         yield running
 
 

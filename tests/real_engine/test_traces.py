@@ -1,8 +1,8 @@
 """The real vLLM continues a rollout's trace: its `llm_request` span (queue time, prefill, decode)
 is a child of the model server's request to it, in the rollout's one trace.
 
-The engine is a vLLM of its own, started with `--otlp-traces-endpoint` at the test's OTLP
-receiver (the session's shared engine exports nothing).
+The session's engine is started with `--otlp-traces-endpoint` at the session's OTLP receiver
+(conftest.py); an engine given by URL exports nowhere this test knows, so then it starts one of its own.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from gym_grpc.engines import local_vllm
 from tests.otlp import grpc_receiver, otel_env
+from tests.real_engine.conftest import traced_vllm
 from tests.real_engine.gym_cli import VLLM, WEATHER_CONFIG, WEATHER_TASKS, collect_args, env_file, rows
 from tests.support import start_run
 
@@ -23,27 +23,33 @@ pytestmark = pytest.mark.real_engine
 SPANS_WITHIN = 120.0
 
 
-def test_vllm_continues_the_trace_of_the_rollout(tmp_path, monkeypatch):
-    with grpc_receiver() as receiver:
-        # vLLM reads the exporter's other settings from the environment it is started with.
-        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
-        monkeypatch.setenv("OTEL_SERVICE_NAME", "vllm")
-        traced = ["--otlp-traces-endpoint", receiver.endpoint]
-        with local_vllm.running(log_path=tmp_path / "vllm.log", extra_args=traced) as engine:
-            env = otel_env(receiver)
-            run = start_run("--env-file", str(env_file(engine, tmp_path)), configs=(VLLM, WEATHER_CONFIG), env=env)
-            try:
-                output = tmp_path / "rollouts.jsonl"
-                args = collect_args(run, "weather_agent", WEATHER_TASKS, output, "--limit", "1")
-                done = subprocess.run(args, capture_output=True, text=True, timeout=3600, env=env)
-                assert done.returncode == 0, done.stderr
-            finally:
-                assert run.stop() == 0
-            assert len(rows(output)) == 1
-            deadline = time.monotonic() + SPANS_WITHIN  # bounds a hang, not a timing assertion
-            while not any(s["name"] == "llm_request" for s in receiver.spans) and time.monotonic() < deadline:
-                time.sleep(0.2)
+@pytest.fixture
+def traced(engine, engine_traces, tmp_path):
+    """(an engine that sends its spans to a receiver, that receiver): the session's, unless it was given."""
+    if engine.pid:
+        yield engine, engine_traces
+        return
+    with grpc_receiver() as receiver, traced_vllm(receiver, tmp_path / "vllm.log") as own:
+        yield own, receiver
+
+
+def test_vllm_continues_the_trace_of_the_rollout(tmp_path, traced):
+    engine, receiver = traced
+    env = otel_env(receiver)
+    run = start_run("--env-file", str(env_file(engine, tmp_path)), configs=(VLLM, WEATHER_CONFIG), env=env)
+    try:
+        output = tmp_path / "rollouts.jsonl"
+        args = collect_args(run, "weather_agent", WEATHER_TASKS, output, "--limit", "1")
+        done = subprocess.run(args, capture_output=True, text=True, timeout=3600, env=env)
+        assert done.returncode == 0, done.stderr
+    finally:
+        assert run.stop() == 0
+    assert len(rows(output)) == 1
     (root,) = [s for s in receiver.spans if s["name"] == "rl.sample"]
+    deadline = time.monotonic() + SPANS_WITHIN  # bounds a hang, not a timing assertion
+    while not any(s["name"] == "llm_request" and s["trace"] == root["trace"] for s in receiver.spans):
+        assert time.monotonic() < deadline, "vLLM sent no span of the rollout's requests"
+        time.sleep(0.2)
     spans = {s["id"]: s for s in receiver.spans if s["trace"] == root["trace"]}
     generated = [s for s in spans.values() if s["name"] == "llm_request"]
     assert generated, sorted({s["name"] for s in receiver.spans})
