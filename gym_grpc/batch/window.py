@@ -15,7 +15,9 @@ they do not:
   per window's worth of rollouts ended, as TCP's congestion window does once per round trip.
 
 This is a guard that keeps the default from failing, not a controller that reads the engine's
-load; what it does is reported once (`note`), for the summary to tell.
+load; what it does is reported once (`note`), for the summary to tell. The controller that does
+read the engines' load (`collect --admission engine`, client/admission.py) sets the size through
+`resize` instead.
 """
 
 from __future__ import annotations
@@ -48,6 +50,13 @@ class Window:
     def sized(cls, max_in_flight: int | None, deadline: float | None) -> Window:
         """Exactly `max_in_flight` at once when it is given; else one that adapts, up to MOST."""
         return cls(MOST, deadline) if max_in_flight is None else cls(max_in_flight, deadline, adapts=False)
+
+    def resize(self, size: int) -> None:
+        """Let `size` run at once from now (an admission controller's window, client/admission.py);
+        past a smaller size, the rollouts running end as they would and no new one starts."""
+        self.size = size
+        if self.running < self.size:
+            self._room.set()
 
     async def acquire(self) -> None:
         while self.running >= self.size:
