@@ -15,7 +15,9 @@ from gym_grpc.batch.collector import CollectOptions, collect
 from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 from gym_grpc.bundled.servers.models.vllm_model.server import VLLMModel
 from gym_grpc.cli.app import main as cli
-from gym_grpc.client.admission import Admission, Controller, Decision, Limits, Load
+from gym_grpc.client import training
+from gym_grpc.client.admission import Admission, Controller, Decision, Limits, Load, limiting_rollouts
+from gym_grpc.client.training import GymClient
 from gym_grpc.engines import load as engine_load
 from gym_grpc.launch import observe
 from gym_grpc.launch.runner import RegistryServer
@@ -361,6 +363,32 @@ async def test_collect_with_engine_admission_grows_the_window_on_an_idle_engine(
     grown = [d["window"] for d in decisions if d["action"] == "grow"]
     assert grown[:2] == [2, 4]  # doubling while the window is full and the KV cache empty
     assert (decisions[0]["action"], decisions[0]["window"]) == ("start", 1)
+
+
+async def test_gym_clients_limit_follows_the_engine_while_limiting_rollouts(start):
+    fake = BarrierEngine(4)
+    await fake.start()
+    fake.metrics = metrics_text(0.0, 0, 0, 0)
+    registry = await _stack(start, fake)
+    before = training.max_concurrent_rollouts()
+    told: list[Decision] = []
+    limits = Limits(1, 8, interval=0.01)
+    try:
+        async with (
+            limiting_rollouts(registry, "agent", limits=limits, record=lambda at, d: told.append(d)),
+            GymClient("agent", registry) as gym,
+        ):
+            assert training.max_concurrent_rollouts() == 1  # the floor, at once
+            # Four at once or none ends: the limit has to grow from 1 to 4 (bounded, to fail, not hang).
+            results = await asyncio.wait_for(
+                asyncio.gather(*(gym.run({"responses_create_params": {"input": f"t{i}"}}) for i in range(4))), 120
+            )
+        assert all(result.ok for result in results)
+        assert [d.window for d in told if d.action == "grow"][:2] == [2, 4]
+        assert training.max_concurrent_rollouts() == before  # set back after the block
+    finally:
+        await registry.close()
+        await fake.stop()
 
 
 def test_admission_options_without_admission_engine_are_refused(tmp_path):

@@ -204,7 +204,6 @@ async def _admission(batch: Batch[_Task], loads: ModelServerLoads, options: Coll
     progress bar and, with `admission_log`, in that file."""
     assert options.admission is not None
     controller = Controller(options.admission)
-    batch.window.resize(controller.window)  # the floor, before the first rollout starts
     decisions = jsonl.Appender(options.admission_log) if options.admission_log is not None else None
 
     def record(at: float, decision: Decision) -> None:

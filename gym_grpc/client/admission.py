@@ -24,7 +24,8 @@ the window (as TCP's congestion window is cut at most once per round trip), so o
 does not cut the window to its floor.
 
 It is a client's controller: the window is of this client's rollouts (`gym-grpc collect
---admission engine`, or `GymClient` through `Admission` and `set_max_concurrent_rollouts`).
+--admission engine`; a training loop's GymClients through `limiting_rollouts`, which moves the
+process's limit, set_max_concurrent_rollouts).
 Several clients on one engine each run their own and each backs off from the same signals.
 Its decisions are the collector's to show (its progress line, summary and `--admission-log`);
 the engines' load is the model servers' (`gym-grpc status`, their `gym_engine_*` metrics).
@@ -42,6 +43,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 
 from gym_grpc import errors
+from gym_grpc.client import training
 from gym_grpc.rpc import transport
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
@@ -78,6 +80,10 @@ class Limits:
             raise ValueError(f"admission needs 0 < kv_target < kv_high <= 1, got {self.kv_target}, {self.kv_high}")
         if self.waiting_allowance < 0 or self.interval <= 0:
             raise ValueError("admission needs waiting_allowance >= 0 and interval > 0")
+
+
+#: The limits when none are given.
+DEFAULT_LIMITS = Limits()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,8 +249,7 @@ class Admission:
     """Runs a Controller: every interval reads the load, decides, and sets the window through `apply`.
 
     `in_flight` says how many rollouts run now; `record` is told every decision (a log, a summary).
-    For GymClient: `Admission(controller, loads.read, set_max_concurrent_rollouts,
-    rollouts_in_flight)`, run as a task beside the training loop."""
+    GymClient's is `limiting_rollouts`."""
 
     def __init__(
         self,
@@ -264,11 +269,18 @@ class Admission:
         self.actions: dict[str, int] = {}
         self.smallest = self.largest = controller.window
         self.preempted = 0
+        self._started = False
+
+    def start(self) -> None:
+        """Set the window to the floor (once; `run` does it when it was not done)."""
+        if not self._started:
+            self._started = True
+            self.apply(self.controller.window)
+            self._note(0.0, Decision(self.controller.window, "start", "the floor", self.in_flight(), None))
 
     async def run(self) -> None:
-        """Until cancelled. The window starts at the floor."""
-        self.apply(self.controller.window)
-        self._note(0.0, Decision(self.controller.window, "start", "the floor", self.in_flight(), None))
+        """Until cancelled, from the floor."""
+        self.start()
         while True:
             await asyncio.sleep(self.controller.limits.interval)
             try:
@@ -301,7 +313,8 @@ class Admission:
 
 @contextlib.asynccontextmanager
 async def running(admission: Admission) -> AsyncIterator[Admission]:
-    """Run `admission` for the duration of a block."""
+    """Run `admission` for the duration of a block: the window is at the floor when it begins."""
+    admission.start()
     task = asyncio.create_task(admission.run())
     try:
         yield admission
@@ -309,3 +322,33 @@ async def running(admission: Admission) -> AsyncIterator[Admission]:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+@contextlib.asynccontextmanager
+async def limiting_rollouts(
+    registry: Registry,
+    *agents: str,
+    limits: Limits = DEFAULT_LIMITS,
+    record: Callable[[float, Decision], None] | None = None,
+) -> AsyncIterator[Admission]:
+    """For a training loop: while the block runs, the process's limit of concurrent rollouts (the
+    one every GymClient draws from, set_max_concurrent_rollouts) follows the engines of `agents`'
+    model servers; the limit it had is set back after.
+
+        async with limiting_rollouts(Registry("127.0.0.1:50050"), "math_agent", limits=Limits(4, 512)):
+            async with GymClient("math_agent") as gym:
+                ...
+    """
+    loads = ModelServerLoads(registry)
+    for agent in agents:
+        await loads.watch(agent)
+    before = training.max_concurrent_rollouts()
+    controller = Controller(limits)
+    admission = Admission(
+        controller, loads.read, training.set_max_concurrent_rollouts, training.rollouts_in_flight, record
+    )
+    try:
+        async with running(admission):
+            yield admission
+    finally:
+        training.set_max_concurrent_rollouts(before)
