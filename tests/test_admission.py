@@ -99,6 +99,17 @@ def test_after_a_cut_the_next_waits_until_the_rollouts_in_flight_are_down_to_the
     assert controller.decide(load(kv=0.95, running=30), in_flight=30).window == 22  # now it has
 
 
+def test_after_an_overflow_the_window_grows_by_one_a_round_trip():
+    controller = Controller(Limits(floor=1, ceiling=64, kv_high=0.9))
+    controller.window = 20
+    assert controller.decide(load(kv=0.95, running=20), in_flight=20, ended=100).window == 15  # overflowed
+    early = controller.decide(load(kv=0.3, running=15), in_flight=15, ended=114)  # 14 ended since the cut
+    assert (early.action, early.window) == ("hold", 15) and early.reason.startswith("probing")
+    assert controller.decide(load(kv=0.3, running=15), in_flight=15, ended=115).window == 16  # +1, not a jump
+    assert controller.decide(load(kv=0.3, running=16), in_flight=16, ended=130).window == 16  # 15 since: < 16
+    assert controller.decide(load(kv=0.3, running=16), in_flight=16, ended=131).window == 17
+
+
 def test_an_engine_restart_is_no_cut():
     controller = Controller(Limits(floor=4))
     controller.decide(load(preemptions=100), in_flight=4)

@@ -211,7 +211,8 @@ async def _admission(batch: Batch[_Task], loads: ModelServerLoads, options: Coll
         if decisions is not None:
             decisions.append({"time": time.time(), "seconds": round(at, 3), **decision.to_json()})
 
-    admission = Admission(controller, loads.read, batch.window.resize, lambda: batch.window.running, record)
+    window = batch.window
+    admission = Admission(controller, loads.read, window.resize, lambda: window.running, record, lambda: window.ended)
     try:
         async with running(admission):
             yield admission

@@ -41,6 +41,8 @@ class Window:
         self.deadline = deadline if adapts else None  # without a deadline to keep to, it stays as it is
         self.size = min(most, START) if adapts else most
         self.running = 0
+        #: Rollouts ended so far (an admission controller paces its growth by them).
+        self.ended = 0
         #: The smallest size it narrowed to, when it did (for the summary to say).
         self.narrowest: int | None = None
         self._room = asyncio.Event()
@@ -67,6 +69,7 @@ class Window:
     def release(self, seconds: float, past_deadline: bool = False) -> None:
         """A rollout ended after `seconds` (`past_deadline`: it failed with DEADLINE_EXCEEDED)."""
         self.running -= 1
+        self.ended += 1
         self._ended_since_narrowing += 1
         if self.deadline is not None:
             if past_deadline or seconds > self.deadline / 2:

@@ -13,8 +13,11 @@ read from vLLM's /metrics by the model servers in front of them), once per inter
   those running (a short queue keeps a batch full between steps; a long one is rollouts that only
   wait);
 * **grow** when the KV cache is below `kv_target`, nothing waits and the window is full (as many
-  in flight as it allows): halfway to the size the KV cache would be at `kv_target` if it grew in
-  proportion to the window, at most doubling (from an empty KV cache: doubling, a slow start);
+  in flight as it allows): until the engines first overflow (a cut or trim), halfway to the size
+  the KV cache would be at `kv_target` if it grew in proportion to the window, at most doubling
+  (from an empty KV cache: doubling, a slow start); after, by one once a window's worth of
+  rollouts has ended since the last growth (a round trip, as TCP grows after a loss), since the
+  KV cache shows what a larger window does only once the rollouts it admits have run;
 * **hold** otherwise (between target and high mark; or the window is not full, since the engines'
   load then says nothing about a larger one; or the load could not be read).
 
@@ -149,9 +152,13 @@ class Controller:
         self._preemptions: int | None = None
         #: Set by a cut or trim: no other until the rollouts in flight are down to the window.
         self._settling = False
+        #: Rollouts ended when the window last grew, once the engines have overflowed (a cut or
+        #: trim): from then on it grows by one a round trip (see `decide`). None before.
+        self._probing_since: int | None = None
 
-    def decide(self, load: Load | None, in_flight: int) -> Decision:
-        """The window for the next interval, from the load just read and the rollouts in flight now."""
+    def decide(self, load: Load | None, in_flight: int, ended: int | None = None) -> Decision:
+        """The window for the next interval, from the load just read, the rollouts in flight now and
+        (`ended`) how many have ended so far, which paces growth once the engines have overflowed."""
         limits, window = self.limits, self.window
         if load is None:
             return Decision(window, "hold", "no engine's load could be read", in_flight, None)
@@ -173,8 +180,11 @@ class Controller:
                 if new >= window:
                     return hold(f"{reason}; at the floor")
                 self._settling = True
+                self._probing_since = ended if ended is not None else 0
             elif new <= window:
                 return hold(f"{reason}; at the ceiling")
+            elif self._probing_since is not None and ended is not None:
+                self._probing_since = ended
             self.window = new
             return Decision(new, action, reason, in_flight, load, preempted)
 
@@ -191,6 +201,14 @@ class Controller:
             return hold(f"{load.requests_waiting} requests waiting")
         if in_flight < window:
             return hold("the window is not full")
+        if self._probing_since is not None:
+            # The engines overflowed before: what a larger window does to the KV cache shows only
+            # once the rollouts it admits have run, a round trip later. One more, once a window's
+            # worth of rollouts ended since the last growth (as TCP after a loss), not a jump that
+            # overshoots again before the cache can say so.
+            if ended is not None and ended - self._probing_since < window:
+                return hold("probing: one more once a window's worth of rollouts ended since the last growth")
+            return step("grow", window + 1, f"KV cache {kv:.0%} used, under {limits.kv_target:.0%}, nothing waiting")
         if kv <= 0:
             wanted = 2 * window
         else:
@@ -248,7 +266,8 @@ class ModelServerLoads:
 class Admission:
     """Runs a Controller: every interval reads the load, decides, and sets the window through `apply`.
 
-    `in_flight` says how many rollouts run now; `record` is told every decision (a log, a summary).
+    `in_flight` says how many rollouts run now, `ended` how many have ended so far (without it,
+    growth after an overflow is not paced); `record` is told every decision (a log, a summary).
     GymClient's is `limiting_rollouts`."""
 
     def __init__(
@@ -258,12 +277,14 @@ class Admission:
         apply: Callable[[int], None],
         in_flight: Callable[[], int],
         record: Callable[[float, Decision], None] | None = None,
+        ended: Callable[[], int] | None = None,
     ) -> None:
         self.controller = controller
         self.read_load = read_load
         self.apply = apply
         self.in_flight = in_flight
         self.record = record
+        self.ended = ended
         self.started = time.monotonic()
         #: Decisions by action, and the smallest and largest window set.
         self.actions: dict[str, int] = {}
@@ -288,7 +309,7 @@ class Admission:
             except errors.GymError as e:
                 log.warning("admission: the engines' load could not be read: %s", e)
                 load = None
-            decision = self.controller.decide(load, self.in_flight())
+            decision = self.controller.decide(load, self.in_flight(), None if self.ended is None else self.ended())
             self.apply(decision.window)
             self._note(time.monotonic() - self.started, decision)
 
@@ -345,7 +366,12 @@ async def limiting_rollouts(
     before = training.max_concurrent_rollouts()
     controller = Controller(limits)
     admission = Admission(
-        controller, loads.read, training.set_max_concurrent_rollouts, training.rollouts_in_flight, record
+        controller,
+        loads.read,
+        training.set_max_concurrent_rollouts,
+        training.rollouts_in_flight,
+        record,
+        training.rollouts_ended,
     )
     try:
         async with running(admission):
