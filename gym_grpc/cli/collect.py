@@ -114,9 +114,9 @@ def _interruptible(coroutine: Awaitable[T], output: Path) -> T:
 @click.option(
     "--admission",
     type=click.Choice(["engine"]),
-    help="Set the window from the engines' load (KV cache, waiting requests, preemptions), between "
-    "--min-in-flight and --max-in-flight (default 256), read from the agents' model servers every "
-    "--admission-interval (docs/collecting.md#engine-aware-admission).  [default: a fixed or deadline-based window]",
+    help="Set the window from the engines' load (KV cache, waiting requests, preemptions), read from the "
+    "agents' model servers every --admission-interval, between --min-in-flight and --max-in-flight "
+    "(docs/collecting.md#engine-aware-admission).  [default: off: a fixed or deadline-based window]",
 )
 @click.option(
     "--min-in-flight",
