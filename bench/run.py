@@ -30,6 +30,9 @@ What it measures, each in real processes on loopback:
   --only task_sampling rollouts run per GRPO group with signal: a plain sampler beside dynamic sampling,
                        and dynamic sampling with difficulty pools, through a real task server over
                        always-, never- and sometimes-solved math tasks (bench/task_sampling.py)
+  --only admission     engine-aware admission on the real CPU vLLM: a too-small and a too-large fixed
+                       window beside `collect --admission engine`, same rollouts, engine load sampled
+                       (bench/admission.py; --engine-url/--engine-model reuse a running vLLM)
   --peer nemo-gym      (or --only peer) gym-grpc beside the real NeMo Gym 0.7.0 on one engine: the
                        weather, multi-turn and math workloads at 64, 1,024 and 4,096 in flight
                        (bench/nemo_gym_peer.py; results in <name>-peer-nemo-gym.json)
@@ -858,6 +861,27 @@ def _peer(args: argparse.Namespace) -> None:
         sys.exit(f"rollouts failed in {failed}")
 
 
+def _admission(args: argparse.Namespace) -> None:
+    import admission
+
+    sizes = dict(rollouts=8, tokens=32, small=1, large=16, repeats=1) if args.smoke else {}
+    sizes = {"rollouts": 128, "tokens": 128, "small": 2, "large": 48, "repeats": 3} | sizes
+    if args.repeats:
+        sizes["repeats"] = args.repeats
+    with tempfile.TemporaryDirectory() as directory:
+        result = admission.bench_admission(
+            Path(directory),
+            kv_cache_blocks=12 if args.smoke else 24,
+            max_model_len=1024,
+            engine_url=args.engine_url,
+            engine_model=args.engine_model,
+            **sizes,
+        )
+    _save(args, {"admission": result}, f"{args.name}-admission")
+    print(admission.table(result))
+    sys.exit(1 if any(m["failed"] for m in result["medians"].values()) else 0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="small sizes, for CI")
@@ -875,6 +899,7 @@ def main() -> None:
             "sandboxes",
             "images",
             "task_sampling",
+            "admission",
         ],
         help="run only this scenario; results go to <name>-<scenario>.json",
     )
@@ -895,7 +920,13 @@ def main() -> None:
         "--collector-rollouts", type=int, help="rollouts of the collector growth run (d); default 1,000,000"
     )
     parser.add_argument("--collector-step", type=int, help="rollouts between two samples of that run; default 100,000")
+    parser.add_argument("--repeats", type=int, help="with --only admission: rounds of the three windows (default 3)")
+    parser.add_argument("--engine-url", help="with --only admission: a running vLLM's base URL (.../v1) to use")
+    parser.add_argument("--engine-model", help="with --only admission and --engine-url: its served model name")
     args = parser.parse_args()
+    if args.only == "admission":
+        _admission(args)
+        return
     if args.peer or args.only == "peer":
         _peer(args)
         return

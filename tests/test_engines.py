@@ -126,8 +126,9 @@ async def test_retries_are_bounded_per_failure_class_and_counted(start, engines)
     assert dict(counters.retries) == {"server_error": 2, "rate_limited": 3}
     [row] = await observe.status(static_registry(model=model), interval=0.1)
     assert row["retries"] == {"server_error": 2, "rate_limited": 3}
-    header, line = observe.format_status([row]).splitlines()
+    header, line, engine = observe.format_status([row]).splitlines()  # the engine's own line: no /metrics here
     assert line[header.index("retries") : header.index("retries") + 7].strip() == "5"
+    assert engine.startswith(f"  engine {fake.base_url}: load not read: GET ") and "HTTP 404" in engine
 
     fake.fail_next = [503, 503, 503]
     with pytest.raises(errors.Unavailable) as error:

@@ -13,9 +13,11 @@ rollouts are not verified: `reward` is a placeholder and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
+import time
 from array import array
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -23,6 +25,7 @@ from typing import Any, TextIO
 from gym_grpc import errors, tracing
 from gym_grpc.batch import fingerprint, overrides
 from gym_grpc.batch.jobs import BadInput, Batch, BatchSummary, Job, RunOptions
+from gym_grpc.client.admission import Admission, Controller, Decision, Limits, ModelServerLoads, running
 from gym_grpc.client.run_many import RESUME_ATTEMPTS
 from gym_grpc.client.stubs import AgentClient, ResourcesClient
 from gym_grpc.data import jsonl, record, rows
@@ -52,6 +55,11 @@ class CollectOptions(RunOptions):
     force: bool = False
     #: Times a rollout lost with a server or engine is resumed (AgentClient.resume_attempts).
     resume_attempts: int = RESUME_ATTEMPTS
+    #: Set the window from the engines' load between these limits (client/admission.py); None:
+    #: the window of `max_in_flight` (fixed, or deadline-based without it).
+    admission: Limits | None = None
+    #: Where to append each admission decision (JSONL), if anywhere.
+    admission_log: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -143,10 +151,16 @@ async def collect(registry: Registry, options: CollectOptions, *, log: TextIO = 
     clients: dict[str, AgentClient] = {}
     events = jsonl.Appender(options.events) if options.events is not None else None
 
+    loads = ModelServerLoads(registry) if options.admission is not None else None
+    if loads is not None and options.agent:
+        await loads.watch(options.agent)  # an agent without a model server fails the run here, not its rows
+
     async def rollout(job: Job[_Task]) -> task_pb2.Rollout:
         client = clients.get(job.group)
         if client is None:
             client = clients[job.group] = AgentClient(registry, job.group, resume_attempts=options.resume_attempts)
+        if loads is not None:
+            await loads.watch(job.group)
         task = job.payload.task
         if events is None:
             return await client.run(task, timeout=options.timeout, skip_verification=options.skip_verify)
@@ -166,10 +180,17 @@ async def collect(registry: Registry, options: CollectOptions, *, log: TextIO = 
         tracing.sampled(done)
         return record.build(job.payload.row, done, options.placeholder_reward)
 
-    batch: Batch[_Task] = Batch(options.batch(count_rows(options.input, options.limit), options.num_repeats), log)
+    batch_options = options.batch(count_rows(options.input, options.limit), options.num_repeats)
+    if options.admission is not None:
+        batch_options.max_in_flight = options.admission.ceiling
+    batch: Batch[_Task] = Batch(batch_options, log)
     verified = _Verified()
+    admitting = contextlib.nullcontext(None) if loads is None else _admission(batch, loads, options)
     try:
-        summary = await batch.run(_jobs(options), produce, visit=None if options.skip_verify else verified.add)
+        async with admitting as admission:
+            summary = await batch.run(_jobs(options), produce, visit=None if options.skip_verify else verified.add)
+        if admission is not None:
+            summary.admission = admission.summary()
     finally:
         await asyncio.gather(*(client.close() for client in clients.values()))
         if events is not None:
@@ -177,6 +198,29 @@ async def collect(registry: Registry, options: CollectOptions, *, log: TextIO = 
     if not options.skip_verify:
         await _add_environment_metrics(registry, summary, verified)
     return summary
+
+
+@contextlib.asynccontextmanager
+async def _admission(batch: Batch[_Task], loads: ModelServerLoads, options: CollectOptions) -> AsyncIterator[Admission]:
+    """The engine-aware controller sizing `batch`'s window while the block runs; its decisions on the
+    progress bar and, with `admission_log`, in that file."""
+    assert options.admission is not None
+    controller = Controller(options.admission)
+    decisions = jsonl.Appender(options.admission_log) if options.admission_log is not None else None
+
+    def record(at: float, decision: Decision) -> None:
+        batch.admission_window = decision.window
+        if decisions is not None:
+            decisions.append({"time": time.time(), "seconds": round(at, 3), **decision.to_json()})
+
+    window = batch.window
+    admission = Admission(controller, loads.read, window.resize, lambda: window.running, record, lambda: window.ended)
+    try:
+        async with running(admission):
+            yield admission
+    finally:
+        if decisions is not None:
+            decisions.close()
 
 
 #: Results beyond this size are not sent to an environment's AggregateMetrics (a gRPC message).

@@ -131,6 +131,8 @@ class BatchSummary:
     warnings: list[str] = field(default_factory=list)
     #: Failures and bad rows of this run, by kind ("failed with UNAVAILABLE in weather_agent").
     failure_counts: dict[str, int] = field(default_factory=dict)
+    #: What the admission controller did, when one set the window (client/admission.py).
+    admission: str | None = None
 
     @property
     def done(self) -> int:
@@ -187,6 +189,8 @@ class Batch(Generic[P]):
         self._stop: errors.OutputError | None = None
         self._running: set[asyncio.Task] = set()
         self._started = time.monotonic()
+        #: The window an admission controller set last (shown on the progress bar), if one runs.
+        self.admission_window: int | None = None
 
     def report(self, message: str) -> None:
         if self.bar is not None and self.options.progress:
@@ -211,6 +215,8 @@ class Batch(Generic[P]):
         postfix = {"tok/s": f"{(run.input_tokens + run.output_tokens) / elapsed:,.0f}"}
         if run.reward.count:
             postfix["reward"] = f"{run.reward.mean('reward'):.3f}"
+        if self.admission_window is not None:
+            postfix["window"] = str(self.admission_window)
         if self.tally.counts:
             postfix["failed"] = f"{sum(self.tally.counts.values()):,}"
         self.bar.set_postfix(postfix, refresh=False)

@@ -15,7 +15,9 @@ they do not:
   per window's worth of rollouts ended, as TCP's congestion window does once per round trip.
 
 This is a guard that keeps the default from failing, not a controller that reads the engine's
-load; what it does is reported once (`note`), for the summary to tell.
+load; what it does is reported once (`note`), for the summary to tell. The controller that does
+read the engines' load (`collect --admission engine`, client/admission.py) sets the size through
+`resize` instead.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class Window:
         self.deadline = deadline if adapts else None  # without a deadline to keep to, it stays as it is
         self.size = min(most, START) if adapts else most
         self.running = 0
+        #: Rollouts ended so far (an admission controller paces its growth by them).
+        self.ended = 0
         #: The smallest size it narrowed to, when it did (for the summary to say).
         self.narrowest: int | None = None
         self._room = asyncio.Event()
@@ -49,6 +53,13 @@ class Window:
         """Exactly `max_in_flight` at once when it is given; else one that adapts, up to MOST."""
         return cls(MOST, deadline) if max_in_flight is None else cls(max_in_flight, deadline, adapts=False)
 
+    def resize(self, size: int) -> None:
+        """Let `size` run at once from now (an admission controller's window, client/admission.py);
+        past a smaller size, the rollouts running end as they would and no new one starts."""
+        self.size = size
+        if self.running < self.size:
+            self._room.set()
+
     async def acquire(self) -> None:
         while self.running >= self.size:
             self._room.clear()
@@ -58,6 +69,7 @@ class Window:
     def release(self, seconds: float, past_deadline: bool = False) -> None:
         """A rollout ended after `seconds` (`past_deadline`: it failed with DEADLINE_EXCEEDED)."""
         self.running -= 1
+        self.ended += 1
         self._ended_since_narrowing += 1
         if self.deadline is not None:
             if past_deadline or seconds > self.deadline / 2:

@@ -30,6 +30,7 @@ from gym_grpc.cli.options import (
     with_registry,
 )
 from gym_grpc.cli.report import export_options, export_reports
+from gym_grpc.client.admission import DEFAULT_CEILING, Limits
 from gym_grpc.client.run_many import RESUME_ATTEMPTS
 from gym_grpc.data.jsonl import count_rows, failures_path
 from gym_grpc.report import stats
@@ -51,6 +52,8 @@ def print_summary(
     )
     for kind, count in summary.failure_counts.items():
         click.echo(f"{kind}: {count:,}", err=True)
+    if summary.admission:
+        click.echo(summary.admission, err=True)
     lines = summary.run.lines(summary.seconds, estimate_for, failed=summary.failed, tokens=collected)
     for line in lines:
         click.echo(line, err=True)
@@ -126,6 +129,46 @@ def _interruptible(coroutine: Awaitable[T], output: Path, verb: str) -> T:
 @click.option("--num-repeats", type=click.IntRange(min=1), default=1, show_default=True, help="Rollouts per task.")
 @window_option
 @click.option(
+    "--admission",
+    type=click.Choice(["engine"]),
+    help="Set the window from the engines' load (KV cache, waiting requests, preemptions), read from the "
+    "agents' model servers every --admission-interval, between --min-in-flight and --max-in-flight "
+    "(docs/collecting.md#engine-aware-admission).  [default: off: a fixed or deadline-based window]",
+)
+@click.option(
+    "--min-in-flight",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="With --admission engine: the window's floor (and where it starts).",
+)
+@click.option(
+    "--admission-interval",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="With --admission engine: seconds between two reads of the engines' load.",
+)
+@click.option(
+    "--kv-cache-target",
+    type=click.FloatRange(min=0, max=1, min_open=True, max_open=True),
+    default=0.75,
+    show_default=True,
+    help="With --admission engine: grow the window while the KV cache is less full than this.",
+)
+@click.option(
+    "--kv-cache-high",
+    type=click.FloatRange(min=0, max=1, min_open=True),
+    default=0.92,
+    show_default=True,
+    help="With --admission engine: cut it when the KV cache is fuller than this.",
+)
+@click.option(
+    "--admission-log",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="With --admission engine: append each decision here (JSONL: time, window, load, action, reason).",
+)
+@click.option(
     "--timeout",
     type=click.FloatRange(min=0, min_open=True),
     default=TIMEOUT_SECONDS,
@@ -179,6 +222,12 @@ def collect_command(
     limit: int | None,
     num_repeats: int,
     max_in_flight: int | None,
+    admission: str | None,
+    min_in_flight: int,
+    admission_interval: float,
+    kv_cache_target: float,
+    kv_cache_high: float,
+    admission_log: Path | None,
     timeout: float,
     resume_attempts: int,
     events: Path | None,
@@ -228,6 +277,24 @@ def collect_command(
     limit = parsed.options.get("limit", limit)
     for warning in parsed.warnings:
         click.echo(f"warning: {warning}", err=True)
+    limits = None
+    if admission == "engine":
+        try:
+            limits = Limits(
+                floor=min_in_flight,
+                ceiling=max_in_flight or DEFAULT_CEILING,
+                kv_target=kv_cache_target,
+                kv_high=kv_cache_high,
+                interval=admission_interval,
+            )
+        except ValueError as e:
+            raise click.UsageError(
+                f"--admission engine: {e} (--min-in-flight, --max-in-flight, --kv-cache-*)"
+            ) from None
+    else:
+        for name in ("min_in_flight", "admission_interval", "kv_cache_target", "kv_cache_high", "admission_log"):
+            if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT:
+                raise click.UsageError(f"--{name.replace('_', '-')} is for --admission engine, which is not given")
     options = CollectOptions(
         input=input_path,
         output=output,
@@ -235,6 +302,8 @@ def collect_command(
         limit=limit,
         num_repeats=num_repeats,
         max_in_flight=max_in_flight,
+        admission=limits,
+        admission_log=admission_log,
         timeout=timeout,
         resume_attempts=resume_attempts,
         overrides=parsed.params,

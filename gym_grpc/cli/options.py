@@ -61,7 +61,8 @@ registry_option = click.option(
 window_option = click.option(
     "--max-in-flight",
     type=click.IntRange(min=1),
-    help="Run exactly this many at once.  [default: as many as end well within --timeout, up to 4,096]",
+    help="Run exactly this many at once (with collect --admission engine: at most this many, default 256).  "
+    "[default: as many as end well within --timeout, up to 4,096]",
 )
 
 

@@ -54,6 +54,7 @@ class _ProcessLimit:
         self._lock = threading.Lock()
         self._limit: int | None = None
         self._in_use = 0
+        self._ended = 0
         self._waiters: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = deque()
 
     @property
@@ -108,9 +109,15 @@ class _ProcessLimit:
             self.release()  # the slot was granted as we were cancelled: pass it on
             raise
 
+    @property
+    def ended(self) -> int:
+        with self._lock:
+            return self._ended
+
     def release(self) -> None:
         with self._lock:
             self._in_use -= 1
+            self._ended += 1
             if self._waiters and self._in_use < self._limit_locked():
                 self._grant_locked()
 
@@ -136,6 +143,11 @@ def max_concurrent_rollouts() -> int:
 def rollouts_in_flight() -> int:
     """How many rollouts hold a slot of the limit now, in this process."""
     return _LIMIT.in_use
+
+
+def rollouts_ended() -> int:
+    """How many rollouts have given back their slot of the limit so far, in this process."""
+    return _LIMIT.ended
 
 
 class RolloutSlot:

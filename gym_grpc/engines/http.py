@@ -21,7 +21,9 @@ import aiohttp
 import orjson
 
 from gym_grpc import errors, tracing
+from gym_grpc.engines import load
 from gym_grpc.engines.link import EngineError, EngineLink
+from gym_grpc.engines.load import EngineLoad
 from gym_grpc.engines.retries import Failure, FailureClass, retry_after_seconds
 from gym_grpc.engines.settings import EngineSettings
 from gym_grpc.server import open_files
@@ -124,6 +126,10 @@ class Engine(EngineLink):
                 answer = _parse(body, reply.status, url)
                 tracing.engine_answered(span, reply.status, answer)
                 return answer
+
+    async def load(self) -> EngineLoad:
+        """The engine's load now, from its /metrics (gym_grpc.engines.load), read once."""
+        return await load.read(self._client(), self.base_url)
 
     async def close(self) -> None:
         if self._session is not None:

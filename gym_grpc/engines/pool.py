@@ -6,6 +6,7 @@ call goes to the engine its routing key picks (routing.py).
 
 from __future__ import annotations
 
+import asyncio
 import zlib
 from pathlib import Path
 from typing import ClassVar
@@ -13,12 +14,14 @@ from typing import ClassVar
 from gym_grpc import errors
 from gym_grpc.engines import weights
 from gym_grpc.engines.http import Engine
+from gym_grpc.engines.load import EngineLoad
 from gym_grpc.engines.routing import routing_key
 from gym_grpc.engines.settings import EngineSettings
 from gym_grpc.engines.vllm_grpc import GrpcEngine
 from gym_grpc.model import ModelServer
 from gym_grpc.server.counters import Counters
 from gym_grpc.server.serving import ServerConfig
+from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import model_service_pb2 as model_pb
 from gym_grpc.v1 import responses_pb2 as r
 
@@ -38,9 +41,19 @@ class EnginePool:
         self._next = (self._next + 1) % len(self.engines)
         return self.engines[self._next]
 
+    async def loads(self) -> list[admin_pb.EngineLoad]:
+        """Each engine's load now, read from all at once (GetCountersResponse.engines)."""
+        return [load.to_proto() for load in await asyncio.gather(*(_load(engine) for engine in self.engines))]
+
     async def close(self) -> None:
         for engine in self.engines:
             await engine.close()
+
+
+async def _load(engine: Engine | GrpcEngine) -> EngineLoad:
+    if isinstance(engine, GrpcEngine):  # its GetLoads is not read (yet): front it with vLLM's HTTP server
+        return EngineLoad(engine.base_url, error="a vLLM gRPC engine: its load is read from vLLM's HTTP /metrics only")
+    return await engine.load()
 
 
 class EngineModelServer(ModelServer):
@@ -51,6 +64,7 @@ class EngineModelServer(ModelServer):
 
     async def start(self) -> None:
         self.engines = EnginePool(self.config, self.counters)
+        self.counters.engine_loads = self.engines.loads
 
     def engine_for(self, params: r.CreateParams, session_id: str) -> Engine | GrpcEngine:
         """The engine of a model call: by its routing key (gym_grpc.engines.routing), worked out only

@@ -68,6 +68,7 @@ async def _one(info: reg.ServerInfo, address: str, interval: float, security: Se
         sessions_not_closed=second.sessions_not_closed,
         sandboxes=dict(second.sandboxes),
         sandbox_start_failures=second.sandbox_start_failures,
+        engines=[_engine_row(load) for load in second.engines],
         version=server.version,
         config_hash=server.config_hash,
         profiling=server.profiling,
@@ -77,11 +78,34 @@ async def _one(info: reg.ServerInfo, address: str, interval: float, security: Se
     return row
 
 
+def _engine_row(load: admin_pb.EngineLoad) -> dict[str, Any]:
+    if load.error:
+        return {"url": load.url, "error": load.error}
+    return {
+        "url": load.url,
+        "kv_cache_usage": round(load.kv_cache_usage, 4),
+        "requests_running": load.requests_running,
+        "requests_waiting": load.requests_waiting,
+        "preemptions_total": load.preemptions_total,
+    }
+
+
+def _engine_line(engine: dict[str, Any]) -> str:
+    """One engine of a model server, under its row: its load as the engine reports it."""
+    if "error" in engine:
+        return f"  engine {engine['url']}: load not read: {engine['error']}"
+    return (
+        f"  engine {engine['url']}: KV cache {100 * engine['kv_cache_usage']:.0f}% used, "
+        f"{engine['requests_running']} running, {engine['requests_waiting']} waiting, "
+        f"{engine['preemptions_total']} preemptions since it started"
+    )
+
+
 async def status(registry: Registry, interval: float = 1.0) -> list[dict[str, Any]]:
     """One row per address of every registered server: health, its worker processes (pid,
     metrics address) as the registry lists them, and from the worker that answered (`worker`,
     `pid`): uptime, in flight, calls/s, the retries of requests to engines by failure class,
-    and open files."""
+    open files, and a model server's engines' load (`engines`)."""
     servers = await registry.list()
     return list(await asyncio.gather(*(_one(s, a, interval, registry.security) for s in servers for a in s.addresses)))
 
@@ -103,6 +127,7 @@ def format_status(rows: list[dict[str, Any]]) -> str:
         workers = row.get("workers", [])
         if len(workers) > 1 or any(w["metrics_address"] for w in workers):
             lines.extend(_worker_line(worker, row) for worker in workers)
+        lines.extend(_engine_line(engine) for engine in row.get("engines", []))
     return "\n".join(lines)
 
 

@@ -45,7 +45,9 @@ from gym_grpc.v1 import agent_service_pb2, resources_service_pb2  # noqa: F401  
 #: 1.12: episodes with several roles: SeedSessionResponse.episode, ResourcesService.EndTurn,
 #:       VerifyResponse.role_rewards, Rollout.roles, STOP_REASON_EPISODE_OVER.
 #: 1.13: trainer services: TaskService (task_service.proto) and SERVER_ROLE_TASKS; STOP_REASON_TOKEN_BUDGET
-#:       (an agent's token budget for the whole trajectory, max_rollout_tokens).
+#:       (an agent's token budget for the whole trajectory, max_rollout_tokens); GetCountersResponse.engines
+#:       (EngineLoad: each engine's KV cache usage, requests running and waiting, preemptions);
+#:       RunManyItem.trace_context (a run's W3C trace context).
 VERSION = (1, 13)
 
 

@@ -88,7 +88,11 @@ class AdminServicer(admin_grpc.AdminServiceServicer):
         )
 
     async def GetCounters(self, request: admin_pb.GetCountersRequest, context: Any) -> admin_pb.GetCountersResponse:
-        return self.app.counters.to_proto()
+        counters = self.app.counters
+        reply = counters.to_proto()
+        if counters.engine_loads is not None:
+            reply.engines.extend(await counters.engine_loads())
+        return reply
 
     async def GetProfile(self, request: admin_pb.GetProfileRequest, context: Any) -> admin_pb.GetProfileResponse:
         entries = self.app.profiler.entries(request.limit or 50)

@@ -17,7 +17,8 @@ import time
 from array import array
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from gym_grpc.data.rollout_stats import STAGES
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
@@ -83,6 +84,9 @@ class Counters:
         #: An environment with sandboxes: how many are in each state now, and how many failed to start.
         self.sandboxes: Callable[[], dict[str, int]] = dict
         self.sandbox_start_failures: Callable[[], int] = lambda: 0
+        #: A model server in front of engines: reads each engine's load now (gym_grpc.engines.load),
+        #: when GetCounters is answered or its metrics scraped; None elsewhere.
+        self.engine_loads: Callable[[], Coroutine[Any, Any, list[admin_pb.EngineLoad]]] | None = None
 
     def begin(self, method: str) -> float:
         """A call started; returns the time to pass to end()."""

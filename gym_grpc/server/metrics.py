@@ -20,6 +20,11 @@ of its buckets, always.
     gym_server_engine_retries_total{server, kind}              model servers: retried engine requests
     gym_server_non_monotonic_histories_total{server, cause}    model servers: histories that broke token ids
     gym_server_turns_caught_by_update_total{server, outcome}   model servers: turns a weight update caught
+    gym_engine_kv_cache_usage{server, engine}                  model servers: each engine's KV cache in use, 0-1
+    gym_engine_requests_running{server, engine}                model servers: requests each engine generates for
+    gym_engine_requests_waiting{server, engine}                model servers: requests queued in each engine
+    gym_engine_preemptions_total{server, engine}               model servers: requests each engine evicted
+    gym_engine_load_up{server, engine}                         model servers: 1 when the engine's load was read
     process_*                                                  CPU, memory, open files of the process
 """
 
@@ -46,6 +51,9 @@ from gym_grpc.server.counters import LATENCY_BUCKETS, Counters
 #: The path a scraper asks for (prometheus_client answers any path but /favicon.ico).
 PATH = "/metrics"
 
+#: Seconds a scrape waits for a model server's engines' load (each read is bounded below this).
+ENGINE_READ_SECONDS = 3.0
+
 _BOUNDS = [f"{bound:g}" for bound in LATENCY_BUCKETS] + ["+Inf"]
 
 
@@ -61,9 +69,11 @@ class Measured(Protocol):
 class CountersCollector(Collector):
     """The metric families of one server, read from its counters at each scrape."""
 
-    def __init__(self, app: Measured, labels: dict[str, str]) -> None:
+    def __init__(self, app: Measured, labels: dict[str, str], loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.app = app
         self.labels = labels
+        #: The server's event loop, where an engine's load is read (a scrape runs in a thread of its own).
+        self.loop = loop
 
     def collect(self) -> Iterator[Metric]:
         server = self.app.name
@@ -112,6 +122,7 @@ class CountersCollector(Collector):
             "outcome",
             dict(counters.caught_by_update),
         )
+        yield from self._engines(server, counters)
         sessions = GaugeMetricFamily(
             "gym_server_sessions_open", "Resources servers: sessions open now.", labels=["server"]
         )
@@ -139,6 +150,40 @@ class CountersCollector(Collector):
             )
             failed.add_metric([server], counters.sandbox_start_failures())
             yield from (by_state, failed)
+
+    def _engines(self, server: str, counters: Counters) -> Iterator[Metric]:
+        """A model server's engines' load, read now on the server's loop (gym_grpc.engines.load)."""
+        if counters.engine_loads is None or self.loop is None:
+            return
+        try:
+            loads = asyncio.run_coroutine_threadsafe(counters.engine_loads(), self.loop).result(ENGINE_READ_SECONDS)
+        except (TimeoutError, RuntimeError):  # a loop that is busy or closing: no engine figures this scrape
+            return
+        labels = ["server", "engine"]
+        up = GaugeMetricFamily("gym_engine_load_up", "Model servers: 1 when the engine's load was read.", labels=labels)
+        kv = GaugeMetricFamily(
+            "gym_engine_kv_cache_usage", "Model servers: fraction of each engine's KV cache in use.", labels=labels
+        )
+        running = GaugeMetricFamily(
+            "gym_engine_requests_running", "Model servers: requests each engine is generating for.", labels=labels
+        )
+        waiting = GaugeMetricFamily(
+            "gym_engine_requests_waiting", "Model servers: requests queued in each engine.", labels=labels
+        )
+        preemptions = CounterMetricFamily(
+            "gym_engine_preemptions",
+            "Model servers: requests each engine evicted from its KV cache, since the engine started.",
+            labels=labels,
+        )
+        for load in loads:
+            key = [server, load.url]
+            up.add_metric(key, 0 if load.error else 1)
+            if not load.error:
+                kv.add_metric(key, load.kv_cache_usage)
+                running.add_metric(key, load.requests_running)
+                waiting.add_metric(key, load.requests_waiting)
+                preemptions.add_metric(key, load.preemptions_total)
+        yield from (up, kv, running, waiting, preemptions)
 
 
 def _by_label(name: str, documentation: str, server: str, label: str, counts: dict[str, int]) -> Metric:
@@ -169,9 +214,11 @@ class Endpoint:
 
 def serve(app: Measured, host: str, port: int, labels: dict[str, Any]) -> Endpoint:
     """Serve `app`'s metrics on host:port (0: a free port); OSError naming `metrics_port` when
-    that port cannot be bound. `labels` go on gym_server_info (role, worker, version)."""
+    that port cannot be bound. `labels` go on gym_server_info (role, worker, version). Called on
+    the server's event loop, where a scrape reads a model server's engines' load."""
     registry = CollectorRegistry()
-    registry.register(CountersCollector(app, {k: str(v) for k, v in labels.items()}))
+    loop = asyncio.get_running_loop()
+    registry.register(CountersCollector(app, {k: str(v) for k, v in labels.items()}, loop))
     ProcessCollector(registry=registry)
     try:
         httpd, _ = start_http_server(port, addr=host, registry=registry)

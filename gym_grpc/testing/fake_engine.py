@@ -176,6 +176,9 @@ class FakeEngine:
         #: By control path ("/pause", "/collective_rpc", ...): an HTTP status to answer, or an event
         #: to wait for before answering (a hang until it is set).
         self.control_faults: dict[str, int | asyncio.Event] = {}
+        #: What GET /metrics answers (Prometheus text, as vLLM's: the load a model server reads,
+        #: gym_grpc.engines.load); None: 404, as an engine without metrics.
+        self.metrics: str | None = None
         self.runner: web.AppRunner | None = None
         self.base_url = ""
 
@@ -187,6 +190,7 @@ class FakeEngine:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/responses", self._responses)
         app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_get("/metrics", self._metrics)
         for path in ("/pause", "/resume", "/collective_rpc", "/update_weight_version"):
             app.router.add_post(path, self._control)
         self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
@@ -210,6 +214,11 @@ class FakeEngine:
         return web.json_response(
             {"object": "list", "data": [{"id": "fake", "object": "model", "max_model_len": self.max_model_len}]}
         )
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if self.metrics is None:
+            return web.Response(status=404, text="404: Not Found")
+        return web.Response(text=self.metrics, content_type="text/plain", charset="utf-8")
 
     async def stop(self) -> None:
         if self.runner is not None:

@@ -554,6 +554,7 @@ class GetCountersResponse(_message.Message):
     TURNS_CAUGHT_BY_UPDATE_FIELD_NUMBER: _builtins.int
     SANDBOXES_FIELD_NUMBER: _builtins.int
     SANDBOX_START_FAILURES_FIELD_NUMBER: _builtins.int
+    ENGINES_FIELD_NUMBER: _builtins.int
     in_flight: _builtins.int
     """Calls running now, over all methods."""
     calls_total: _builtins.int
@@ -621,6 +622,15 @@ class GetCountersResponse(_message.Message):
         one beyond the fleet's caps). Absent when the server has none.
         """
 
+    @_builtins.property
+    def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineLoad]:
+        """Model servers in front of engines: each engine's load, read from the
+        engine (vLLM's Prometheus /metrics) while this call is answered, one per
+        base URL in the order of the server's configuration. What an admission
+        controller (`gym-grpc collect --admission engine`) sizes its window of
+        rollouts in flight by. Empty for other servers (protocol 1.13).
+        """
+
     def __init__(
         self,
         *,
@@ -636,14 +646,68 @@ class GetCountersResponse(_message.Message):
         turns_caught_by_update: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         sandboxes: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         sandbox_start_failures: _builtins.int = ...,
+        engines: _abc.Iterable[Global___EngineLoad] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls_total", b"calls_total", "in_flight", b"in_flight", "methods", b"methods", "non_monotonic_histories", b"non_monotonic_histories", "retries", b"retries", "sandbox_start_failures", b"sandbox_start_failures", "sandboxes", b"sandboxes", "sessions_not_closed", b"sessions_not_closed", "sessions_open", b"sessions_open", "stages", b"stages", "turns_caught_by_update", b"turns_caught_by_update", "uptime_seconds", b"uptime_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls_total", b"calls_total", "engines", b"engines", "in_flight", b"in_flight", "methods", b"methods", "non_monotonic_histories", b"non_monotonic_histories", "retries", b"retries", "sandbox_start_failures", b"sandbox_start_failures", "sandboxes", b"sandboxes", "sessions_not_closed", b"sessions_not_closed", "sessions_open", b"sessions_open", "stages", b"stages", "turns_caught_by_update", b"turns_caught_by_update", "uptime_seconds", b"uptime_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetCountersResponse: _TypeAlias = GetCountersResponse  # noqa: Y015
+
+@_typing.final
+class EngineLoad(_message.Message):
+    """Load of one inference engine, as the engine itself reports it (vLLM's
+    Prometheus /metrics; docs/collecting.md#engine-aware-admission).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    URL_FIELD_NUMBER: _builtins.int
+    KV_CACHE_USAGE_FIELD_NUMBER: _builtins.int
+    REQUESTS_RUNNING_FIELD_NUMBER: _builtins.int
+    REQUESTS_WAITING_FIELD_NUMBER: _builtins.int
+    PREEMPTIONS_TOTAL_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    url: _builtins.str
+    """The engine's base URL, as the model server is configured with it."""
+    kv_cache_usage: _builtins.float
+    """Fraction of the engine's KV cache in use now, 0 to 1 (vLLM's
+    vllm:kv_cache_usage_perc; the highest over its series).
+    """
+    requests_running: _builtins.int
+    """Requests the engine is generating for now (vllm:num_requests_running)."""
+    requests_waiting: _builtins.int
+    """Requests queued in the engine for room in its batch or KV cache
+    (vllm:num_requests_waiting).
+    """
+    preemptions_total: _builtins.int
+    """Requests the engine evicted from its KV cache to make room, since the
+    engine started (vllm:num_preemptions_total): their tokens are computed
+    again. A rise between two reads means the engine holds more than fits.
+    """
+    error: _builtins.str
+    """Why the load could not be read (the engine did not answer, or serves no
+    such metrics); the numbers are zero then. Empty when it was read.
+    """
+    def __init__(
+        self,
+        *,
+        url: _builtins.str = ...,
+        kv_cache_usage: _builtins.float = ...,
+        requests_running: _builtins.int = ...,
+        requests_waiting: _builtins.int = ...,
+        preemptions_total: _builtins.int = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "kv_cache_usage", b"kv_cache_usage", "preemptions_total", b"preemptions_total", "requests_running", b"requests_running", "requests_waiting", b"requests_waiting", "url", b"url"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EngineLoad: _TypeAlias = EngineLoad  # noqa: Y015
 
 @_typing.final
 class GetProfileRequest(_message.Message):

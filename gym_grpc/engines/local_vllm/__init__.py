@@ -14,7 +14,7 @@ to run it from an installed gym-grpc, which has no dev/ directory.
 """
 
 from gym_grpc.engines.local_vllm.installation import Prepared, PrepareError, cache_dir, is_prepared, prepare
-from gym_grpc.engines.local_vllm.process import CHAT_TEMPLATE, Engine, EngineStartError, running, start, stop
+from gym_grpc.engines.local_vllm.process import CHAT_TEMPLATE, Capacity, Engine, EngineStartError, running, start, stop
 from gym_grpc.engines.local_vllm.run_file import (
     AlreadyRunning,
     RunFileError,
@@ -28,6 +28,7 @@ from gym_grpc.engines.local_vllm.run_file import (
 __all__ = [
     "AlreadyRunning",
     "CHAT_TEMPLATE",
+    "Capacity",
     "Engine",
     "EngineStartError",
     "PrepareError",

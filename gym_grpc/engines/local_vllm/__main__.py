@@ -4,6 +4,7 @@
     python -m gym_grpc.engines.local_vllm start     # prints the engine as JSON: base_url, pid, log_path, model
     python -m gym_grpc.engines.local_vllm start --grpc  # vLLM's gRPC server instead (base_url grpc://host:port)
     python -m gym_grpc.engines.local_vllm start --vision  # a vision-language model (vision_model.py) instead
+    python -m gym_grpc.engines.local_vllm start --kv-cache-blocks 32 --max-model-len 1024  # a small KV cache
     python -m gym_grpc.engines.local_vllm stop      # stops the one `start` wrote in its run file (or --pid PID)
 
 `start` writes the engine's run file, CACHE/run/vllm.json (or GYM_GRPC_ENGINE_RUN_FILE),
@@ -20,7 +21,7 @@ import sys
 import time
 
 from gym_grpc.engines.local_vllm.installation import PrepareError, prepare
-from gym_grpc.engines.local_vllm.process import EngineStartError
+from gym_grpc.engines.local_vllm.process import Capacity, EngineStartError
 from gym_grpc.engines.local_vllm.run_file import RunFileError, start_tracked, stop_tracked
 
 
@@ -35,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     starting.add_argument("--port", type=int, help="serve on this port (default: a free one)")
     starting.add_argument("--grpc", action="store_true", help="vLLM's gRPC server, not its HTTP one")
     starting.add_argument("--vision", action="store_true", help="serve the vision-language model (vision_model.py)")
+    starting.add_argument(
+        "--kv-cache-blocks", type=int, help="KV cache size in blocks of 128 tokens (vLLM's --num-gpu-blocks-override)"
+    )
+    starting.add_argument("--max-num-seqs", type=int, help="most requests in one batch (vLLM's --max-num-seqs)")
     stopping = commands.add_parser("stop", help="stop the tracked vLLM, or --pid")
     stopping.add_argument("--pid", type=int, help="the PID that start printed")
     args = parser.parse_args(argv)
@@ -51,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_model_len=args.max_model_len,
                 port=args.port,
                 grpc=args.grpc,
+                capacity=Capacity(args.kv_cache_blocks, args.max_num_seqs),
             )
             print(engine.to_json())
             print(f"[engine] serving at {engine.base_url} after {time.monotonic() - began:.1f} s", file=sys.stderr)

@@ -109,7 +109,34 @@ def _prune(logs: Path, keep: int) -> None:
         old.unlink(missing_ok=True)
 
 
-def _command(prepared: Prepared, port: int, max_model_len: int, grpc: bool = False) -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    """How much the engine holds at once, when it should hold less than vLLM's defaults: to make its
+    KV cache fill (and preempt) at a load a CPU can serve, as the admission benchmark does.
+
+    `kv_cache_blocks`: the KV cache's size in blocks (vLLM's --num-gpu-blocks-override; a block
+    is 128 tokens on vLLM 0.32's CPU backend, and the cache must hold one max_model_len request).
+    `max_num_seqs`: the most requests in one batch (vLLM's --max-num-seqs)."""
+
+    kv_cache_blocks: int | None = None
+    max_num_seqs: int | None = None
+
+    def args(self) -> list[str]:
+        args = []
+        if self.kv_cache_blocks is not None:
+            args += ["--num-gpu-blocks-override", str(self.kv_cache_blocks)]
+        if self.max_num_seqs is not None:
+            args += ["--max-num-seqs", str(self.max_num_seqs)]
+        return args
+
+
+#: vLLM's own defaults.
+DEFAULTS = Capacity()
+
+
+def _command(
+    prepared: Prepared, port: int, max_model_len: int, grpc: bool = False, capacity: Capacity = DEFAULTS
+) -> list[str]:
     server = "vllm.entrypoints.launchers.grpc_server" if grpc else "vllm.entrypoints.openai.api_server"
     # The HTTP server's own options: the gRPC one takes token ids, and neither renders nor parses.
     # --enable-scale-out serves /inference/v1/generate (ids in and out, each token's weight version).
@@ -139,6 +166,7 @@ def _command(prepared: Prepared, port: int, max_model_len: int, grpc: bool = Fal
         "--max-model-len",
         str(max_model_len),
         *([] if grpc else chat),
+        *capacity.args(),
     ]
 
 
@@ -164,6 +192,7 @@ def start(
     tied: bool = False,
     grpc: bool = False,
     extra_args: Sequence[str] = (),
+    capacity: Capacity = DEFAULTS,
 ) -> Engine:
     """Start vLLM and return once GET /v1/models answers (with `grpc`, its gRPC server, once its health
     answers SERVING); raise EngineStartError if it dies or times out. `extra_args`: more options for
@@ -171,7 +200,8 @@ def start(
 
     With `port` (say, an engine's again after a restart) vLLM binds that port or fails: a
     port in use is an error, not a reason to try another. `tied`: the engine ends when this
-    process does (see die_with_parent); `gym-grpc engine start` leaves it running instead."""
+    process does (see die_with_parent); `gym-grpc engine start` leaves it running instead.
+    `capacity`: a smaller KV cache or batch than vLLM's defaults (Capacity)."""
     prepared = prepared or prepare()
     if port is not None:
         port_attempts = 1
@@ -186,7 +216,7 @@ def start(
             log.write(f"--- gym_grpc.engines.local_vllm: attempt {attempt}, port {bound}\n")
             log.flush()
             process = subprocess.Popen(
-                [*_command(prepared, bound, max_model_len, grpc), *extra_args],
+                [*_command(prepared, bound, max_model_len, grpc, capacity), *extra_args],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

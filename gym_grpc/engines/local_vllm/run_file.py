@@ -16,7 +16,7 @@ from pathlib import Path
 
 from gym_grpc import errors
 from gym_grpc.engines.local_vllm.installation import Prepared, _locked, cache_dir
-from gym_grpc.engines.local_vllm.process import Engine, EngineStartError, start, stop
+from gym_grpc.engines.local_vllm.process import DEFAULTS, Capacity, Engine, EngineStartError, start, stop
 
 RUN_FILE_VARIABLE = "GYM_GRPC_ENGINE_RUN_FILE"
 
@@ -79,6 +79,7 @@ def start_tracked(
     max_model_len: int,
     port: int | None = None,
     grpc: bool = False,
+    capacity: Capacity = DEFAULTS,
 ) -> Engine:
     """start() and write its run file; AlreadyRunning if the one in the run file still runs.
 
@@ -89,7 +90,9 @@ def start_tracked(
         running = tracked()
         if running is not None:
             raise AlreadyRunning(running)
-        engine = start(prepared, ready_timeout=ready_timeout, max_model_len=max_model_len, port=port, grpc=grpc)
+        engine = start(
+            prepared, ready_timeout=ready_timeout, max_model_len=max_model_len, port=port, grpc=grpc, capacity=capacity
+        )
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(path.name + ".tmp")
         temporary.write_text(engine.to_json())
