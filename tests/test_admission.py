@@ -5,6 +5,7 @@ endpoint, and `collect --admission engine` sizing its window from it."""
 import asyncio
 import io
 import json
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from gym_grpc.batch.collector import CollectOptions, collect
 from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 from gym_grpc.bundled.servers.models.vllm_model.server import VLLMModel
 from gym_grpc.cli.app import main as cli
-from gym_grpc.client import training
+from gym_grpc.client import admission_metrics, training
 from gym_grpc.client.admission import Admission, Controller, Decision, Limits, Load, limiting_rollouts
 from gym_grpc.client.training import GymClient
 from gym_grpc.engines import load as engine_load
@@ -185,6 +186,40 @@ async def test_the_driver_sets_the_window_each_interval_and_tells_every_decision
     assert applied[:4] == [1, 2, 4, 3]
     assert [d.action for d in told[:4]] == ["start", "grow", "grow", "cut"]
     assert "window 3 at the end" in admission.summary() or "between 1 and 4" in admission.summary()
+
+
+async def test_the_decisions_are_served_as_prometheus_metrics():
+    """What `collect --admission-metrics-port` serves: the window, the decisions, the last load read."""
+    loads = iter([load(), load(kv=0.95, running=4, waiting=2)])
+    applied: list[int] = []
+    admission = Admission(Controller(Limits(floor=1, ceiling=8)), lambda: _next(loads), applied.append, lambda: 1)
+    admission.start()
+    for _ in range(2):
+        decision = admission.controller.decide(await admission.read_load(), admission.in_flight())
+        admission.apply(decision.window)
+        admission._note(0.0, decision)
+    endpoint = admission_metrics.serve(admission, "127.0.0.1", 0)
+    try:
+        text = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://{endpoint.address}/metrics", timeout=10).read().decode()
+        )
+    finally:
+        await endpoint.stop()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples[("gym_admission_window", ())] == applied[-1] == admission.controller.window
+    assert samples[("gym_admission_decisions_total", (("action", "start"),))] == 1
+    assert sum(v for (name, _), v in samples.items() if name == "gym_admission_decisions_total") == 3
+    assert samples[("gym_admission_kv_cache_usage", ())] == 0.95
+    assert samples[("gym_admission_requests_waiting", ())] == 2
+    assert samples[("gym_admission_ceiling", ())] == 8 and samples[("gym_admission_rollouts_in_flight", ())] == 1
+
+
+async def _next(values):
+    return next(values)
 
 
 # vLLM's /metrics, parsed.
@@ -362,6 +397,7 @@ async def test_collect_with_engine_admission_grows_the_window_on_an_idle_engine(
         progress=False,
         admission=Limits(floor=1, ceiling=8, interval=0.01),
         admission_log=tmp_path / "admission.jsonl",
+        admission_metrics_port=0,  # served while it runs (what it serves: the test above)
     )
     try:
         # Without growth the first rollout would wait for ever: a bound, to fail instead of hanging.

@@ -25,6 +25,7 @@ from typing import Any, TextIO
 from gym_grpc import errors, tracing
 from gym_grpc.batch import fingerprint, overrides
 from gym_grpc.batch.jobs import BadInput, Batch, BatchSummary, Job, RunOptions
+from gym_grpc.client import admission_metrics
 from gym_grpc.client.admission import Admission, Controller, Decision, Limits, ModelServerLoads, running
 from gym_grpc.client.run_many import RESUME_ATTEMPTS
 from gym_grpc.client.stubs import AgentClient, ResourcesClient
@@ -60,6 +61,8 @@ class CollectOptions(RunOptions):
     admission: Limits | None = None
     #: Where to append each admission decision (JSONL), if anywhere.
     admission_log: Path | None = None
+    #: A port (0: any free one) on 127.0.0.1 to serve the admission's Prometheus metrics on, if any.
+    admission_metrics_port: int | None = None
 
 
 @dataclass(frozen=True)
@@ -215,12 +218,18 @@ async def _admission(batch: Batch[_Task], loads: ModelServerLoads, options: Coll
 
     window = batch.window
     admission = Admission(controller, loads.read, window.resize, lambda: window.running, record, lambda: window.ended)
+    endpoint = None
+    if options.admission_metrics_port is not None:
+        endpoint = admission_metrics.serve(admission, "127.0.0.1", options.admission_metrics_port)
+        print(f"admission metrics: http://{endpoint.address}/metrics", file=sys.stderr, flush=True)
     try:
         async with running(admission):
             yield admission
     finally:
         if decisions is not None:
             decisions.close()
+        if endpoint is not None:
+            await endpoint.stop()
 
 
 #: Results beyond this size are not sent to an environment's AggregateMetrics (a gRPC message).

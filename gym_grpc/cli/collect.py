@@ -164,6 +164,12 @@ def _interruptible(coroutine: Awaitable[T], output: Path, verb: str) -> T:
     help="With --admission engine: cut it when the KV cache is fuller than this.",
 )
 @click.option(
+    "--admission-metrics-port",
+    type=click.IntRange(min=0, max=65535),
+    help="With --admission engine: serve its decisions as Prometheus metrics on 127.0.0.1:PORT (0: a free port, "
+    "printed) while the run lasts (gym_admission_*: docs/collecting.md#engine-aware-admission).",
+)
+@click.option(
     "--admission-log",
     type=click.Path(dir_okay=False, path_type=Path),
     help="With --admission engine: append each decision here (JSONL: time, window, load, action, reason).",
@@ -227,6 +233,7 @@ def collect_command(
     admission_interval: float,
     kv_cache_target: float,
     kv_cache_high: float,
+    admission_metrics_port: int | None,
     admission_log: Path | None,
     timeout: float,
     resume_attempts: int,
@@ -292,7 +299,8 @@ def collect_command(
                 f"--admission engine: {e} (--min-in-flight, --max-in-flight, --kv-cache-*)"
             ) from None
     else:
-        for name in ("min_in_flight", "admission_interval", "kv_cache_target", "kv_cache_high", "admission_log"):
+        admission_only = ("min_in_flight", "admission_interval", "kv_cache_target", "kv_cache_high", "admission_log")
+        for name in (*admission_only, "admission_metrics_port"):
             if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT:
                 raise click.UsageError(f"--{name.replace('_', '-')} is for --admission engine, which is not given")
     options = CollectOptions(
@@ -304,6 +312,7 @@ def collect_command(
         max_in_flight=max_in_flight,
         admission=limits,
         admission_log=admission_log,
+        admission_metrics_port=admission_metrics_port,
         timeout=timeout,
         resume_attempts=resume_attempts,
         overrides=parsed.params,
@@ -328,7 +337,7 @@ def collect_command(
         sys.exit(1)
 
 
-#: The collect options that say how to read a file of tasks: nothing to do with a task server.
+#: The collect options for the tasks of a file and their window: the task server runs its own rollouts.
 _FILE_ONLY = (
     "input_path",
     "overrides",
@@ -340,6 +349,13 @@ _FILE_ONLY = (
     "skip_verify",
     "placeholder_reward",
     "force",
+    "admission",
+    "min_in_flight",
+    "admission_interval",
+    "kv_cache_target",
+    "kv_cache_high",
+    "admission_log",
+    "admission_metrics_port",
 )
 
 

@@ -290,6 +290,8 @@ class Admission:
         self.actions: dict[str, int] = {}
         self.smallest = self.largest = controller.window
         self.preempted = 0
+        #: The engines' load at the last read that could be read.
+        self.last_load: Load | None = None
         self._started = False
 
     def start(self) -> None:
@@ -318,6 +320,8 @@ class Admission:
         self.smallest = min(self.smallest, decision.window)
         self.largest = max(self.largest, decision.window)
         self.preempted += decision.preempted
+        if decision.load is not None:
+            self.last_load = decision.load
         if self.record is not None:
             self.record(at, decision)
 
