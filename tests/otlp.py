@@ -55,12 +55,12 @@ def _value(value) -> object:
 
 
 @contextlib.contextmanager
-def grpc_receiver() -> Iterator[Receiver]:
-    """An OTLP/gRPC receiver on 127.0.0.1 (its `endpoint`)."""
+def grpc_receiver(port: int = 0) -> Iterator[Receiver]:
+    """An OTLP/gRPC receiver on 127.0.0.1 (its `endpoint`), on `port` (0: a free one)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[("grpc.so_reuseport", 0)])
     received = Receiver()
     otlp_grpc.add_TraceServiceServicer_to_server(received, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
     received.endpoint, received.protocol = f"http://127.0.0.1:{port}", "grpc"
     try:

@@ -58,10 +58,16 @@ def _given_http(variable: str, tmp_path_factory: pytest.TempPathFactory) -> loca
     return local_vllm.Engine(given.rstrip("/"), pid=0, log_path=tmp_path_factory.mktemp("none"), model=model)
 
 
+#: The port of the OTLP receiver that an engine given by URL was started to send its spans to
+#: (`local_vllm start --otlp-traces-endpoint http://127.0.0.1:PORT`, as .ci/run does).
+TRACES_PORT_VARIABLE = "GYM_GRPC_REAL_ENGINE_TRACES_PORT"
+
+
 @pytest.fixture(scope="session")
 def engine_traces() -> Iterator[Receiver]:
-    """The OTLP receiver that the session's engine sends its requests' spans to (test_traces.py)."""
-    with grpc_receiver() as receiver:
+    """The OTLP receiver that the session's engine sends its requests' spans to (test_traces.py): on the
+    port TRACES_PORT_VARIABLE names, for an engine given by URL, else on a free one."""
+    with grpc_receiver(int(os.environ.get(TRACES_PORT_VARIABLE, "0"))) as receiver:
         yield receiver
 
 

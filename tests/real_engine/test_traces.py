@@ -2,18 +2,20 @@
 is a child of the model server's request to it, in the rollout's one trace.
 
 The session's engine is started with `--otlp-traces-endpoint` at the session's OTLP receiver
-(conftest.py); an engine given by URL exports nowhere this test knows, so then it starts one of its own.
+(conftest.py), as is the engine .ci/run gives (GYM_GRPC_REAL_ENGINE_TRACES_PORT); another engine given
+by URL exports nowhere this test knows, so then it starts one of its own.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 
 import pytest
 
 from tests.otlp import grpc_receiver, otel_env
-from tests.real_engine.conftest import traced_vllm
+from tests.real_engine.conftest import TRACES_PORT_VARIABLE, traced_vllm
 from tests.real_engine.gym_cli import VLLM, WEATHER_CONFIG, WEATHER_TASKS, collect_args, env_file, rows
 from tests.support import start_run
 
@@ -25,8 +27,9 @@ SPANS_WITHIN = 120.0
 
 @pytest.fixture
 def traced(engine, engine_traces, tmp_path):
-    """(an engine that sends its spans to a receiver, that receiver): the session's, unless it was given."""
-    if engine.pid:
+    """(an engine that sends its spans to a receiver, that receiver): the session's, unless it was given
+    without saying where it sends its spans."""
+    if engine.pid or os.environ.get(TRACES_PORT_VARIABLE):
         yield engine, engine_traces
         return
     with grpc_receiver() as receiver, traced_vllm(receiver, tmp_path / "vllm.log") as own:

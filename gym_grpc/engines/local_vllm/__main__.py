@@ -40,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
         "--kv-cache-blocks", type=int, help="KV cache size in blocks of 128 tokens (vLLM's --num-gpu-blocks-override)"
     )
     starting.add_argument("--max-num-seqs", type=int, help="most requests in one batch (vLLM's --max-num-seqs)")
+    starting.add_argument(
+        "--otlp-traces-endpoint",
+        help="send the spans of its requests to this OTLP collector (vLLM's option; docs/observability.md#traces)",
+    )
     stopping = commands.add_parser("stop", help="stop the tracked vLLM, or --pid")
     stopping.add_argument("--pid", type=int, help="the PID that start printed")
     args = parser.parse_args(argv)
@@ -57,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                 port=args.port,
                 grpc=args.grpc,
                 capacity=Capacity(args.kv_cache_blocks, args.max_num_seqs),
+                extra_args=["--otlp-traces-endpoint", args.otlp_traces_endpoint] if args.otlp_traces_endpoint else (),
             )
             print(engine.to_json())
             print(f"[engine] serving at {engine.base_url} after {time.monotonic() - began:.1f} s", file=sys.stderr)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from gym_grpc import errors
@@ -80,6 +81,7 @@ def start_tracked(
     port: int | None = None,
     grpc: bool = False,
     capacity: Capacity = DEFAULTS,
+    extra_args: Sequence[str] = (),
 ) -> Engine:
     """start() and write its run file; AlreadyRunning if the one in the run file still runs.
 
@@ -91,7 +93,13 @@ def start_tracked(
         if running is not None:
             raise AlreadyRunning(running)
         engine = start(
-            prepared, ready_timeout=ready_timeout, max_model_len=max_model_len, port=port, grpc=grpc, capacity=capacity
+            prepared,
+            ready_timeout=ready_timeout,
+            max_model_len=max_model_len,
+            port=port,
+            grpc=grpc,
+            capacity=capacity,
+            extra_args=extra_args,
         )
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(path.name + ".tmp")
