@@ -5,6 +5,7 @@ endpoint, and `collect --admission engine` sizing its window from it."""
 import asyncio
 import io
 import json
+import socket
 import urllib.request
 from pathlib import Path
 
@@ -255,6 +256,21 @@ def test_metrics_without_vllms_names_give_an_error_naming_them():
 
 
 # A model server reads its engine's /metrics over loopback.
+
+
+async def test_an_engine_that_never_answers_its_metrics_leaves_status_its_model_servers_row():
+    """The engine is a socket that listens and never answers: GetCounters must still answer within the
+    2 s that `status` gives it, the engine marked as not read, not the model server as down."""
+    silent = socket.create_server(("127.0.0.1", 0))
+    model = VLLMModel({"base_url": f"http://127.0.0.1:{silent.getsockname()[1]}/v1", "model": "m"}, name="model")
+    server = await serve(model, "127.0.0.1", 0)
+    try:
+        [row] = await observe.status(static_registry(model=server), interval=0.01)
+    finally:
+        await server.stop()
+        silent.close()
+    assert row["health"] == "serving" and row["open_files_limit"] > 0
+    assert "did not answer within" in row["engines"][0]["error"]
 
 
 async def test_a_model_server_reports_its_engines_load_in_counters_status_and_metrics(start):

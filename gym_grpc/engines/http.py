@@ -127,9 +127,9 @@ class Engine(EngineLink):
                 tracing.engine_answered(span, reply.status, answer)
                 return answer
 
-    async def load(self) -> EngineLoad:
-        """The engine's load now, from its /metrics (gym_grpc.engines.load), read once."""
-        return await load.read(self._client(), self.base_url)
+    async def load(self, within: float | None = None) -> EngineLoad:
+        """The engine's load now, from its /metrics (gym_grpc.engines.load), read once (in `within` s at most)."""
+        return await load.read(self._client(), self.base_url, within)
 
     async def close(self) -> None:
         if self._session is not None:

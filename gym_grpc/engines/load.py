@@ -111,17 +111,19 @@ def metrics_url(base_url: str) -> str:
     return f"{base_url.rstrip('/').removesuffix('/v1')}{PATH}"
 
 
-async def read(session: aiohttp.ClientSession, base_url: str) -> EngineLoad:
-    """The load of the engine at `base_url`, read once (no retries: the next read is the retry)."""
+async def read(session: aiohttp.ClientSession, base_url: str, within: float | None = None) -> EngineLoad:
+    """The load of the engine at `base_url`, read once (no retries: the next read is the retry), in at
+    most READ_TIMEOUT seconds or `within`, when that is shorter (what the caller's deadline leaves)."""
     url = metrics_url(base_url)
+    seconds = READ_TIMEOUT if within is None else min(READ_TIMEOUT, within)
     try:
-        async with asyncio.timeout(READ_TIMEOUT):
+        async with asyncio.timeout(seconds):
             async with session.get(url) as reply:
                 text = await reply.text(errors="replace")
                 if reply.status != 200:
                     return EngineLoad(base_url, error=f"GET {url} answered HTTP {reply.status}")
     except TimeoutError:
-        return EngineLoad(base_url, error=f"GET {url} did not answer within {READ_TIMEOUT:g} s")
+        return EngineLoad(base_url, error=f"GET {url} did not answer within {seconds:.3g} s")
     except aiohttp.ClientError as e:
         return EngineLoad(base_url, error=f"GET {url} failed: {type(e).__name__}: {e}")
     return parse(base_url, text)

@@ -86,7 +86,7 @@ class Counters:
         self.sandbox_start_failures: Callable[[], int] = lambda: 0
         #: A model server in front of engines: reads each engine's load now (gym_grpc.engines.load),
         #: when GetCounters is answered or its metrics scraped; None elsewhere.
-        self.engine_loads: Callable[[], Coroutine[Any, Any, list[admin_pb.EngineLoad]]] | None = None
+        self.engine_loads: Callable[[float | None], Coroutine[Any, Any, list[admin_pb.EngineLoad]]] | None = None
 
     def begin(self, method: str) -> float:
         """A call started; returns the time to pass to end()."""

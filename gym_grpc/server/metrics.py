@@ -156,7 +156,7 @@ class CountersCollector(Collector):
         if counters.engine_loads is None or self.loop is None:
             return
         try:
-            loads = asyncio.run_coroutine_threadsafe(counters.engine_loads(), self.loop).result(ENGINE_READ_SECONDS)
+            loads = asyncio.run_coroutine_threadsafe(counters.engine_loads(None), self.loop).result(ENGINE_READ_SECONDS)
         except (TimeoutError, RuntimeError):  # a loop that is busy or closing: no engine figures this scrape
             return
         labels = ["server", "engine"]
