@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gym_grpc.engines import local_vllm
-from tests.real_engine.conftest import engine  # noqa: F401 - the real CPU vLLM, one per session
+from tests.real_engine.conftest import engine, engine_traces  # noqa: F401 - the real CPU vLLM, one per session
 
 
 @pytest.fixture(scope="session")
