@@ -558,10 +558,7 @@ class ToolLoopAgent(AgentServer):
         self.first_request(request, task)
         rollout = task_pb2.Rollout(stop_reason=task_pb2.STOP_REASON_MAX_STEPS)
         rollout.response.status = r.RESPONSE_STATUS_COMPLETED
-        budget = None
-        if self.config.max_rollout_tokens is not None:
-            own = params.max_output_tokens if params.HasField("max_output_tokens") else None
-            budget = TokenBudget(self.config.max_rollout_tokens, own, self.config.model_server)
+        budget = TokenBudget.of(self.config.max_rollout_tokens, params, self.config.model_server)
         so_far = _SoFar(rollout, params.input_items.items, budget)
         attempt = events.attempt
         for resumed in attempt.resume.turns:

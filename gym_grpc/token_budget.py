@@ -29,6 +29,15 @@ class TokenBudget:
         #: The budget's cap on the last model call; None when the request's own limit was the smaller.
         self._cap: int | None = None
 
+    @classmethod
+    def of(cls, tokens: int | None, params: r.CreateParams, model_server: str) -> TokenBudget | None:
+        """The budget of an agent's `max_rollout_tokens` for the model calls `params` starts (their own
+        max_output_tokens kept when smaller); None without one."""
+        if tokens is None:
+            return None
+        own = params.max_output_tokens if params.HasField("max_output_tokens") else None
+        return cls(tokens, own, model_server)
+
     def limit(self) -> int:
         """The max_output_tokens of the next model call: what the budget has left, or the request's own if smaller."""
         left = self.tokens - self.used

@@ -49,7 +49,7 @@ log = logging.getLogger("gym_grpc.tracing")
 SCOPE = "gym_grpc"
 
 #: What a span of a switched-off tracer is: nothing.
-_OFF: contextlib.nullcontext[None] = contextlib.nullcontext()
+OFF: contextlib.nullcontext[None] = contextlib.nullcontext()
 
 
 def _wanted() -> bool:
@@ -188,7 +188,7 @@ def server_call(method: str, metadata: Sequence[Any], server: str) -> contextlib
     """The SERVER span of a call a gym-grpc server handles (`method`: "gym.v1.AgentService/Run"),
     in the trace its `metadata` carries (a root without one); set `call_ended` when it ends."""
     if not _state.on:
-        return _OFF
+        return OFF
     from opentelemetry.trace import SpanKind
 
     service, _, name = method.rpartition("/")
@@ -243,7 +243,7 @@ def failed(span: Span | None, error: BaseException) -> None:
 def model_call(model: str, session_id: str, turn: int) -> contextlib.AbstractContextManager[Span | None]:
     """An agent's call to its model server (a gen_ai `chat` client span); `model_answered` adds the answer."""
     if not _state.on:
-        return _OFF
+        return OFF
     attributes = {
         "gen_ai.operation.name": "chat",
         "gen_ai.provider.name": "gym_grpc",
@@ -281,7 +281,7 @@ def _finish_reason(response: Any) -> str:
 def tool_call(name: str, call_id: str, turn: int) -> contextlib.AbstractContextManager[Span | None]:
     """An agent's tool call (a gen_ai `execute_tool` span); `tool_answered` adds how it went."""
     if not _state.on:
-        return _OFF
+        return OFF
     attributes = {
         "gen_ai.operation.name": "execute_tool",
         "gen_ai.tool.name": name,
@@ -305,7 +305,7 @@ def tool_answered(span: Span | None, error: bool, reason: str | None) -> None:
 def verification(environment: str) -> contextlib.AbstractContextManager[Span | None]:
     """An agent's verification of a rollout; `verified` adds the reward."""
     if not _state.on:
-        return _OFF
+        return OFF
     return _span("gym_grpc.verify", "INTERNAL", {"gym_grpc.environment": environment})
 
 
@@ -319,7 +319,7 @@ def engine_request(method: str, url: str, path: str, model: str) -> contextlib.A
     no `method` a gRPC one (`path` the method); `engine_headers` are
     the headers that carry the trace to it, `engine_answered` what it said."""
     if not _state.on:
-        return _OFF
+        return OFF
     if method:
         attributes: dict[str, Any] = {"http.request.method": method, "url.full": url}
     else:
@@ -365,7 +365,7 @@ def rollout(
     client's in-flight window, until the block begins, is inside it as `gym_grpc.queue_wait`.
     In a program that has a span current (a trainer's step), the rollout is its child."""
     if not _state.on:
-        return _OFF
+        return OFF
     return _rollout(name, queued_ns, attributes)
 
 

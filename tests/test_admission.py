@@ -228,8 +228,12 @@ async def _next(values):
 
 def test_the_load_in_a_real_vllm_0_32_metrics_page():
     parsed = engine_load.parse("http://e/v1", VLLM_METRICS)
-    assert parsed == engine_load.EngineLoad(
-        "http://e/v1", kv_cache_usage=0.967741935483871, requests_running=15, requests_waiting=15, preemptions_total=31
+    assert parsed == admin_pb.EngineLoad(
+        url="http://e/v1",
+        kv_cache_usage=0.967741935483871,
+        requests_running=15,
+        requests_waiting=15,
+        preemptions_total=31,
     )
 
 

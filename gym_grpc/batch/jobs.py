@@ -15,6 +15,7 @@ at the end covers the whole output file.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -228,15 +229,28 @@ class Batch(Generic[P]):
             for task in self._running:
                 task.cancel()
 
+    def _traced(self, job: Job[P], queued: int) -> contextlib.AbstractContextManager[Any]:
+        """The job's root span when tracing; nothing built when not (this runs once per rollout)."""
+        if not tracing.active():
+            return tracing.OFF
+        return tracing.rollout(
+            queued,
+            self.options.span,
+            **{
+                "gym_grpc.agent": job.group,
+                "rl.sample.task.id": str(job.task_index),
+                "gym_grpc.task_index": job.task_index,
+                "gym_grpc.repeat_index": job.repeat_index,
+            },
+        )
+
     async def _one(self, job: Job[P], produce: Produce[P], out: jsonl.Appender, queued: int) -> None:
         """Run `job`, asked for at `queued` (time.time_ns(): its wait for the window is in its trace)."""
         assert self.bar is not None
         began, past_deadline = time.monotonic(), False
-        attributes: dict[str, str | int] = {"gym_grpc.agent": job.group, "rl.sample.task.id": f"{job.task_index}"}
-        attributes.update({"gym_grpc.task_index": job.task_index, "gym_grpc.repeat_index": job.repeat_index})
         try:
             try:
-                with tracing.rollout(queued, self.options.span, **attributes):
+                with self._traced(job, queued):
                     row = await produce(job)
                 record.set_key(row, job.task_index, job.repeat_index)
                 out.append(row)

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gym_grpc.client.stubs import TaskClient
-from gym_grpc.client.training import TaskBatch, task_group
+from gym_grpc.client.training import task_group
 from gym_grpc.data import jsonl, record
 from gym_grpc.rpc.registry import Registry
+from gym_grpc.tasks.server import add_summary
 from gym_grpc.v1 import task_service_pb2 as tasks_pb
 
 #: The field of a row that says which task server, dataset, task, batch and pool it came from.
@@ -60,12 +61,6 @@ class TaskBatchTotals:
         ]
 
 
-def _add(total: tasks_pb.BatchSummary, summary: tasks_pb.BatchSummary) -> None:
-    for name in ("groups", "groups_tried", "groups_without_signal", "groups_failed", "rollouts", "rollouts_failed"):
-        setattr(total, name, getattr(total, name) + getattr(summary, name))
-    total.seconds += summary.seconds
-
-
 async def collect_batches(registry: Registry, options: TaskBatchOptions, log: TextIO) -> TaskBatchTotals:
     """Ask for the batches, write their rows, say a line per batch on `log`."""
     client = TaskClient(registry, options.task_server)
@@ -76,16 +71,15 @@ async def collect_batches(registry: Registry, options: TaskBatchOptions, log: Te
     failures = jsonl.Appender(jsonl.failures_path(options.output))
     try:
         for number in range(options.batches):
-            batch = TaskBatch([], tasks_pb.BatchSummary())
+            s = tasks_pb.BatchSummary()
             async for reply in client.next_batch(
                 options.groups,
                 options.group_size,
                 policy_version=options.policy_version,
                 rollout_timeout=options.timeout,
-                timeout=86_400.0,
             ):
                 if not reply.HasField("group"):
-                    batch = TaskBatch(batch.groups, reply.summary)
+                    s = reply.summary
                     continue
                 group = task_group(reply.group)
                 served: dict[str, Any] = {
@@ -110,9 +104,7 @@ async def collect_batches(registry: Registry, options: TaskBatchOptions, log: Te
                         )
                         totals.failed += 1
                 group_number += 1
-                batch.groups.append(group)
-            s = batch.summary
-            _add(totals.summary, s)
+            add_summary(totals.summary, s)
             log.write(
                 f"batch {number + 1}/{options.batches}: {s.groups} groups of {s.groups_tried} tried "
                 f"({s.groups_without_signal} without signal, {s.groups_failed} failed), {s.rollouts} rollouts, "

@@ -43,19 +43,19 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import grpc
-
 from gym_grpc import errors
 from gym_grpc.client import training
-from gym_grpc.rpc import transport
+from gym_grpc.client.stubs import AdminClient
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
-from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 
 log = logging.getLogger("gym_grpc.client.admission")
 
 #: The window's ceiling when none is given.
 DEFAULT_CEILING = 256
+
+#: Seconds a model server has to answer GetCounters (it reads its engines' load in half of them).
+COUNTERS_TIMEOUT = 5.0
 
 #: The reference under which an agent names its model server (gym_grpc.agent.Agent.references).
 MODEL_REFERENCE = "model"
@@ -249,18 +249,16 @@ class ModelServerLoads:
             except errors.GymError as e:
                 log.warning("admission: model server %r not found: %s", server, e)
                 continue
-            replies = await asyncio.gather(*(self._counters(a) for a in addresses))
-            engines.extend(e for reply in replies if reply is not None for e in reply.engines)
+            client = AdminClient(self.registry, server, timeout=COUNTERS_TIMEOUT)
+            replies = await asyncio.gather(*(client.counters(a) for a in addresses), return_exceptions=True)
+            for address, reply in zip(addresses, replies, strict=True):
+                if isinstance(reply, errors.GymError):
+                    log.warning("admission: model server at %s did not answer GetCounters: %s", address, reply.message)
+                elif isinstance(reply, BaseException):
+                    raise reply
+                else:
+                    engines.extend(reply.engines)
         return Load.of(engines)
-
-    async def _counters(self, address: str) -> admin_pb.GetCountersResponse | None:
-        async with transport.open_channel(address, security=self.registry.security) as channel:
-            try:
-                stub = admin_grpc.AdminServiceStub(channel)
-                return await stub.GetCounters(admin_pb.GetCountersRequest(), timeout=5.0)
-            except grpc.aio.AioRpcError as e:
-                log.warning("admission: model server at %s did not answer GetCounters: %s", address, e.details())
-                return None
 
 
 class Admission:

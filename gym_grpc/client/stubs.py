@@ -42,6 +42,9 @@ from gym_grpc.v1 import task_service_pb2_grpc as tasks_grpc
 
 #: Timeout of one call, in seconds, when neither the caller's deadline nor the client's `timeout` gives one.
 DEFAULT_TIMEOUT = 600.0
+
+#: Seconds a TaskService.NextBatch call may take unless told: a day.
+BATCH_TIMEOUT = 86_400.0
 #: How long a weight update may take on each replica, unless told.
 UPDATE_TIMEOUT = 300.0
 #: The pause modes of a weight update, by name (PauseMode in model_service.proto).
@@ -231,6 +234,10 @@ class AdminClient(_Client):
     _stub_class = admin_grpc.AdminServiceStub
     _kind = "server"
     _service = admin_pb.DESCRIPTOR.services_by_name["AdminService"].full_name
+
+    async def counters(self, address: str) -> admin_pb.GetCountersResponse:
+        """GetCounters of the server's replica at `address`, over the registry's connection to it."""
+        return await self._call("GetCounters", admin_pb.GetCountersRequest(), connection=self.registry.replica(address))
 
 
 class ModelClient(_Client):
@@ -514,14 +521,16 @@ class TaskClient(_Client):
         rollout_timeout: float | None = None,
         timeout: float | None = None,
     ) -> AsyncIterator[tasks_pb.NextBatchResponse]:
-        """The groups of a batch as the server completes them, then its summary (NextBatch)."""
+        """The groups of a batch as the server completes them, then its summary (NextBatch). The call
+        may take BATCH_TIMEOUT unless `timeout` says: a batch is many rollouts, and groups dropped for
+        want of signal are rolled out again."""
         request = tasks_pb.NextBatchRequest(
             groups=groups,
             group_size=group_size,
             policy_version=policy_version,
             rollout_timeout_seconds=rollout_timeout or 0.0,
         )
-        async for reply in self._stream("NextBatch", request, timeout):
+        async for reply in self._stream("NextBatch", request, BATCH_TIMEOUT if timeout is None else timeout):
             yield reply
 
     async def task_stats(self, limit: int = 0) -> tasks_pb.GetTaskStatsResponse:

@@ -434,11 +434,11 @@ class GymClient:
         error: its summary says why (`short_reason`)."""
         client = self._tasks.get(task_server)
         if client is None:
-            client = self._tasks[task_server] = TaskClient(self._registry, task_server, timeout=None)
+            client = self._tasks[task_server] = TaskClient(self._registry, task_server)
         found: list[TaskGroup] = []
         summary = tasks_pb.BatchSummary()
         async for reply in client.next_batch(
-            groups, group_size, policy_version=self.policy_version, rollout_timeout=self.timeout, timeout=None
+            groups, group_size, policy_version=self.policy_version, rollout_timeout=self.timeout
         ):
             if reply.HasField("group"):
                 found.append(task_group(reply.group))

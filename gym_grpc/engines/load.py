@@ -20,13 +20,12 @@ cannot be reached gives a load with `error` set, never a failed call.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import math
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from gym_grpc.v1 import admin_service_pb2 as admin_pb
+from gym_grpc.v1.admin_service_pb2 import EngineLoad
 
 #: The path of vLLM's Prometheus metrics, from the server root (not under /v1).
 PATH = "/metrics"
@@ -42,40 +41,6 @@ _WAITING = ("vllm:num_requests_waiting",)
 _PREEMPTIONS = ("vllm:num_preemptions_total", "vllm:num_preemptions")
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineLoad:
-    """One engine's load at one moment (see the module's docstring for each field's source)."""
-
-    url: str
-    kv_cache_usage: float = 0.0
-    requests_running: int = 0
-    requests_waiting: int = 0
-    preemptions_total: int = 0
-    #: Why the load could not be read; the numbers are zero then.
-    error: str = ""
-
-    def to_proto(self) -> admin_pb.EngineLoad:
-        return admin_pb.EngineLoad(
-            url=self.url,
-            kv_cache_usage=self.kv_cache_usage,
-            requests_running=self.requests_running,
-            requests_waiting=self.requests_waiting,
-            preemptions_total=self.preemptions_total,
-            error=self.error,
-        )
-
-    @classmethod
-    def from_proto(cls, message: admin_pb.EngineLoad) -> EngineLoad:
-        return cls(
-            url=message.url,
-            kv_cache_usage=message.kv_cache_usage,
-            requests_running=message.requests_running,
-            requests_waiting=message.requests_waiting,
-            preemptions_total=message.preemptions_total,
-            error=message.error,
-        )
-
-
 def parse(url: str, text: str) -> EngineLoad:
     """The load in a Prometheus text exposition of vLLM's; `error` says which metric is missing."""
     samples: dict[str, list[float]] = {}
@@ -84,7 +49,7 @@ def parse(url: str, text: str) -> EngineLoad:
             for sample in family.samples:
                 samples.setdefault(sample.name, []).append(sample.value)
     except ValueError as e:
-        return EngineLoad(url, error=f"its {PATH} is not Prometheus text: {e}")
+        return EngineLoad(url=url, error=f"its {PATH} is not Prometheus text: {e}")
 
     def values(names: tuple[str, ...]) -> list[float] | None:
         for name in names:
@@ -96,9 +61,9 @@ def parse(url: str, text: str) -> EngineLoad:
     if kv is None or running is None or waiting is None or preemptions is None:
         named = zip((_KV_CACHE, _RUNNING, _WAITING, _PREEMPTIONS), (kv, running, waiting, preemptions), strict=True)
         missing = ", ".join(names[0] for names, got in named if got is None)
-        return EngineLoad(url, error=f"its {PATH} has no {missing}: not a vLLM, or one of another version")
+        return EngineLoad(url=url, error=f"its {PATH} has no {missing}: not a vLLM, or one of another version")
     return EngineLoad(
-        url,
+        url=url,
         kv_cache_usage=max(kv, default=0.0),
         requests_running=round(sum(running)),
         requests_waiting=round(sum(waiting)),
@@ -121,9 +86,9 @@ async def read(session: aiohttp.ClientSession, base_url: str, within: float | No
             async with session.get(url) as reply:
                 text = await reply.text(errors="replace")
                 if reply.status != 200:
-                    return EngineLoad(base_url, error=f"GET {url} answered HTTP {reply.status}")
+                    return EngineLoad(url=base_url, error=f"GET {url} answered HTTP {reply.status}")
     except TimeoutError:
-        return EngineLoad(base_url, error=f"GET {url} did not answer within {seconds:.3g} s")
+        return EngineLoad(url=base_url, error=f"GET {url} did not answer within {seconds:.3g} s")
     except aiohttp.ClientError as e:
-        return EngineLoad(base_url, error=f"GET {url} failed: {type(e).__name__}: {e}")
+        return EngineLoad(url=base_url, error=f"GET {url} failed: {type(e).__name__}: {e}")
     return parse(base_url, text)

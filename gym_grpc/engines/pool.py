@@ -43,7 +43,7 @@ class EnginePool:
 
     async def loads(self, within: float | None = None) -> list[admin_pb.EngineLoad]:
         """Each engine's load now, read from all at once in `within` seconds at most (GetCountersResponse.engines)."""
-        return [load.to_proto() for load in await asyncio.gather(*(_load(engine, within) for engine in self.engines))]
+        return list(await asyncio.gather(*(_load(engine, within) for engine in self.engines)))
 
     async def close(self) -> None:
         for engine in self.engines:
@@ -52,7 +52,9 @@ class EnginePool:
 
 async def _load(engine: Engine | GrpcEngine, within: float | None) -> EngineLoad:
     if isinstance(engine, GrpcEngine):  # its GetLoads is not read (yet): front it with vLLM's HTTP server
-        return EngineLoad(engine.base_url, error="a vLLM gRPC engine: its load is read from vLLM's HTTP /metrics only")
+        return EngineLoad(
+            url=engine.base_url, error="a vLLM gRPC engine: its load is read from vLLM's HTTP /metrics only"
+        )
     return await engine.load(within)
 
 

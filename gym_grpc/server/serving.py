@@ -247,14 +247,12 @@ def rpc_method(handler: H) -> H:
 # Calls that are no span of their own: each run of a RunMany call is one (its Run handler's),
 # in the trace the run carries; the call, open for many rollouts, belongs to none of them.
 _UNTRACED = frozenset({"RunMany"})
-#: What a call that is no span gets (reusable: it holds nothing).
-_NO_SPAN: contextlib.nullcontext[None] = contextlib.nullcontext()
 
 
 def _traced(servicer: Any, method: str, call: _Call) -> contextlib.AbstractContextManager[Any]:
     """The SERVER span of a call (nothing when tracing is off), in the trace its metadata carries."""
     if not tracing.active() or method in _UNTRACED:
-        return _NO_SPAN
+        return tracing.OFF
     service = _service_of(servicer.__class__)
     return tracing.server_call(f"{service}/{method}", call.metadata, servicer.app.name)
 

@@ -88,6 +88,13 @@ class TaskServerConfig(ServerConfig):
         return datasets
 
 
+def add_summary(total: tasks_pb.BatchSummary, summary: tasks_pb.BatchSummary) -> None:
+    """Add one batch's counts and seconds to a running total (the server's life, a collect's batches)."""
+    for name in ("groups", "groups_tried", "groups_without_signal", "groups_failed", "rollouts", "rollouts_failed"):
+        setattr(total, name, getattr(total, name) + getattr(summary, name))
+    total.seconds += summary.seconds
+
+
 class TaskServer(GymServer):
     """Serves TaskService over the datasets of its config (see the module's doc)."""
 
@@ -196,14 +203,9 @@ class TaskServer(GymServer):
         members = await asyncio.gather(
             *(self._member(client, task, repeat, timeout, version) for repeat in range(size))
         )
-        group = tasks_pb.TaskGroup(
+        return tasks_pb.TaskGroup(
             dataset=self.names[dataset], task_index=index, task=task, agent=agent, pool=pool, members=members
         )
-        rewards = [m.rollout.reward for m in members if m.HasField("rollout")]
-        if rewards:
-            group.reward_mean = sum(rewards) / len(rewards)
-        group.has_signal = len(set(rewards)) > 1
-        return group
 
     async def batch(self, request: tasks_pb.NextBatchRequest) -> AsyncIterator[tasks_pb.NextBatchResponse]:
         """The groups of one NextBatch call as they complete, then its summary."""
@@ -243,6 +245,9 @@ class TaskServer(GymServer):
                     dataset, index = running.pop(future)
                     group = future.result()
                     finished = [m.rollout.reward for m in group.members if m.HasField("rollout")]
+                    if finished:
+                        group.reward_mean = sum(finished) / len(finished)
+                    group.has_signal = len(set(finished)) > 1
                     self.sampler.observe(dataset, index, finished)
                     summary.rollouts += len(group.members)
                     summary.rollouts_failed += len(group.members) - len(finished)
@@ -254,7 +259,7 @@ class TaskServer(GymServer):
                         summary.groups += 1
                         yield tasks_pb.NextBatchResponse(group=group)
             summary.seconds = time.monotonic() - began
-            self._add_served(summary)
+            add_summary(self.served, summary)
             yield tasks_pb.NextBatchResponse(summary=summary)
         finally:
             for future in running:
@@ -272,16 +277,6 @@ class TaskServer(GymServer):
         return (
             "no task left to draw (every task is retired, held by this or another batch, or in a pool whose share is 0)"
         )
-
-    def _add_served(self, summary: tasks_pb.BatchSummary) -> None:
-        served = self.served
-        served.groups += summary.groups
-        served.groups_tried += summary.groups_tried
-        served.groups_without_signal += summary.groups_without_signal
-        served.groups_failed += summary.groups_failed
-        served.rollouts += summary.rollouts
-        served.rollouts_failed += summary.rollouts_failed
-        served.seconds += summary.seconds
 
     def stats(self, limit: int) -> tasks_pb.GetTaskStatsResponse:
         sizes = self.sampler.pool_sizes()

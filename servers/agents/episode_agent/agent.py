@@ -158,11 +158,7 @@ class EpisodeAgent(AgentServer):
             del conversation[:]
             conversation.extend(opening)
             record = task_pb2.RolloutRole(name=spec.name, model_server=server)
-            budget = None
-            if self.config.max_rollout_tokens is not None:
-                params = request.params
-                own = params.max_output_tokens if params.HasField("max_output_tokens") else None
-                budget = TokenBudget(self.config.max_rollout_tokens, own, server)
+            budget = TokenBudget.of(self.config.max_rollout_tokens, request.params, server)
             roles[spec.name] = _Role(record, self.models[server], request, bool(spec.opening), budget)
         return roles
 
@@ -220,9 +216,10 @@ class EpisodeAgent(AgentServer):
             incomplete = response.status == r.RESPONSE_STATUS_INCOMPLETE
             if budget is not None:
                 budget.took(response)
-                if budget.cut(response) if incomplete else bool(calls) and budget.spent:
-                    if incomplete:
-                        rollout.response.incomplete_details.CopyFrom(response.incomplete_details)
+                cut = incomplete and budget.cut(response)
+                if cut:
+                    rollout.response.incomplete_details.CopyFrom(response.incomplete_details)
+                if cut or (calls and not incomplete and budget.spent):  # tool calls past the budget are not run
                     return response, task_pb2.STOP_REASON_TOKEN_BUDGET
             if not calls or incomplete:
                 break
