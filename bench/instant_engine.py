@@ -4,7 +4,8 @@ for benchmarking model servers.
     python bench/instant_engine.py PORT_FILE [LATENCY_SECONDS]
 
 It serves `/v1/chat/completions` in vLLM's wire format, token fields included
-(byte-level ids, one log-prob per generated token), and `/v1/responses` in
+(byte-level ids, one log-prob per generated token; `required_prefix_token_ids`
+honoured as NeMo RL's vLLM does), and `/v1/responses` in
 the Responses format: with tools and no tool output yet it calls the first
 tool with the capitalised words of the last user message as its first
 argument; after a tool output it answers with it. A user message that asks
@@ -14,9 +15,20 @@ question "What is A + B?" with no tools is answered as \\boxed{\\frac{2(A+B)}{2}
 so that checking it is real work for math-verify. With a latency, every
 answer waits that long, as a busy engine would.
 
+For the token path it also serves, as vLLM does, `/tokenize` (messages and
+tools rendered by a ChatML-like template whose tokenizer is one id per byte,
+`<|im_start|>` 256 and `<|im_end|>` 257; the tools as JSON in a system block,
+as tool-calling templates write them) and `/v1/completions` with a prompt of
+token ids (the text, `token_ids`, `prompt_token_ids`, log-probs as
+"token_id:N"). Its generation reads the same things from the prompt ids that
+the chat path reads from the messages, and writes a tool call as hermes does
+(`<tool_call>{"name": ..., "arguments": ...}</tool_call>`).
+
 `GET /bench/stats` tells how many model calls it answered since the last
-`POST /bench/reset`, and the wall-clock time (time.time()) of the first and the
-last: a benchmark times two stacks the same way from outside them.
+`POST /bench/reset` (and /tokenize calls apart), the wall-clock time
+(time.time()) of the first and the last, and of every final answer (an answer
+without a tool call: the rollout's last model call): a benchmark times two
+stacks the same way from outside them, the steady rate included.
 """
 
 from __future__ import annotations
@@ -27,11 +39,13 @@ import re
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import orjson
 from aiohttp import web
 
 from gym_grpc.rpc import event_loop
+from gym_grpc.testing.fake_engine import CHAT_TEMPLATE, IM_END, IM_START, encode, hermes_call, write_tokenizer
 
 
 def _ids(text: str) -> list[int]:
@@ -49,7 +63,7 @@ def _prompt(messages: list[dict]) -> list[int]:
 
 
 LATENCY = 0.0
-STATS: dict = {"calls": 0, "first": None, "last": None}
+STATS: dict = {"calls": 0, "tokenize": 0, "prefixed": 0, "first": None, "last": None, "finals": []}
 
 
 def _count() -> None:
@@ -57,6 +71,11 @@ def _count() -> None:
     STATS["calls"] += 1
     STATS["first"] = STATS["first"] or now
     STATS["last"] = now
+
+
+def _final() -> None:
+    """The answer being sent ends its rollout (no tool call in it)."""
+    STATS["finals"].append(time.time())
 
 
 def _json(answer: dict) -> web.Response:
@@ -68,7 +87,7 @@ async def stats(request: web.Request) -> web.Response:
 
 
 async def reset(request: web.Request) -> web.Response:
-    STATS.update(calls=0, first=None, last=None)
+    STATS.update(calls=0, tokenize=0, prefixed=0, first=None, last=None, finals=[])
     return web.json_response(STATS)
 
 
@@ -121,8 +140,14 @@ async def chat(request: web.Request) -> web.Response:
         content = ""
     else:
         content = _plain_answer(user)
+    if not calls:
+        _final()
     generated = _ids(content + "".join(c["function"]["arguments"] for c in calls)) + [257]
     prompt = _prompt(messages)
+    prefix = body.get("required_prefix_token_ids")
+    if prefix:  # as NeMo RL's vLLM: the prompt begins with these ids, the rest rendered
+        STATS["prefixed"] += 1
+        prompt = [*prefix, *prompt[len(prefix) :]]
     choice: dict = {
         "index": 0,
         "finish_reason": "tool_calls" if calls else "stop",
@@ -182,6 +207,8 @@ async def responses(request: web.Request) -> web.Response:
             "status": "completed",
             "content": [{"type": "output_text", "text": _plain_answer(user), "annotations": []}],
         }
+    if output["type"] == "message":
+        _final()
     return _json(
         {
             "id": f"resp_{uuid.uuid4().hex}",
@@ -195,10 +222,133 @@ async def responses(request: web.Request) -> web.Response:
     )
 
 
+# --- the token path: /tokenize and /v1/completions ----------------------------
+
+
+#: The chat template of the token path, as a model directory ships it: ChatML, one id per byte, the
+#: tools as JSON in a system block (as tool-calling templates write them).
+TEMPLATE = (
+    "{%- if tools -%}{{ '<|im_start|>system\n<tools>' + (tools | map(attribute='function') | list | tojson)"
+    " + '</tools><|im_end|>\n' }}{%- endif -%}" + CHAT_TEMPLATE
+)
+
+
+def write_model_files(directory: Path) -> tuple[Path, Path]:
+    """The tokenizer files and the chat template file of the token path: what a model server that
+    renders prompts itself (vllm_model's `tokenizer_dir`, `chat_template`) reads."""
+    write_tokenizer(directory)
+    template = directory / "chat_template.jinja"
+    template.write_text(TEMPLATE)
+    return directory, template
+
+
+def _render(messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> list[int]:
+    """The conversation's ids as TEMPLATE renders it: every message closed by `<|im_end|>` and a
+    newline (what vllm_model's token path finds as the turn's closing)."""
+    ids: list[int] = []
+    if tools:  # each as vLLM's request model dumps it
+        functions = [tool.get("function", tool) for tool in tools]
+        dumped = [
+            {"name": f["name"], "description": f.get("description"), "parameters": f.get("parameters")}
+            | ({"strict": f["strict"]} if f.get("strict") is not None else {})
+            for f in functions
+        ]
+        listed = json.dumps(dumped)
+        ids += [IM_START, *encode(f"system\n<tools>{listed}</tools>"), IM_END, *encode("\n")]
+    for message in messages:
+        content = message.get("content") or ""
+        if isinstance(content, list):
+            content = "\n".join(part.get("text", "") for part in content)
+        for call in message.get("tool_calls") or []:
+            name, arguments = call["function"]["name"], call["function"].get("arguments") or "{}"
+            content += f'<tool_call>{{"name": "{name}", "arguments": {arguments}}}</tool_call>'
+        ids += [IM_START, *encode(f"{message['role']}\n{content}"), IM_END, *encode("\n")]
+    if add_generation_prompt:
+        ids += [IM_START, *encode("assistant\n")]
+    return ids
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    body = orjson.loads(await request.read())
+    STATS["tokenize"] += 1
+    tokens = _render(body["messages"], body.get("tools"), body.get("add_generation_prompt", False))
+    return _json({"count": len(tokens), "max_model_len": 1 << 20, "tokens": tokens, "token_strs": None})
+
+
+TOOLS_BLOCK = re.compile(r"<tools>(.*?)</tools>", re.DOTALL)
+
+
+def _generate(prompt: list[int]) -> str:
+    """What the chat path would answer, read from a prompt of ids: its messages are the blocks
+    between `<|im_start|>` and `<|im_end|>`, each beginning with its role."""
+    messages = [block.split("\n", 1) for block in _blocks(prompt)]
+    user = next((text for role, text in reversed(messages) if role == "user"), "")
+    outputs = sum(1 for role, _ in messages if role == "tool")
+    if messages and messages[-1][0] == "tool" and outputs >= _tool_calls_wanted(user):
+        return f"According to the tool: {messages[-1][1]}"
+    tools = TOOLS_BLOCK.search(messages[0][1]) if messages and messages[0][0] == "system" else None
+    if tools:
+        tool = json.loads(tools.group(1))[0]
+        return hermes_call(tool["name"], _tool_arguments(tool, user))
+    return _plain_answer(user)
+
+
+def _blocks(prompt: list[int]) -> list[str]:
+    """The text of every closed message of a prompt (`<|im_start|>ROLE\nTEXT<|im_end|>`)."""
+    blocks, current = [], None
+    for token in prompt:
+        if token == IM_START:
+            current = []
+        elif token == IM_END and current is not None:
+            blocks.append(bytes(current).decode("utf-8", "replace"))
+            current = None
+        elif current is not None and token < 256:
+            current.append(token)
+    return [b if "\n" in b else b + "\n" for b in blocks]
+
+
+async def completions(request: web.Request) -> web.Response:
+    body = orjson.loads(await request.read())
+    _count()
+    await asyncio.sleep(LATENCY)
+    prompt = body["prompt"]
+    text = _generate(prompt)
+    if "<tool_call>" not in text:
+        _final()
+    generated = [*encode(text), IM_END]
+    choice: dict = {"index": 0, "text": text, "finish_reason": "stop", "stop_reason": None}
+    if body.get("logprobs") is not None:
+        choice["logprobs"] = {
+            "tokens": [f"token_id:{t}" for t in generated],
+            "token_logprobs": [-0.1] * len(generated),
+            "top_logprobs": None,
+            "text_offset": list(range(len(generated))),
+        }
+    if body.get("return_token_ids"):
+        choice["prompt_token_ids"] = prompt
+        choice["token_ids"] = generated
+    return _json(
+        {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": body.get("model"),
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(generated),
+                "total_tokens": len(prompt) + len(generated),
+            },
+        }
+    )
+
+
 async def main(port_file: str) -> None:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/tokenize", tokenize)
     app.router.add_get("/bench/stats", stats)
     app.router.add_post("/bench/reset", reset)
     runner = web.AppRunner(app, access_log=None)

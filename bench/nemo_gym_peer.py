@@ -1,25 +1,40 @@
 """gym-grpc beside the real NeMo Gym, in one run, on one engine: `python bench/run.py --peer nemo-gym`.
 
-One bench/instant_engine.py process answers both stacks. Each workload runs through
-gym-grpc (`gym-grpc run`, its vllm_model on the Chat Completions path, `gym-grpc collect`),
-twice: with a process per server, then with the agent, its model server and its
-environment in one process group (`process: rollout`, calls between them in-process) run
-by one worker process per core (`num_workers`); and then
-through NeMo Gym 0.7.0 (`gym env start` with the configurations in
-bench/peer/nemo_gym/, its own vllm_model, simple agent and environments, `gym eval run
---no-serve`), each stack started for that workload alone and stopped after it:
+One bench/instant_engine.py process answers both stacks. Each workload runs through gym-grpc
+(`gym-grpc run`, its vllm_model, `gym-grpc collect`) in its layouts, and then through NeMo Gym
+0.7.0 (`gym env start` with the configurations in bench/peer/nemo_gym/, its own vllm_model,
+simple agent and environments, `gym eval run --no-serve`), each stack started for that workload
+alone and stopped after it. The gym-grpc layouts:
 
-  weather     one tool call, then the answer (2 model calls per rollout)
-  multi_turn  "[3 tool calls]": the engine calls the tool until 3 outputs are in, then answers (4)
-  math        "What is A + B?", answered as \\boxed{\\frac{2(A+B)}{2}} and checked by math-verify (1)
+  default     the configuration as written, with no layout setting: what `gym-grpc run` does
+              unless told (each agent in one process with the servers it calls)
+  per_server  `layout: per_server`, a process per server (the default before 1.14's layout)
+  grouped     the three servers in one process group run by a worker per core (`num_workers`)
 
-Per stack, workload and window of rollouts in flight: rollouts/s, failures, mean reward,
-model calls per rollout, and the CPU time of every process of the stack (the supervisor,
-every server and what it started: worker processes, Ray; children that ended are counted
-through their parent's cutime) plus the collector's, per rollout; the time to ready; idle
-processes and RSS. The wall time runs from the first model call the engine sees to the
-collector's exit (so each collector's interpreter start-up is left out the same way, and
-the verification of the last rollouts and the writing of the output are in).
+The workloads (model calls per rollout in brackets):
+
+  weather       one tool call, then the answer (2); Chat Completions with token ids
+  multi_turn    "[3 tool calls]": the engine calls the tool until 3 outputs are in, then answers (4)
+  math          "What is A + B?", answered as \\boxed{\\frac{2(A+B)}{2}} and checked by math-verify (1)
+  tokens        multi_turn on the token path (4): gym-grpc's vllm_model token in / token out (the
+                engine's /tokenize renders, /v1/completions generates from the ids); NeMo Gym's
+                vllm_model with its training-token capture and exact prefix supply on (its
+                on-policy corrections: every call after the first sends the earlier call's ids
+                as required_prefix_token_ids, which the engine honours)
+  long_horizon  "[15 tool calls]" on the token path, as tokens (16)
+
+Each run collects at least as many rollouts as are in flight; gym-grpc's runs at least 4,000
+(`GYM_GRPC_ROWS`), NeMo Gym's at least 3,000 model calls' worth (`NEMO_GYM_MODEL_CALLS`: at its
+rates here, 10 s or more; the results say how long each run took). Per stack, workload and
+window of rollouts in flight: rollouts/s over the whole run and in its steady state (from the
+10% to the 90% mark of the rollouts finished, by the times the engine sent each rollout's last
+answer), failures, mean reward, model calls per rollout, and the CPU time of every process of
+the stack (the supervisor, every server and what it started: worker processes, Ray; children
+that ended are counted through their parent's cutime) plus the collector's, per rollout and per
+model call; the time to ready; idle processes and RSS. The wall time runs from the first model
+call the engine sees to the collector's exit (so each collector's interpreter start-up is left
+out the same way, and the verification of the last rollouts and the writing of the output are
+in).
 
 NeMo Gym is installed once into its own virtualenv, cached (GYM_GRPC_BENCH_CACHE, default
 ~/.cache/gym-grpc-bench):
@@ -47,9 +62,11 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import instant_engine
 import run as bench
 
 NEMO_GYM = "nemo-gym==0.7.0"
@@ -67,8 +84,17 @@ SERVERS = [
 ]
 PEER = bench.REPO / "bench" / "peer" / "nemo_gym"
 VERSIONS = ("nemo-gym", "ray", "fastapi", "uvicorn", "aiohttp", "openai", "pydantic", "math-verify", "sympy")
-MULTI_TURN_TOOL_CALLS = 3
-WORKLOADS = ("weather", "multi_turn", "math")
+#: Tool calls per rollout asked of the engine ("[N tool calls]"); a rollout makes one model call more.
+TOOL_CALLS = {"weather": 1, "multi_turn": 3, "math": 0, "tokens": 3, "long_horizon": 15}
+WORKLOADS = tuple(TOOL_CALLS)
+#: The workloads on the token path (token in / token out); the others on Chat Completions.
+TOKEN_PATH = ("tokens", "long_horizon")
+#: Rollouts in flight at which each workload runs (16 calls at 4,096 would keep NeMo Gym ~5 min a run).
+WINDOWS = {workload: (64, 1024, 4096) for workload in WORKLOADS} | {"long_horizon": (64, 1024)}
+#: Rollouts of each gym-grpc run at least (and at least the window).
+GYM_GRPC_ROWS = 4000
+#: Model calls of each NeMo Gym run at least (and at least the window's rollouts): 10 s and more at its rates here.
+NEMO_GYM_MODEL_CALLS = 3000
 
 
 def python313() -> str:
@@ -166,7 +192,7 @@ def nemo_gym_env(tmp: Path) -> dict[str, str]:
 class NemoGymStack:
     """`gym env start` of the given configurations, ready when its head server says so."""
 
-    def __init__(self, tmp: Path, configs: list[str], engine_url: str, log: Path) -> None:
+    def __init__(self, tmp: Path, configs: list[str], engine_url: str, log: Path, extra: Sequence[str] = ()) -> None:
         self.head = f"127.0.0.1:{_free_port()}"
         host, port = self.head.split(":")
         self.overrides = [f"++head_server.host={host}", f"++head_server.port={port}"]
@@ -179,6 +205,7 @@ class NemoGymStack:
             f"+policy_base_url={engine_url}",
             "++skip_venv_if_present=true",
             f"++uv_venv_dir={SERVER_VENVS}",
+            *extra,
             *self.overrides,
         ]
         started = time.monotonic()
@@ -224,25 +251,33 @@ class GymGrpcStack(bench.Stack):
         return _tree_cpu(self.process.pid)
 
 
-#: gym-grpc's two ways to run the same servers: a process each, or the three in one process
-#: group (`process:`, whose agent calls its model server and environment in-process), with
-#: a worker process per core (`num_workers`: the collector's connections are spread over them).
-GYM_GRPC_STACKS = ("gym_grpc", "gym_grpc_grouped")
+#: gym-grpc's layouts of the same servers (see the module's docstring).
+GYM_GRPC_STACKS = ("gym_grpc_default", "gym_grpc_per_server", "gym_grpc_grouped")
+#: The layouts each workload runs (a process per server only where it was the old default's figure).
+LAYOUTS = {
+    workload: GYM_GRPC_STACKS if workload in ("weather", "multi_turn", "math") else GYM_GRPC_STACKS[::2]
+    for workload in WORKLOADS
+}
 
 
-def _gym_grpc_config(tmp: Path, workload: str, engine_url: str, grouped: bool = False) -> Path:
+def _gym_grpc_config(tmp: Path, workload: str, engine_url: str, layout: str = "gym_grpc_per_server") -> Path:
     agent = f"{bench.REPO}/servers/agents/simple_agent/agent.py:SimpleAgent"
+    tokens = workload in TOKEN_PATH
     model = {
         "entrypoint": f"{bench.REPO}/servers/models/vllm_model/server.py:VLLMModel",
-        # The Chat Completions path with token ids, as NeMo Gym's vllm_model is configured here.
+        # With token ids: on Chat Completions as NeMo Gym's vllm_model is configured here, or token
+        # in / token out (the engine's /tokenize renders the turns, /v1/completions generates).
         "config": {
             "base_url": engine_url,
             "model": "instant",
             "max_connections": 0,
             "return_token_ids": True,
-            "token_in_token_out": False,
+            "token_in_token_out": tokens,
         },
     }
+    if tokens:  # prompts rendered here, with the engine's tokenizer and template: the engine only generates
+        directory, template = instant_engine.write_model_files(tmp / "instant_model")
+        model["config"].update(tokenizer_dir=str(directory), chat_template=str(template))
     if workload == "math":
         env = {
             "entrypoint": f"{bench.REPO}/servers/resources/math/server.py:MathEnv",
@@ -253,13 +288,19 @@ def _gym_grpc_config(tmp: Path, workload: str, engine_url: str, grouped: bool = 
     servers = {
         "policy_model": model,
         "env": env,
-        "agent": {"entrypoint": agent, "config": {"model_server": "policy_model", "resources_server": "env"}},
+        "agent": {
+            "entrypoint": agent,
+            "config": {"model_server": "policy_model", "resources_server": "env", "max_steps": 20},
+        },
     }
-    if grouped:
+    config: dict[str, Any] = {"registry": {"port": 0}, "servers": servers}
+    if layout == "gym_grpc_per_server":
+        config["layout"] = "per_server"
+    elif layout == "gym_grpc_grouped":
         for server in servers.values():
             server.update(process="rollout", num_workers=os.cpu_count() or 1)
-    path = tmp / f"peer_gym_grpc_{workload}{'_grouped' if grouped else ''}.yaml"
-    path.write_text(json.dumps({"registry": {"port": 0}, "servers": servers}))
+    path = tmp / f"peer_{layout}_{workload}.yaml"
+    path.write_text(json.dumps(config))
     return path
 
 
@@ -282,11 +323,28 @@ def task_rows(workload: str, count: int) -> list[dict]:
     rows = []
     for i in range(count):
         row = json.loads(json.dumps(bench.WEATHER_ROWS[i % len(bench.WEATHER_ROWS)]))
-        if workload == "multi_turn":
+        if TOOL_CALLS[workload] > 1:
             message = row["responses_create_params"]["input"][-1]
-            message["content"] = f"[{MULTI_TURN_TOOL_CALLS} tool calls] {message['content']}"
+            message["content"] = f"[{TOOL_CALLS[workload]} tool calls] {message['content']}"
         rows.append(row)
     return rows
+
+
+def rows_per_run(stack: str, workload: str, window: int) -> int:
+    """How many rollouts one run of `stack` collects at `window` in flight (see GYM_GRPC_ROWS)."""
+    if stack == "nemo_gym":
+        return max(window, -(-NEMO_GYM_MODEL_CALLS // (TOOL_CALLS[workload] + 1)))
+    return max(window, GYM_GRPC_ROWS)
+
+
+def steady_rate(finals: list[float]) -> float | None:
+    """Rollouts/s between the 10% and the 90% marks of the rollouts finished, from the times their
+    last answers were sent; None with too few to tell."""
+    times = sorted(finals)
+    first, last = len(times) // 10, -(-9 * len(times) // 10) - 1
+    if last - first < 2 or times[last] <= times[first]:
+        return None
+    return (last - first) / (times[last] - times[first])
 
 
 def _engine(engine: bench.InstantEngine, path: str, post: bool = False) -> dict:
@@ -327,6 +385,8 @@ def _measure(
     rewards = _rewards(out)
     done = len(rewards)
     seconds = ended - (stats["first"] or started)
+    steady = steady_rate(stats["finals"])
+    calls = max(stats["calls"], 1)
     return {
         "rollouts": done,
         "failed": tasks - done,
@@ -334,12 +394,22 @@ def _measure(
         "seconds": round(seconds, 2),
         "collector_start_seconds": round((stats["first"] or ended) - started, 2),
         "rollouts_per_second": round(done / seconds, 1) if done else 0.0,
+        "steady_rollouts_per_second": round(steady, 1) if steady else None,
         "cpu_ms_per_rollout": round(1000 * cpu / max(done, 1), 2),
+        "cpu_ms_per_model_call": round(1000 * cpu / calls, 3),
         "collector_cpu_ms_per_rollout": round(1000 * (usage.ru_utime + usage.ru_stime) / max(done, 1), 2),
         "engine_cpu_ms_per_rollout": round(1000 * (engine.cpu() - engine_before) / max(done, 1), 2),
         "model_calls_per_rollout": round(stats["calls"] / max(done, 1), 2),
+        "tokenize_calls_per_rollout": round(stats["tokenize"] / max(done, 1), 2),
+        # Calls that sent the ids of the turns before as required_prefix_token_ids (NeMo Gym's prefix supply).
+        "prefixed_calls_per_rollout": round(stats["prefixed"] / max(done, 1), 2),
         "mean_reward": round(sum(rewards) / done, 3) if done else None,
     }
+
+
+def _rate(run: dict) -> float:
+    """The rate a run is ranked and compared by: its steady state's, else its whole run's."""
+    return run.get("steady_rollouts_per_second") or run["rollouts_per_second"]
 
 
 def _log_tail(path: Path) -> str:
@@ -347,26 +417,39 @@ def _log_tail(path: Path) -> str:
 
 
 def _median_run(measured: list[dict]) -> dict:
-    """The run of median rollouts/s among repeats (the lower middle of an even count), with
-    every repeat's rollouts/s beside it and the failures of all of them."""
-    row = dict(sorted(measured, key=lambda run: run["rollouts_per_second"])[(len(measured) - 1) // 2])
+    """The run of median rate (steady state's) among repeats (the lower middle of an even count),
+    with every repeat's rates beside it and the failures of all of them."""
+    row = dict(sorted(measured, key=_rate)[(len(measured) - 1) // 2])
     row["failed"] = sum(run["failed"] for run in measured)
     row["rollouts_per_second_each"] = [run["rollouts_per_second"] for run in measured]
+    row["steady_rollouts_per_second_each"] = [run.get("steady_rollouts_per_second") for run in measured]
     return row
 
 
+def _ratio(ours: dict, theirs: dict) -> dict:
+    """gym-grpc's figures over NeMo Gym's: rates (steady state and whole run) and CPU."""
+
+    def over(a: float | None, b: float | None, digits: int) -> float | None:
+        return round(a / b, digits) if a and b else None
+
+    return {
+        "steady_rollouts_per_second": over(
+            ours.get("steady_rollouts_per_second"), theirs.get("steady_rollouts_per_second"), 2
+        ),
+        "rollouts_per_second": over(ours["rollouts_per_second"], theirs["rollouts_per_second"], 2),
+        "cpu_ms_per_rollout": over(ours["cpu_ms_per_rollout"], theirs["cpu_ms_per_rollout"], 3),
+    }
+
+
 def bench_workload(
-    tmp: Path, engine: bench.InstantEngine, workload: str, windows: list[int], sizes: dict, repeats: int
+    tmp: Path, engine: bench.InstantEngine, workload: str, windows: list[int], rows_for: Any, repeats: int
 ) -> dict:
-    """One workload through gym-grpc (a process per server, then all in one process group), then
-    through NeMo Gym, at each window, `repeats` times each (the median run is kept)."""
-    runs: dict[str, list[dict]] = {name: [] for name in (*GYM_GRPC_STACKS, "nemo_gym")}
+    """One workload through gym-grpc in its layouts, then through NeMo Gym, at each window, `repeats`
+    times each (the median run is kept); `rows_for(stack, workload, window)` sizes each run."""
+    layouts = LAYOUTS[workload]
+    runs: dict[str, list[dict]] = {name: [] for name in (*layouts, "nemo_gym")}
     ready: dict[str, float] = {}
     idle: dict[str, dict] = {}
-    task_files = {}
-    for window in windows:
-        count = sizes[window]
-        task_files[window] = (bench._tasks(tmp, f"peer_{workload}", task_rows(workload, count), count), count)
 
     def each_window(stack: Any, name: str, command_for: Any, env: dict[str, str] | None = None) -> None:
         """Collect every window's tasks through one started stack (stopped after), as `name`."""
@@ -375,7 +458,8 @@ def bench_workload(
             processes, rss = _tree_memory(stack.process.pid)
             idle[name] = {"processes": processes, "rss_mb": rss}
             for window in windows:
-                tasks, count = task_files[window]
+                count = rows_for(name, workload, window)
+                tasks = bench._tasks(tmp, f"peer_{workload}_{count}", task_rows(workload, count), count)
                 out = tmp / f"peer_out_{name}.jsonl"
                 command = command_for(tasks, out, window)
                 measured = []
@@ -384,14 +468,14 @@ def bench_workload(
                     if row["exit_code"] and not row["rollouts"]:
                         raise RuntimeError(f"{name} collect failed:\n{_log_tail(tmp / 'collector.log')}")
                     measured.append(row)
-                    print(f"    {row}", file=sys.stderr)
+                    print(f"    {name} {row}", file=sys.stderr)
                 runs[name].append(_median_run(measured))
         finally:
             stack.stop()
 
-    for name in GYM_GRPC_STACKS:
+    for name in layouts:
         print(f"  {workload}: {name} ...", file=sys.stderr)
-        stack = GymGrpcStack(_gym_grpc_config(tmp, workload, engine.url, grouped=name != "gym_grpc"))
+        stack = GymGrpcStack(_gym_grpc_config(tmp, workload, engine.url, name))
         each_window(
             stack,
             name,
@@ -401,9 +485,11 @@ def bench_workload(
         )
 
     print(f"  {workload}: NeMo Gym ...", file=sys.stderr)
-    configs = ["model.yaml", "math.yaml" if workload == "math" else "weather.yaml"]
+    model = "model_tokens.yaml" if workload in TOKEN_PATH else "model.yaml"
+    configs = [model, "math.yaml" if workload == "math" else "weather.yaml"]
     agent = "math_agent" if workload == "math" else "weather_agent"
-    nemo = NemoGymStack(tmp, configs, engine.url, tmp / f"nemo_gym_{workload}.log")
+    captures = tmp / f"nemo_gym_captures_{workload}"
+    nemo = NemoGymStack(tmp, configs, engine.url, tmp / f"nemo_gym_{workload}.log", [f"+capture_dir={captures}"])
 
     def nemo_gym_collect(tasks: Path, out: Path, window: int) -> list[str]:
         command = [str(VENV / "bin" / "gym"), "eval", "run", "--no-serve", *nemo.overrides]
@@ -415,32 +501,44 @@ def bench_workload(
     rows = []
     for index, theirs in enumerate(runs["nemo_gym"]):
         row: dict[str, Any] = {"in_flight": theirs["in_flight"], "nemo_gym": theirs}
-        for name in GYM_GRPC_STACKS:
-            ours = row[name] = runs[name][index]
-            rate = (
-                ours["rollouts_per_second"] / theirs["rollouts_per_second"] if theirs["rollouts_per_second"] else None
-            )
-            cpu = ours["cpu_ms_per_rollout"] / theirs["cpu_ms_per_rollout"] if theirs["rollouts"] else None
-            row[f"ratio_{name}_over_nemo_gym"] = {
-                "rollouts_per_second": round(rate, 2) if rate else None,
-                "cpu_ms_per_rollout": round(cpu, 3) if cpu else None,
-            }
+        for name in layouts:
+            row[name] = runs[name][index]
+            row[f"ratio_{name}_over_nemo_gym"] = _ratio(row[name], theirs)
         rows.append(row)
-    return {"workload": workload, "ready_seconds": ready, "idle": idle, "runs": rows}
+    return {
+        "workload": workload,
+        "model_calls": TOOL_CALLS[workload] + 1,
+        "path": "token in / token out" if workload in TOKEN_PATH else "Chat Completions with token ids",
+        "layouts": list(layouts),
+        "ready_seconds": ready,
+        "idle": idle,
+        "runs": rows,
+    }
 
 
-def bench_peer(tmp: Path, windows: list[int], sizes: dict, workloads: list[str], repeats: int, save=None) -> dict:
-    """Every workload through both stacks, each window `repeats` times (the median run is
-    reported); `save` gets the results so far after each workload."""
+def bench_peer(
+    tmp: Path, windows: dict[str, list[int]], rows_for: Any, workloads: list[str], repeats: int, save=None
+) -> dict:
+    """Every workload through both stacks, at its windows (`windows[workload]`), each `repeats`
+    times (the median run is reported); `save` gets the results so far after each workload."""
     result = {
         "nemo_gym_install": install(),
         "engine": "bench/instant_engine.py, one process for both stacks, no latency",
-        "model_server": "vllm_model of each, Chat Completions with token ids",
+        "model_server": "vllm_model of each: Chat Completions with token ids, or the token path (tokens, "
+        "long_horizon): gym-grpc's token in / token out, NeMo Gym's training-token capture with exact prefix supply",
         "gym_grpc_layouts": {
-            "gym_grpc": "a process per server",
+            "gym_grpc_default": "the configuration with no layout setting (the default: each agent in one "
+            "process with the servers it calls)",
+            "gym_grpc_per_server": "layout: per_server, a process per server",
             "gym_grpc_grouped": f"the three servers in one process group (process: rollout), "
             f"num_workers: {os.cpu_count() or 1}",
         },
+        "rows_per_run": {
+            "gym_grpc": f"at least {GYM_GRPC_ROWS} rollouts and the window",
+            "nemo_gym": f"at least {NEMO_GYM_MODEL_CALLS} model calls' worth of rollouts and the window",
+        },
+        "steady_state": "rollouts/s from the 10% to the 90% mark of the rollouts finished, by the times the "
+        "engine sent their last answers",
         "repeats": repeats,
         "load_average": {"before": [round(x, 1) for x in os.getloadavg()]},
         "workloads": [],
@@ -448,7 +546,7 @@ def bench_peer(tmp: Path, windows: list[int], sizes: dict, workloads: list[str],
     engine = bench.InstantEngine(tmp)
     try:
         for workload in workloads:
-            result["workloads"].append(bench_workload(tmp, engine, workload, windows, sizes, repeats))
+            result["workloads"].append(bench_workload(tmp, engine, workload, windows[workload], rows_for, repeats))
             result["load_average"]["after"] = [round(x, 1) for x in os.getloadavg()]
             if save is not None:
                 save(result)
@@ -457,39 +555,42 @@ def bench_peer(tmp: Path, windows: list[int], sizes: dict, workloads: list[str],
     return result
 
 
+NAMES = {
+    "gym_grpc_default": "gym-grpc, default",
+    "gym_grpc_per_server": "gym-grpc, per server",
+    "gym_grpc_grouped": "gym-grpc, grouped",
+    "nemo_gym": "NeMo Gym",
+}
+
+
 def table(result: dict) -> str:
     lines = [
-        "| workload | in flight | rollouts/s gym-grpc: a process per server / grouped; NeMo Gym "
-        "| ratio to NeMo Gym | CPU ms/rollout: per server / grouped; NeMo Gym | failed | mean reward "
-        "| model calls/rollout | ready in |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| workload | in flight | stack | rollouts in | rollouts/s steady (whole run) | ratio to NeMo Gym "
+        "| CPU ms per rollout | CPU ms per model call | engine CPU ms per rollout | failed | mean reward |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    notes = []
     for workload in result["workloads"]:
-        ready = workload["ready_seconds"]
+        name = f"{workload['workload']} ({workload['model_calls']} calls)"
         for row in workload["runs"]:
-            ours, grouped, theirs = row["gym_grpc"], row["gym_grpc_grouped"], row["nemo_gym"]
-            ratio, ratio_grouped = row["ratio_gym_grpc_over_nemo_gym"], row["ratio_gym_grpc_grouped_over_nemo_gym"]
-            lines.append(
-                f"| {workload['workload']} | {row['in_flight']:,} "
-                f"| {ours['rollouts_per_second']:,} / {grouped['rollouts_per_second']:,}; "
-                f"{theirs['rollouts_per_second']:,} "
-                f"| {ratio['rollouts_per_second']}x / {ratio_grouped['rollouts_per_second']}x "
-                f"| {ours['cpu_ms_per_rollout']} / {grouped['cpu_ms_per_rollout']}; {theirs['cpu_ms_per_rollout']} "
-                f"| {ours['failed']} / {grouped['failed']}; {theirs['failed']} "
-                f"| {ours['mean_reward']} / {grouped['mean_reward']}; {theirs['mean_reward']} "
-                f"| {ours['model_calls_per_rollout']}; {theirs['model_calls_per_rollout']} "
-                f"| {ready['gym_grpc']} s / {ready['gym_grpc_grouped']} s; {ready['nemo_gym']} s |"
-            )
-    idle = "; ".join(
-        f"{w['workload']}: "
-        + " / ".join(
-            f"{w['idle'][name]['processes']} processes {w['idle'][name]['rss_mb']:,} MB"
-            for name in (*GYM_GRPC_STACKS, "nemo_gym")
+            for stack in (*workload["layouts"], "nemo_gym"):
+                run = row[stack]
+                ratio = row.get(f"ratio_{stack}_over_nemo_gym")
+                ratios = f"{ratio['steady_rollouts_per_second']}x ({ratio['rollouts_per_second']}x)" if ratio else ""
+                lines.append(
+                    f"| {name} | {row['in_flight']:,} | {NAMES[stack]} | {run['rollouts']:,} in {run['seconds']} s "
+                    f"| {run['steady_rollouts_per_second']} ({run['rollouts_per_second']}) | {ratios} "
+                    f"| {run['cpu_ms_per_rollout']} | {run['cpu_ms_per_model_call']} "
+                    f"| {run['engine_cpu_ms_per_rollout']} | {run['failed']} "
+                    f"| {run['mean_reward']} |"
+                )
+        ready = ", ".join(f"{NAMES[stack]} {seconds} s" for stack, seconds in workload["ready_seconds"].items())
+        idle = ", ".join(
+            f"{NAMES[stack]} {i['processes']} processes in {i['rss_mb']:,} MB" for stack, i in workload["idle"].items()
         )
-        for w in result["workloads"]
-    )
+        notes.append(f"{workload['workload']} ({workload['path']}): ready in {ready}; idle: {idle}.")
     installed = result["nemo_gym_install"]
-    lines.append(f"\nIdle, gym-grpc per server / grouped / NeMo Gym: {idle}.")
+    lines += ["", *notes]
     lines.append(
         f"NeMo Gym {installed['versions'].get('nemo-gym')} on Python {installed['python']}: "
         + "; ".join(installed["commands"][1:])

@@ -34,7 +34,9 @@ What it measures, each in real processes on loopback:
                        window beside `collect --admission engine`, same rollouts, engine load sampled
                        (bench/admission.py; --engine-url/--engine-model reuse a running vLLM)
   --peer nemo-gym      (or --only peer) gym-grpc beside the real NeMo Gym 0.7.0 on one engine: the
-                       weather, multi-turn and math workloads at 64, 1,024 and 4,096 in flight
+                       weather (2 model calls) and multi-turn (4) workloads on Chat Completions, and
+                       multi-turn (4) and long-horizon (16) on the token path, at 64, 1,024 and 4,096
+                       in flight (long-horizon: 64, 1,024), every gym-grpc layout; math on request
                        (bench/nemo_gym_peer.py; results in <name>-peer-nemo-gym.json)
 CPU per rollout is the CPU time of every process (servers and collector) divided by the rollouts.
 """
@@ -827,36 +829,37 @@ def _bench_replicas(tmp: Path, sizes: dict) -> dict:
 
 
 def _peer(args: argparse.Namespace) -> None:
-    """gym-grpc beside NeMo Gym (bench/nemo_gym_peer.py): each workload at each window, both stacks."""
+    """gym-grpc beside NeMo Gym (bench/nemo_gym_peer.py): each workload at each window, every stack."""
     import nemo_gym_peer
 
-    if args.smoke:
-        windows, sizes = [4, 16], {4: 24, 16: 48}
-    else:
-        # As many rollouts as in flight (8x at 64): NeMo Gym does tens of rollouts/s here, so more
-        # would take the run past an hour.
-        windows, sizes = [64, 1024, 4096], {64: 512, 1024: 1024, 4096: 4096}
-    if args.peer_windows:
-        windows = [int(w) for w in args.peer_windows.split(",")]
-        sizes = {w: sizes.get(w, w) for w in windows}
-    repeats = (1 if args.smoke else 3) if args.peer_repeats is None else args.peer_repeats
-    if repeats < 1:
-        sys.exit(f"--peer-repeats must be at least 1, got {args.peer_repeats}")
     workloads = args.workloads.split(",")
     unknown = set(workloads) - set(nemo_gym_peer.WORKLOADS)
     if unknown:
-        sys.exit(f"unknown workloads {sorted(unknown)}: choose from {nemo_gym_peer.WORKLOADS}")
+        sys.exit(f"unknown workloads {sorted(unknown)}: choose from {', '.join(nemo_gym_peer.WORKLOADS)}")
+    windows = {w: list(nemo_gym_peer.WINDOWS[w]) for w in workloads}
+    rows_for = nemo_gym_peer.rows_per_run
+    if args.smoke:
+        windows = {w: [4, 16] for w in workloads}
+        rows_for = lambda stack, workload, window: 3 * window  # noqa: E731
+    if args.peer_windows:
+        windows = {w: [int(x) for x in args.peer_windows.split(",")] for w in workloads}
+    repeats = (1 if args.smoke else 3) if args.peer_repeats is None else args.peer_repeats
+    if repeats < 1:
+        sys.exit(f"--peer-repeats must be at least 1, got {args.peer_repeats}")
 
     def save(result: dict) -> None:  # after each workload, so that a late failure keeps the rest
-        result["rollouts_per_window"] = {str(w): sizes[w] for w in windows}
         _save(args, {"peer_nemo_gym": result}, f"{args.name}-peer-nemo-gym")
 
     with tempfile.TemporaryDirectory() as directory:
-        result = nemo_gym_peer.bench_peer(Path(directory), windows, sizes, workloads, repeats, save)
+        result = nemo_gym_peer.bench_peer(Path(directory), windows, rows_for, workloads, repeats, save)
     print(nemo_gym_peer.table(result))
-    runs = [(w["workload"], r) for w in result["workloads"] for r in w["runs"]]
-    stacks = (*nemo_gym_peer.GYM_GRPC_STACKS, "nemo_gym")
-    failed = [(name, r["in_flight"]) for name, r in runs if any(r[stack]["failed"] for stack in stacks)]
+    failed = [
+        (w["workload"], r["in_flight"], stack)
+        for w in result["workloads"]
+        for r in w["runs"]
+        for stack in (*w["layouts"], "nemo_gym")
+        if r[stack]["failed"]
+    ]
     if failed:
         sys.exit(f"rollouts failed in {failed}")
 
@@ -907,7 +910,9 @@ def main() -> None:
         "--peer", choices=["nemo-gym"], help="run only the side-by-side benchmark against this peer (as --only peer)"
     )
     parser.add_argument(
-        "--workloads", default="weather,multi_turn,math", help="with --peer: which workloads, comma-separated"
+        "--workloads",
+        default="weather,multi_turn,tokens,long_horizon",
+        help="with --peer: which workloads, comma-separated (also: math)",
     )
     parser.add_argument("--peer-windows", help="with --peer: rollouts in flight, comma-separated (64,1024,4096)")
     parser.add_argument(

@@ -99,3 +99,81 @@ def test_repeats_report_the_run_of_median_rate_with_every_rate_and_all_failures(
     assert row["rollouts_per_second"] == 20.0 and row["cpu_ms_per_rollout"] == 2.0  # one run's figures
     assert row["rollouts_per_second_each"] == [30.0, 10.0, 20.0] and row["failed"] == 2
     assert peer._median_run(runs[:2])["rollouts_per_second"] == 10.0  # even: the lower middle
+
+
+def _stats(engine: str) -> dict:
+    with urllib.request.urlopen(f"{engine}/bench/stats", timeout=30) as answer:
+        return json.loads(answer.read())
+
+
+def test_the_token_path_reads_the_turn_from_the_prompt_ids_and_calls_the_tool_as_hermes_writes_it(engine):
+    """The engine's /tokenize renders what /v1/completions then answers from ids alone: the tool
+    named in the prompt, called until the asked outputs are in, then the answer."""
+    _post(f"{engine}/bench/reset")
+    messages = [{"role": "user", "content": "[2 tool calls] What's the weather in Paris?"}]
+    for outputs in range(3):
+        prompt = _post(f"{engine}/tokenize", {"messages": messages, "tools": TOOLS, "add_generation_prompt": True})
+        body = {"prompt": prompt["tokens"], "logprobs": 0, "return_token_ids": True}
+        choice = _post(f"{engine}/v1/completions", body)["choices"][0]
+        assert choice["prompt_token_ids"] == prompt["tokens"]
+        assert choice["token_ids"][-1] == 257 and len(choice["logprobs"]["tokens"]) == len(choice["token_ids"])
+        if outputs < 2:
+            call = json.loads(choice["text"].removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"))
+            assert call == {"name": "get_weather", "arguments": {"city": "Paris"}}
+            messages += [
+                {"role": "assistant", "content": "", "tool_calls": [{"function": {**call, "arguments": "{}"}}]},
+                {"role": "tool", "content": f"output {outputs}"},
+            ]
+        else:
+            assert choice["text"] == "According to the tool: output 1"
+    stats = _stats(engine)
+    assert stats["calls"] == 3 and stats["tokenize"] == 3 and len(stats["finals"]) == 1
+
+
+def test_the_token_path_template_renders_locally_to_what_the_engine_tokenizes(engine, peer, tmp_path):
+    """vllm_model's local rendering (tokenizer_dir, chat_template) of the files the bench writes gives
+    the ids of the engine's own /tokenize, tools and tool calls included."""
+    from servers.models.vllm_model.templates import LocalTemplate
+
+    directory, template = peer.instant_engine.write_model_files(tmp_path / "model")
+    local = LocalTemplate(str(directory), str(template), "string")
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [
+        {"role": "user", "content": "[2 tool calls] Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    here = local.render(messages, tools=TOOLS, template_kwargs=None, add_generation_prompt=True)
+    there = _post(f"{engine}/tokenize", {"messages": messages, "tools": TOOLS, "add_generation_prompt": True})
+    assert here == there["tokens"]
+
+
+def test_the_engine_honours_a_required_prefix_and_counts_the_calls_that_send_one(engine):
+    _post(f"{engine}/bench/reset")
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    first = _post(f"{engine}/v1/chat/completions", {"messages": messages, "tools": TOOLS, "return_token_ids": True})
+    prefix = [*first["prompt_token_ids"], 7, 7, 7]
+    body = {"messages": messages, "tools": TOOLS, "return_token_ids": True, "required_prefix_token_ids": prefix}
+    second = _post(f"{engine}/v1/chat/completions", body)
+    assert second["prompt_token_ids"][: len(prefix)] == prefix
+    assert _stats(engine)["prefixed"] == 1
+
+
+def test_the_steady_rate_counts_the_rollouts_between_the_10_and_90_percent_marks(peer):
+    # A slow start (a rollout a second for 10) then 10 a second: the steady rate is the fast one.
+    finals = [float(i) for i in range(10)] + [10 + i / 10 for i in range(90)]
+    assert peer.steady_rate(finals) == pytest.approx(10.0)
+    assert peer.steady_rate([1.0, 2.0]) is None  # too few to tell
+
+
+def test_each_gym_grpc_run_is_at_least_4000_rollouts_and_nemo_gyms_at_least_3000_model_calls(peer):
+    assert peer.rows_per_run("gym_grpc_default", "weather", 64) == 4000
+    assert peer.rows_per_run("gym_grpc_grouped", "weather", 8192) == 8192  # never fewer than in flight
+    assert peer.rows_per_run("nemo_gym", "weather", 64) == 1500  # 2 calls each
+    assert peer.rows_per_run("nemo_gym", "long_horizon", 64) == 188  # 16 calls each
+    assert peer.rows_per_run("nemo_gym", "multi_turn", 4096) == 4096
+
+
+def test_the_long_horizon_rows_ask_for_fifteen_tool_calls(peer):
+    text = peer.task_rows("long_horizon", 1)[0]["responses_create_params"]["input"][-1]["content"]
+    assert text.startswith("[15 tool calls] ")
