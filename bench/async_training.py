@@ -33,8 +33,10 @@ Two runs, the same seed, tasks and budget:
          (PAUSE_MODE_WAIT) and the next batch starts.
 Per step: mean reward of the batch trained, the policy versions its tokens came from, samples trained,
 stale samples (more than max_lag behind: masked), seconds waiting for the batch, in the optimizer, and
-in the update. Per run: wall time, and the engine's idle fraction (its /metrics sampled every 0.1 s:
-no request running or waiting).
+in the update. Per run: wall time, the engine's idle fraction (its /metrics sampled every 0.1 s:
+no request running or waiting), and what the training loop's gym-grpc part costs (CpuMeter): the CPU
+seconds of the `gym-grpc run` process tree and of the trainer's event-loop thread (GymClient and
+gym_grpc.training), as a share of the engine's CPU, of all the run's CPU, and of its wall time.
 """
 
 from __future__ import annotations
@@ -221,10 +223,55 @@ def _record(step: int, groups: list[list[RolloutResult]], samples: list[training
     }
 
 
+class CpuMeter:
+    """The CPU seconds of gym-grpc's own work in a run, beside the engine's and the trainer's: the
+    `gym-grpc run` process tree (supervisor and servers), the trainer's event-loop thread (GymClient
+    and turning results into samples, gym_grpc.training: gym-grpc's side of the trainer), the
+    trainer's whole process (with the optimizer's threads) and the engine's process tree."""
+
+    def __init__(self, stack_pid: int, engine_pid: int | None) -> None:
+        self.stack_pid, self.engine_pid = stack_pid, engine_pid
+        self.start = self._read()
+
+    def _read(self) -> dict[str, float]:
+        tree = bench_real._tree_cpu
+        return {
+            "gym_grpc_servers": sum(tree(self.stack_pid).values()),
+            "gym_grpc_client_thread": time.thread_time(),
+            "trainer_process": time.process_time(),
+            "engine": sum(tree(self.engine_pid).values()) if self.engine_pid else 0.0,
+        }
+
+    def report(self, wall: float, steps: int) -> dict[str, Any]:
+        end = self._read()
+        used = {key: round(end[key] - self.start[key], 2) for key in end}
+        gym = used["gym_grpc_servers"] + used["gym_grpc_client_thread"]
+        return {
+            "cpu_seconds": used | {"gym_grpc_total": round(gym, 2)},
+            "gym_grpc_cpu_seconds_per_step": round(gym / steps, 3),
+            "gym_grpc_cpu_share_of_engine": round(gym / used["engine"], 4)
+            if self.engine_pid and used["engine"]
+            else None,
+            "gym_grpc_cpu_share_of_all": round(
+                gym / (used["trainer_process"] + used["gym_grpc_servers"] + used["engine"]), 4
+            ),
+            # gym-grpc's CPU time as a share of the run's wall time: at most its share of the steps'
+            # critical path, were all of it on that path.
+            "gym_grpc_cpu_share_of_wall": round(gym / wall, 4),
+        }
+
+
 async def run(
-    mode: str, args: argparse.Namespace, registry: str, engine_url: str, model_dir: Path, out: Path
+    mode: str,
+    args: argparse.Namespace,
+    stack: GymRun,
+    engine_url: str,
+    engine_pid: int | None,
+    model_dir: Path,
+    out: Path,
 ) -> dict[str, Any]:
     """One training run, `mode` async or sync; its steps and totals."""
+    registry = stack.registry
     rows = tasks(args.seed)
     trainer = Trainer(model_dir, args.lr, args.clip, args.seed, out)
     per_step = args.groups * args.group_size
@@ -265,6 +312,7 @@ async def run(
                 in_flight.add(group)
                 group.add_done_callback(in_flight.discard)
 
+        meter = CpuMeter(stack.process.pid, engine_pid)
         producer = asyncio.ensure_future(produce()) if mode == "async" else None
         started = time.monotonic()
         with EngineIdle(engine_url) as idle:
@@ -302,6 +350,7 @@ async def run(
                 steps.append(record)
                 print(json.dumps({"mode": mode, **record}), file=sys.stderr, flush=True)
         wall = time.monotonic() - started
+        cost = meter.report(wall, len(steps))
         if producer is not None:  # the groups still running or held back end here, before the client
             for task in (producer, *in_flight):
                 task.cancel()
@@ -314,10 +363,13 @@ async def run(
         "engine_idle_fraction": round(idle.fraction, 3),
         "first5_mean_reward": round(statistics.fmean(s["mean_reward"] for s in steps[:5]), 4),
         "last5_mean_reward": round(statistics.fmean(s["mean_reward"] for s in steps[-5:]), 4),
+        **cost,
     }
 
 
-async def runs(args: argparse.Namespace, config: Path, engine_url: str, model_dir: Path, tmp: Path) -> dict[str, Any]:
+async def runs(
+    args: argparse.Namespace, config: Path, engine_url: str, engine_pid: int | None, model_dir: Path, tmp: Path
+) -> dict[str, Any]:
     """Each mode's run, on one event loop (gRPC's completion queue outlives a loop: a second asyncio.run
     in one process gets the first one's late events), each with a `gym-grpc run` of its own, whose
     model server serves no version yet."""
@@ -325,7 +377,7 @@ async def runs(args: argparse.Namespace, config: Path, engine_url: str, model_di
     for mode in args.modes.split(","):
         stack = await asyncio.to_thread(GymRun.start, config)
         try:
-            results[mode] = await run(mode, args, stack.registry, engine_url, model_dir, tmp)
+            results[mode] = await run(mode, args, stack, engine_url, engine_pid, model_dir, tmp)
         finally:
             await asyncio.to_thread(stack.stop)
     return results
@@ -363,6 +415,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", default="async,sync", help="comma-separated, run in this order")
     parser.add_argument("--engine-url", help="a running local vLLM in dev mode (its /v1 URL) instead of starting one")
+    parser.add_argument("--engine-pid", type=int, help="with --engine-url: its pid, for the engine's CPU")
     parser.add_argument("--smoke", action="store_true", help="2 steps of 2 groups of 4; results in a temp dir")
     parser.add_argument("--name", default="async_training", help="results file name")
     args = parser.parse_args()
@@ -374,12 +427,13 @@ def main() -> None:
     prepared = local_vllm.prepare()
     machine = bench_real.versions(prepared)
     engine = None
+    engine_pid = args.engine_pid
     if args.engine_url:
         engine_url = args.engine_url
     else:
         print("starting the local vLLM ...", file=sys.stderr)
         engine = local_vllm.start(prepared)
-        engine_url = engine.base_url
+        engine_url, engine_pid = engine.base_url, engine.pid
     report = bench_real.report_head("bench/async_training.py", args, machine, load_start)
     report["settings"] = {
         "task": "What is a + b? (one-digit a, b; math environment, math-verify); max_output_tokens 12, temperature 1.0",
@@ -409,7 +463,7 @@ def main() -> None:
                 },
                 {AGENT: (MODEL, 1)},
             )
-            report.update(asyncio.run(runs(args, config, engine_url, prepared.model_dir, tmp)))
+            report.update(asyncio.run(runs(args, config, engine_url, engine_pid, prepared.model_dir, tmp)))
     finally:
         if engine is not None:
             local_vllm.stop(engine.pid)
