@@ -39,13 +39,12 @@ import re
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import orjson
 from aiohttp import web
 
 from gym_grpc.rpc import event_loop
-from gym_grpc.testing.fake_engine import CHAT_TEMPLATE, IM_END, IM_START, encode, hermes_call, write_tokenizer
+from gym_grpc.testing.fake_engine import IM_END, IM_START, encode, hermes_call
 
 
 def _ids(text: str) -> list[int]:
@@ -225,26 +224,10 @@ async def responses(request: web.Request) -> web.Response:
 # --- the token path: /tokenize and /v1/completions ----------------------------
 
 
-#: The chat template of the token path, as a model directory ships it: ChatML, one id per byte, the
-#: tools as JSON in a system block (as tool-calling templates write them).
-TEMPLATE = (
-    "{%- if tools -%}{{ '<|im_start|>system\n<tools>' + (tools | map(attribute='function') | list | tojson)"
-    " + '</tools><|im_end|>\n' }}{%- endif -%}" + CHAT_TEMPLATE
-)
-
-
-def write_model_files(directory: Path) -> tuple[Path, Path]:
-    """The tokenizer files and the chat template file of the token path: what a model server that
-    renders prompts itself (vllm_model's `tokenizer_dir`, `chat_template`) reads."""
-    write_tokenizer(directory)
-    template = directory / "chat_template.jinja"
-    template.write_text(TEMPLATE)
-    return directory, template
-
-
 def _render(messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> list[int]:
-    """The conversation's ids as TEMPLATE renders it: every message closed by `<|im_end|>` and a
-    newline (what vllm_model's token path finds as the turn's closing)."""
+    """The conversation's ids as this engine's chat template renders it (ChatML, one id per byte, the
+    tools as JSON in a system block, as tool-calling templates write them): every message closed by
+    `<|im_end|>` and a newline (what vllm_model's token path finds as the turn's closing)."""
     ids: list[int] = []
     if tools:  # each as vLLM's request model dumps it
         functions = [tool.get("function", tool) for tool in tools]

@@ -17,7 +17,8 @@ The workloads (model calls per rollout in brackets):
   multi_turn    "[3 tool calls]": the engine calls the tool until 3 outputs are in, then answers (4)
   math          "What is A + B?", answered as \\boxed{\\frac{2(A+B)}{2}} and checked by math-verify (1)
   tokens        multi_turn on the token path (4): gym-grpc's vllm_model token in / token out (the
-                engine's /tokenize renders, /v1/completions generates from the ids); NeMo Gym's
+                engine's /tokenize renders, twice a turn, /v1/completions generates from the ids;
+                the engine renders for both stacks, so the engine's CPU is reported beside); NeMo Gym's
                 vllm_model with its training-token capture and exact prefix supply on (its
                 on-policy corrections: every call after the first sends the earlier call's ids
                 as required_prefix_token_ids, which the engine honours)
@@ -66,7 +67,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import instant_engine
 import run as bench
 
 NEMO_GYM = "nemo-gym==0.7.0"
@@ -266,7 +266,9 @@ def _gym_grpc_config(tmp: Path, workload: str, engine_url: str, layout: str = "g
     model = {
         "entrypoint": f"{bench.REPO}/servers/models/vllm_model/server.py:VLLMModel",
         # With token ids: on Chat Completions as NeMo Gym's vllm_model is configured here, or token
-        # in / token out (the engine's /tokenize renders the turns, /v1/completions generates).
+        # in / token out with the engine's /tokenize rendering the turns (no tokenizer_dir), so that
+        # on both stacks the engine renders, as it does for NeMo Gym's token path, and /v1/completions
+        # generating from the ids.
         "config": {
             "base_url": engine_url,
             "model": "instant",
@@ -275,9 +277,6 @@ def _gym_grpc_config(tmp: Path, workload: str, engine_url: str, layout: str = "g
             "token_in_token_out": tokens,
         },
     }
-    if tokens:  # prompts rendered here, with the engine's tokenizer and template: the engine only generates
-        directory, template = instant_engine.write_model_files(tmp / "instant_model")
-        model["config"].update(tokenizer_dir=str(directory), chat_template=str(template))
     if workload == "math":
         env = {
             "entrypoint": f"{bench.REPO}/servers/resources/math/server.py:MathEnv",

@@ -130,24 +130,6 @@ def test_the_token_path_reads_the_turn_from_the_prompt_ids_and_calls_the_tool_as
     assert stats["calls"] == 3 and stats["tokenize"] == 3 and len(stats["finals"]) == 1
 
 
-def test_the_token_path_template_renders_locally_to_what_the_engine_tokenizes(engine, peer, tmp_path):
-    """vllm_model's local rendering (tokenizer_dir, chat_template) of the files the bench writes gives
-    the ids of the engine's own /tokenize, tools and tool calls included."""
-    from servers.models.vllm_model.templates import LocalTemplate
-
-    directory, template = peer.instant_engine.write_model_files(tmp_path / "model")
-    local = LocalTemplate(str(directory), str(template), "string")
-    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-    messages = [
-        {"role": "user", "content": "[2 tool calls] Weather in Paris?"},
-        {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
-    ]
-    here = local.render(messages, tools=TOOLS, template_kwargs=None, add_generation_prompt=True)
-    there = _post(f"{engine}/tokenize", {"messages": messages, "tools": TOOLS, "add_generation_prompt": True})
-    assert here == there["tokens"]
-
-
 def test_the_engine_honours_a_required_prefix_and_counts_the_calls_that_send_one(engine):
     _post(f"{engine}/bench/reset")
     messages = [{"role": "user", "content": "Weather in Oslo?"}]
