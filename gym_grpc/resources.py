@@ -194,6 +194,8 @@ class _Tool:
     arguments: type[BaseModel]
     session_param: str | None
     schema: r.FunctionTool
+    #: The names of the arguments' fields, read once (pydantic's model_fields costs a lookup per call).
+    fields: tuple[str, ...] = ()
 
 
 def _describe(method: Callable) -> str:
@@ -217,7 +219,7 @@ def _build_tool(name: str, method: Callable) -> _Tool:
     arguments = create_model(f"{name}_arguments", __config__=ConfigDict(extra="forbid"), **fields)
     parameters = dumps(arguments.model_json_schema(schema_generator=_ToolSchema))
     schema = r.FunctionTool(name=name, description=_describe(method), parameters_json=parameters)
-    return _Tool(name, method, arguments, session_param, schema)
+    return _Tool(name, method, arguments, session_param, schema, tuple(arguments.model_fields))
 
 
 def _argument_error(tool_name: str, error: ValidationError) -> errors.InvalidArgument:
@@ -482,7 +484,7 @@ class ResourcesServer(GymServer):
             args = spec.arguments.model_validate(parsed)
         except ValidationError as e:
             raise _argument_error(name, e) from None
-        kwargs = {k: getattr(args, k) for k in type(args).model_fields}
+        kwargs = {k: getattr(args, k) for k in spec.fields}
         if spec.session_param is not None:
             kwargs[spec.session_param] = session
         try:
@@ -688,7 +690,8 @@ class _ResourcesServicer(res_grpc.ResourcesServiceServicer):
             with _hook("verify", errors.VerifierFailed):
                 began = time.monotonic()
                 try:
-                    result = await asyncio.wait_for(self.app.verify(session, request.response), limit)
+                    async with asyncio.timeout(limit):  # no task of its own, as wait_for makes
+                        result = await self.app.verify(session, request.response)
                     # A verify that ends past its limit fails too, whichever of its end and the
                     # time-out the event loop saw first (a busy loop sees both at once).
                     if limit is not None and time.monotonic() - began > limit:

@@ -69,7 +69,9 @@ def value_to_python(value: struct_pb2.Value) -> Any:
 
 def struct_to_dict(struct: struct_pb2.Struct) -> JSON:
     """A Struct as a plain dict (see value_to_python)."""
-    return {k: value_to_python(v) for k, v in struct.fields.items()}
+    fields = struct.fields
+    # By key: a map's items() is collections.abc's, in Python; its keys come from C.
+    return {k: value_to_python(fields[k]) for k in fields} if fields else {}
 
 
 def json_field(message: ProtoMessage, name: str) -> JSON:

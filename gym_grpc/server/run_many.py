@@ -162,7 +162,7 @@ class _Runs:
 
         try:
             # The run's trace context as the metadata of a call of its own would carry it.
-            metadata = tuple(item.trace_context.items())
+            metadata = tuple(item.trace_context.items()) if item.trace_context else ()
             reply = await in_process.invoke(run, item.run, item.timeout_seconds or None, self._peer, metadata=metadata)
         except grpc.aio.AioRpcError as e:
             self._result(item.id).error.CopyFrom(_from_call(e))

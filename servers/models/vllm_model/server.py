@@ -182,10 +182,18 @@ _TOKEN_ID = "token_id:"
 
 def _names_these_ids(tokens: list[str], ids: list[int]) -> bool:
     """Whether the log-prob tokens are exactly "token_id:N" of these ids, as in the usual
-    answer: one comparison of strings. An id that is not an int is never a match."""
+    answer: one comparison of strings. An id that is not an int is never a match.
+
+    The tokens joined with spaces against the ids written so (a third of the cost of a string
+    per id): as no id's digits hold a space, equal texts of as many tokens as ids split
+    alike, so each token is its id's."""
+    if len(tokens) != len(ids):
+        return False
+    if not ids:
+        return True
     try:
-        return tokens == [f"{_TOKEN_ID}{t:d}" for t in ids]
-    except (TypeError, ValueError):
+        return " ".join(tokens) == _TOKEN_ID + f" {_TOKEN_ID}".join(map(int.__repr__, ids))
+    except TypeError:  # a token that is not a string, an id that is not an int
         return False
 
 
