@@ -10,7 +10,7 @@ import yaml
 
 from gym_grpc.launch.config import GymConfig, load_config
 from gym_grpc.launch.runner import Runner, StartupError
-from tests.support import QUICKSTART, WEATHER, collect_args, gym, read_rows, run_status, start_run
+from tests.support import MATH, QUICKSTART, WEATHER, collect_args, gym, read_rows, run_status, start_run
 
 
 def _config(servers: dict, **top) -> GymConfig:
@@ -128,3 +128,20 @@ def test_gym_grpc_run_serves_the_quickstart_from_one_process_unless_per_server(t
         assert len(read_rows(out)) == len(WEATHER.read_text().splitlines())
     finally:
         run.stop()
+
+
+@pytest.mark.slow
+def test_the_servers_of_a_group_share_its_profile_and_its_log(tmp_path):
+    """yappi is one per process: every server of the group shows the process's profile (the math
+    environment's too, though the group's first server is the model), and one log is written."""
+    profiles = tmp_path / "profiles"
+    run = start_run("profiling_enabled=true", f"profiling_results_dirpath={profiles}")
+    try:
+        done = gym(*collect_args(run.registry, "math_agent", MATH, tmp_path / "out.jsonl"), "--no-progress")
+        assert done.returncode == 0, done.stderr
+        live = gym("profile", "math", "--registry", run.registry, "--limit", "500")
+        assert live.returncode == 0, live.stderr
+        assert "MathEnv.verify" in live.stdout and "SimpleAgent" in live.stdout
+    finally:
+        assert run.stop() == 0
+    assert sorted(p.name for p in profiles.iterdir()) == ["weather_agent.log"]
