@@ -133,7 +133,8 @@ def main() -> None:
     message = json.loads(sys.stdin.readline())
     specs = _specs(message)
     name = message["name"]  # the server's, or the group's
-    open_files.raise_limit(f"server {name!r}")  # and name this process in what it says about it
+    # and name this process in what it says about it (a group's process is no server of that name)
+    open_files.raise_limit(f"process {name!r}" if len(specs) > 1 else f"server {name!r}")
     logging.basicConfig(
         stream=sys.stderr,
         level=message.get("log_level", "INFO"),
