@@ -149,7 +149,8 @@ class ServerSpec(BaseModel):
         None,
         min_length=1,
         description="servers with the same process name run in one process (num_workers of them) and call each "
-        "other in it without gRPC; each still serves its own port",
+        "other in it without gRPC; each still serves its own port. Under layout: grouped (the default) the servers "
+        "linked by references get one unless one of them has its own",
     )
     metrics_port: int | None = Field(
         None,
@@ -347,17 +348,17 @@ def _named(value: Any, names: set[str]) -> set[str]:
     return set()
 
 
-def references(servers: dict[str, ServerSpec]) -> dict[str, set[str]]:
+def named_servers(servers: dict[str, ServerSpec]) -> dict[str, set[str]]:
     """The other servers each server's config names (a string anywhere in it equal to a server's name)."""
     names = set(servers)
     return {name: _named(spec.config, names) - {name} for name, spec in servers.items()}
 
 
 def linked_components(servers: dict[str, ServerSpec]) -> list[list[str]]:
-    """The servers linked by references, either way, as sets in configuration order (each
-    component listed by its first server, its servers in configuration order)."""
+    """The sets of servers linked by references, either way (directly or through others): each
+    a list in configuration order, the lists in the order of their first servers."""
     neighbours: dict[str, set[str]] = {name: set() for name in servers}
-    for name, named in references(servers).items():
+    for name, named in named_servers(servers).items():
         for other in named:
             neighbours[name].add(other)
             neighbours[other].add(name)
@@ -381,7 +382,7 @@ def linked_components(servers: dict[str, ServerSpec]) -> list[list[str]]:
 def _group_name(component: list[str], servers: dict[str, ServerSpec]) -> str:
     """A grouped component's process name: its first server that calls others and that none of
     them calls (the agent, usually), else its first server."""
-    named = references({name: servers[name] for name in component})
+    named = named_servers({name: servers[name] for name in component})
     called = set().union(*named.values())
     return next((n for n in component if named[n] and n not in called), component[0])
 
