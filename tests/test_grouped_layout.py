@@ -113,15 +113,15 @@ def test_dump_config_shows_the_layout_and_each_servers_process():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides, processes", [((), 1), (("layout=per_server",), 5)])
+@pytest.mark.parametrize("overrides, processes", [((), "1 process"), (("layout=per_server",), "5 processes")])
 def test_gym_grpc_run_serves_the_quickstart_from_one_process_unless_per_server(tmp_path, overrides, processes):
     run = start_run(*overrides)
     try:
-        assert "5 servers healthy" in run.log() and f"({processes} processes)" in run.log()
+        assert "5 servers healthy" in run.log() and f"({processes})" in run.log()
         code, rows = run_status(run.registry)
         assert code == 0 and all(row["health"] == "serving" for row in rows.values())
         rollout = ("policy_model", "weather", "weather_agent")
-        assert len({rows[name]["pid"] for name in rollout}) == (1 if processes == 1 else 3)
+        assert len({rows[name]["pid"] for name in rollout}) == (1 if processes == "1 process" else 3)
         out = tmp_path / "out.jsonl"
         done = gym(*collect_args(run.registry, "weather_agent", WEATHER, out), "--no-progress")
         assert done.returncode == 0, done.stderr

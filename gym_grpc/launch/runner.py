@@ -505,5 +505,6 @@ def describe(runner: Runner, started: float) -> str:
             f"{SERVER_ROLES.get(s.info.role, '?'):<10} {s.name:<24} {s.info.addresses[0]:<22} {workers:<11}{refs}"
         )
     processes = len(runner.processes())
-    lines.append(f"{len(runner.servers)} servers healthy in {time.monotonic() - started:.1f} s ({processes} processes)")
+    counted = f"{processes} process" + ("es" if processes != 1 else "")
+    lines.append(f"{len(runner.servers)} servers healthy in {time.monotonic() - started:.1f} s ({counted})")
     return "\n".join(lines)
