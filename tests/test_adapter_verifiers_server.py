@@ -238,7 +238,9 @@ def test_gym_grpc_run_refuses_a_wrong_taskset_naming_the_key():
         "servers.capitals.config.taskset=examples.verifiers_taskset:CAPITALS",
     )
     assert done.returncode != 0
-    assert "server 'capitals' could not start: config.taskset: " in done.stderr
+    # the default layout runs the three servers as one process, which the message names with the server
+    started = "process 'capitals_agent' (servers 'policy_model', 'capitals', 'capitals_agent') could not start"
+    assert f"{started}: server 'capitals': config.taskset: " in done.stderr
     assert "'examples.verifiers_taskset:CAPITALS' is a dict, not a verifiers Taskset" in done.stderr
 
 

@@ -494,7 +494,7 @@ def test_an_output_that_cannot_be_written_from_the_start_is_one_error_line(tmp_p
 
 @pytest.mark.slow
 def test_num_workers_serve_one_port_and_share_the_calls(tmp_path):
-    run = start_run("servers.policy_model.num_workers=2")
+    run = start_run("layout=per_server", "servers.policy_model.num_workers=2")
     try:
         assert "servers healthy" in run.log() and "(6 processes)" in run.log()
         model = json.loads(grpcurl("-d", '{"name": "policy_model"}', run.registry, "gym.v1.RegistryService/GetServer"))
@@ -518,7 +518,7 @@ def test_num_workers_serve_one_port_and_share_the_calls(tmp_path):
 
 @pytest.mark.slow
 def test_a_server_that_dies_is_shown_down_and_the_others_keep_serving(tmp_path):
-    run = start_run()
+    run = start_run("layout=per_server")  # grouped, the weather's process serves every server
     try:
         code, rows = run_status(run.registry)
         assert code == 0 and all(row["health"] == "serving" and row["pid"] > 0 for row in rows.values())

@@ -384,6 +384,7 @@ def test_an_agent_restarted_mid_collection_resumes_its_rollouts_and_runs_each_to
     doubles.write_text(DOUBLES)
     config = tmp_path / "durable.yaml"
     config.write_text(
+        "layout: per_server\n"  # the agent dies alone: its sessions on calc live on
         "servers:\n"
         f"  calc: {{entrypoint: '{doubles}:SlowCounter'}}\n"
         f"  model: {{entrypoint: '{doubles}:Adding'}}\n"

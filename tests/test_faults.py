@@ -49,7 +49,10 @@ def test_a_server_killed_and_restarted_mid_collection_costs_at_most_its_calls_in
     The deadline is generous on purpose: on a loaded 2-core machine the restarted
     process takes more than 10 s to start, and a call whose deadline passes while
     it waits is lost for that reason, not because the server died under it."""
-    run = start_run(f"servers.{victim}.restart=true", "servers.policy_model.config.latency_seconds=0.1")
+    # a process per server: only the victim's calls are lost
+    run = start_run(
+        "layout=per_server", f"servers.{victim}.restart=true", "servers.policy_model.config.latency_seconds=0.1"
+    )
     try:
         tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
         tasks.write_text(MATH.read_text() * 20)  # 120 tasks: about 1.5 s at 8 in flight

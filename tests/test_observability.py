@@ -100,7 +100,8 @@ async def test_a_deadline_that_passes_counts_as_deadline_exceeded_and_a_cancel_a
 @pytest.mark.slow
 def test_profiling_writes_a_log_with_the_verifiers_call_count_and_the_admin_answers_grpcurl(tmp_path):
     profiles = tmp_path / "profiles"
-    run = start_run("profiling_enabled=true", f"profiling_results_dirpath={profiles}")
+    # a process per server: a log per server (grouped, one per process: tests/test_grouped_layout.py)
+    run = start_run("layout=per_server", "profiling_enabled=true", f"profiling_results_dirpath={profiles}")
     try:
         weather = run.servers["weather"]
         info = json.loads(grpcurl(weather, "gym.v1.AdminService/GetServerInfo"))

@@ -32,6 +32,7 @@ def test_a_model_server_out_of_open_files_says_so_once_and_its_calls_fail_as_res
     config = tmp_path / "engine.yaml"
     config.write_text(
         f"include: ['{REPO / 'servers' / 'resources' / 'weather' / 'config.yaml'}']\n"
+        "layout: per_server\n"  # the model server's own process runs out of files, not the agent's
         "servers:\n"
         "  policy_model:\n"
         f"    entrypoint: '{REPO / 'servers' / 'models' / 'openai_model' / 'server.py'}:OpenAIModel'\n"

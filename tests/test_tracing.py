@@ -78,7 +78,7 @@ def test_one_rollout_is_one_trace_across_the_collector_agent_model_server_and_en
     rl.sample), every other span's parent in the trace, with the queue wait, each model call with
     its token counts, the tool call and the verification. OTLP over gRPC, and over HTTP."""
     receiver = request.getfixturevalue(over)
-    spans, root = _one_traced_rollout(receiver, tmp_path)
+    spans, root = _one_traced_rollout(receiver, tmp_path, "layout=per_server")
     by_id = {s["id"]: s for s in spans}
     services = {s["service"] for s in spans}
     assert services == {"trainer", "weather_agent", "policy_model", "weather"}

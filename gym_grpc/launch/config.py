@@ -19,7 +19,7 @@ directory, or the file given) is merged: it is where secrets live. An
 override is `dotted.key=value` with the value read as YAML
 (`servers.weather_agent.config.max_steps=3`).
 
-Top-level keys other than `registry`, `servers`, `security` (see
+Top-level keys other than `registry`, `servers`, `layout` (see GymConfig.layout), `security` (see
 security.py), `ray` (see docs/scale-out.md), `profiling_enabled` and `profiling_results_dirpath` are
 variables, usually
 from env.yaml (`policy_base_url: http://gpu-node:8000/v1`). `${name}` in any
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from gym_grpc.errors import ConfigError
 from gym_grpc.launch import masking
@@ -72,6 +72,9 @@ class RegistryIdentifier(BaseModel):
 
 
 DatasetType = Literal["train", "validation", "example"]
+
+#: How `gym-grpc run` lays servers out in processes (GymConfig.layout).
+Layout = Literal["grouped", "per_server"]
 
 
 class GeneratedBy(BaseModel):
@@ -146,7 +149,8 @@ class ServerSpec(BaseModel):
         None,
         min_length=1,
         description="servers with the same process name run in one process (num_workers of them) and call each "
-        "other in it without gRPC; each still serves its own port",
+        "other in it without gRPC; each still serves its own port. Under layout: grouped (the default) the servers "
+        "linked by references get one unless one of them has its own",
     )
     metrics_port: int | None = Field(
         None,
@@ -210,10 +214,23 @@ class GymConfig(BaseModel):
 
     registry: RegistrySpec = RegistrySpec()
     servers: dict[str, ServerSpec] = Field(default_factory=dict)
+    layout: Layout = Field(
+        "grouped",
+        description='"grouped": each set of servers linked by references (a string of one\'s config naming '
+        'another) runs as one process group, unless one of them has a process: of its own; "per_server": a '
+        "process per server unless process: says otherwise",
+    )
     ray: RaySpec | None = Field(None, description="run the servers on a Ray cluster instead of this machine")
     security: Security = Security()
     profiling_enabled: bool = Field(False, description="run yappi in every server and write a log at stop")
     profiling_results_dirpath: str | None = Field(None, description="where the profile logs go")
+    #: Why linked servers were left ungrouped, one line each (`gym-grpc run` logs them).
+    _layout_notes: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def layout_notes(self) -> list[str]:
+        """Why servers linked by references run in processes of their own under the grouped layout."""
+        return self._layout_notes
 
     @model_validator(mode="after")
     def _replicas_need_ray(self) -> GymConfig:
@@ -255,6 +272,40 @@ class GymConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _group_linked_servers(self) -> GymConfig:
+        """The grouped layout: each component of servers linked by references runs as one process
+        group, named after its first caller (see linked_components). A component with a server of an
+        explicit `process:` is left as it is, and so is one whose servers disagree on num_workers or
+        restart (noted in layout_notes); nothing is grouped under Ray."""
+        self._layout_notes = []
+        if self.layout != "grouped" or self.ray is not None:
+            return self
+        taken = {spec.process for spec in self.servers.values() if spec.process is not None}
+        for component in linked_components(self.servers):
+            specs = [self.servers[name] for name in component]
+            if len(component) < 2 or any(spec.process is not None for spec in specs):
+                continue
+            disagree = [key for key in ("num_workers", "restart") if len({getattr(s, key) for s in specs}) > 1]
+            if disagree:
+                values = "; ".join(
+                    f"{key}: " + ", ".join(f"{n} {getattr(s, key)}" for n, s in zip(component, specs, strict=True))
+                    for key in disagree
+                )
+                self._layout_notes.append(
+                    f"servers {', '.join(component)} call each other but run in processes of their own: they "
+                    f"disagree on {' and '.join(disagree)} ({values}), which a process group shares"
+                )
+                continue
+            name = _group_name(component, self.servers)
+            unique, n = name, 2
+            while unique in taken:
+                unique, n = f"{name}.{n}", n + 1
+            taken.add(unique)
+            for spec in specs:
+                spec.process = unique
+        return self
+
+    @model_validator(mode="after")
     def _metrics_ports_are_free(self) -> GymConfig:
         """Each worker's metrics port (metrics_port + i) exists and is no other port of the configuration."""
         taken = {self.registry.port: "registry.port"} if self.registry.port else {}
@@ -286,6 +337,54 @@ class GymConfig(BaseModel):
         if self.profiling_enabled and not self.profiling_results_dirpath:
             raise ValueError("profiling_enabled needs profiling_results_dirpath")
         return self
+
+
+def _named(value: Any, names: set[str]) -> set[str]:
+    """The strings of `value` (nested mappings and lists included) that are in `names`."""
+    if isinstance(value, str):
+        return {value} & names
+    if isinstance(value, dict | list):
+        return set().union(*(_named(child, names) for child in (value.values() if isinstance(value, dict) else value)))
+    return set()
+
+
+def named_servers(servers: dict[str, ServerSpec]) -> dict[str, set[str]]:
+    """The other servers each server's config names (a string anywhere in it equal to a server's name)."""
+    names = set(servers)
+    return {name: _named(spec.config, names) - {name} for name, spec in servers.items()}
+
+
+def linked_components(servers: dict[str, ServerSpec]) -> list[list[str]]:
+    """The sets of servers linked by references, either way (directly or through others): each
+    a list in configuration order, the lists in the order of their first servers."""
+    neighbours: dict[str, set[str]] = {name: set() for name in servers}
+    for name, named in named_servers(servers).items():
+        for other in named:
+            neighbours[name].add(other)
+            neighbours[other].add(name)
+    order = {name: i for i, name in enumerate(servers)}
+    seen: set[str] = set()
+    components = []
+    for name in servers:
+        if name in seen:
+            continue
+        component, todo = set(), [name]
+        while todo:
+            current = todo.pop()
+            if current not in component:
+                component.add(current)
+                todo.extend(neighbours[current] - component)
+        seen |= component
+        components.append(sorted(component, key=order.__getitem__))
+    return components
+
+
+def _group_name(component: list[str], servers: dict[str, ServerSpec]) -> str:
+    """A grouped component's process name: its first server that calls others and that none of
+    them calls (the agent, usually), else its first server."""
+    named = named_servers({name: servers[name] for name in component})
+    called = set().union(*named.values())
+    return next((n for n in component if named[n] and n not in called), component[0])
 
 
 def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
@@ -407,7 +506,7 @@ def _references(value: Any, where: str = "", *, required: bool = False) -> dict[
 
 #: `${name}`, or `${name:-default}`: the default (text, maybe empty) where the variable has no value.
 _VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
-_SECTIONS = ("registry", "servers", "security", "ray", "profiling_enabled", "profiling_results_dirpath")
+_SECTIONS = ("registry", "servers", "layout", "security", "ray", "profiling_enabled", "profiling_results_dirpath")
 
 
 def _interpolate(value: Any, variables: dict[str, Any], where: str, secrets: set[str]) -> Any:

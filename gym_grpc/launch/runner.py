@@ -1,9 +1,12 @@
 """Start the servers of a configuration and serve the registry (what `gym-grpc run` does).
 
-Each server runs in its own process (`python -m gym_grpc.server.worker`), bound to
+Each server runs in a process (`python -m gym_grpc.server.worker`), bound to
 its configured port or to port 0 with the bound port read back from it; the
 servers of one `process:` group share a process, and call each other without
-gRPC (each still serves its own port). The
+gRPC (each still serves its own port). Under the default layout (`layout:
+grouped`) the configuration gives the servers linked by references one
+`process:` (see GymConfig.layout); under `layout: per_server` each server
+without a `process:` runs alone. The
 runner waits until every server reports ready and answers its health check,
 checks that the servers they call exist, then lists them in the registry.
 A server with `restart: true` whose process dies is started again, with a
@@ -239,6 +242,8 @@ class Runner(RegistryHost):
 
     async def start(self) -> None:
         """Start the registry and every server; return once all are healthy."""
+        for note in self.config.layout_notes:
+            log.warning("%s", note)
         await self._serve_registry(self.config.registry.host)
         # State the worker processes of one server share (the policy version a model server serves).
         self._shared = tempfile.TemporaryDirectory(prefix="gym-grpc-run-")
@@ -500,5 +505,6 @@ def describe(runner: Runner, started: float) -> str:
             f"{SERVER_ROLES.get(s.info.role, '?'):<10} {s.name:<24} {s.info.addresses[0]:<22} {workers:<11}{refs}"
         )
     processes = len(runner.processes())
-    lines.append(f"{len(runner.servers)} servers healthy in {time.monotonic() - started:.1f} s ({processes} processes)")
+    counted = f"{processes} process" + ("es" if processes != 1 else "")
+    lines.append(f"{len(runner.servers)} servers healthy in {time.monotonic() - started:.1f} s ({counted})")
     return "\n".join(lines)

@@ -114,7 +114,7 @@ def _specs(message: dict[str, Any]) -> list[dict[str, Any]]:
     return [{**shared, **own} for own in message.get("servers", [{}])]
 
 
-def _app(spec: dict[str, Any], security: Security, profiled: bool) -> GymServer:
+def _app(spec: dict[str, Any], security: Security, profiler: Profiler | None) -> GymServer:
     cls = load_entrypoint(spec["entrypoint"])
     name = spec["name"]
     app = cls(spec["config"], name=name, registry=Registry(spec["registry"], security=security))
@@ -122,8 +122,8 @@ def _app(spec: dict[str, Any], security: Security, profiled: bool) -> GymServer:
     app.worker = spec.get("worker", 0)
     if spec.get("policy_version_file") and isinstance(app, ModelServer):
         app.served_version = ServedVersion(spec["policy_version_file"])  # one for all the server's workers
-    if profiled and spec.get("profiling_dir"):  # yappi is one per process: the first server writes its log
-        app.profiler = Profiler(spec["profiling_dir"], spec.get("log_name", name))
+    if profiler is not None:  # yappi is one per process: its servers share it, and the first stop writes its log
+        app.profiler = profiler
     return app
 
 
@@ -133,7 +133,8 @@ def main() -> None:
     message = json.loads(sys.stdin.readline())
     specs = _specs(message)
     name = message["name"]  # the server's, or the group's
-    open_files.raise_limit(f"server {name!r}")  # and name this process in what it says about it
+    # and name this process in what it says about it (a group's process is no server of that name)
+    open_files.raise_limit(f"process {name!r}" if len(specs) > 1 else f"server {name!r}")
     logging.basicConfig(
         stream=sys.stderr,
         level=message.get("log_level", "INFO"),
@@ -143,7 +144,9 @@ def main() -> None:
     tracing.configure(name, **{"gym_grpc.worker": specs[0].get("worker", 0)})
     try:
         security = Security.model_validate(message.get("security") or {})
-        apps = [_app(spec, security, profiled=i == 0) for i, spec in enumerate(specs)]
+        first = specs[0]
+        profiler = Profiler(first["profiling_dir"], first.get("log_name", name)) if first.get("profiling_dir") else None
+        apps = [_app(spec, security, profiler) for spec in specs]
         event_loop.run(_serve(apps, specs, security))
     except ConfigError as e:
         _report({"error": str(e)})
