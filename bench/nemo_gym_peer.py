@@ -595,3 +595,42 @@ def table(result: dict) -> str:
         + "; ".join(installed["commands"][1:])
     )
     return "\n".join(lines)
+
+
+def summary(result: dict) -> str:
+    """One row per workload and window: each stack's steady rate, the ratios, and CPU per rollout and
+    per model call (the table docs/performance.md quotes)."""
+    lines = [
+        "| workload | in flight | rollouts/s, steady: gym-grpc default / per server / grouped; NeMo Gym "
+        "| ratio to NeMo Gym: default / per server / grouped | CPU ms per rollout (per model call): "
+        "default / grouped; NeMo Gym |",
+        "|---|---|---|---|---|",
+    ]
+
+    def each(row: dict, stacks: tuple[str, ...], show: Any) -> str:
+        return " / ".join(show(row[stack]) if stack in row else "–" for stack in stacks)
+
+    for workload in result["workloads"]:
+        name = f"{workload['workload']} ({workload['model_calls']} calls)"
+        for row in workload["runs"]:
+            theirs = row["nemo_gym"]
+            rates = each(row, GYM_GRPC_STACKS, lambda run: f"{_rate(run):,.0f}")
+            ratios = " / ".join(
+                f"**{r['steady_rollouts_per_second']}×**" if (r := row.get(f"ratio_{stack}_over_nemo_gym")) else "–"
+                for stack in GYM_GRPC_STACKS
+            )
+            cpu = each(
+                row,
+                GYM_GRPC_STACKS[::2],
+                lambda run: f"{run['cpu_ms_per_rollout']} ({run['cpu_ms_per_model_call']})",
+            )
+            lines.append(
+                f"| {name} | {row['in_flight']:,} | {rates}; {_rate(theirs):,.1f} | {ratios} "
+                f"| {cpu}; {theirs['cpu_ms_per_rollout']} ({theirs['cpu_ms_per_model_call']}) |"
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # the tables of a results file: python bench/nemo_gym_peer.py RESULTS.json
+    loaded = json.loads(Path(sys.argv[1]).read_text())["results"]["peer_nemo_gym"]
+    print(summary(loaded), table(loaded), sep="\n\n")

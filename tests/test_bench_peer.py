@@ -159,3 +159,41 @@ def test_each_gym_grpc_run_is_at_least_4000_rollouts_and_nemo_gyms_at_least_3000
 def test_the_long_horizon_rows_ask_for_fifteen_tool_calls(peer):
     text = peer.task_rows("long_horizon", 1)[0]["responses_create_params"]["input"][-1]["content"]
     assert text.startswith("[15 tool calls] ")
+
+
+def test_the_tables_show_each_layout_run_and_a_dash_for_a_layout_a_workload_did_not_run(peer):
+    def run(rate: float, cpu: float) -> dict:
+        return {
+            "rollouts": 4000,
+            "seconds": 4.0,
+            "rollouts_per_second": rate * 0.9,
+            "steady_rollouts_per_second": rate,
+            "cpu_ms_per_rollout": cpu,
+            "cpu_ms_per_model_call": cpu / 4,
+            "engine_cpu_ms_per_rollout": 0.5,
+            "failed": 0,
+            "mean_reward": 1.0,
+        }
+
+    ours, theirs = run(1000.0, 2.0), run(50.0, 30.0)
+    row = {
+        "in_flight": 64,
+        "nemo_gym": theirs,
+        "gym_grpc_default": ours,
+        "ratio_gym_grpc_default_over_nemo_gym": peer._ratio(ours, theirs),
+        "gym_grpc_grouped": ours,
+        "ratio_gym_grpc_grouped_over_nemo_gym": peer._ratio(ours, theirs),
+    }
+    workload = {
+        "workload": "tokens",
+        "model_calls": 4,
+        "path": "token in / token out",
+        "layouts": ["gym_grpc_default", "gym_grpc_grouped"],
+        "ready_seconds": {"gym_grpc_default": 1.0, "gym_grpc_grouped": 1.0, "nemo_gym": 12.0},
+        "idle": {},
+        "runs": [row],
+    }
+    result = {"workloads": [workload], "nemo_gym_install": {"versions": {}, "python": "3.13", "commands": []}}
+    summary = peer.summary(result)
+    assert "| tokens (4 calls) | 64 | 1,000 / – / 1,000; 50.0 | **20.0×** / – / **20.0×** |" in summary
+    assert peer.table(result).count("| tokens (4 calls) | 64 |") == 3  # default, grouped, NeMo Gym
