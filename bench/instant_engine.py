@@ -25,10 +25,9 @@ the chat path reads from the messages, and writes a tool call as hermes does
 (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`).
 
 `GET /bench/stats` tells how many model calls it answered since the last
-`POST /bench/reset` (and /tokenize calls apart), the wall-clock time
-(time.time()) of the first and the last, and of every final answer (an answer
-without a tool call: the rollout's last model call): a benchmark times two
-stacks the same way from outside them, the steady rate included.
+`POST /bench/reset` (and /tokenize calls apart) and the wall-clock time
+(time.time()) of each: a benchmark times two stacks the same way from outside
+them, their steady rate included.
 """
 
 from __future__ import annotations
@@ -62,7 +61,7 @@ def _prompt(messages: list[dict]) -> list[int]:
 
 
 LATENCY = 0.0
-STATS: dict = {"calls": 0, "tokenize": 0, "prefixed": 0, "first": None, "last": None, "finals": []}
+STATS: dict = {"calls": 0, "tokenize": 0, "prefixed": 0, "first": None, "last": None, "times": []}
 
 
 def _count() -> None:
@@ -70,11 +69,7 @@ def _count() -> None:
     STATS["calls"] += 1
     STATS["first"] = STATS["first"] or now
     STATS["last"] = now
-
-
-def _final() -> None:
-    """The answer being sent ends its rollout (no tool call in it)."""
-    STATS["finals"].append(time.time())
+    STATS["times"].append(now)
 
 
 def _json(answer: dict) -> web.Response:
@@ -86,7 +81,7 @@ async def stats(request: web.Request) -> web.Response:
 
 
 async def reset(request: web.Request) -> web.Response:
-    STATS.update(calls=0, tokenize=0, prefixed=0, first=None, last=None, finals=[])
+    STATS.update(calls=0, tokenize=0, prefixed=0, first=None, last=None, times=[])
     return web.json_response(STATS)
 
 
@@ -139,8 +134,6 @@ async def chat(request: web.Request) -> web.Response:
         content = ""
     else:
         content = _plain_answer(user)
-    if not calls:
-        _final()
     generated = _ids(content + "".join(c["function"]["arguments"] for c in calls)) + [257]
     prompt = _prompt(messages)
     prefix = body.get("required_prefix_token_ids")
@@ -206,8 +199,6 @@ async def responses(request: web.Request) -> web.Response:
             "status": "completed",
             "content": [{"type": "output_text", "text": _plain_answer(user), "annotations": []}],
         }
-    if output["type"] == "message":
-        _final()
     return _json(
         {
             "id": f"resp_{uuid.uuid4().hex}",
@@ -296,8 +287,6 @@ async def completions(request: web.Request) -> web.Response:
     await asyncio.sleep(LATENCY)
     prompt = body["prompt"]
     text = _generate(prompt)
-    if "<tool_call>" not in text:
-        _final()
     generated = [*encode(text), IM_END]
     choice: dict = {"index": 0, "text": text, "finish_reason": "stop", "stop_reason": None}
     if body.get("logprobs") is not None:

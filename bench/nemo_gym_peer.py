@@ -27,9 +27,9 @@ The workloads (model calls per rollout in brackets):
 Each run collects at least as many rollouts as are in flight; gym-grpc's runs at least 4,000
 (`GYM_GRPC_ROWS`), NeMo Gym's at least 3,000 model calls' worth (`NEMO_GYM_MODEL_CALLS`: at its
 rates here, 10 s or more; the results say how long each run took). Per stack, workload and
-window of rollouts in flight: rollouts/s over the whole run and in its steady state (from the
-10% to the 90% mark of the rollouts finished, by the times the engine sent each rollout's last
-answer), failures, mean reward, model calls per rollout, and the CPU time of every process of
+window of rollouts in flight: rollouts/s over the whole run and in its steady state (the model
+calls the engine answered between the 10% and the 90% mark of the run's calls, per second, over
+the calls per rollout), failures, mean reward, model calls per rollout, and the CPU time of every process of
 the stack (the supervisor, every server and what it started: worker processes, Ray; children
 that ended are counted through their parent's cutime) plus the collector's, per rollout and per
 model call; the time to ready; idle processes and RSS. The wall time runs from the first model
@@ -336,14 +336,16 @@ def rows_per_run(stack: str, workload: str, window: int) -> int:
     return max(window, GYM_GRPC_ROWS)
 
 
-def steady_rate(finals: list[float]) -> float | None:
-    """Rollouts/s between the 10% and the 90% marks of the rollouts finished, from the times their
-    last answers were sent; None with too few to tell."""
-    times = sorted(finals)
+def steady_rate(times: list[float], calls_per_rollout: float) -> float | None:
+    """Rollouts/s in the steady state: the model calls answered between the 10% and the 90% mark of
+    the run's calls, per second, over the calls a rollout makes; None with too few to tell. By the
+    calls, which flow all the time, rather than by the rollouts finished, which come in waves when
+    a run is not many windows long (every rollout of a window ends at about the same time)."""
+    times = sorted(times)
     first, last = len(times) // 10, -(-9 * len(times) // 10) - 1
-    if last - first < 2 or times[last] <= times[first]:
+    if last - first < 2 or times[last] <= times[first] or calls_per_rollout <= 0:
         return None
-    return (last - first) / (times[last] - times[first])
+    return (last - first) / (times[last] - times[first]) / calls_per_rollout
 
 
 def _engine(engine: bench.InstantEngine, path: str, post: bool = False) -> dict:
@@ -384,7 +386,7 @@ def _measure(
     rewards = _rewards(out)
     done = len(rewards)
     seconds = ended - (stats["first"] or started)
-    steady = steady_rate(stats["finals"])
+    steady = steady_rate(stats["times"], stats["calls"] / done) if done else None
     calls = max(stats["calls"], 1)
     return {
         "rollouts": done,
@@ -536,8 +538,8 @@ def bench_peer(
             "gym_grpc": f"at least {GYM_GRPC_ROWS} rollouts and the window",
             "nemo_gym": f"at least {NEMO_GYM_MODEL_CALLS} model calls' worth of rollouts and the window",
         },
-        "steady_state": "rollouts/s from the 10% to the 90% mark of the rollouts finished, by the times the "
-        "engine sent their last answers",
+        "steady_state": "model calls answered between the 10% and the 90% mark of the run's calls, per second, "
+        "over the model calls per rollout",
         "repeats": repeats,
         "load_average": {"before": [round(x, 1) for x in os.getloadavg()]},
         "workloads": [],

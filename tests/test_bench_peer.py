@@ -127,7 +127,7 @@ def test_the_token_path_reads_the_turn_from_the_prompt_ids_and_calls_the_tool_as
         else:
             assert choice["text"] == "According to the tool: output 1"
     stats = _stats(engine)
-    assert stats["calls"] == 3 and stats["tokenize"] == 3 and len(stats["finals"]) == 1
+    assert stats["calls"] == 3 and stats["tokenize"] == 3 and len(stats["times"]) == 3
 
 
 def test_the_engine_honours_a_required_prefix_and_counts_the_calls_that_send_one(engine):
@@ -141,11 +141,11 @@ def test_the_engine_honours_a_required_prefix_and_counts_the_calls_that_send_one
     assert _stats(engine)["prefixed"] == 1
 
 
-def test_the_steady_rate_counts_the_rollouts_between_the_10_and_90_percent_marks(peer):
-    # A slow start (a rollout a second for 10) then 10 a second: the steady rate is the fast one.
-    finals = [float(i) for i in range(10)] + [10 + i / 10 for i in range(90)]
-    assert peer.steady_rate(finals) == pytest.approx(10.0)
-    assert peer.steady_rate([1.0, 2.0]) is None  # too few to tell
+def test_the_steady_rate_counts_the_calls_between_the_10_and_90_percent_marks_in_rollouts(peer):
+    # A slow start (a call a second for 10 s), then 100 calls a second; 4 calls a rollout: 25 rollouts/s.
+    times = [float(i) for i in range(10)] + [10 + i / 100 for i in range(900)]
+    assert peer.steady_rate(times, 4.0) == pytest.approx(25.0)
+    assert peer.steady_rate([1.0, 2.0], 4.0) is None  # too few to tell
 
 
 def test_each_gym_grpc_run_is_at_least_4000_rollouts_and_nemo_gyms_at_least_3000_model_calls(peer):
