@@ -39,7 +39,10 @@ def traced(engine, engine_traces, tmp_path):
 def test_vllm_continues_the_trace_of_the_rollout(tmp_path, traced):
     engine, receiver = traced
     env = otel_env(receiver)
-    run = start_run("--env-file", str(env_file(engine, tmp_path)), configs=(VLLM, WEATHER_CONFIG), env=env)
+    # a process per server, so that each span names the server that made it
+    run = start_run(
+        "--env-file", str(env_file(engine, tmp_path)), "layout=per_server", configs=(VLLM, WEATHER_CONFIG), env=env
+    )
     try:
         output = tmp_path / "rollouts.jsonl"
         args = collect_args(run, "weather_agent", WEATHER_TASKS, output, "--limit", "1")
