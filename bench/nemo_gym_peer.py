@@ -24,8 +24,9 @@ The workloads (model calls per rollout in brackets):
                 as required_prefix_token_ids, which the engine honours)
   long_horizon  "[15 tool calls]" on the token path, as tokens (16)
 
-Each run collects at least as many rollouts as are in flight; gym-grpc's runs at least 4,000
-(`GYM_GRPC_ROWS`), NeMo Gym's at least 3,000 model calls' worth (`NEMO_GYM_MODEL_CALLS`: at its
+Each run collects at least as many rollouts as are in flight; gym-grpc's runs at least 4,000 or
+16,000 model calls' worth, whichever is fewer (`GYM_GRPC_ROWS`), NeMo Gym's at least 3,000 model
+calls' worth (`NEMO_GYM_MODEL_CALLS`: at its
 rates here, 10 s or more; the results say how long each run took). Per stack, workload and
 window of rollouts in flight: rollouts/s over the whole run and in its steady state (the model
 calls the engine answered between the 10% and the 90% mark of the run's calls, per second, over
@@ -91,8 +92,9 @@ WORKLOADS = tuple(TOOL_CALLS)
 TOKEN_PATH = ("tokens", "long_horizon")
 #: Rollouts in flight at which each workload runs (16 calls at 4,096 would keep NeMo Gym ~5 min a run).
 WINDOWS = {workload: (64, 1024, 4096) for workload in WORKLOADS} | {"long_horizon": (64, 1024)}
-#: Rollouts of each gym-grpc run at least (and at least the window).
-GYM_GRPC_ROWS = 4000
+#: Rollouts of each gym-grpc run at least, or its model calls at least, whichever is fewer (and at
+#: least the window): 4,000 rollouts of up to 4 calls, 1,000 of 16 (25 s and more here).
+GYM_GRPC_ROWS, GYM_GRPC_MODEL_CALLS = 4000, 16000
 #: Model calls of each NeMo Gym run at least (and at least the window's rollouts): 10 s and more at its rates here.
 NEMO_GYM_MODEL_CALLS = 3000
 
@@ -331,9 +333,10 @@ def task_rows(workload: str, count: int) -> list[dict]:
 
 def rows_per_run(stack: str, workload: str, window: int) -> int:
     """How many rollouts one run of `stack` collects at `window` in flight (see GYM_GRPC_ROWS)."""
+    calls = TOOL_CALLS[workload] + 1
     if stack == "nemo_gym":
-        return max(window, -(-NEMO_GYM_MODEL_CALLS // (TOOL_CALLS[workload] + 1)))
-    return max(window, GYM_GRPC_ROWS)
+        return max(window, -(-NEMO_GYM_MODEL_CALLS // calls))
+    return max(window, min(GYM_GRPC_ROWS, -(-GYM_GRPC_MODEL_CALLS // calls)))
 
 
 def steady_rate(times: list[float], calls_per_rollout: float) -> float | None:
@@ -535,7 +538,8 @@ def bench_peer(
             f"num_workers: {os.cpu_count() or 1}",
         },
         "rows_per_run": {
-            "gym_grpc": f"at least {GYM_GRPC_ROWS} rollouts and the window",
+            "gym_grpc": f"at least {GYM_GRPC_ROWS} rollouts or {GYM_GRPC_MODEL_CALLS} model calls' worth, "
+            "whichever is fewer, and the window",
             "nemo_gym": f"at least {NEMO_GYM_MODEL_CALLS} model calls' worth of rollouts and the window",
         },
         "steady_state": "model calls answered between the 10% and the 90% mark of the run's calls, per second, "

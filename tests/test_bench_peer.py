@@ -148,9 +148,10 @@ def test_the_steady_rate_counts_the_calls_between_the_10_and_90_percent_marks_in
     assert peer.steady_rate([1.0, 2.0], 4.0) is None  # too few to tell
 
 
-def test_each_gym_grpc_run_is_at_least_4000_rollouts_and_nemo_gyms_at_least_3000_model_calls(peer):
+def test_each_gym_grpc_run_is_4000_rollouts_or_16000_calls_and_nemo_gyms_3000_model_calls(peer):
     assert peer.rows_per_run("gym_grpc_default", "weather", 64) == 4000
     assert peer.rows_per_run("gym_grpc_grouped", "weather", 8192) == 8192  # never fewer than in flight
+    assert peer.rows_per_run("gym_grpc_default", "long_horizon", 64) == 1000  # or 16,000 model calls
     assert peer.rows_per_run("nemo_gym", "weather", 64) == 1500  # 2 calls each
     assert peer.rows_per_run("nemo_gym", "long_horizon", 64) == 188  # 16 calls each
     assert peer.rows_per_run("nemo_gym", "multi_turn", 4096) == 4096
