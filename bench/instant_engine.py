@@ -72,6 +72,14 @@ def _count() -> None:
     STATS["times"].append(now)
 
 
+def _usage(prompt: list[int], generated: list[int]) -> dict[str, int]:
+    return {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": len(generated),
+        "total_tokens": len(prompt) + len(generated),
+    }
+
+
 def _json(answer: dict) -> web.Response:
     return web.Response(body=orjson.dumps(answer), content_type="application/json")
 
@@ -151,11 +159,7 @@ async def chat(request: web.Request) -> web.Response:
         "created": int(time.time()),
         "model": body.get("model"),
         "choices": [choice],
-        "usage": {
-            "prompt_tokens": len(prompt),
-            "completion_tokens": len(generated),
-            "total_tokens": len(prompt) + len(generated),
-        },
+        "usage": _usage(prompt, generated),
     }
     if body.get("logprobs"):
         choice["logprobs"] = {"content": [{"token": f"token_id:{t}", "logprob": -0.1} for t in generated]}
@@ -306,11 +310,7 @@ async def completions(request: web.Request) -> web.Response:
             "created": int(time.time()),
             "model": body.get("model"),
             "choices": [choice],
-            "usage": {
-                "prompt_tokens": len(prompt),
-                "completion_tokens": len(generated),
-                "total_tokens": len(prompt) + len(generated),
-            },
+            "usage": _usage(prompt, generated),
         }
     )
 
