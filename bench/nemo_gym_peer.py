@@ -8,7 +8,7 @@ alone and stopped after it. The gym-grpc layouts:
 
   default     the configuration as written, with no layout setting: what `gym-grpc run` does
               unless told (each agent in one process with the servers it calls)
-  per_server  `layout: per_server`, a process per server (the default before 1.14's layout)
+  per_server  `layout: per_server`, a process per server (gym-grpc run's default until 2026-11-28)
   grouped     the three servers in one process group run by a worker per core (`num_workers`)
 
 The workloads (model calls per rollout in brackets):
