@@ -575,11 +575,14 @@ def _replicas_config(directory: Path, replicas: int) -> Path:
             "config": {"model_server": "policy_model", "resources_server": "weather"},
         },
     }
+    config: dict[str, object] = {"registry": {"port": 0}, "servers": servers}
     if replicas:
         for spec in servers.values():
             spec.update(replicas=replicas, num_cpus=0.25)
+    else:  # as under Ray, where each replica is one process of one server
+        config["layout"] = "per_server"
     path = directory / f"replicas_{replicas}.yaml"
-    path.write_text(json.dumps({"registry": {"port": 0}, "servers": servers}))
+    path.write_text(json.dumps(config))
     return path
 
 
