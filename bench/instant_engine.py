@@ -119,6 +119,17 @@ def _tool_arguments(tool: dict, user: object) -> str:
     return json.dumps({argument: words[-1] if words else ""})
 
 
+def _turn(user: object, outputs: int, last_output: str | None, tool: dict | None) -> tuple[str, str | None]:
+    """The engine's turn, whatever the wire: (the answer, None) once the tool outputs asked for are
+    in (`last_output`: the last message's, if it is a tool output), or (the tool's name, its
+    arguments) to call the first tool, or (the plain answer, None) without tools."""
+    if last_output is not None and outputs >= _tool_calls_wanted(user):
+        return f"According to the tool: {last_output}", None
+    if tool:
+        return tool["name"], _tool_arguments(tool, user)
+    return _plain_answer(user), None
+
+
 async def chat(request: web.Request) -> web.Response:
     body = orjson.loads(await request.read())
     _count()
@@ -127,21 +138,12 @@ async def chat(request: web.Request) -> web.Response:
     last = messages[-1]
     user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
     outputs = sum(1 for m in messages if m["role"] == "tool")
+    tool = body["tools"][0]["function"] if body.get("tools") else None
+    content, arguments = _turn(user, outputs, last["content"] if last["role"] == "tool" else None, tool)
     calls = []
-    if last["role"] == "tool" and outputs >= _tool_calls_wanted(user):
-        content = f"According to the tool: {last['content']}"
-    elif body.get("tools"):
-        tool = body["tools"][0]["function"]
-        calls = [
-            {
-                "id": f"call_{uuid.uuid4().hex[:12]}",
-                "type": "function",
-                "function": {"name": tool["name"], "arguments": _tool_arguments(tool, user)},
-            }
-        ]
-        content = ""
-    else:
-        content = _plain_answer(user)
+    if arguments is not None:
+        function = {"name": content, "arguments": arguments}
+        calls, content = [{"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function", "function": function}], ""
     generated = _ids(content + "".join(c["function"]["arguments"] for c in calls)) + [257]
     prompt = _prompt(messages)
     prefix = body.get("required_prefix_token_ids")
@@ -177,31 +179,24 @@ async def responses(request: web.Request) -> web.Response:
     last = items[-1]
     user = next((i.get("content") for i in reversed(items) if i.get("role") == "user"), "")
     outputs = sum(1 for i in items if i.get("type") == "function_call_output")
-    if last.get("type") == "function_call_output" and outputs >= _tool_calls_wanted(user):
+    last_output = last["output"] if last.get("type") == "function_call_output" else None
+    text, arguments = _turn(user, outputs, last_output, body["tools"][0] if body.get("tools") else None)
+    if arguments is None:
         output = {
             "type": "message",
             "id": f"msg_{uuid.uuid4().hex}",
             "role": "assistant",
             "status": "completed",
-            "content": [{"type": "output_text", "text": f"According to the tool: {last['output']}", "annotations": []}],
+            "content": [{"type": "output_text", "text": text, "annotations": []}],
         }
-    elif body.get("tools"):
-        tool = body["tools"][0]
+    else:
         output = {
             "type": "function_call",
             "id": f"fc_{uuid.uuid4().hex}",
             "call_id": f"call_{uuid.uuid4().hex[:12]}",
-            "name": tool["name"],
-            "arguments": _tool_arguments(tool, user),
+            "name": text,
+            "arguments": arguments,
             "status": "completed",
-        }
-    else:
-        output = {
-            "type": "message",
-            "id": f"msg_{uuid.uuid4().hex}",
-            "role": "assistant",
-            "status": "completed",
-            "content": [{"type": "output_text", "text": _plain_answer(user), "annotations": []}],
         }
     return _json(
         {
@@ -262,13 +257,10 @@ def _generate(prompt: list[int]) -> str:
     messages = [block.split("\n", 1) for block in _blocks(prompt)]
     user = next((text for role, text in reversed(messages) if role == "user"), "")
     outputs = sum(1 for role, _ in messages if role == "tool")
-    if messages and messages[-1][0] == "tool" and outputs >= _tool_calls_wanted(user):
-        return f"According to the tool: {messages[-1][1]}"
+    last_output = messages[-1][1] if messages and messages[-1][0] == "tool" else None
     tools = TOOLS_BLOCK.search(messages[0][1]) if messages and messages[0][0] == "system" else None
-    if tools:
-        tool = json.loads(tools.group(1))[0]
-        return hermes_call(tool["name"], _tool_arguments(tool, user))
-    return _plain_answer(user)
+    text, arguments = _turn(user, outputs, last_output, json.loads(tools.group(1))[0] if tools else None)
+    return text if arguments is None else hermes_call(text, arguments)
 
 
 def _blocks(prompt: list[int]) -> list[str]:
