@@ -24,6 +24,7 @@ from gym_grpc.policy_version import requested
 from gym_grpc.responses import final_text
 from gym_grpc.rpc import in_process, transport
 from gym_grpc.rpc.registry import Registry
+from gym_grpc.server.serving import serve
 from gym_grpc.testing.doubles import Calculator, ScriptedModel, calculator_task, call, say
 from gym_grpc.v1 import model_service_pb2 as model_pb
 from gym_grpc.v1 import responses_pb2 as r
@@ -231,6 +232,26 @@ async def test_tool_mistakes_and_failures_come_back_as_over_grpc(start):
     over_grpc, local = results
     assert local == over_grpc
     assert [x.reason for x in local] == [None, "TOOL_NOT_FOUND", "TOOL_ARGUMENTS_INVALID", "TOOL_FAILED"]
+
+
+async def test_a_sessions_calls_pinned_to_a_worker_of_this_process_stay_in_process():
+    """A worker that shares its port with others (num_workers) pins its sessions to a port it
+    serves alone (SeedSessionResponse.replica); the calls its own process pins there skip gRPC too."""
+    env = await serve(Calculator(name="calc"), reuse_port=True)
+    registry = _in_process(Registry(), calc=env)
+    try:
+        assert env.own_port not in (0, env.port) and env.app.replica == f"127.0.0.1:{env.own_port}"
+        client = ResourcesClient(registry, "calc")
+        await client.seed_session("s", calculator_task("2 + 3?", expected_answer=5))
+        assert client.replica_of("s") == env.app.replica
+        for _ in range(3):
+            assert not (await client.call_tool("s", call("add", '{"a": 2, "b": 3}').function_call)).error
+        verified = await client.verify("s", calculator_task("2 + 3?", expected_answer=5), r.Response(output=say("5")))
+        assert json.loads(verified.fields_json)["tool_calls_seen"] == 3
+        assert _established_to(env.own_port) == 0  # no connection was opened to this process's own port
+    finally:
+        await registry.close()
+        await env.stop(grace=0)
 
 
 async def test_a_method_the_server_does_not_have_is_unimplemented(start):

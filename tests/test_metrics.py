@@ -215,12 +215,16 @@ def test_status_lists_every_worker_with_its_pid_and_metrics_and_each_worker_coun
         assert row["pid"] == pids[row["worker"]]  # the one that answered is one of them
         metrics = [w["metrics_address"] for w in workers]
         assert len(set(metrics)) == 2 and all(m.startswith("127.0.0.1:") for m in metrics)
+        own = [w["address"] for w in workers]  # where the sessions each worker holds are called
+        assert len(set(own)) == 2 and all(
+            listening_pids(int(a.rsplit(":", 1)[1])) == [w["pid"]] for a, w in zip(own, workers, strict=True)
+        )
 
         table = gym("status", "--registry", run.registry, "--interval", "0.1").stdout
         for worker in workers:
             assert (
-                f"worker {worker['index']}: pid {worker['pid']}, metrics http://{worker['metrics_address']}/metrics"
-                in table
+                f"worker {worker['index']}: pid {worker['pid']}, own port {worker['address']}, "
+                f"metrics http://{worker['metrics_address']}/metrics" in table
             )
 
         answered = asyncio.run(_one_session_per_connection(row["address"]))

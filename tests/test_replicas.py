@@ -25,6 +25,7 @@ from gym_grpc.rpc import transport
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.server.serving import Running
 from gym_grpc.testing import Calculator, Servers, say
+from gym_grpc.testing.processes import GymRun
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from gym_grpc.v1 import registry_service_pb2 as reg
@@ -97,26 +98,33 @@ async def test_the_first_burst_of_calls_is_spread_too():
         assert max(counts) - min(counts) <= 6, counts  # without the wait: [66, 168, 66] and the like
 
 
+async def calculator_sessions(client: ResourcesClient, count: int) -> tuple[list[int], set[str]]:
+    """`count` sessions of the calculator at once, each adding three times: how many adds each
+    session's Verify saw, and the replicas that held them (SeedSessionResponse.replica)."""
+
+    async def session(i: int) -> tuple[int, str]:
+        session = f"s{i}"
+        await client.seed_session(session, task("add", expected_answer=3))
+        for _ in range(3):  # each call would fail on a replica without the session
+            result = await client.call_tool(session, r.FunctionCall(name="add", arguments='{"a": 1, "b": 2}'))
+            assert not result.error, result
+        held_by = client.replica_of(session)
+        verified = await client.verify(session, task("add", expected_answer=3), r.Response(output=say("3")))
+        await client.close_session(session)
+        return json.loads(verified.fields_json)["tool_calls_seen"], held_by
+
+    done = await asyncio.gather(*(session(i) for i in range(count)))
+    return [seen for seen, _ in done], {held_by for _, held_by in done}
+
+
 async def test_a_sessions_calls_reach_the_replica_that_opened_it():
     async with Servers() as servers:
         replicas, registry = await replicated(servers, "calc", [Calculator() for _ in range(3)])
         for replica in replicas:
             replica.app.replica = replica.address
         client = ResourcesClient(registry, "calc")
-
-        async def rollout(i: int) -> float:
-            session = f"s{i}"
-            await client.seed_session(session, task("add", expected_answer=3))
-            for _ in range(3):  # each call would fail on a replica without the session
-                result = await client.call_tool(session, r.FunctionCall(name="add", arguments='{"a": 1, "b": 2}'))
-                assert not result.error, result
-            response = r.Response(output=say("3"))
-            verified = await client.verify(session, task("add", expected_answer=3), response)
-            await client.close_session(session)
-            return json.loads(verified.fields_json)["tool_calls_seen"]
-
         try:
-            seen = await asyncio.gather(*(rollout(i) for i in range(60)))
+            seen, _ = await calculator_sessions(client, 60)
         finally:
             await registry.close()
         assert seen == [3] * 60  # every session kept its own count: one replica held it throughout
@@ -127,6 +135,36 @@ async def test_a_sessions_calls_reach_the_replica_that_opened_it():
             assert calls(replica, "Verify") == calls(replica, "CloseSession") == opened
             assert not replica.app.sessions  # all closed where they were opened
         assert not client._sessions  # and forgotten by the client
+
+
+@pytest.mark.slow
+def test_a_sessions_calls_reach_the_worker_process_that_opened_it(tmp_path):
+    """A resources server in two processes behind one port (`num_workers: 2`), called from outside
+    the run: the kernel gives each of the client's connections to either process, so a session's
+    calls round the connections would reach the one without it. Each worker answers SeedSession
+    with a port it serves alone (Worker.address), and the session's calls go there."""
+    config = tmp_path / "calc.yaml"
+    config.write_text("servers:\n  calc: {entrypoint: gym_grpc.testing:Calculator, num_workers: 2}\n")
+    run = GymRun.start(config)
+    try:
+
+        async def sessions() -> tuple[reg.ServerInfo, list[int], set[str]]:
+            registry = Registry(run.registry)
+            try:
+                info = await registry.info("calc")
+                seen, held_by = await calculator_sessions(ResourcesClient(registry, "calc"), 60)
+            finally:
+                await registry.close()
+            return info, seen, held_by
+
+        info, seen, held_by = asyncio.run(sessions())
+    finally:
+        run.stop()
+    (replica,) = info.replicas
+    own = {worker.address for worker in replica.workers}
+    assert len(own) == 2 and replica.address not in own, info
+    assert seen == [3] * 60  # every session kept its own count: one process held it throughout
+    assert held_by == own  # both processes opened sessions, and each named its own port
 
 
 async def test_a_replica_that_stops_serving_is_taken_out_of_the_rotation():

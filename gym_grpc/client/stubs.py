@@ -152,13 +152,16 @@ class _Client:
         """Call `method` (of the server's AdminService when `admin`). `detached` calls ignore
         the caller's deadline (for cleanup); a failure with a code in `passing` is returned, not raised.
         Given the `connection`, the call goes there (a session's replica), not round the server's;
-        without one, a server of this process (a `process:` group) is called in-process."""
+        a server of this process (a `process:` group) is called in-process, when no connection
+        is given or it is the one that reaches this process's server alone."""
         if detached:  # its own timeout (a cleanup), whatever is left of the caller's deadline
             timeout = timeout if timeout is not None else self.timeout if self.timeout is not None else DEFAULT_TIMEOUT
         else:
             timeout = self._deadline(timeout)
         metadata = tracing.outgoing()  # the trace of the rollout this call is part of, when tracing
-        local = None if connection is not None or admin else self.registry.in_process.get(self.name)
+        local = None if admin else self.registry.in_process.get(self.name)
+        if local is not None and connection is not None and connection.address != local.replica:
+            local = None
         if local is not None:
             try:
                 return await local.call(f"/{self._service}/{method}", request, timeout, metadata)

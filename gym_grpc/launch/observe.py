@@ -27,7 +27,13 @@ def _workers(info: reg.ServerInfo, address: str) -> list[dict[str, Any]]:
     for replica in info.replicas:
         if replica.address == address:
             return [
-                {"index": w.index, "pid": w.pid, "metrics_address": w.metrics_address, "restarts": w.restarts}
+                {
+                    "index": w.index,
+                    "pid": w.pid,
+                    "address": w.address,
+                    "metrics_address": w.metrics_address,
+                    "restarts": w.restarts,
+                }
                 for w in replica.workers
             ]
     return []
@@ -132,8 +138,11 @@ def format_status(rows: list[dict[str, Any]]) -> str:
 
 
 def _worker_line(worker: dict[str, Any], row: dict[str, Any]) -> str:
-    """One worker process of a server, under its row: pid, metrics endpoint, restarts, whether it answered."""
+    """One worker process of a server, under its row: pid, its own port (where its sessions are
+    called), metrics endpoint, restarts, whether it answered."""
     text = f"  worker {worker['index']}: pid {worker['pid']}"
+    if worker["address"]:
+        text += f", own port {worker['address']}"
     if worker["metrics_address"]:
         text += f", metrics http://{worker['metrics_address']}{metrics.PATH}"
     if worker["restarts"]:

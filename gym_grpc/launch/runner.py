@@ -58,8 +58,6 @@ RESTART_ATTEMPTS = 5
 RESTART_FIRST_DELAY = 0.5
 RESTART_MAX_DELAY = 8.0
 
-_WILDCARD_HOSTS = {"0.0.0.0", "::", "[::]", ""}
-
 
 class StartupError(errors.FrameworkError, RuntimeError):
     """A server could not start; the message names it and says why."""
@@ -274,7 +272,7 @@ class Runner(RegistryHost):
         reports = [report, *await asyncio.gather(*(self._ready(group, process) for process in others))]
         for index, server in enumerate(group.members):
             served = report["servers"][index]
-            host = _reachable(server.spec.host)
+            host = transport.reachable_host(server.spec.host)
             address = f"{host}:{served['port']}"
             await _wait_healthy(address, self.config.security)
             workers = [_worker(host, worker, r, index) for worker, r in enumerate(reports)]
@@ -417,7 +415,9 @@ class Runner(RegistryHost):
                 log.warning("%s restarted (pid %d) on %s", group.label, process.pid, ", ".join(addresses))
                 for index, server in enumerate(group.members):
                     entry = server.info.replicas[0].workers[worker]
-                    entry.CopyFrom(_worker(_reachable(server.spec.host), worker, report, index, entry.restarts + 1))
+                    entry.CopyFrom(
+                        _worker(transport.reachable_host(server.spec.host), worker, report, index, entry.restarts + 1)
+                    )
                     self.servicer.add(server.info)  # its new pid (and metrics port) for status
                 return True
             log.error("attempt %d of %d failed: %s", attempt, RESTART_ATTEMPTS, failure)
@@ -446,11 +446,6 @@ class Runner(RegistryHost):
         await self._stop_registry()
 
 
-def _reachable(host: str) -> str:
-    """The host to reach a server that binds `host` (loopback for every interface)."""
-    return "127.0.0.1" if host in _WILDCARD_HOSTS else host
-
-
 def _metrics_port(spec: ServerSpec, worker: int) -> int | None:
     """Where worker `worker` serves its metrics: metrics_port + worker for a fixed port;
     0 (a free port each) and None (off) as they are."""
@@ -460,9 +455,10 @@ def _metrics_port(spec: ServerSpec, worker: int) -> int | None:
 def _worker(host: str, index: int, report: dict, member: int, restarts: int = 0) -> reg.Worker:
     """Worker process `index` as the registry lists it for the `member`-th server it serves,
     from its ready report."""
-    port = report["servers"][member]["metrics_port"]
-    metrics = f"{host}:{port}" if port else ""
-    return reg.Worker(index=index, pid=report["pid"], metrics_address=metrics, restarts=restarts)
+    served = report["servers"][member]
+    metrics = f"{host}:{served['metrics_port']}" if served["metrics_port"] else ""
+    own = f"{host}:{served['own_port']}" if served["own_port"] else ""
+    return reg.Worker(index=index, pid=report["pid"], metrics_address=metrics, restarts=restarts, address=own)
 
 
 async def _end(process: asyncio.subprocess.Process) -> None:

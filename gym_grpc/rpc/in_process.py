@@ -46,6 +46,9 @@ class InProcessServer:
 
     def __init__(self) -> None:
         self.methods: dict[str, grpc.RpcMethodHandler] = {}
+        #: The address that reaches this process's server alone (GymServer.replica), when it
+        #: has one: calls pinned there (a session's) are in-process too.
+        self.replica = ""
 
     async def call(
         self, path: str, request: Any, timeout: float | None, metadata: Sequence[tuple[str, str]] | None = None

@@ -48,7 +48,9 @@ from gym_grpc.v1 import agent_service_pb2, resources_service_pb2  # noqa: F401  
 #:       (an agent's token budget for the whole trajectory, max_rollout_tokens); GetCountersResponse.engines
 #:       (EngineLoad: each engine's KV cache usage, requests running and waiting, preemptions);
 #:       RunManyItem.trace_context (a run's W3C trace context).
-VERSION = (1, 13)
+#: 1.14: Worker.address: a worker process's own port, which SeedSessionResponse.replica names when a
+#:       replica's workers share one (sessions stay in the process that opened them).
+VERSION = (1, 14)
 
 
 class Unfilled(NamedTuple):

@@ -99,6 +99,14 @@ _BALANCED_SERVICE_CONFIG = json.dumps(
 )
 
 
+_WILDCARD_HOSTS = {"0.0.0.0", "::", "[::]", ""}
+
+
+def reachable_host(host: str) -> str:
+    """The host to reach a server that binds `host` on (loopback for every interface)."""
+    return "127.0.0.1" if host in _WILDCARD_HOSTS else host
+
+
 def server_options(*, reuse_port: bool = False) -> list[tuple[str, int]]:
     """Server options; `reuse_port` lets the worker processes of one server share its port."""
     return _common_options() + [

@@ -75,9 +75,9 @@ class GymServer:
         self.entrypoint = f"{type(self).__module__}:{type(self).__qualname__}"
         #: Random id of this instance (AdminService.GetServerInfo.instance_id).
         self.instance_id = uuid.uuid4().hex
-        #: When it is one of several replicas of a server, its address as the registry lists
-        #: it: a resources server's sessions are pinned to it (SeedSessionResponse.replica).
-        #: Empty for a single server.
+        #: When it is one of several replicas or worker processes of a server, the address
+        #: that reaches this process alone: a resources server's sessions are pinned to it
+        #: (SeedSessionResponse.replica). Empty for a server of one process.
         self.replica = ""
         #: Index of this process among its server's workers (num_workers), from 0.
         self.worker = 0
@@ -380,6 +380,7 @@ class Running:
         port: int,
         metrics_endpoint: metrics.Endpoint | None = None,
         in_process_server: in_process.InProcessServer | None = None,
+        own_port: int = 0,
     ) -> None:
         self.server = server
         self.app = app
@@ -390,6 +391,8 @@ class Running:
         self.metrics = metrics_endpoint
         #: Its unary methods, for callers in this process (a `process:` group).
         self.in_process = in_process_server or in_process.InProcessServer()
+        #: The port it serves alone when it shares `port` with other workers (0 otherwise).
+        self.own_port = own_port
         self._stopped = self._released = False
 
     @property
@@ -434,7 +437,9 @@ async def serve(
 ) -> Running:
     """Start `app` on host:port (0: any free port) and return once it serves.
 
-    `reuse_port` lets several processes serve the same port (num_workers);
+    `reuse_port` lets several processes serve the same port (num_workers): each
+    then also serves a port of its own (`Running.own_port`), which becomes its
+    `replica` address, so that the calls of a session it opened come back to it;
     `security` adds TLS and the bearer token check; `metrics_port` serves its
     Prometheus metrics over HTTP on that port of `host` (0: any free port)."""
     security = security or Security()
@@ -450,15 +455,14 @@ async def serve(
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     credentials = security.server_credentials()
-    try:
-        if credentials is None:
-            bound = server.add_insecure_port(f"{host}:{port}")
-        else:
-            bound = server.add_secure_port(f"{host}:{port}", credentials)
-    except RuntimeError:
-        bound = 0
-    if bound == 0:
-        raise OSError(f"server {app.name!r} could not bind {host}:{port} (in use?)")
+    bound = _bind(server, app, host, port, credentials)
+    # With its port shared, the kernel gives each connection to any of the processes: the calls of a
+    # session must reach the one that holds it, on a port it serves alone (port 0 never lands on a
+    # port other sockets share, even with SO_REUSEPORT set).
+    own = _bind(server, app, host, 0, credentials) if reuse_port else 0
+    if own:
+        app.replica = f"{transport.reachable_host(host)}:{own}"
+        recorder.in_process.replica = app.replica
     endpoint = None
     if metrics_port is not None:
         labels = {"role": SERVER_ROLES.get(app.role, "?"), "worker": app.worker, "version": admin.VERSION}
@@ -476,7 +480,23 @@ async def serve(
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     serving_metrics = f", metrics on http://{endpoint.address}{metrics.PATH}" if endpoint else ""
     log.info("%s serving on %s:%d%s", app.name, host, bound, serving_metrics)
-    return Running(server, app, health_servicer, host, bound, endpoint, recorder.in_process)
+    return Running(server, app, health_servicer, host, bound, endpoint, recorder.in_process, own)
+
+
+def _bind(
+    server: grpc.aio.Server, app: GymServer, host: str, port: int, credentials: grpc.ServerCredentials | None
+) -> int:
+    """Add host:port to `server`; the port bound (OSError naming the server when it cannot)."""
+    try:
+        if credentials is None:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        else:
+            bound = server.add_secure_port(f"{host}:{port}", credentials)
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise OSError(f"server {app.name!r} could not bind {host}:{port} (in use?)")
+    return bound
 
 
 async def serve_until_signalled(

@@ -102,6 +102,7 @@ def _served(running: Running) -> dict[str, Any]:
     return {
         "name": app.name,
         "port": running.port,
+        "own_port": running.own_port,
         "role": app.role,
         "references": app.references(),
         "metrics_port": endpoint.port if endpoint else 0,

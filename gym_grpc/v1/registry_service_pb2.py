@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dgym/v1/registry_service.proto\x12\x06gym.v1\"\x96\x02\n\nServerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x04role\x18\x02 \x01(\x0e\x32\x12.gym.v1.ServerRole\x12\x11\n\taddresses\x18\x03 \x03(\t\x12\x12\n\nentrypoint\x18\x04 \x01(\t\x12\x36\n\nreferences\x18\x05 \x03(\x0b\x32\".gym.v1.ServerInfo.ReferencesEntry\x12\x0f\n\x07workers\x18\x06 \x01(\r\x12!\n\x08replicas\x18\x07 \x03(\x0b\x32\x0f.gym.v1.Replica\x12\x12\n\ngeneration\x18\x08 \x01(\x04\x1a\x31\n\x0fReferencesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"j\n\x07Replica\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x10\n\x08restarts\x18\x03 \x01(\r\x12\r\n\x05index\x18\x04 \x01(\r\x12\x1f\n\x07workers\x18\x05 \x03(\x0b\x32\x0e.gym.v1.Worker\"O\n\x06Worker\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x17\n\x0fmetrics_address\x18\x03 \x01(\t\x12\x10\n\x08restarts\x18\x04 \x01(\r\"\x14\n\x12ListServersRequest\":\n\x13ListServersResponse\x12#\n\x07servers\x18\x01 \x03(\x0b\x32\x12.gym.v1.ServerInfo\" \n\x10GetServerRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"7\n\x11GetServerResponse\x12\"\n\x06server\x18\x01 \x01(\x0b\x32\x12.gym.v1.ServerInfo\"\"\n\x12WatchServerRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"9\n\x13WatchServerResponse\x12\"\n\x06server\x18\x01 \x01(\x0b\x32\x12.gym.v1.ServerInfo*\x89\x01\n\nServerRole\x12\x1b\n\x17SERVER_ROLE_UNSPECIFIED\x10\x00\x12\x15\n\x11SERVER_ROLE_MODEL\x10\x01\x12\x19\n\x15SERVER_ROLE_RESOURCES\x10\x02\x12\x15\n\x11SERVER_ROLE_AGENT\x10\x03\x12\x15\n\x11SERVER_ROLE_TASKS\x10\x04\x32\xe5\x01\n\x0fRegistryService\x12\x46\n\x0bListServers\x12\x1a.gym.v1.ListServersRequest\x1a\x1b.gym.v1.ListServersResponse\x12@\n\tGetServer\x12\x18.gym.v1.GetServerRequest\x1a\x19.gym.v1.GetServerResponse\x12H\n\x0bWatchServer\x12\x1a.gym.v1.WatchServerRequest\x1a\x1b.gym.v1.WatchServerResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dgym/v1/registry_service.proto\x12\x06gym.v1\"\x96\x02\n\nServerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x04role\x18\x02 \x01(\x0e\x32\x12.gym.v1.ServerRole\x12\x11\n\taddresses\x18\x03 \x03(\t\x12\x12\n\nentrypoint\x18\x04 \x01(\t\x12\x36\n\nreferences\x18\x05 \x03(\x0b\x32\".gym.v1.ServerInfo.ReferencesEntry\x12\x0f\n\x07workers\x18\x06 \x01(\r\x12!\n\x08replicas\x18\x07 \x03(\x0b\x32\x0f.gym.v1.Replica\x12\x12\n\ngeneration\x18\x08 \x01(\x04\x1a\x31\n\x0fReferencesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"j\n\x07Replica\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x10\n\x08restarts\x18\x03 \x01(\r\x12\r\n\x05index\x18\x04 \x01(\r\x12\x1f\n\x07workers\x18\x05 \x03(\x0b\x32\x0e.gym.v1.Worker\"`\n\x06Worker\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x17\n\x0fmetrics_address\x18\x03 \x01(\t\x12\x10\n\x08restarts\x18\x04 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\"\x14\n\x12ListServersRequest\":\n\x13ListServersResponse\x12#\n\x07servers\x18\x01 \x03(\x0b\x32\x12.gym.v1.ServerInfo\" \n\x10GetServerRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"7\n\x11GetServerResponse\x12\"\n\x06server\x18\x01 \x01(\x0b\x32\x12.gym.v1.ServerInfo\"\"\n\x12WatchServerRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"9\n\x13WatchServerResponse\x12\"\n\x06server\x18\x01 \x01(\x0b\x32\x12.gym.v1.ServerInfo*\x89\x01\n\nServerRole\x12\x1b\n\x17SERVER_ROLE_UNSPECIFIED\x10\x00\x12\x15\n\x11SERVER_ROLE_MODEL\x10\x01\x12\x19\n\x15SERVER_ROLE_RESOURCES\x10\x02\x12\x15\n\x11SERVER_ROLE_AGENT\x10\x03\x12\x15\n\x11SERVER_ROLE_TASKS\x10\x04\x32\xe5\x01\n\x0fRegistryService\x12\x46\n\x0bListServers\x12\x1a.gym.v1.ListServersRequest\x1a\x1b.gym.v1.ListServersResponse\x12@\n\tGetServer\x12\x18.gym.v1.GetServerRequest\x1a\x19.gym.v1.GetServerResponse\x12H\n\x0bWatchServer\x12\x1a.gym.v1.WatchServerRequest\x1a\x1b.gym.v1.WatchServerResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SERVERINFO_REFERENCESENTRY']._loaded_options = None
   _globals['_SERVERINFO_REFERENCESENTRY']._serialized_options = b'8\001'
-  _globals['_SERVERROLE']._serialized_start=780
-  _globals['_SERVERROLE']._serialized_end=917
+  _globals['_SERVERROLE']._serialized_start=797
+  _globals['_SERVERROLE']._serialized_end=934
   _globals['_SERVERINFO']._serialized_start=42
   _globals['_SERVERINFO']._serialized_end=320
   _globals['_SERVERINFO_REFERENCESENTRY']._serialized_start=271
@@ -42,19 +42,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPLICA']._serialized_start=322
   _globals['_REPLICA']._serialized_end=428
   _globals['_WORKER']._serialized_start=430
-  _globals['_WORKER']._serialized_end=509
-  _globals['_LISTSERVERSREQUEST']._serialized_start=511
-  _globals['_LISTSERVERSREQUEST']._serialized_end=531
-  _globals['_LISTSERVERSRESPONSE']._serialized_start=533
-  _globals['_LISTSERVERSRESPONSE']._serialized_end=591
-  _globals['_GETSERVERREQUEST']._serialized_start=593
-  _globals['_GETSERVERREQUEST']._serialized_end=625
-  _globals['_GETSERVERRESPONSE']._serialized_start=627
-  _globals['_GETSERVERRESPONSE']._serialized_end=682
-  _globals['_WATCHSERVERREQUEST']._serialized_start=684
-  _globals['_WATCHSERVERREQUEST']._serialized_end=718
-  _globals['_WATCHSERVERRESPONSE']._serialized_start=720
-  _globals['_WATCHSERVERRESPONSE']._serialized_end=777
-  _globals['_REGISTRYSERVICE']._serialized_start=920
-  _globals['_REGISTRYSERVICE']._serialized_end=1149
+  _globals['_WORKER']._serialized_end=526
+  _globals['_LISTSERVERSREQUEST']._serialized_start=528
+  _globals['_LISTSERVERSREQUEST']._serialized_end=548
+  _globals['_LISTSERVERSRESPONSE']._serialized_start=550
+  _globals['_LISTSERVERSRESPONSE']._serialized_end=608
+  _globals['_GETSERVERREQUEST']._serialized_start=610
+  _globals['_GETSERVERREQUEST']._serialized_end=642
+  _globals['_GETSERVERRESPONSE']._serialized_start=644
+  _globals['_GETSERVERRESPONSE']._serialized_end=699
+  _globals['_WATCHSERVERREQUEST']._serialized_start=701
+  _globals['_WATCHSERVERREQUEST']._serialized_end=735
+  _globals['_WATCHSERVERRESPONSE']._serialized_start=737
+  _globals['_WATCHSERVERRESPONSE']._serialized_end=794
+  _globals['_REGISTRYSERVICE']._serialized_start=937
+  _globals['_REGISTRYSERVICE']._serialized_end=1166
 # @@protoc_insertion_point(module_scope)

@@ -198,6 +198,7 @@ class Worker(_message.Message):
     PID_FIELD_NUMBER: _builtins.int
     METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
     RESTARTS_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """Index of the worker among its replica's, from 0; stays the same when the
     runner starts the process again. GetServerInfoResponse.worker is this
@@ -212,6 +213,11 @@ class Worker(_message.Message):
     """
     restarts: _builtins.int
     """Times this worker's process was started again after it died."""
+    address: _builtins.str
+    """"host:port" this worker alone serves, beside the address it shares with
+    the replica's other workers: where the calls of a session it holds go
+    (SeedSessionResponse.replica). Empty for a replica of one process.
+    """
     def __init__(
         self,
         *,
@@ -219,10 +225,11 @@ class Worker(_message.Message):
         pid: _builtins.int = ...,
         metrics_address: _builtins.str = ...,
         restarts: _builtins.int = ...,
+        address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "metrics_address", b"metrics_address", "pid", b"pid", "restarts", b"restarts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "index", b"index", "metrics_address", b"metrics_address", "pid", b"pid", "restarts", b"restarts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

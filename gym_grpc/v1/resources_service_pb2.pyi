@@ -103,15 +103,16 @@ class SeedSessionResponse(_message.Message):
     EPISODE_FIELD_NUMBER: _builtins.int
     replica: _builtins.str
     """Session affinity. When the server runs as several replicas (see the
-    registry's ServerInfo.replicas), the address ("host:port") of the replica
+    registry's ServerInfo.replicas) or as several worker processes behind one
+    port (Worker.address), the address ("host:port") of the replica or worker
     that opened the session and holds its state. SeedSession itself may go to
     any replica; the caller must send the session's later calls (CallTool,
     Verify, CloseSession) to this address, not through its load balancer.
     If that replica is gone, those calls fail with UNAVAILABLE naming it:
     the session's state is lost with it; a resumed rollout then opens a new
     one when the environment restores sessions by replay (SessionRecovery),
-    and fails otherwise. Empty when the server is a single instance
-    or holds no state per session: any address will do.
+    and fails otherwise. Empty when the server is a single process or holds
+    no state per session: any address will do.
     """
     @_builtins.property
     def episode(self) -> Global___Episode:

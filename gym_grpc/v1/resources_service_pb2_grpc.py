@@ -31,10 +31,11 @@ class ResourcesServiceStub:
     with the same session_id (a stateless environment, see DescribeTools,
     needs no SeedSession and CloseSession).
 
-    Replicas. A server may run as several replicas behind one name; a session
-    lives in the replica that opened it. SeedSession goes to any replica and
-    answers with that replica's address (SeedSessionResponse.replica); every
-    later call of the session goes to that address.
+    Replicas. A server may run as several replicas behind one name, and a
+    replica as several worker processes behind one port; a session lives in the
+    process that opened it. SeedSession goes to any of them and answers with
+    that process's own address (SeedSessionResponse.replica); every later call
+    of the session goes to that address.
 
     Errors. Every gym.v1 service fails a call with a google.rpc.Status whose
     details hold a google.rpc.ErrorInfo (domain "gym-grpc.dev", `reason` a
@@ -118,10 +119,11 @@ class ResourcesServiceServicer:
     with the same session_id (a stateless environment, see DescribeTools,
     needs no SeedSession and CloseSession).
 
-    Replicas. A server may run as several replicas behind one name; a session
-    lives in the replica that opened it. SeedSession goes to any replica and
-    answers with that replica's address (SeedSessionResponse.replica); every
-    later call of the session goes to that address.
+    Replicas. A server may run as several replicas behind one name, and a
+    replica as several worker processes behind one port; a session lives in the
+    process that opened it. SeedSession goes to any of them and answers with
+    that process's own address (SeedSessionResponse.replica); every later call
+    of the session goes to that address.
 
     Errors. Every gym.v1 service fails a call with a google.rpc.Status whose
     details hold a google.rpc.ErrorInfo (domain "gym-grpc.dev", `reason` a
@@ -279,10 +281,11 @@ class ResourcesService:
     with the same session_id (a stateless environment, see DescribeTools,
     needs no SeedSession and CloseSession).
 
-    Replicas. A server may run as several replicas behind one name; a session
-    lives in the replica that opened it. SeedSession goes to any replica and
-    answers with that replica's address (SeedSessionResponse.replica); every
-    later call of the session goes to that address.
+    Replicas. A server may run as several replicas behind one name, and a
+    replica as several worker processes behind one port; a session lives in the
+    process that opened it. SeedSession goes to any of them and answers with
+    that process's own address (SeedSessionResponse.replica); every later call
+    of the session goes to that address.
 
     Errors. Every gym.v1 service fails a call with a google.rpc.Status whose
     details hold a google.rpc.ErrorInfo (domain "gym-grpc.dev", `reason` a
