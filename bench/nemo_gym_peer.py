@@ -6,10 +6,12 @@ One bench/instant_engine.py process answers both stacks. Each workload runs thro
 simple agent and environments, `gym eval run --no-serve`), each stack started for that workload
 alone and stopped after it. The gym-grpc layouts:
 
-  default     the configuration as written, with no layout setting: what `gym-grpc run` does
-              unless told (each agent in one process with the servers it calls)
-  per_server  `layout: per_server`, a process per server (gym-grpc run's default until 2026-11-28)
-  grouped     the three servers in one process group run by a worker per core (`num_workers`)
+  default      the configuration as written, with no layout setting: what `gym-grpc run` does
+               unless told (the agent with the servers it calls in one process group, run by a
+               worker process per core: `group_workers: auto`)
+  one_process  the same group in one process (`group_workers: 1`; the default from 2026-11-28
+               to 2026-12-01)
+  per_server   `layout: per_server`, a process per server (gym-grpc run's default until 2026-11-28)
 
 The workloads (model calls per rollout in brackets):
 
@@ -69,6 +71,8 @@ from pathlib import Path
 from typing import Any
 
 import run as bench
+
+from gym_grpc.launch.config import GymConfig
 
 NEMO_GYM = "nemo-gym==0.7.0"
 EXTRAS = ("math-verify==0.8.0",)  # math_with_judge's requirements.txt, beside the package's own dependencies
@@ -254,7 +258,7 @@ class GymGrpcStack(bench.Stack):
 
 
 #: gym-grpc's layouts of the same servers (see the module's docstring).
-GYM_GRPC_STACKS = ("gym_grpc_default", "gym_grpc_per_server", "gym_grpc_grouped")
+GYM_GRPC_STACKS = ("gym_grpc_default", "gym_grpc_per_server", "gym_grpc_one_process")
 #: The layouts each workload runs (a process per server only where it was the old default's figure).
 LAYOUTS = {
     workload: GYM_GRPC_STACKS if workload in ("weather", "multi_turn", "math") else GYM_GRPC_STACKS[::2]
@@ -297,9 +301,8 @@ def _gym_grpc_config(tmp: Path, workload: str, engine_url: str, layout: str = "g
     config: dict[str, Any] = {"registry": {"port": 0}, "servers": servers}
     if layout == "gym_grpc_per_server":
         config["layout"] = "per_server"
-    elif layout == "gym_grpc_grouped":
-        for server in servers.values():
-            server.update(process="rollout", num_workers=os.cpu_count() or 1)
+    elif layout == "gym_grpc_one_process":
+        config["group_workers"] = 1
     path = tmp / f"peer_{layout}_{workload}.yaml"
     path.write_text(json.dumps(config))
     return path
@@ -531,11 +534,10 @@ def bench_peer(
         "model_server": "vllm_model of each: Chat Completions with token ids, or the token path (tokens, "
         "long_horizon): gym-grpc's token in / token out, NeMo Gym's training-token capture with exact prefix supply",
         "gym_grpc_layouts": {
-            "gym_grpc_default": "the configuration with no layout setting (the default: each agent in one "
-            "process with the servers it calls)",
+            "gym_grpc_default": "the configuration with no layout setting (the default: the agent with the "
+            f"servers it calls in one process group, run by {GymConfig().workers_per_group} worker processes)",
             "gym_grpc_per_server": "layout: per_server, a process per server",
-            "gym_grpc_grouped": f"the three servers in one process group (process: rollout), "
-            f"num_workers: {os.cpu_count() or 1}",
+            "gym_grpc_one_process": "the same group in one process (group_workers: 1)",
         },
         "rows_per_run": {
             "gym_grpc": f"at least {GYM_GRPC_ROWS} rollouts or {GYM_GRPC_MODEL_CALLS} model calls' worth, "
@@ -563,7 +565,7 @@ def bench_peer(
 NAMES = {
     "gym_grpc_default": "gym-grpc, default",
     "gym_grpc_per_server": "gym-grpc, per server",
-    "gym_grpc_grouped": "gym-grpc, grouped",
+    "gym_grpc_one_process": "gym-grpc, one process",
     "nemo_gym": "NeMo Gym",
 }
 
@@ -607,9 +609,9 @@ def summary(result: dict) -> str:
     """One row per workload and window: each stack's steady rate, the ratios, and CPU per rollout and
     per model call (the table docs/performance.md quotes)."""
     lines = [
-        "| workload | in flight | rollouts/s, steady: gym-grpc default / per server / grouped; NeMo Gym "
-        "| ratio to NeMo Gym: default / per server / grouped | CPU ms per rollout (per model call): "
-        "default / grouped; NeMo Gym |",
+        "| workload | in flight | rollouts/s, steady: gym-grpc default / per server / one process; NeMo Gym "
+        "| ratio to NeMo Gym: default / per server / one process | CPU ms per rollout (per model call): "
+        "default / one process; NeMo Gym |",
         "|---|---|---|---|---|",
     ]
 

@@ -150,7 +150,7 @@ def test_the_steady_rate_counts_the_calls_between_the_10_and_90_percent_marks_in
 
 def test_each_gym_grpc_run_is_4000_rollouts_or_16000_calls_and_nemo_gyms_3000_model_calls(peer):
     assert peer.rows_per_run("gym_grpc_default", "weather", 64) == 4000
-    assert peer.rows_per_run("gym_grpc_grouped", "weather", 8192) == 8192  # never fewer than in flight
+    assert peer.rows_per_run("gym_grpc_one_process", "weather", 8192) == 8192  # never fewer than in flight
     assert peer.rows_per_run("gym_grpc_default", "long_horizon", 64) == 1000  # or 16,000 model calls
     assert peer.rows_per_run("nemo_gym", "weather", 64) == 1500  # 2 calls each
     assert peer.rows_per_run("nemo_gym", "long_horizon", 64) == 188  # 16 calls each
@@ -182,19 +182,19 @@ def test_the_tables_show_each_layout_run_and_a_dash_for_a_layout_a_workload_did_
         "nemo_gym": theirs,
         "gym_grpc_default": ours,
         "ratio_gym_grpc_default_over_nemo_gym": peer._ratio(ours, theirs),
-        "gym_grpc_grouped": ours,
-        "ratio_gym_grpc_grouped_over_nemo_gym": peer._ratio(ours, theirs),
+        "gym_grpc_one_process": ours,
+        "ratio_gym_grpc_one_process_over_nemo_gym": peer._ratio(ours, theirs),
     }
     workload = {
         "workload": "tokens",
         "model_calls": 4,
         "path": "token in / token out",
-        "layouts": ["gym_grpc_default", "gym_grpc_grouped"],
-        "ready_seconds": {"gym_grpc_default": 1.0, "gym_grpc_grouped": 1.0, "nemo_gym": 12.0},
+        "layouts": ["gym_grpc_default", "gym_grpc_one_process"],
+        "ready_seconds": {"gym_grpc_default": 1.0, "gym_grpc_one_process": 1.0, "nemo_gym": 12.0},
         "idle": {},
         "runs": [row],
     }
     result = {"workloads": [workload], "nemo_gym_install": {"versions": {}, "python": "3.13", "commands": []}}
     summary = peer.summary(result)
     assert "| tokens (4 calls) | 64 | 1,000 / – / 1,000; 50.0 | **20.0×** / – / **20.0×** |" in summary
-    assert peer.table(result).count("| tokens (4 calls) | 64 |") == 3  # default, grouped, NeMo Gym
+    assert peer.table(result).count("| tokens (4 calls) | 64 |") == 3  # default, one process, NeMo Gym

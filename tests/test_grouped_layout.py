@@ -7,7 +7,10 @@ import logging
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
+from gym_grpc.errors import ConfigError
+from gym_grpc.launch import config as config_module
 from gym_grpc.launch.config import GymConfig, load_config
 from gym_grpc.launch.runner import Runner, StartupError
 from tests.support import MATH, QUICKSTART, WEATHER, collect_args, gym, read_rows, run_status, start_run
@@ -67,6 +70,34 @@ def test_a_component_with_an_explicit_process_is_left_as_written():
     }
 
 
+def _workers(config: GymConfig) -> dict[str, int]:
+    return {name: spec.num_workers for name, spec in config.servers.items()}
+
+
+def test_a_group_runs_a_worker_per_core_unless_group_workers_or_its_servers_say_otherwise(monkeypatch):
+    monkeypatch.setattr(config_module, "cores", lambda: 24)
+    grouped = {"policy": 8, "env": 8, "judge": 8, "judge_model": 8, "agent": 8, "other_model": 8, "other_agent": 8}
+    assert _workers(_config(LINKED)) == {**grouped, "lonely": 1}  # a core each, at most 8; a server alone: 1
+    monkeypatch.setattr(config_module, "cores", lambda: 2)
+    assert _workers(_config(LINKED))["agent"] == 2
+    assert set(_workers(_config(LINKED, group_workers=3)).values()) == {1, 3}
+    # Servers that set num_workers keep it (they agree: else they are not grouped at all).
+    said = {**LINKED, "other_model": {"num_workers": 4}, "other_agent": {**LINKED["other_agent"], "num_workers": 4}}
+    assert _workers(_config(said)) == {**dict.fromkeys(grouped, 2), "other_model": 4, "other_agent": 4, "lonely": 1}
+    assert set(_workers(_config(LINKED, layout="per_server")).values()) == {1}  # nothing grouped, nothing changed
+    for wrong in (0, -1, "some"):
+        with pytest.raises(ValidationError, match="group_workers"):
+            _config(LINKED, group_workers=wrong)
+
+
+def test_group_workers_is_a_setting_and_a_typo_of_it_an_error(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("servers:\n  m: {entrypoint: 'x.py:M'}\n  a: {entrypoint: 'x.py:A', config: {model_server: m}}\n")
+    assert _workers(load_config([path], ["group_workers=1"])) == {"m": 1, "a": 1}
+    with pytest.raises(ConfigError, match="'group_worker' is no setting"):
+        load_config([path], ["group_worker=1"])
+
+
 def test_a_derived_name_that_an_explicit_process_has_gets_a_suffix():
     servers = {"agent": {"config": {"model_server": "m"}}, "m": {}, "solo": {"process": "agent"}}
     assert _processes(_config(servers)) == {"agent": "agent.2", "m": "agent.2", "solo": "agent"}
@@ -112,16 +143,26 @@ def test_dump_config_shows_the_layout_and_each_servers_process():
     assert {spec["process"] for spec in apart["servers"].values()} == {None}
 
 
+WORKERS = GymConfig().workers_per_group  # a worker per core, up to 8
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides, processes", [((), "1 process"), (("layout=per_server",), "5 processes")])
-def test_gym_grpc_run_serves_the_quickstart_from_one_process_unless_per_server(tmp_path, overrides, processes):
+@pytest.mark.parametrize(
+    "overrides, processes",
+    [((), WORKERS), (("group_workers=1",), 1), (("layout=per_server",), 5)],
+    ids=["a worker per core", "one process", "per server"],
+)
+def test_gym_grpc_run_serves_the_quickstart_from_one_group_unless_per_server(tmp_path, overrides, processes):
     run = start_run(*overrides)
     try:
-        assert "5 servers healthy" in run.log() and f"({processes})" in run.log()
+        assert "5 servers healthy" in run.log() and f"({processes} process{'es' if processes > 1 else ''})" in run.log()
         code, rows = run_status(run.registry)
         assert code == 0 and all(row["health"] == "serving" for row in rows.values())
-        rollout = ("policy_model", "weather", "weather_agent")
-        assert len({rows[name]["pid"] for name in rollout}) == (1 if processes == "1 process" else 3)
+        rollout = [set(run.pids(name)) for name in ("policy_model", "weather", "weather_agent")]
+        if "layout=per_server" in overrides:
+            assert all(len(pids) == 1 for pids in rollout) and len(set.union(*rollout)) == 3
+        else:  # every worker of the group serves all three
+            assert rollout[0] == rollout[1] == rollout[2] and len(rollout[0]) == processes
         out = tmp_path / "out.jsonl"
         done = gym(*collect_args(run.registry, "weather_agent", WEATHER, out), "--no-progress")
         assert done.returncode == 0, done.stderr
@@ -133,9 +174,10 @@ def test_gym_grpc_run_serves_the_quickstart_from_one_process_unless_per_server(t
 @pytest.mark.slow
 def test_the_servers_of_a_group_share_its_profile_and_its_log(tmp_path):
     """yappi is one per process: every server of the group shows the process's profile (the math
-    environment's too, though the group's first server is the model), and one log is written."""
+    environment's too, though the group's first server is the model), and one log is written.
+    In one process, which `gym-grpc profile` (one worker's live profile) then shows whole."""
     profiles = tmp_path / "profiles"
-    run = start_run("profiling_enabled=true", f"profiling_results_dirpath={profiles}")
+    run = start_run("group_workers=1", "profiling_enabled=true", f"profiling_results_dirpath={profiles}")
     try:
         done = gym(*collect_args(run.registry, "math_agent", MATH, tmp_path / "out.jsonl"), "--no-progress")
         assert done.returncode == 0, done.stderr

@@ -22,14 +22,13 @@ from gym_grpc.data import rows
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
-from tests.support import REPO, WEATHER, run_status, start_run, tool
+from tests.support import REPO, WEATHER, alive, run_status, start_run, tool
 
 
 @pytest.mark.slow
 def test_streams_cancelled_timed_out_or_killed_mid_call_never_crash_the_agent():
     run = start_run("servers.policy_model.config.latency_seconds=0.05")
     try:
-        _, before = run_status(run.registry)
         agent = run.servers["weather_agent"]
         # 1,000 RunStream calls and 1,000 RunMany calls (with up to 4 runs each, some cancelled
         # by id) in four client processes, each call ended early by a cancel or a deadline.
@@ -75,7 +74,9 @@ def test_streams_cancelled_timed_out_or_killed_mid_call_never_crash_the_agent():
 
         _, after = run_status(run.registry)
         assert after["weather_agent"]["health"] == "serving"
-        assert after["weather_agent"]["pid"] == before["weather_agent"]["pid"]  # never died, never restarted
+        workers = run.pids("weather_agent")
+        assert [w["pid"] for w in after["weather_agent"]["workers"]] == workers  # none was started again
+        assert all(alive(pid) for pid in workers)  # and none died (restart is off: it would stay dead)
     finally:
         run.stop()
     log = run.log()
@@ -116,8 +117,9 @@ def test_a_client_that_sends_runs_and_reads_no_result_gets_no_more_read_than_the
     """100,000 runs on one RunMany call from a client process that reads nothing. The agent reads and
     runs as many as its run_many_max_runs (here 1,000) and what gRPC buffers of their results allow,
     then reads no more: gRPC's flow control holds the client's writes. Before, it read all 100,000
-    (about 1 GB of the agent's memory). The agent keeps serving others."""
-    run = start_run("servers.weather_agent.config.run_many_max_runs=1000")
+    (about 1 GB of the agent's memory). The agent keeps serving others. In one process: the call
+    reaches one, whose counters and memory are read."""
+    run = start_run("group_workers=1", "servers.weather_agent.config.run_many_max_runs=1000")
     agent = run.servers["weather_agent"]
     client = subprocess.Popen(
         [sys.executable, "-m", "tests.programs.unread_run_many", agent, "100000"],

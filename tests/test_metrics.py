@@ -229,6 +229,8 @@ def test_status_lists_every_worker_with_its_pid_and_metrics_and_each_worker_coun
 
         answered = asyncio.run(_one_session_per_connection(row["address"]))
         assert sum(answered.values()) == CONNECTIONS
+        # Each worker holds the sessions of its connections; status adds them up, each worker asked at its own port.
+        assert _status(run.registry)["sessions_open"] == CONNECTIONS
         for worker in workers:
             scraped = _scrape(worker["metrics_address"])
             assert scraped["gym_server_info"] == {

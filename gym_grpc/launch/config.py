@@ -76,6 +76,15 @@ DatasetType = Literal["train", "validation", "example"]
 #: How `gym-grpc run` lays servers out in processes (GymConfig.layout).
 Layout = Literal["grouped", "per_server"]
 
+#: Most worker processes `group_workers: auto` gives a group: each holds a copy of every server of its
+#: group, and the engine, the collector and the trainer on the same machine want cores too.
+AUTO_GROUP_WORKERS_MAX = 8
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
 
 class GeneratedBy(BaseModel):
     """The server of the configuration that writes a dataset's rows (`prepare-data --generate`)."""
@@ -220,6 +229,11 @@ class GymConfig(BaseModel):
         'another) runs as one process group, unless one of them has a process: of its own; "per_server": a '
         "process per server unless process: says otherwise",
     )
+    group_workers: int | Literal["auto"] = Field(
+        "auto",
+        description="worker processes of each group the grouped layout makes, when none of its servers sets "
+        f"num_workers: a number, or auto (one per core, at most {AUTO_GROUP_WORKERS_MAX})",
+    )
     ray: RaySpec | None = Field(None, description="run the servers on a Ray cluster instead of this machine")
     security: Security = Security()
     profiling_enabled: bool = Field(False, description="run yappi in every server and write a log at stop")
@@ -231,6 +245,20 @@ class GymConfig(BaseModel):
     def layout_notes(self) -> list[str]:
         """Why servers linked by references run in processes of their own under the grouped layout."""
         return self._layout_notes
+
+    @field_validator("group_workers")
+    @classmethod
+    def _group_workers_are_some(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"{value} worker processes: give 1 or more, or auto")
+        return value
+
+    @property
+    def workers_per_group(self) -> int:
+        """The worker processes of a group the grouped layout makes (group_workers, auto resolved)."""
+        if self.group_workers == "auto":
+            return min(cores(), AUTO_GROUP_WORKERS_MAX)
+        return self.group_workers
 
     @model_validator(mode="after")
     def _replicas_need_ray(self) -> GymConfig:
@@ -274,9 +302,10 @@ class GymConfig(BaseModel):
     @model_validator(mode="after")
     def _group_linked_servers(self) -> GymConfig:
         """The grouped layout: each component of servers linked by references runs as one process
-        group, named after its first caller (see linked_components). A component with a server of an
-        explicit `process:` is left as it is, and so is one whose servers disagree on num_workers or
-        restart (noted in layout_notes); nothing is grouped under Ray."""
+        group, named after its first caller (see linked_components), in `workers_per_group` worker
+        processes unless its servers set num_workers. A component with a server of an explicit
+        `process:` is left as it is, and so is one whose servers disagree on num_workers or restart
+        (noted in layout_notes); nothing is grouped under Ray."""
         self._layout_notes = []
         if self.layout != "grouped" or self.ray is not None:
             return self
@@ -301,8 +330,11 @@ class GymConfig(BaseModel):
             while unique in taken:
                 unique, n = f"{name}.{n}", n + 1
             taken.add(unique)
+            workers = None if any("num_workers" in spec.model_fields_set for spec in specs) else self.workers_per_group
             for spec in specs:
                 spec.process = unique
+                if workers is not None:
+                    spec.num_workers = workers
         return self
 
     @model_validator(mode="after")
@@ -506,7 +538,7 @@ def _references(value: Any, where: str = "", *, required: bool = False) -> dict[
 
 #: `${name}`, or `${name:-default}`: the default (text, maybe empty) where the variable has no value.
 _VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
-_SECTIONS = ("registry", "servers", "layout", "security", "ray", "profiling_enabled", "profiling_results_dirpath")
+_SECTIONS = tuple(GymConfig.model_fields)  # the configuration's own keys; any other top-level key is a variable
 
 
 def _interpolate(value: Any, variables: dict[str, Any], where: str, secrets: set[str]) -> Any:

@@ -42,39 +42,53 @@ def _workers(info: reg.ServerInfo, address: str) -> list[dict[str, Any]]:
 async def _one(info: reg.ServerInfo, address: str, interval: float, security: Security | None) -> dict[str, Any]:
     row: dict[str, Any] = {"name": info.name, "role": SERVER_ROLES.get(info.role, "?"), "address": address}
     row["workers"] = _workers(info, address)
-    async with transport.open_channel(address, security=security) as channel:
-        try:
+    # Each worker counts its own calls: with a port of its own each (protocol 1.14), every one is
+    # asked and the row has the server's totals; otherwise the figures are the answering worker's.
+    own = [w["address"] for w in row["workers"]]
+    channels = [transport.open_channel(a, security=security) for a in (own if len(own) > 1 and all(own) else [])]
+    try:
+        async with transport.open_channel(address, security=security) as channel:
             reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2.0)
             row["health"] = _HEALTH.get(reply.status, "unknown")
             admin = admin_grpc.AdminServiceStub(channel)
             server = await admin.GetServerInfo(admin_pb.GetServerInfoRequest(), timeout=2.0)
-            first = await admin.GetCounters(admin_pb.GetCountersRequest(), timeout=2.0)
+            counted = [admin_grpc.AdminServiceStub(c) for c in channels] or [admin]
+            first = await _counters(counted)
             await asyncio.sleep(interval)
-            second = await admin.GetCounters(admin_pb.GetCountersRequest(), timeout=2.0)
-        except grpc.aio.AioRpcError as e:
-            row["health"] = (
-                "down"
-                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-                else (f"error: {e.code().name}")
-            )
-            return row
-    elapsed = max(second.uptime_seconds - first.uptime_seconds, 1e-9)
+            second = await _counters(counted)
+    except grpc.aio.AioRpcError as e:
+        row["health"] = (
+            "down"
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            else (f"error: {e.code().name}")
+        )
+        return row
+    finally:
+        for c in channels:
+            await c.close()
+    total = _sum(second)
     row.update(
         pid=server.pid,
         worker=server.worker,
         metrics_address=server.metrics_address,
         uptime_seconds=round(server.uptime_seconds, 1),
-        in_flight=second.in_flight,
-        calls_per_second=round((second.calls_total - first.calls_total) / elapsed, 1),
-        calls_total=second.calls_total,
-        retries=dict(second.retries),
-        non_monotonic_histories=dict(second.non_monotonic_histories),
-        turns_caught_by_update=dict(second.turns_caught_by_update),
-        sessions_open=second.sessions_open,
-        sessions_not_closed=second.sessions_not_closed,
-        sandboxes=dict(second.sandboxes),
-        sandbox_start_failures=second.sandbox_start_failures,
-        engines=[_engine_row(load) for load in second.engines],
+        in_flight=total.in_flight,
+        calls_per_second=round(
+            sum(
+                (b.calls_total - a.calls_total) / max(b.uptime_seconds - a.uptime_seconds, 1e-9)
+                for a, b in zip(first, second, strict=True)
+            ),
+            1,
+        ),
+        calls_total=total.calls_total,
+        retries=dict(total.retries),
+        non_monotonic_histories=dict(total.non_monotonic_histories),
+        turns_caught_by_update=dict(total.turns_caught_by_update),
+        sessions_open=total.sessions_open,
+        sessions_not_closed=total.sessions_not_closed,
+        sandboxes=dict(total.sandboxes),
+        sandbox_start_failures=total.sandbox_start_failures,
+        engines=[_engine_row(load) for load in second[0].engines],  # the engines' own load, the same for each
         version=server.version,
         config_hash=server.config_hash,
         profiling=server.profiling,
@@ -82,6 +96,26 @@ async def _one(info: reg.ServerInfo, address: str, interval: float, security: Se
         open_files_limit=server.open_files_limit,
     )
     return row
+
+
+async def _counters(stubs: list[admin_grpc.AdminServiceStub]) -> list[admin_pb.GetCountersResponse]:
+    return list(await asyncio.gather(*(s.GetCounters(admin_pb.GetCountersRequest(), timeout=2.0) for s in stubs)))
+
+
+def _sum(replies: list[admin_pb.GetCountersResponse]) -> admin_pb.GetCountersResponse:
+    """The workers' counters added up (the figures `status` shows; stages and engines left out)."""
+    total = admin_pb.GetCountersResponse()
+    for reply in replies:
+        total.in_flight += reply.in_flight
+        total.calls_total += reply.calls_total
+        total.sessions_open += reply.sessions_open
+        total.sessions_not_closed += reply.sessions_not_closed
+        total.sandbox_start_failures += reply.sandbox_start_failures
+        for field in ("retries", "non_monotonic_histories", "turns_caught_by_update", "sandboxes"):
+            into = getattr(total, field)
+            for key, value in getattr(reply, field).items():
+                into[key] += value
+    return total
 
 
 def _engine_row(load: admin_pb.EngineLoad) -> dict[str, Any]:
@@ -108,10 +142,11 @@ def _engine_line(engine: dict[str, Any]) -> str:
 
 
 async def status(registry: Registry, interval: float = 1.0) -> list[dict[str, Any]]:
-    """One row per address of every registered server: health, its worker processes (pid,
-    metrics address) as the registry lists them, and from the worker that answered (`worker`,
-    `pid`): uptime, in flight, calls/s, the retries of requests to engines by failure class,
-    open files, and a model server's engines' load (`engines`)."""
+    """One row per address of every registered server: health, its worker processes (pid, own
+    port, metrics address) as the registry lists them; in flight, calls/s, the retries of
+    requests to engines by failure class and the sessions, added up over its workers; and from
+    the worker that answered (`worker`, `pid`): uptime, open files, and a model server's
+    engines' load (`engines`)."""
     servers = await registry.list()
     return list(await asyncio.gather(*(_one(s, a, interval, registry.security) for s in servers for a in s.addresses)))
 
@@ -148,7 +183,7 @@ def _worker_line(worker: dict[str, Any], row: dict[str, Any]) -> str:
     if worker["restarts"]:
         text += f", restarted {worker['restarts']}x"
     if "pid" in row and row["worker"] == worker["index"]:
-        text += " (answered; the figures above are this worker's)"
+        text += " (answered; its pid, uptime and open files are above)"
     return text
 
 

@@ -105,6 +105,17 @@ class GymRun:
         """The addresses of a server's replicas (one without Ray)."""
         return [replica["address"] for replica in self.info(name).get("replicas", [])]
 
+    def worker_addresses(self, name: str) -> list[str]:
+        """An address per worker process of a server that reaches that process alone (Worker.address),
+        or its address when it runs as one process: where to ask each process for its own counters."""
+        own = [
+            str(worker["address"])
+            for replica in self.info(name).get("replicas", [])
+            for worker in replica.get("workers", [])
+            if worker.get("address")
+        ]
+        return own or [self.servers[name]]
+
     def pids(self, name: str) -> list[int]:
         """The pids of a server's worker processes, as they were when it became ready."""
         return [

@@ -109,7 +109,7 @@ def test_the_bundled_config_runs_and_collects_with_the_example_mcp_server(tmp_pa
     run = start_run(configs=(LOCAL_POLICY, MCP_CONFIG))
     try:
         mcp = _mcp_processes(run.process.pid, "mcp_tools.example_server")
-        assert len(mcp) == 1  # one shared process for every rollout
+        assert len(mcp) == len(run.pids("mcp_tools"))  # one per worker process, shared by its rollouts
         output = tmp_path / "rollouts.jsonl"
         tasks = HERE.parent / "data" / "example.jsonl"
         done = gym(*collect_args(run.registry, "mcp_tools_agent", tasks, output), "--num-repeats", "2")
@@ -142,7 +142,7 @@ def test_an_mcp_server_crashing_mid_run_costs_its_calls_and_the_collection_goes_
     crash = write("crash.jsonl", [("Please crash the process.", "never")])
     adds = write("adds.jsonl", ADDS)
     crashed, added = tmp_path / "crashed.jsonl", tmp_path / "added.jsonl"
-    run = start_run(configs=(LOCAL_POLICY, config))
+    run = start_run("group_workers=1", configs=(LOCAL_POLICY, config))  # the one MCP process its rollouts share
     try:
         first = _mcp_processes(run.process.pid, str(FIXTURE))
         assert len(first) == 1

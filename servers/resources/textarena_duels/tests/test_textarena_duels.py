@@ -18,6 +18,7 @@ from gym_grpc.data import rows
 from gym_grpc.responses import assistant_message
 from gym_grpc.testing import static_registry
 from gym_grpc.testing.fake_engine import FakeEngine, Turn
+from gym_grpc.testing.processes import GymRun
 from gym_grpc.training import assign_advantages, build, read_rollouts
 from gym_grpc.v1 import responses_pb2 as r
 from tests.support import REPO, collect_args, grpcurl, gym, one_server_config, start_run
@@ -192,11 +193,15 @@ async def test_collect_with_two_model_servers_writes_both_trajectories_zero_sum_
     assert sorted(group.group for group in groups) == [f"textarena_duel_agent/{t}/player_0" for t in range(3)]
 
 
-def _create_responses(address: str) -> int:
-    """CreateResponse calls a model server answered OK, by its own counters (AdminService.GetCounters)."""
-    counters = json.loads(grpcurl(address, "gym.v1.AdminService/GetCounters"))
-    method = next((m for m in counters["methods"] if m["method"] == "CreateResponse"), {"calls_by_status": {}})
-    return int(method["calls_by_status"].get("OK", 0))
+def _create_responses(run: GymRun, name: str) -> int:
+    """CreateResponse calls a model server answered OK, by its own counters (AdminService.GetCounters
+    of each of its worker processes)."""
+    answered = 0
+    for address in run.worker_addresses(name):
+        counters = json.loads(grpcurl(address, "gym.v1.AdminService/GetCounters"))
+        method = next((m for m in counters["methods"] if m["method"] == "CreateResponse"), {"calls_by_status": {}})
+        answered += int(method["calls_by_status"].get("OK", 0))
+    return answered
 
 
 @pytest.mark.slow
@@ -212,7 +217,7 @@ async def test_two_embedded_policies_each_play_their_own_role_and_the_samples_sp
         args = [*collect_args(run.registry, "textarena_duel_agent", EXAMPLES, output), "--num-repeats", "3"]
         collected = await asyncio.to_thread(gym, *args)
         assert collected.returncode == 0, collected.stderr
-        served = {name: _create_responses(run.servers[name]) for name in ("policy_model", "second_policy")}
+        served = {name: _create_responses(run, name) for name in ("policy_model", "second_policy")}
     written = [json.loads(line) for line in output.read_text().splitlines()]
     calls = {"player_0": 0, "player_1": 0}
     for row in written:
