@@ -26,7 +26,7 @@ from gym_grpc.v1 import registry_service_pb2_grpc as reg_grpc
 from gym_grpc.v1 import resources_service_pb2 as res_pb
 from gym_grpc.v1 import resources_service_pb2_grpc as res_grpc
 from gym_grpc.v1 import responses_pb2 as r
-from tests.support import ScriptedModel, alive, gym, listening_pids, say, start_run, task
+from tests.support import ScriptedModel, alive, eventually, gym, listening_pids, say, start_run, task
 
 
 class GatedModel(ScriptedModel):
@@ -249,5 +249,23 @@ def test_status_lists_every_worker_with_its_pid_and_metrics_and_each_worker_coun
         assert [w["pid"] for w in after] == [pids[0], restarted.pid]
         assert after[1]["restarts"] == 1 and after[1]["metrics_address"] == restarted.metrics_address
         assert _scrape(restarted.metrics_address)["gym_server_info"]  # the new process serves metrics
+    finally:
+        run.stop()
+
+
+@pytest.mark.slow
+def test_status_leaves_a_worker_that_died_out_of_the_sums_and_names_it(tmp_path):
+    config = tmp_path / "two_workers.yaml"
+    config.write_text(TWO_WORKERS.replace("    restart: true\n", ""))  # a dead worker stays dead
+    run = start_run(configs=(config,))
+    try:
+        pids = run.pids("calc")
+        os.kill(pids[1], signal.SIGKILL)
+        asyncio.run(eventually(lambda: not alive(pids[1]), "the killed worker is gone"))
+        row = _status(run.registry)
+        assert row["health"] == "serving" and row["pid"] == pids[0]  # the other worker serves the shared port
+        assert row["workers_not_answering"] == [1]
+        table = gym("status", "--registry", run.registry, "--interval", "0.1").stdout
+        assert f"worker 1: pid {pids[1]}" in table and "(not answering at its own port" in table
     finally:
         run.stop()

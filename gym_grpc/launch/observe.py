@@ -53,9 +53,9 @@ async def _one(info: reg.ServerInfo, address: str, interval: float, security: Se
             admin = admin_grpc.AdminServiceStub(channel)
             server = await admin.GetServerInfo(admin_pb.GetServerInfoRequest(), timeout=2.0)
             counted = [admin_grpc.AdminServiceStub(c) for c in channels] or [admin]
-            first = await _counters(counted)
+            before = await _counters(counted)
             await asyncio.sleep(interval)
-            second = await _counters(counted)
+            after = await _counters(counted)
     except grpc.aio.AioRpcError as e:
         row["health"] = (
             "down"
@@ -66,6 +66,16 @@ async def _one(info: reg.ServerInfo, address: str, interval: float, security: Se
     finally:
         for c in channels:
             await c.close()
+    # A worker that does not answer at its own port (it died, and is not restarted) is left out of
+    # the sums and named; the others, and the shared port, keep serving.
+    pairs = [(a, b) for a, b in zip(before, after, strict=True) if a is not None and b is not None]
+    if not pairs:
+        row["health"] = "down"
+        return row
+    missing = [w["index"] for w, a, b in zip(row["workers"], before, after, strict=False) if a is None or b is None]
+    if channels and missing:
+        row["workers_not_answering"] = missing
+    first, second = [a for a, _ in pairs], [b for _, b in pairs]
     total = _sum(second)
     row.update(
         pid=server.pid,
@@ -98,8 +108,18 @@ async def _one(info: reg.ServerInfo, address: str, interval: float, security: Se
     return row
 
 
-async def _counters(stubs: list[admin_grpc.AdminServiceStub]) -> list[admin_pb.GetCountersResponse]:
-    return list(await asyncio.gather(*(s.GetCounters(admin_pb.GetCountersRequest(), timeout=2.0) for s in stubs)))
+async def _counters(stubs: list[admin_grpc.AdminServiceStub]) -> list[admin_pb.GetCountersResponse | None]:
+    """Each stub's GetCounters; None for one that is not there (UNAVAILABLE, DEADLINE_EXCEEDED)."""
+
+    async def one(stub: admin_grpc.AdminServiceStub) -> admin_pb.GetCountersResponse | None:
+        try:
+            return await stub.GetCounters(admin_pb.GetCountersRequest(), timeout=2.0)
+        except grpc.aio.AioRpcError as e:
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                return None
+            raise
+
+    return list(await asyncio.gather(*map(one, stubs)))
 
 
 def _sum(replies: list[admin_pb.GetCountersResponse]) -> admin_pb.GetCountersResponse:
@@ -184,6 +204,8 @@ def _worker_line(worker: dict[str, Any], row: dict[str, Any]) -> str:
         text += f", restarted {worker['restarts']}x"
     if "pid" in row and row["worker"] == worker["index"]:
         text += " (answered; its pid, uptime and open files are above)"
+    if worker["index"] in row.get("workers_not_answering", ()):
+        text += " (not answering at its own port: left out of the figures above)"
     return text
 
 
