@@ -16,6 +16,9 @@ from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from gym_grpc.v1 import registry_service_pb2 as reg
 
+#: What a call to a server that is not there fails with: it reads as down, not as an error.
+_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
 _HEALTH = {
     health_pb2.HealthCheckResponse.SERVING: "serving",
     health_pb2.HealthCheckResponse.NOT_SERVING: "not serving",
@@ -57,11 +60,7 @@ async def _one(info: reg.ServerInfo, address: str, interval: float, security: Se
             await asyncio.sleep(interval)
             after = await _counters(counted)
     except grpc.aio.AioRpcError as e:
-        row["health"] = (
-            "down"
-            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-            else (f"error: {e.code().name}")
-        )
+        row["health"] = "down" if e.code() in _GONE else (f"error: {e.code().name}")
         return row
     finally:
         for c in channels:
@@ -72,9 +71,10 @@ async def _one(info: reg.ServerInfo, address: str, interval: float, security: Se
     if not pairs:
         row["health"] = "down"
         return row
-    missing = [w["index"] for w, a, b in zip(row["workers"], before, after, strict=False) if a is None or b is None]
-    if channels and missing:
-        row["workers_not_answering"] = missing
+    if channels and len(pairs) < len(channels):  # one counted reply per worker, in the workers' order
+        row["workers_not_answering"] = [
+            w["index"] for w, a, b in zip(row["workers"], before, after, strict=True) if a is None or b is None
+        ]
     first, second = [a for a, _ in pairs], [b for _, b in pairs]
     total = _sum(second)
     row.update(
@@ -115,7 +115,7 @@ async def _counters(stubs: list[admin_grpc.AdminServiceStub]) -> list[admin_pb.G
         try:
             return await stub.GetCounters(admin_pb.GetCountersRequest(), timeout=2.0)
         except grpc.aio.AioRpcError as e:
-            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if e.code() in _GONE:
                 return None
             raise
 
