@@ -90,6 +90,41 @@ def test_a_group_runs_a_worker_per_core_unless_group_workers_or_its_servers_say_
             _config(LINKED, group_workers=wrong)
 
 
+def test_a_task_server_runs_in_a_process_of_its_own_and_the_rollouts_it_links_group_apart(monkeypatch):
+    """A task server's draws and pools are one (TaskServer.one_process): in a group of two workers,
+    each worker would serve the batches that reach it from pools of its own. It runs alone, and the
+    two rollouts it names, linked only through it, form a group each."""
+    monkeypatch.setattr(config_module, "cores", lambda: 2)
+    servers = {
+        "tasks": {"entrypoint": "gym_grpc.tasks:TaskServer", "config": {"agent": "agent", "rows": ["other_agent"]}},
+        "policy": {},
+        "env": {},
+        "agent": {"config": {"model_server": "policy", "resources_server": "env"}},
+        "other_model": {},
+        "other_agent": {"config": {"model_server": "other_model"}},
+    }
+    config = _config(servers)
+    assert _processes(config) == {
+        "tasks": None, **dict.fromkeys(("policy", "env", "agent"), "agent"),
+        **dict.fromkeys(("other_model", "other_agent"), "other_agent"),
+    }  # fmt: skip
+    assert _workers(config) == {"tasks": 1, **dict.fromkeys(list(servers)[1:], 2)}
+
+
+async def test_gym_grpc_run_refuses_a_task_server_in_several_workers_naming_the_setting():
+    config = GymConfig.model_validate({
+        "registry": {"port": 0},
+        "servers": {"tasks": {
+            "entrypoint": "gym_grpc.tasks:TaskServer",
+            "num_workers": 2,
+            "config": {"agent": "a", "datasets": [{"name": "d", "jsonl_fpath": str(MATH)}]},
+        }},
+    })  # fmt: skip
+    refused = r"'tasks' could not start: num_workers is 2, but TaskServer runs in one process"
+    with pytest.raises(StartupError, match=refused):
+        await Runner(config, startup_timeout=60).start()
+
+
 def test_group_workers_is_a_setting_and_a_typo_of_it_an_error(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("servers:\n  m: {entrypoint: 'x.py:M'}\n  a: {entrypoint: 'x.py:A', config: {model_server: m}}\n")

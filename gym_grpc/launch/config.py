@@ -305,12 +305,15 @@ class GymConfig(BaseModel):
         group, named after its first caller (see linked_components), in `workers_per_group` worker
         processes unless its servers set num_workers. A component with a server of an explicit
         `process:` is left as it is, and so is one whose servers disagree on num_workers or restart
-        (noted in layout_notes); nothing is grouped under Ray."""
+        (noted in layout_notes); nothing is grouped under Ray. A server whose class runs in one
+        process (GymServer.one_process: a task server) is left out, in a process of its own."""
         self._layout_notes = []
         if self.layout != "grouped" or self.ray is not None:
             return self
         taken = {spec.process for spec in self.servers.values() if spec.process is not None}
-        for component in linked_components(self.servers):
+        candidates = {n for c in linked_components(self.servers) if len(c) > 1 for n in c}
+        alone = {n for n in candidates if self.servers[n].process is None and _one_process(self.servers[n])}
+        for component in linked_components({n: s for n, s in self.servers.items() if n not in alone}):
             specs = [self.servers[name] for name in component]
             if len(component) < 2 or any(spec.process is not None for spec in specs):
                 continue
@@ -409,6 +412,17 @@ def linked_components(servers: dict[str, ServerSpec]) -> list[list[str]]:
         seen |= component
         components.append(sorted(component, key=order.__getitem__))
     return components
+
+
+def _one_process(spec: ServerSpec) -> bool:
+    """Whether the server's class must run in one process (GymServer.one_process). This imports
+    the server's module; a class that does not load counts as not, as its worker says why."""
+    from gym_grpc.server.entrypoints import load_entrypoint
+
+    try:
+        return load_entrypoint(spec.entrypoint).one_process is not None
+    except Exception:  # any failure of the user's module: the worker that loads it reports it
+        return False
 
 
 def _group_name(component: list[str], servers: dict[str, ServerSpec]) -> str:

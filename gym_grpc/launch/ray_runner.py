@@ -89,6 +89,7 @@ class ReplicaServer:
         tracing.configure(spec["name"], **{"gym_grpc.replica": spec["index"]})
         security = Security.model_validate(spec["security"])
         cls = load_entrypoint(spec["entrypoint"])
+        cls.check_processes(spec["name"], spec["replicas"], "replicas")
         app = cls(spec["config"], name=spec["name"], registry=Registry(spec["registry"], security=security))
         app.entrypoint = spec["entrypoint"]
         if spec["profiling_dir"]:
@@ -211,6 +212,7 @@ class RayRunner(RegistryHost):
         return {
             "name": server.name,
             "index": index,
+            "replicas": spec.replicas,
             "entrypoint": spec.entrypoint,
             "config": spec.config,
             "registry": self.registry_address,

@@ -307,6 +307,7 @@ class Runner(RegistryHost):
         message = {
             "name": group.name,
             "worker": worker,
+            "workers": group.num_workers,
             "registry": self.registry_address,
             "grace": self.grace,
             "log_level": self.log_level,

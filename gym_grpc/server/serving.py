@@ -58,6 +58,20 @@ class GymServer:
 
     role: ClassVar[reg.ServerRole.ValueType] = reg.SERVER_ROLE_UNSPECIFIED
     Config: ClassVar[type[ServerConfig]] = ServerConfig
+    #: Why the server must run in one process, when it must: its state outside sessions (a task
+    #: server's draws and pools) would split between worker processes or replicas, each serving
+    #: part of the calls from a state of its own. `gym-grpc run` keeps such a server out of process
+    #: groups and refuses num_workers or replicas above 1 for it. None: any number of processes.
+    one_process: ClassVar[str | None] = None
+
+    @classmethod
+    def check_processes(cls, name: str, count: int, setting: str) -> None:
+        """ConfigError when `count` processes (`setting`: num_workers, replicas) would serve server
+        `name` and its class must run in one."""
+        if cls.one_process and count > 1:
+            raise ConfigError(
+                f"server {name!r}: {setting} is {count}, but {cls.__name__} runs in one process: {cls.one_process}"
+            )
 
     def __init__(
         self,

@@ -118,6 +118,7 @@ def _specs(message: dict[str, Any]) -> list[dict[str, Any]]:
 def _app(spec: dict[str, Any], security: Security, profiler: Profiler | None) -> GymServer:
     cls = load_entrypoint(spec["entrypoint"])
     name = spec["name"]
+    cls.check_processes(name, spec.get("workers", 1), "num_workers")
     app = cls(spec["config"], name=name, registry=Registry(spec["registry"], security=security))
     app.entrypoint = spec["entrypoint"]
     app.worker = spec.get("worker", 0)

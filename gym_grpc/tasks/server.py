@@ -100,6 +100,7 @@ class TaskServer(GymServer):
 
     role = reg.SERVER_ROLE_TASKS
     Config = TaskServerConfig
+    one_process = "its draws, pools and in-flight limit are one, over every batch"
     config: TaskServerConfig
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
