@@ -5,6 +5,7 @@ they are named here too, as the tests have always imported them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -12,7 +13,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -161,22 +162,41 @@ def run_status(registry: str) -> tuple[int, dict[str, dict]]:
     return done.returncode, {row["name"]: row for row in json.loads(done.stdout)}
 
 
+def _tcp_sockets() -> list[list[str]]:
+    """The fields of every TCP socket's line of /proc/net/tcp and tcp6 (grpc listens on v4-mapped
+    IPv6 sockets): 1 the local address, 2 the remote, 3 the state, 9 the inode."""
+    tables = ("/proc/net/tcp", "/proc/net/tcp6")
+    return [line.split() for table in tables for line in Path(table).read_text().splitlines()[1:]]
+
+
+def _port_of(address: str) -> int:
+    return int(address.rsplit(":", 1)[1], 16)
+
+
+def _socket_links(pid: int) -> set[str]:
+    """The "socket:[inode]" links of a process's open files (empty once it is gone)."""
+    links = set()
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                links.add(os.readlink(fd))
+    return links
+
+
 def listening_pids(port: int) -> list[int]:
     """Processes with a socket listening on a TCP port (Linux /proc)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):  # grpc listens on v4-mapped IPv6 sockets
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":
-                inodes.add(f"socket:[{fields[9]}]")
-    pids = []
-    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
-        try:
-            if any(os.readlink(fd) in inodes for fd in fd_dir.iterdir()):
-                pids.append(int(fd_dir.parent.name))
-        except OSError:
-            continue
-    return sorted(pids)
+    inodes = {f"socket:[{f[9]}]" for f in _tcp_sockets() if _port_of(f[1]) == port and f[3] == "0A"}
+    return sorted(int(d.name) for d in Path("/proc").glob("[0-9]*") if _socket_links(int(d.name)) & inodes)
+
+
+def connections_from(pids: Iterable[int], ports: Iterable[int]) -> int:
+    """TCP connections the processes `pids` hold established to any of `ports` (Linux /proc).
+
+    Counted from the processes' own sockets: a connection some other process of this machine
+    makes to one of the ports (the tests run side by side) is not theirs."""
+    links = set().union(*(_socket_links(pid) for pid in pids))
+    wanted = set(ports)
+    return sum(1 for f in _tcp_sockets() if f[3] == "01" and _port_of(f[2]) in wanted and f"socket:[{f[9]}]" in links)
 
 
 def cpu_ticks(pid: int) -> int:

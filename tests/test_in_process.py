@@ -31,6 +31,7 @@ from gym_grpc.v1 import responses_pb2 as r
 from tests.support import (
     WEATHER,
     EchoModel,
+    connections_from,
     cpu_ticks,
     listening_pids,
     read_rows,
@@ -248,7 +249,7 @@ async def test_a_sessions_calls_pinned_to_a_worker_of_this_process_stay_in_proce
             assert not (await client.call_tool("s", call("add", '{"a": 2, "b": 3}').function_call)).error
         verified = await client.verify("s", calculator_task("2 + 3?", expected_answer=5), r.Response(output=say("5")))
         assert json.loads(verified.fields_json)["tool_calls_seen"] == 3
-        assert _established_to(env.own_port) == 0  # no connection was opened to this process's own port
+        assert connections_from([os.getpid()], [env.own_port]) == 0  # none opened to this process's own port
     finally:
         await registry.close()
         await env.stop(grace=0)
@@ -297,16 +298,9 @@ def test_config_refuses_a_group_whose_servers_disagree_on_workers_or_restart(tmp
         load_config([config])
 
 
-def _established_to(port: int) -> int:
-    """TCP connections established to `port` on this machine, from /proc/net/tcp."""
-    count = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                local, state = line.split()[1], line.split()[3]
-                if state == "01" and int(local.rsplit(":", 1)[1], 16) == port:
-                    count += 1
-    return count
+def _model_ports(run) -> list[int]:
+    """The policy model's port and each of its workers' own."""
+    return [_port(run, "policy_model"), *(int(a.rsplit(":", 1)[1]) for a in run.worker_addresses("policy_model"))]
 
 
 @pytest.mark.slow
@@ -329,7 +323,7 @@ def test_gym_grpc_run_serves_a_group_from_one_process_that_restarts_as_one(tmp_p
         assert done.returncode == 0, done.stderr
         assert len(read_rows(out)) == 4 * len(WEATHER.read_text().splitlines())
         # Over gRPC the agent would hold a connection to the model server for its lifetime.
-        assert _established_to(_port(run, "policy_model")) == 0
+        assert connections_from(pids, _model_ports(run)) == 0
         os.kill(pids.pop(), signal.SIGKILL)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -371,6 +365,6 @@ def test_a_group_with_num_workers_runs_rollouts_in_every_worker_and_calls_in_pro
         assert len(read_rows(out)) == len(tasks.read_text().splitlines())
         used = {pid: cpu_ticks(pid) - before[pid] for pid in pids}
         assert all(ticks > 0 for ticks in used.values()), used  # the collector's connections reach both
-        assert _established_to(_port(run, "policy_model")) == 0
+        assert connections_from(pids, _model_ports(run)) == 0
     finally:
         run.stop()
