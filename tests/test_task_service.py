@@ -4,6 +4,7 @@ The task set mixes tasks the embedded policy always solves (arithmetic at temper
 solves (the expected answer is wrong), and sometimes solves (temperature 1, where it slips).
 """
 
+import asyncio
 import json
 from collections import Counter
 
@@ -303,10 +304,18 @@ async def test_failed_rollouts_are_marked_members_and_a_group_without_two_finish
 async def test_a_cancelled_batch_cancels_its_rollouts_and_gives_its_tasks_back(start, tasks_file):
     model, registry = await _task_server(start, tasks_file, {"latency_seconds": 30}, group_size=2)
     client = TaskClient(registry, "tasks")
-    with pytest.raises(errors.DeadlineExceeded):
-        async for _ in client.next_batch(3, timeout=1.0):
-            pass
-    calls = model.app.counters.methods["CreateResponse"]
+    methods = model.app.counters.methods
+    # cancelled once every rollout is in its first model call (a deadline could pass before some
+    # had reached it, on a loaded machine)
+    batch = asyncio.ensure_future(client.next_batch(3).__anext__())
+    await eventually(
+        lambda: "CreateResponse" in methods and methods["CreateResponse"].in_flight == 6,
+        "three groups of two in their first model call",
+    )
+    batch.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await batch
+    calls = methods["CreateResponse"]
     await eventually(lambda: calls.in_flight == 0, "the rollouts' model calls to be cancelled")
     assert dict(calls.by_status) == {"CANCELLED": 6}  # three groups of two, each cut in its first model call
     assert (await client.task_stats()).learning == 12  # the three held tasks are drawable again
