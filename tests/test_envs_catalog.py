@@ -7,6 +7,7 @@ and over real directories the tests write: a config, a server module, data.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -21,6 +22,7 @@ import pytest
 import yaml
 from click.testing import CliRunner, Result
 
+from gym_grpc import bundled
 from gym_grpc.cli.app import main
 from gym_grpc.launch import catalog
 from gym_grpc.server.entrypoints import load_entrypoint
@@ -89,25 +91,28 @@ def write_env(
     return directory
 
 
-_BUNDLED: dict[str | None, catalog.Catalog] = {}
+_PROBED: dict[str, dict[str, Any]] = {}
 
 
-@pytest.fixture
-def bundled_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """For the tests that only read the bundled environments: each lookup (all of them, or one
-    name) is probed once in this module and reused, since probing imports every environment's
-    dependencies in child processes, seconds each time. The probing itself is checked by the
-    tests that do not use this (the first one lists the bundled environments afresh)."""
-    find = catalog.find
+@pytest.fixture(autouse=True)
+def bundled_probed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Probing a config imports its environments' dependencies in a child process, seconds each,
+    and every listing probes every bundled config. The bundled files do not change while the tests
+    run, so each bundled config is probed once per test process and its answer reused; the
+    environments the tests write are probed every time."""
+    probe = catalog._probe
+    servers_dir = bundled.server_dir()
 
-    def once(paths: Any = (), *, only: str | None = None, **kwargs: Any) -> catalog.Catalog:
-        if tuple(paths) or kwargs or os.environ.get(catalog.ENV_PATH_VARIABLE):
-            return find(paths, only=only, **kwargs)
-        if only not in _BUNDLED:
-            _BUNDLED[only] = find(paths, only=only)
-        return _BUNDLED[only]
+    def once(servers: list[dict[str, Any]], timeout: float) -> dict[str, dict[str, Any]]:
+        files = [Path(str(s["entrypoint"]).rpartition(":")[0]) for s in servers]
+        if not files or not all(f.is_absolute() and f.is_relative_to(servers_dir) for f in files):
+            return probe(servers, timeout)
+        key = json.dumps(servers, sort_keys=True)
+        if key not in _PROBED:
+            _PROBED[key] = probe(servers, timeout)
+        return copy.deepcopy(_PROBED[key])
 
-    monkeypatch.setattr(catalog, "find", once)
+    monkeypatch.setattr(catalog, "_probe", once)
 
 
 def envs(*args: str, env: dict[str, str] | None = None, code: int = 0) -> Result:
@@ -158,7 +163,7 @@ def test_list_has_every_bundled_environment_with_what_its_config_and_server_say(
         assert example["rows"] == sum(1 for line in lines if line.strip()) and example["type"] == "example"
 
 
-def test_list_prints_a_table_with_a_row_per_environment(bundled_once):
+def test_list_prints_a_table_with_a_row_per_environment():
     out = envs("list").stdout.splitlines()
     assert out[0].split() == ["name", "tools", "rows", "license", "source", "description"]
     weather = next(line for line in out if line.startswith("weather "))
@@ -166,7 +171,7 @@ def test_list_prints_a_table_with_a_row_per_environment(bundled_once):
     assert {line.split()[0] for line in out[1:]} >= set(bundled_environments())
 
 
-def test_show_prints_tools_with_their_arguments_the_verifier_fields_and_the_datasets(bundled_once):
+def test_show_prints_tools_with_their_arguments_the_verifier_fields_and_the_datasets():
     out = envs("show", "weather").stdout
     assert "get_weather(city: string)  Get the current weather in a city." in out
     assert "reported_temperature  the final answer states that forecast's temperature" in out
@@ -174,7 +179,7 @@ def test_show_prints_tools_with_their_arguments_the_verifier_fields_and_the_data
     assert "license:  Apache-2.0" in out and "agents:   weather_agent" in out
 
 
-def test_show_json_lists_training_data_with_its_row_count_and_license(bundled_once):
+def test_show_json_lists_training_data_with_its_row_count_and_license():
     math = json.loads(envs("show", "math", "--json").stdout)
     train = next(d for d in math["datasets"] if d["file"] == "data/train.jsonl")
     rows = sum(1 for line in (RESOURCES / "math" / "data" / "train.jsonl").read_text().splitlines() if line.strip())
@@ -184,17 +189,17 @@ def test_show_json_lists_training_data_with_its_row_count_and_license(bundled_on
     assert math["tools"] == [] and math["server_class"].endswith(":MathEnv")
 
 
-def test_a_mistyped_name_is_an_error_that_suggests_the_right_one(bundled_once):
+def test_a_mistyped_name_is_an_error_that_suggests_the_right_one():
     done = envs("show", "wether", code=1)
     assert "no environment 'wether'; did you mean 'weather'?" in done.stderr
 
 
-def test_an_agent_is_not_an_environment(bundled_once):
+def test_an_agent_is_not_an_environment():
     done = envs("show", "weather_agent", code=1)
     assert "no environment 'weather_agent'; did you mean 'weather'?" in done.stderr
 
 
-def test_search_matches_names_descriptions_and_tools(bundled_once):
+def test_search_matches_names_descriptions_and_tools():
     def names(text: str) -> set[str]:
         return {e["name"] for e in json.loads(envs("search", text, "--json").stdout)["environments"]}
 
@@ -205,6 +210,17 @@ def test_search_matches_names_descriptions_and_tools(bundled_once):
     assert names("no such thing anywhere") == set()
     done = envs("search", "no such thing anywhere")
     assert done.stdout == "" and "no environment matches 'no such thing anywhere'" in done.stderr
+
+
+def test_listing_runs_no_environments_code_in_its_own_process(tmp_path):
+    """Importing an environment runs its code, which only the probes' child processes do: the
+    config's layout, which imports the servers it could group for `gym-grpc run`, is skipped."""
+    server = write_env(tmp_path / "mine", "capital_quiz") / "server.py"
+    mark = "import os, pathlib\npathlib.Path(__file__).with_name('importers').open('a').write(f'{os.getpid()} ')\n"
+    server.write_text(mark + server.read_text())
+    assert "capital_quiz" in listed("--path", str(tmp_path / "mine"))
+    importers = server.with_name("importers").read_text().split()
+    assert importers and str(os.getpid()) not in importers
 
 
 def test_a_new_environment_on_a_user_path_appears_with_its_tools_fields_datasets_and_license(tmp_path):

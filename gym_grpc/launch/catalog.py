@@ -193,7 +193,7 @@ def _read(source: str, path: Path, timeout: float) -> tuple[list[Environment], l
     """The environments of one config file, and the servers of it that had to be left out."""
     shown = bundled.shown(path)
     try:
-        config = load_config([path])
+        config = load_config([path], import_servers=False)  # the probes import the servers, in children
     except ConfigError as e:
         unloadable = _unloadable(source, path, str(e))
         return unloadable, [] if unloadable else [" ".join(str(e).split())]  # YAML's errors span lines

@@ -38,7 +38,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from gym_grpc.errors import ConfigError
 from gym_grpc.launch import masking
@@ -300,19 +309,25 @@ class GymConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _group_linked_servers(self) -> GymConfig:
+    def _group_linked_servers(self, info: ValidationInfo) -> GymConfig:
         """The grouped layout: each component of servers linked by references runs as one process
         group, named after its first caller (see linked_components), in `workers_per_group` worker
         processes unless its servers set num_workers. A component with a server of an explicit
         `process:` is left as it is, and so is one whose servers disagree on num_workers or restart
         (noted in layout_notes); nothing is grouped under Ray. A server whose class runs in one
-        process (GymServer.one_process: a task server) is left out, in a process of its own."""
+        process (GymServer.one_process: a task server) is left out, in a process of its own: to
+        tell, this imports the modules of the servers it could group, unless the validation's
+        context says `import_servers: False` (a reader of configs that runs nothing, as `gym-grpc
+        envs`, whose own process imports no environment)."""
         self._layout_notes = []
         if self.layout != "grouped" or self.ray is not None:
             return self
         taken = {spec.process for spec in self.servers.values() if spec.process is not None}
         candidates = {n for c in linked_components(self.servers) if len(c) > 1 for n in c}
-        alone = {n for n in candidates if self.servers[n].process is None and _one_process(self.servers[n])}
+        importing = (info.context or {}).get("import_servers", True)
+        alone = {
+            n for n in candidates if importing and self.servers[n].process is None and _one_process(self.servers[n])
+        }
         for component in linked_components({n: s for n, s in self.servers.items() if n not in alone}):
             specs = [self.servers[name] for name in component]
             if len(component) < 2 or any(spec.process is not None for spec in specs):
@@ -589,7 +604,7 @@ def load_env(env_file: str | Path | None = None) -> dict[str, Any]:
 
 
 def _load(
-    paths: Sequence[str | Path], overrides: Sequence[str], env_file: str | Path | None
+    paths: Sequence[str | Path], overrides: Sequence[str], env_file: str | Path | None, import_servers: bool = True
 ) -> tuple[GymConfig, set[str]]:
     """The validated configuration, and the secrets of the variables it was built from."""
     data: dict[str, Any] = {}
@@ -614,19 +629,25 @@ def _load(
         raise ConfigError(f"unknown variables (set them in env.yaml or in the environment): {listed}")
     sections = {k: _interpolate(v, variables, k, secrets) for k, v in sections.items()}
     try:
-        return GymConfig.model_validate(sections), secrets
+        return GymConfig.model_validate(sections, context={"import_servers": import_servers}), secrets
     except ValidationError as e:
         problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
         raise ConfigError(f"invalid configuration: {problems}") from None
 
 
 def load_config(
-    paths: Sequence[str | Path], overrides: Sequence[str] = (), *, env_file: str | Path | None = None
+    paths: Sequence[str | Path],
+    overrides: Sequence[str] = (),
+    *,
+    env_file: str | Path | None = None,
+    import_servers: bool = True,
 ) -> GymConfig:
     """Load, merge, interpolate and validate a configuration.
 
-    `env_file` defaults to `env.yaml` in the current directory when it exists."""
-    return _load(paths, overrides, env_file)[0]
+    `env_file` defaults to `env.yaml` in the current directory when it exists. Laying the servers
+    out imports the modules of those it could group (to find the ones that run in one process);
+    `import_servers=False` imports none, for a caller that runs nothing and reads the servers only."""
+    return _load(paths, overrides, env_file, import_servers)[0]
 
 
 def check_servers(config: GymConfig) -> None:
