@@ -323,11 +323,10 @@ class GymConfig(BaseModel):
         if self.layout != "grouped" or self.ray is not None:
             return self
         taken = {spec.process for spec in self.servers.values() if spec.process is not None}
-        candidates = {n for c in linked_components(self.servers) if len(c) > 1 for n in c}
-        importing = (info.context or {}).get("import_servers", True)
-        alone = {
-            n for n in candidates if importing and self.servers[n].process is None and _one_process(self.servers[n])
-        }
+        alone: set[str] = set()
+        if (info.context or {}).get("import_servers", True):
+            linked = [n for c in linked_components(self.servers) if len(c) > 1 for n in c]
+            alone = {n for n in linked if self.servers[n].process is None and _one_process(self.servers[n])}
         for component in linked_components({n: s for n, s in self.servers.items() if n not in alone}):
             specs = [self.servers[name] for name in component]
             if len(component) < 2 or any(spec.process is not None for spec in specs):
