@@ -21,6 +21,7 @@ the environment is stateless (agents skip SeedSession and CloseSession).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from typing import Annotated, Any
@@ -97,7 +98,12 @@ NOT_REFUNDABLE = {
 
 
 def _cents(amount: float) -> int:
-    return round(amount * 100)
+    """The amount in whole cents. ValueError for one that is no finite number: the model's arguments
+    are read liberally, so 1e999 is infinity and NaN is taken."""
+    try:
+        return round(amount * 100)
+    except (OverflowError, ValueError):
+        raise ValueError(f"amount must be a finite number, not {amount}") from None
 
 
 def _order_id(order_id: str) -> str:
@@ -139,9 +145,10 @@ def grade(response: r.Response, expected_order_id: str, expected_amount: float) 
     last = _load(refunds[-1].arguments) if refunds else {}
     order_id, amount = last.get("order_id"), last.get("amount")
     right_order = isinstance(order_id, str) and _order_id(order_id) == expected_order["order_id"]
-    right_amount = (
-        isinstance(amount, int | float) and not isinstance(amount, bool) and _cents(amount) == _cents(expected_amount)
-    )
+    right_amount = False
+    if isinstance(amount, int | float) and not isinstance(amount, bool):
+        with contextlib.suppress(ValueError):  # no finite number: a wrong amount
+            right_amount = _cents(amount) == _cents(expected_amount)
     refund_issued = bool(refunds) and answered(refunds[-1]).get("status") == "refund_issued"
     parts = {
         "found_user": found_user,

@@ -98,6 +98,15 @@ def test_amounts_are_compared_to_the_cent_and_order_ids_loosely():
     assert grade(_transcript(_refund("ORD-19876", 14.98)), "ORD-19876", 14.99).reward == 0.0
 
 
+@pytest.mark.parametrize("amount", ["1e999", "-1e999", "NaN", "Infinity", "1" + "0" * 400])
+def test_an_amount_that_is_no_finite_number_is_a_wrong_refund(amount):
+    """The model's arguments are read liberally: 1e999 is infinity, NaN and Infinity are taken, an
+    integer may have 400 digits."""
+    fc = call("refund_order", '{"order_id": "ORD-19876", "amount": ' + amount + ', "reason": "x"}')
+    verdict = grade(r.Response(output=[fc]), "ORD-19876", 14.99)
+    assert verdict.reward == 0.0 and verdict.fields["right_order"] and not verdict.fields["right_amount"]
+
+
 def test_a_failed_lookup_is_not_credited():
     error = "Error: tool 'find_user' raised ValueError: no customer has the email 'okafor@example.net'"
     missed = ("find_user", {"email": "okafor@example.net"}, error)
@@ -176,6 +185,8 @@ async def test_each_tools_output_feeds_the_next_call(support):
         ("ORD-20770", 22.0, "x", "ORD-20770 has already been refunded"),
         ("ORD-20417", 90.0, "x", "amount 90.00 exceeds the order total 89.99"),
         ("ORD-20417", 0.0, "x", "amount must be positive"),
+        ("ORD-20417", float("inf"), "x", "amount must be a finite number"),
+        ("ORD-20417", float("nan"), "x", "amount must be a finite number"),
         ("ORD-20417", 10.0, " ", "reason must not be empty"),
         ("ORD-99999", 10.0, "x", "no order has the id 'ORD-99999'"),
     ],
