@@ -192,6 +192,20 @@ def test_a_replica_that_cannot_start_stops_the_run_with_its_reason(cluster, tmp_
     assert "could not start: entrypoint" in done.stderr and "no GymServer subclass 'WeatherEnvv'" in done.stderr
 
 
+def test_a_task_server_in_two_replicas_stops_the_run_naming_the_setting(cluster, tmp_path):
+    """A task server's draws and pools are one state (TaskServer.one_process): two replicas would
+    each serve the batches that reach them from pools of their own."""
+    config = tmp_path / "tasks.yaml"
+    dataset = {"name": "math", "jsonl_fpath": str(MATH_TASKS)}
+    spec = {"entrypoint": "gym_grpc.tasks:TaskServer", "replicas": 2, "config": {"agent": "a", "datasets": [dataset]}}
+    config.write_text(json.dumps({"servers": {"tasks": spec}}))  # JSON is YAML
+    command = [tool("gym-grpc"), "run", str(config), "--ray", cluster.address, "registry.port=0"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert "Error: replica tasks#" in done.stderr
+    assert "replicas is 2, but TaskServer runs in one process: its draws, pools" in done.stderr
+
+
 def _wait(predicate: Any, seconds: float, what: str) -> Any:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
