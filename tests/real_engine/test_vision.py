@@ -115,8 +115,10 @@ def test_browser_rollouts_through_the_vision_model_carry_token_ids_that_extend_a
     """Real `gym-grpc run` (the browser environment and configs/vllm.yaml on the token path) and
     `collect`, every turn a call of the screenshot tool (a named tool_choice: with `required`, the
     model's clicks and keys could all be refused, and no screenshot be taken; CI saw it once): every
-    task page rolled out through the model, every turn's prompt the earlier turn's ids extended, with
-    the image tokens of the screenshot the turn before took."""
+    task page rolled out through the model, every later turn's prompt the earlier turn's ids
+    extended, with the image tokens of the screenshot the turn before took. A call the model pads
+    with whitespace past max_output_tokens (the grammar allows it; seen once at 48) is cut, and its
+    rollout ends there, so not every rollout has a later turn."""
     env = tmp_path / "env.yaml"
     env.write_text(
         f"policy_base_url: {vision_engine.base_url}\npolicy_api_key: EMPTY\npolicy_model_name: {vision_engine.model}\n"
@@ -127,7 +129,7 @@ def test_browser_rollouts_through_the_vision_model_carry_token_ids_that_extend_a
     run = start_run("--env-file", str(env), *overrides, configs=(BROWSER / "config.yaml", gym_cli.VLLM))
     try:
         tasks = BROWSER / "data" / "example.jsonl"
-        extra = ("max_output_tokens=48", "temperature=1.0", 'tool_choice={"type": "function", "name": "screenshot"}')
+        extra = ("max_output_tokens=200", "temperature=1.0", 'tool_choice={"type": "function", "name": "screenshot"}')
         done = gym_cli.collect(run, "browser_agent", tasks, output, *extra)
     finally:
         run.stop()
@@ -135,10 +137,13 @@ def test_browser_rollouts_through_the_vision_model_carry_token_ids_that_extend_a
     written = gym_cli.rows(output)
     assert len(written) == len(tasks.read_text().splitlines()) and gym_cli.failures(output) == []
     image_token = json.loads((local_vllm.prepare(vision=True).model_dir / "config.json").read_text())["image_token_id"]
+    later_turns = 0
     for row in written:
         turns = [item for item in row["response"]["output"] if item.get("generation_token_ids")]
-        assert len(turns) == 4, row["response"]["output"]  # max_steps: every turn called the tool
+        assert turns, row["response"]["output"]
         for before, after in zip(turns, turns[1:], strict=False):
             earlier = before["prompt_token_ids"] + before["generation_token_ids"]
             assert after["prompt_token_ids"][: len(earlier)] == earlier
             assert after["prompt_token_ids"].count(image_token) > before["prompt_token_ids"].count(image_token)
+            later_turns += 1
+    assert later_turns > 0, "no rollout went past its first turn"
