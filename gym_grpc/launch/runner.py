@@ -320,7 +320,6 @@ class Runner(RegistryHost):
                     "entrypoint": server.spec.entrypoint,
                     "host": server.spec.host,
                     "port": port,
-                    "reuse_port": group.num_workers > 1,
                     "metrics_port": _metrics_port(server.spec, worker),
                     "config": server.spec.config,
                     "policy_version_file": str(server.policy_version_file) if server.policy_version_file else None,

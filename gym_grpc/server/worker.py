@@ -76,7 +76,7 @@ async def _serve(apps: list[GymServer], specs: list[dict[str, Any]], security: S
                     app,
                     spec["host"],
                     spec["port"],
-                    reuse_port=spec.get("reuse_port", False),
+                    reuse_port=spec.get("workers", 1) > 1,  # the server's workers share its port
                     security=security,
                     metrics_port=spec.get("metrics_port"),
                 )
