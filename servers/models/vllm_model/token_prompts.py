@@ -19,10 +19,10 @@ is closed the same way.
 
 What a turn costs the renderer does not grow with the turns before it: the prompt a session's
 last turn was built from is kept (`Known`), and when the next call's conversation is that one
-with the turn's answer and what followed, and the turn carries the ids that prompt was, the
-earlier turns are known to extend each other already; only the conversation through the new turn
-and all of it are rendered (two renders a turn, where checking every earlier turn took two for
-each). Any other history is checked whole, as below.
+with the turn's answer and what followed (the caller's digests of the two agree), and the turn
+carries the ids that prompt was, the earlier turns are known to extend each other already; only
+the conversation through the new turn and all of it are rendered (two renders a turn, where
+checking every earlier turn took two for each). Any other history is checked whole, as below.
 
 The history a caller sends back is checked against the ids its turns carry:
 every earlier turn's prompt must be either the conversation before it as the
@@ -37,8 +37,6 @@ decides: start a new sample (the whole conversation rendered) or refuse.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 from array import array
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -58,25 +56,12 @@ class Carrier:
 
 @dataclass(frozen=True)
 class Known:
-    """What a session's last prompt was built from: the digest of its conversation and carriers, and
-    the prompt ids (4 bytes an id: a session may keep tens of thousands)."""
+    """What a session's last prompt was built from: the caller's digest of the conversation (with
+    the ids its turns carry), and the prompt ids (4 bytes an id: a session may keep tens of
+    thousands)."""
 
     digest: bytes
     prompt: array
-
-
-def digest(messages: Sequence[dict[str, Any]], carriers: Sequence[Carrier | None]) -> bytes:
-    """A digest of a conversation and the ids its turns carry (the ids as they are, in C)."""
-    h = hashlib.blake2b(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode(), digest_size=20)
-    for carrier in carriers:
-        if carrier is None:
-            h.update(b"-")
-            continue
-        h.update(b"p")
-        h.update(array("I", carrier.prompt).tobytes())
-        h.update(b"g")
-        h.update(array("I", carrier.generated).tobytes())
-    return h.digest()
 
 
 @dataclass(frozen=True)
@@ -152,24 +137,21 @@ async def build(
     render: Render,
     closing: list[int],
     known: Known | None = None,
+    earlier: bytes | None = None,
 ) -> Prompt:
     """The prompt ids of the next turn of `messages` (Chat Completions messages).
 
     `carriers` holds, for each assistant message in order, the ids its turn
     carries (None for a turn without ids, such as a few-shot example);
     `closing` is the template's turn_closing(); `known`, what the session's last
-    prompt was built from (see the module's docstring). Raises
+    prompt was built from (see the module's docstring), and `earlier` the digest of
+    this conversation before its last assistant turn, made as `known.digest` was. Raises
     ValueError when the last assistant turn has no ids although an earlier one has."""
     at = [i for i, message in enumerate(messages) if message.get("role") == "assistant"]
     if len(at) != len(carriers):
         raise ValueError(f"{len(carriers)} carriers for {len(at)} assistant messages")
     last = carriers[-1] if carriers else None
-    if (
-        known is not None
-        and last is not None
-        and array("I", last.prompt) == known.prompt
-        and digest(messages[: at[-1]], carriers[:-1]) == known.digest
-    ):
+    if known is not None and last is not None and earlier == known.digest and array("I", last.prompt) == known.prompt:
         through_last, all_of_it = await asyncio.gather(render(messages[: at[-1] + 1], False), render(messages, True))
         try:
             return Prompt(_extend(_Done(last, through_last, len(carriers)), all_of_it, closing))

@@ -243,6 +243,31 @@ async def test_an_edited_or_dropped_earlier_message_is_detected(vllm, engine):
     assert server.counters.histories == {"edited": 2}
 
 
+async def test_an_earlier_item_sent_back_otherwise_costs_a_whole_check_and_gives_the_same_prompt(vllm, engine):
+    """The session's last prompt is reused only for the items as they came back (their bytes): an
+    earlier item whose id the caller rewrote says the same to the template, so the whole history is
+    checked (renders of every earlier turn) and the prompt is the one the kept history gives."""
+    script = [Turn(content="5"), Turn(content="7"), Turn(content="9")]
+    prompts, tokenizes = [], []
+    for rewrite in (False, True):
+        fake = await engine(list(script))
+        server, model = await vllm(fake)
+        params = _params()
+        first = await model.create_response(params, "s")
+        second = await _next_turn(model, params, first, "And 3 + 4?")
+        if rewrite:
+            params.input_items.items[1].message.id = "msg_rewritten"
+        before = fake.calls["/tokenize"]
+        third = await _next_turn(model, params, second, "And 4 + 5?")
+        prompts.append(list(_carrier(third).prompt_token_ids))
+        tokenizes.append(fake.calls["/tokenize"] - before)
+        assert server.counters.histories == {}
+    assert prompts[0] == prompts[1]
+    # Kept: the conversation through the new turn and all of it. Rewritten: the conversation
+    # before and through each of the two turns, and all of it.
+    assert tokenizes == [2, 5]
+
+
 async def test_a_turn_cut_at_max_output_tokens_is_closed_as_the_template_closes_a_turn(vllm, engine):
     fake = await engine([Turn(content="a long answer"), Turn(content="ok")])
     server, model = await vllm(fake, non_monotonic="refuse")
