@@ -52,6 +52,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -154,12 +155,17 @@ class Trainer:
 
 
 class EngineIdle:
-    """The engine's idle fraction: its /metrics sampled every 0.1 s, idle when nothing runs or waits."""
+    """The engine's idle fraction: its /metrics sampled every 0.1 s, idle when nothing runs or waits.
+
+    Sampled from a thread of its own, not from the event loop: the loop thread's CPU is what
+    CpuMeter counts as gym-grpc's side of the trainer, and ten wake-ups a second with a thread hop
+    each were most of it (0.23 of its 0.9 s over a 4-step run, in a yappi profile of that thread)."""
 
     def __init__(self, engine_url: str) -> None:
         self.url = f"{engine_url.removesuffix('/v1')}/metrics"
         self.samples: list[bool] = []
-        self._task: asyncio.Task[None] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="engine-idle", daemon=True)
 
     def _idle(self) -> bool:
         with urllib.request.urlopen(self.url, timeout=10) as reply:
@@ -167,18 +173,18 @@ class EngineIdle:
         found = re.findall(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$", text, re.MULTILINE)
         return sum(map(float, found)) == 0
 
-    async def _sample(self) -> None:
-        while True:
-            self.samples.append(await asyncio.to_thread(self._idle))
-            await asyncio.sleep(0.1)
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append(self._idle())
+            self._stop.wait(0.1)
 
     def __enter__(self) -> EngineIdle:
-        self._task = asyncio.ensure_future(self._sample())
+        self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        assert self._task is not None
-        self._task.cancel()
+        self._stop.set()
+        self._thread.join()
 
     @property
     def fraction(self) -> float:
