@@ -176,9 +176,7 @@ def _carriers(items: list[r.Item]) -> list[token_prompts.Carrier | None]:
     return [_carrier(turn) for turn in turns(items) if isinstance(turn, list)]
 
 
-def _history(
-    params: r.CreateParams, items: list[r.Item]
-) -> tuple[list[token_prompts.Carrier | None], bytes | None, bytes]:
+def _history(params: r.CreateParams) -> tuple[list[token_prompts.Carrier | None], bytes | None, bytes]:
     """What a token-path turn reads of its conversation, in one pass: the ids each assistant turn
     carries (on its last item with ids), in order; and the digests token_prompts.Known keeps and
     checks, of the conversation before its last assistant turn (None without one) and of all of
@@ -190,7 +188,7 @@ def _history(
     h = hashlib.blake2b(params.instructions.encode(), digest_size=20)
     carriers: list[token_prompts.Carrier | None] = []
     before_last = None
-    for turn in turns(items):
+    for turn in turns(input_items(params)):
         if isinstance(turn, list):
             before_last = h.digest()
             carriers.append(_carrier(turn))
@@ -402,7 +400,7 @@ class VLLMModel(EngineModelServer):
                 await self._verify_render(engine, template, conversation, add_generation_prompt, ids)
             return ids
 
-        carriers, earlier, whole = _history(params, input_items(params))
+        carriers, earlier, whole = _history(params)
         try:
             closing = await self._closing(engine, template.get("chat_template_kwargs"), render)
             known = self._known.get(session_id)
