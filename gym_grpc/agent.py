@@ -226,6 +226,25 @@ class AgentServer(GymServer):
         verified; without `verify`, unverified (reward 0, verification_skipped)."""
         raise NotImplementedError(f"{type(self).__name__} must implement run")
 
+    async def seed_session(
+        self, resources: ResourcesClient, session_id: str, task: task_pb2.Task
+    ) -> res_pb.Episode | None:
+        """Open a rollout's session on `resources` (ResourcesClient.seed_session).
+
+        A durable run's session is closed once its result has gone out (RunLink.after_result), so
+        its caller may start the next rollout while that close is on its way: a caller that keeps
+        as many rollouts in flight as the environment's `max_sessions` would see the seed refused
+        for sessions this agent has already let go of. So a seed refused for the cap while closes
+        of this agent are in flight waits for those closes (each within CLOSE_TIMEOUT) and is sent
+        once more; a second refusal fails the rollout."""
+        try:
+            return await resources.seed_session(session_id, task)
+        except errors.GymError as e:
+            if e.reason != errors.Reason.SESSIONS_EXHAUSTED or not self._closing:
+                raise
+        await asyncio.wait(set(self._closing))
+        return await resources.seed_session(session_id, task)
+
     async def close_session(self, resources: ResourcesClient, session_id: str) -> None:
         """Close a rollout's session on `resources`, whatever ended the rollout.
 
@@ -503,7 +522,7 @@ class ToolLoopAgent(AgentServer):
             await self._replay_session(task, attempt, record, None)
             return
         record.session_id = uuid.uuid4().hex
-        episode = await self.resources.seed_session(record.session_id, task)
+        episode = await self.seed_session(self.resources, record.session_id, task)
         record.session_replica = self.resources.replica_of(record.session_id)
         if episode is not None:
             raise errors.FailedPrecondition(
@@ -530,7 +549,7 @@ class ToolLoopAgent(AgentServer):
             )
         record.session_id = uuid.uuid4().hex
         record.session_replayed = True
-        await self.resources.seed_session(record.session_id, task)
+        await self.seed_session(self.resources, record.session_id, task)
         record.session_replica = self.resources.replica_of(record.session_id)
         for index, turn in done:
             calls = function_calls(turn.response)  # the last turn may have fewer outputs than calls

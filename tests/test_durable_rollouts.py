@@ -182,6 +182,50 @@ async def test_a_rollout_run_to_its_end_by_one_agent_lists_no_attempts():
     assert "attempts" not in record.build({}, rollout) and env.runs == ADDS
 
 
+class ClosingLate(SimpleAgent):
+    """Closes a finished rollout's session only once a seed has been refused for the environment's
+    cap: the next rollout's seed reaches the environment before that close, as it may when the
+    caller starts the next rollout the moment the result comes (the close goes out after it)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.refused = asyncio.Event()
+        seed = self.resources.seed_session
+
+        async def seed_session(*args):
+            try:
+                return await seed(*args)
+            except errors.ResourceExhausted:
+                self.refused.set()
+                raise
+
+        self.resources.seed_session = seed_session
+
+    async def _close(self, resources, session_id) -> None:
+        await self.refused.wait()
+        await super()._close(resources, session_id)
+
+
+async def test_a_session_still_closing_after_its_result_does_not_cost_the_next_rollout_its_seat():
+    """One rollout at a time against an environment that holds one session: the second rollout's
+    seed is refused while the first's session is still closing, waits for that close and is seeded."""
+    env, model = Counter({"max_sessions": 1}, name="calc"), AddingModel()
+    async with Servers() as servers:
+        peers = {"model": await servers.start(model), "calc": await servers.start(env)}
+        agent = ClosingLate({"model_server": "model", "resources_server": "calc"}, registry=static_registry(**peers))
+        registry = static_registry(agent=await servers.start(agent))
+        client = AgentClient(registry, "agent")
+        try:
+            rollouts = [await client.run(_task(), 60) for _ in range(2)]
+            await eventually(lambda: not env.sessions, "the last session closed")
+        finally:
+            await client.close()
+            await registry.close()
+    assert agent.refused.is_set()  # the race was run: the second seed did meet the cap
+    assert [rollout.reward for rollout in rollouts] == [1.0, 1.0]
+    assert agent.counters.sessions_not_closed == 0
+
+
 async def test_a_rollout_whose_model_server_fails_mid_rollout_is_resumed_with_only_that_turn_made_again():
     env, model = Counter(name="calc"), AddingModel()
     model.fail = {2}  # the third model call fails, once, after two adds
