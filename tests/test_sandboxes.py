@@ -292,6 +292,24 @@ def _sandbox_processes(root: Path) -> list[int]:
     return found
 
 
+async def test_a_start_cancelled_at_any_point_returns_at_once_and_leaves_no_process(provider):
+    """A sandbox's start cancelled at each turn of the event loop in turn, from the first: the cancel
+    is never stuck in the start of bwrap (CPython's own cancellation of a starting subprocess kills
+    its pid only, and waits for pipes the sandbox's first process still holds: CI hung there), and
+    once the provider has closed, no process of those sandboxes is left."""
+    for turns in range(40):
+        creating = asyncio.ensure_future(provider.create(SPEC))
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        creating.cancel()
+        done, _ = await asyncio.wait([creating], timeout=30)
+        assert done, f"the start cancelled after {turns} turns of the loop did not return"
+        if not creating.cancelled():  # it was ready before the cancel came
+            await creating.result().destroy()
+    await provider.close()
+    assert _sandbox_processes(provider.root) == []
+
+
 @pytest.mark.slow
 async def test_256_sessions_alive_at_once_then_a_sigkilled_server_leaves_nothing_behind(tmp_path):
     """A real server process holding 256 sandboxes is SIGKILLed: no process, mount or directory of

@@ -270,6 +270,7 @@ class BubblewrapSandbox(Sandbox):
         # bwrap's process group: bwrap, and the sandbox's first process, which ends its pid namespace and so
         # everything in it. Killing bwrap alone is not enough early in its start, before the first process
         # has asked to die with it: that one would live on, holding the pipes (and so process.wait()) open.
+        # (So the sandbox gets no session of its own: see _command.)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
         await self.process.wait()
@@ -312,6 +313,8 @@ class BubblewrapProvider(SandboxProvider):
         self.root = runtime_root() / str(os.getpid())
         self._uids: list[int] = []
         self._python = os.path.realpath(sys.executable)
+        #: The sandboxes of creates cancelled while bwrap was being started, being ended (_end_spawned).
+        self._ending: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         if self.binary is None:
@@ -338,11 +341,15 @@ class BubblewrapProvider(SandboxProvider):
         """bwrap's arguments and the command it runs: inside.py, after a prologue that sets the limits
         and, as root, takes the sandbox's own uid (which ends every capability)."""
         assert self.binary is not None
+        # Not --new-session: the sandbox's first process stays in bwrap's process group, so that destroy's
+        # killpg ends it at any point of its start (with a session of its own it outlived a bwrap killed
+        # before it had asked to die with it, holding the pipes). It has no terminal to reach either way:
+        # bwrap runs in a session of its own (start_new_session), which has none.
         if uid is None:  # a user namespace: uid 65534 inside, the server's user outside
-            command = [self.binary, *checker.NAMESPACES]
+            command = [self.binary, *(a for a in checker.NAMESPACES if a != "--new-session")]
         else:  # bwrap as root: it binds what root can read; inside.py then becomes the slot's user
             command = [self.binary, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts"]
-            command += ["--unshare-cgroup-try", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
+            command += ["--unshare-cgroup-try", "--die-with-parent", "--hostname", "sandbox"]
         command += ["--proc", "/proc", "--dev", "/dev", "--ro-bind", "/usr", "/usr"]
         # The parents of what is bound below, open to the sandbox's user (bwrap would make them 0700).
         command += ["--perms", "0755", "--dir", "/etc", "--perms", "0755", "--dir", "/run"]
@@ -404,8 +411,8 @@ class BubblewrapProvider(SandboxProvider):
         home.mkdir(mode=0o755)
         uid = self._uids.pop() if self._uids else None
         sandbox: BubblewrapSandbox | None = None
-        try:
-            process = await asyncio.create_subprocess_exec(
+        spawning = asyncio.ensure_future(
+            asyncio.create_subprocess_exec(
                 *self._command(spec, home, uid),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
@@ -414,11 +421,23 @@ class BubblewrapProvider(SandboxProvider):
                 start_new_session=True,  # a process group of its own, for destroy to kill whole
                 limit=1 << 26,  # one reply line holds a file or a command's output, base64
             )
+        )
+        try:
+            # Never cancelled inside: a create_subprocess_exec cancelled while it connects the pipes kills
+            # bwrap's pid alone, and a sandbox that early in its start outlives it, holding the pipes, so
+            # the cancelled call waits for their end for ever (CPython gh-103847). It is let finish, and
+            # its process group killed whole (_end_spawned).
+            process = await asyncio.shield(spawning)
             sandbox = BubblewrapSandbox(process, sandbox_id, home, uid, self._uids.append)
             await sandbox.ready(self.start_timeout)
         except BaseException as e:
             if sandbox is not None:
                 await asyncio.shield(sandbox.destroy())  # gives the uid back
+            elif not spawning.done() or spawning.exception() is None:  # cancelled as bwrap started, or just after
+                ending = asyncio.ensure_future(self._end_spawned(spawning, home, uid))
+                self._ending.add(ending)
+                ending.add_done_callback(self._ending.discard)
+                raise
             elif uid is not None:
                 self._uids.append(uid)
             shutil.rmtree(home, ignore_errors=True)
@@ -427,5 +446,21 @@ class BubblewrapProvider(SandboxProvider):
             raise
         return sandbox
 
+    async def _end_spawned(
+        self, spawning: asyncio.Future[asyncio.subprocess.Process], home: Path, uid: int | None
+    ) -> None:
+        """The sandbox of a create cancelled while bwrap was being started: once started, killed whole
+        (its process group, which holds the sandbox's first process early in its start) and waited for."""
+        with contextlib.suppress(Exception):
+            process = await spawning
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            await process.wait()
+        if uid is not None:
+            self._uids.append(uid)
+        shutil.rmtree(home, ignore_errors=True)
+
     async def close(self) -> None:
+        if self._ending:  # the sandboxes of cancelled starts, being ended
+            await asyncio.wait(set(self._ending))
         shutil.rmtree(self.root, ignore_errors=True)
