@@ -51,7 +51,9 @@ def collect_command(registry: str, output: Path, repeats: int, *extra: str) -> l
 
 
 def rows(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    """The rows written so far: complete lines only, as the file may be read while a row is half written."""
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()]
 
 
 def keys(path: Path) -> list[tuple[int, int]]:
