@@ -111,7 +111,7 @@ def grpcurl(*args: str) -> str:
 
 def read_rows(path: Path) -> list[dict]:
     """The JSON objects of a JSONL file."""
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return [json.loads(line) for line in path.read_bytes().splitlines()]  # bytes: "\n" only, not U+2028
 
 
 def limit_open_files(soft: int, hard: int) -> Callable[[], None]:

@@ -52,8 +52,8 @@ def collect_command(registry: str, output: Path, repeats: int, *extra: str) -> l
 
 def rows(path: Path) -> list[dict[str, Any]]:
     """The rows written so far: complete lines only, as the file may be read while a row is half written."""
-    text = path.read_text() if path.exists() else ""
-    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()]
+    data = path.read_bytes() if path.exists() else b""  # bytes: split at "\n" only, not at U+2028 in a string
+    return [json.loads(line) for line in data[: data.rfind(b"\n") + 1].splitlines() if line.strip()]
 
 
 def keys(path: Path) -> list[tuple[int, int]]:

@@ -85,7 +85,7 @@ def collect(run: GymRun, agent: str, tasks: Path, output: Path, *extra: str) -> 
 
 
 def rows(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in path.read_bytes().splitlines() if line.strip()]  # bytes: "\n" only, not U+2028
 
 
 def failures(output: Path) -> list[dict[str, Any]]:
