@@ -434,7 +434,7 @@ class BubblewrapProvider(SandboxProvider):
             if sandbox is not None:
                 await asyncio.shield(sandbox.destroy())  # gives the uid back
             elif not spawning.done() or spawning.exception() is None:  # cancelled as bwrap started, or just after
-                ending = asyncio.ensure_future(self._end_spawned(spawning, home, uid))
+                ending = asyncio.ensure_future(self._end_spawned(spawning, sandbox_id, home, uid))
                 self._ending.add(ending)
                 ending.add_done_callback(self._ending.discard)
                 raise
@@ -447,18 +447,17 @@ class BubblewrapProvider(SandboxProvider):
         return sandbox
 
     async def _end_spawned(
-        self, spawning: asyncio.Future[asyncio.subprocess.Process], home: Path, uid: int | None
+        self, spawning: asyncio.Future[asyncio.subprocess.Process], sandbox_id: str, home: Path, uid: int | None
     ) -> None:
-        """The sandbox of a create cancelled while bwrap was being started: once started, killed whole
-        (its process group, which holds the sandbox's first process early in its start) and waited for."""
-        with contextlib.suppress(Exception):
+        """The sandbox of a create cancelled while bwrap was being started: once started, destroyed."""
+        try:
             process = await spawning
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            await process.wait()
-        if uid is not None:
-            self._uids.append(uid)
-        shutil.rmtree(home, ignore_errors=True)
+        except Exception:  # bwrap did not start: nothing runs
+            if uid is not None:
+                self._uids.append(uid)
+            shutil.rmtree(home, ignore_errors=True)
+            return
+        await BubblewrapSandbox(process, sandbox_id, home, uid, self._uids.append).destroy()
 
     async def close(self) -> None:
         if self._ending:  # the sandboxes of cancelled starts, being ended
