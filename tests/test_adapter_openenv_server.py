@@ -12,6 +12,8 @@ import sys
 import aiohttp
 import pytest
 
+from gym_grpc import errors
+from gym_grpc.adapters import openenv_server
 from gym_grpc.adapters.openenv_server import OpenEnvFront
 from gym_grpc.bundled.servers.resources.math.server import MathEnv
 from gym_grpc.bundled.servers.resources.weather.server import WeatherEnv, forecast
@@ -223,6 +225,21 @@ async def test_the_schema_health_and_metadata_answer_as_openenvs_do(front):
             assert set(await schema.json()) == {"action", "observation", "state"}
         async with http.get(served.url + "/metadata") as metadata:
             assert (await metadata.json())["name"] == "env"
+
+
+def test_the_tasks_file_is_read_a_row_a_line_even_with_unicode_line_separators_inside_a_string(tmp_path):
+    """U+2028 and U+0085 end a line for str.splitlines, not for JSONL: a row holding one raw (as
+    orjson writes it) is one row, and a bad line is named by its number."""
+    tasks = tmp_path / "tasks.jsonl"
+    prompts = ["north\u2028south", "next\x85line"]
+    tasks.write_bytes(b"".join(json.dumps({"prompt": p}, ensure_ascii=False).encode() + b"\n\n" for p in prompts))
+    assert [row["prompt"] for row in openenv_server.read_rows(tasks)] == prompts
+    tasks.write_bytes(tasks.read_bytes() + b"[1]\n")
+    with pytest.raises(errors.ConfigError, match=r"tasks.jsonl line 5: not a JSON object"):
+        openenv_server.read_rows(tasks)
+    tasks.write_bytes(b'{"prompt": "\xff"}\n')
+    with pytest.raises(errors.ConfigError, match=r"tasks.jsonl line 1: not UTF-8"):
+        openenv_server.read_rows(tasks)
 
 
 @pytest.mark.slow

@@ -50,6 +50,7 @@ from aiohttp import WSMsgType, web
 
 from gym_grpc import errors
 from gym_grpc.client.stubs import ResourcesClient
+from gym_grpc.data import jsonl
 from gym_grpc.data import rows as row_format
 from gym_grpc.responses import assistant_message, new_id
 from gym_grpc.rpc.registry import Registry
@@ -337,18 +338,21 @@ class OpenEnvFront:
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The task rows of a JSONL file, each line one JSON object; blank lines are passed over.
+    Lines end at "\\n" only: a row may hold U+2028 or U+0085 raw inside a string, as JSON allows
+    and orjson writes them, where `str.splitlines` would cut it in two."""
     try:
-        lines = path.read_text().splitlines()
+        data = path.read_bytes()
     except OSError as e:
         raise errors.ConfigError(f"--tasks: cannot read {path}: {e.strerror}") from None
     found = []
-    for number, line in enumerate(lines, 1):
+    for number, line in enumerate(data.split(b"\n"), 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = jsonl.parse_line(line)
         except ValueError as e:
-            raise errors.ConfigError(f"--tasks: {path} line {number}: not JSON ({e})") from None
+            raise errors.ConfigError(f"--tasks: {path} line {number}: {e}") from None
         if not isinstance(row, dict):
             raise errors.ConfigError(f"--tasks: {path} line {number}: not a JSON object")
         found.append(row)

@@ -52,12 +52,12 @@ def _conformance_row(value: str | None) -> dict[str, Any] | None:
     """--row: a task row as JSON text, or the first row of a JSONL file."""
     if value is None:
         return None
-    text = value
+    text: str | bytes = value
     if not value.lstrip().startswith("{"):
         path = Path(value)
         if not path.is_file():
             raise click.BadParameter(f"{value}: neither a JSON object nor a file", param_hint="--row")
-        text = next((line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()), "")
+        text = next((line for line in path.read_bytes().split(b"\n") if line.strip()), b"")  # "\n" alone ends a row
     try:
         row = json.loads(text)
         task_from_row(row)

@@ -45,7 +45,7 @@ from gym_grpc.testing.servers import Servers
 def example_rows(path: Path, server: type[ResourcesServer]) -> list[dict[str, Any]]:
     """The rows of an environment's example file, each checked to be a task that offers
     exactly the server's tools (`tool_definitions()`; a row may add `strict` to each)."""
-    found = [jsonl.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    found = [jsonl.parse_line(line) for line in path.read_bytes().split(b"\n") if line.strip()]
     assert found, f"{path} has no rows"
     for number, row in enumerate(found, 1):
         rows.task_from_row(row)
