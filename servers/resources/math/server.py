@@ -20,12 +20,33 @@ from gym_grpc.resources import ResourcesServer, Session, Verification
 from gym_grpc.responses import final_text
 from gym_grpc.v1 import responses_pb2 as r
 
+#: Parsed expected answers, by (expected, timeout): a GRPO group checks the same answer once per
+#: rollout, and parsing it is about a third of a check. Per checking process; bounded.
+_GOLD: dict[tuple[str, int], list[Any]] = {}
+_GOLD_MAX = 4096
+
+
+def _gold(expected: str, timeout_seconds: int) -> list[Any]:
+    from math_verify import parse
+
+    key = (expected, timeout_seconds)
+    gold = _GOLD.get(key)
+    if gold is None:
+        gold = parse(
+            expected if "$" in expected or "\\" in expected else f"${expected}$", parsing_timeout=timeout_seconds
+        )
+        if gold:  # nothing parsed (maybe a time-out on a busy machine) is not kept: the next check tries again
+            if len(_GOLD) >= _GOLD_MAX:
+                _GOLD.pop(next(iter(_GOLD)))
+            _GOLD[key] = gold
+    return gold
+
 
 def check_answer(expected: str, text: str, timeout_seconds: int) -> tuple[bool, str]:
     """Whether `text` states `expected`, and what answer was extracted from it."""
     from math_verify import parse, verify
 
-    gold = parse(expected if "$" in expected or "\\" in expected else f"${expected}$", parsing_timeout=timeout_seconds)
+    gold = _gold(expected, timeout_seconds)
     answer = parse(text, parsing_timeout=timeout_seconds)
     extracted = str(answer[1]) if len(answer) > 1 else (str(answer[0]) if answer else "")
     return bool(verify(gold, answer, timeout_seconds=timeout_seconds)), extracted

@@ -70,3 +70,22 @@ class TestMathConformance(ResourcesConformance):
 
     def server(self) -> MathEnv:
         return MathEnv()
+
+
+def test_a_groups_expected_answer_is_parsed_once_in_a_checking_process(monkeypatch):
+    """The rollouts of a group share their expected answer: parsed at its first check, kept for the
+    rest; an expected answer that parses to nothing is parsed again at each check, never kept."""
+    import math_verify
+
+    from gym_grpc.bundled.servers.resources.math import server
+
+    parsed: list[str] = []
+    real = math_verify.parse
+    monkeypatch.setattr(math_verify, "parse", lambda text, **kw: parsed.append(text) or real(text, **kw))
+    monkeypatch.setattr(server, "_GOLD", {})
+    for answer, correct in [("\\boxed{12}", True), ("\\boxed{13}", False), ("6 + 6 = 12", True)]:
+        assert server.check_answer("12", answer, 5)[0] is correct
+    assert parsed.count("$12$") == 1 and len(parsed) == 4
+    for _ in range(2):
+        assert server.check_answer("$$", "\\boxed{12}", 5)[0] is False
+    assert parsed.count("$$") == 2
