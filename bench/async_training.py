@@ -37,6 +37,7 @@ in the update. Per run: wall time, the engine's idle fraction (its /metrics samp
 no request running or waiting), and what the training loop's gym-grpc part costs (CpuMeter): the CPU
 seconds of the `gym-grpc run` process tree and of the trainer's event-loop thread (GymClient and
 gym_grpc.training), as a share of the engine's CPU, of all the run's CPU, and of its wall time.
+A third mode, collect, is the baseline of that cost: the same steps' rollouts with no trainer.
 """
 
 from __future__ import annotations
@@ -373,6 +374,26 @@ async def run(
     }
 
 
+async def collect_only(args: argparse.Namespace, stack: GymRun, engine_pid: int | None) -> dict[str, Any]:
+    """The baseline of the cost: a step's rollouts (the same tasks, groups and concurrency), `--steps`
+    times, with no trainer, no optimizer and no weight update: what collection alone costs gym-grpc
+    and the engine, measured by the same CpuMeter."""
+    rows = tasks(args.seed)
+    reg = Registry(stack.registry)
+    async with GymClient(AGENT, reg) as gym:
+        meter = CpuMeter(stack.process.pid, engine_pid)
+        started = time.monotonic()
+        done = 0
+        for step in range(args.steps):
+            picked = [(step * args.groups + i) % len(rows) for i in range(args.groups)]
+            groups = await asyncio.gather(*(gym.run_group(rows[i], args.group_size) for i in picked))
+            done += sum(1 for group in groups for result in group if result.ok)
+        wall = time.monotonic() - started
+        cost = meter.report(wall, args.steps)
+    await reg.close()
+    return {"rollouts": done, "wall_seconds": round(wall, 1), **cost}
+
+
 async def runs(
     args: argparse.Namespace, config: Path, engine_url: str, engine_pid: int | None, model_dir: Path, tmp: Path
 ) -> dict[str, Any]:
@@ -383,7 +404,10 @@ async def runs(
     for mode in args.modes.split(","):
         stack = await asyncio.to_thread(GymRun.start, config)
         try:
-            results[mode] = await run(mode, args, stack, engine_url, engine_pid, model_dir, tmp)
+            if mode == "collect":
+                results[mode] = await collect_only(args, stack, engine_pid)
+            else:
+                results[mode] = await run(mode, args, stack, engine_url, engine_pid, model_dir, tmp)
         finally:
             await asyncio.to_thread(stack.stop)
     return results
@@ -419,12 +443,19 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=0.2, help="PPO's clip of the importance ratio")
     parser.add_argument("--max-lag", type=int, default=1, help="async: versions a sample may be behind")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--modes", default="async,sync", help="comma-separated, run in this order")
+    parser.add_argument(
+        "--modes",
+        default="async,sync",
+        help="comma-separated, run in this order: async, sync, collect (the same rollouts without training)",
+    )
     parser.add_argument("--engine-url", help="a running local vLLM in dev mode (its /v1 URL) instead of starting one")
     parser.add_argument("--engine-pid", type=int, help="with --engine-url: its pid, for the engine's CPU")
     parser.add_argument("--smoke", action="store_true", help="2 steps of 2 groups of 4; results in a temp dir")
     parser.add_argument("--name", default="async_training", help="results file name")
     args = parser.parse_args()
+    unknown = set(args.modes.split(",")) - {"async", "sync", "collect"}
+    if unknown:
+        parser.error(f"--modes: no mode {', '.join(sorted(unknown))} (async, sync, collect)")
     if args.smoke:
         args.steps, args.groups, args.group_size = 2, 2, 4
     from gym_grpc.engines import local_vllm
@@ -484,7 +515,7 @@ def main() -> None:
     if "async" in report and "sync" in report:
         plot(report, target / f"{args.name}.png")
     print(json.dumps({k: report[k] for k in ("async_speedup",) if k in report}))
-    for mode in ("async", "sync"):
+    for mode in ("async", "sync", "collect"):
         if mode in report:
             totals = {k: v for k, v in report[mode].items() if k != "steps"}
             print(mode, json.dumps(totals))
