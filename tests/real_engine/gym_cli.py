@@ -17,6 +17,7 @@ from gym_grpc.engines import local_vllm
 from gym_grpc.engines.settings import GRPC_SCHEME
 from gym_grpc.testing.processes import GymRun
 from tests.support import REPO, start_run, tool
+from tests.support import read_rows as rows  # the real-engine tests' name for it
 
 VLLM = REPO / "configs" / "vllm.yaml"
 OPENAI = REPO / "configs" / "openai.yaml"
@@ -82,10 +83,6 @@ def collect(run: GymRun, agent: str, tasks: Path, output: Path, *extra: str) -> 
     """Run `gym-grpc collect` to its end. The time-out only bounds a hang: a slow, shared
     2-core machine may take many minutes."""
     return subprocess.run(collect_args(run, agent, tasks, output, *extra), capture_output=True, text=True, timeout=3600)
-
-
-def rows(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_bytes().splitlines() if line.strip()]  # bytes: "\n" only, not U+2028
 
 
 def failures(output: Path) -> list[dict[str, Any]]:
