@@ -134,6 +134,17 @@ class LocalTemplate:
                 f"tokenizer_dir {str(directory)!r}: its tokenizer has no chat template; give chat_template"
             )
         self.content_format = content_format
+        # One render now, while the server starts: transformers compiles a template at its first use
+        # (about 10 ms of CPU, once per thread that misses its cache at the same moment, so up to once per
+        # thread of the pool the first rollouts render in), and a template that cannot render even a
+        # one-message conversation is a configuration error, better said at start than in every rollout.
+        try:
+            self.render(
+                [{"role": "user", "content": "1"}], tools=None, template_kwargs=None, add_generation_prompt=True
+            )
+        except Exception as e:
+            where = f"chat_template {str(chat_template)!r}" if chat_template else f"tokenizer_dir {str(directory)!r}"
+            raise ConfigError(f"{where}: its chat template cannot render a one-message conversation: {e}") from None
 
     def renders(self, messages: list[JSON]) -> bool:
         """Whether this conversation can be rendered here (text only)."""

@@ -92,6 +92,15 @@ async def test_render_local_without_a_tokenizer_is_a_config_error_at_start():
         await server.start()
 
 
+async def test_a_chat_template_that_cannot_render_is_a_config_error_at_start_naming_it(tmp_path):
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{%- for message in messages -%}{{ message.content.missing.field }}{%- endfor -%}")
+    config = {"tokenizer_dir": str(write_tokenizer(tmp_path / "tok")), "chat_template": str(broken)}
+    server = VLLMModel({"base_url": "http://127.0.0.1:1/v1", "model": "p", "render": "local", **config}, name="m")
+    with pytest.raises(errors.ConfigError, match=r"chat_template '.*broken.jinja': its chat template cannot render"):
+        await server.start()
+
+
 def test_messages_become_what_vllm_hands_its_template():
     """Text parts joined by newlines, tool-call arguments as objects ({} for what is not one), an
     empty list of calls dropped; a conversation with an image is left to the engine."""
