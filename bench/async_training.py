@@ -36,7 +36,9 @@ stale samples (more than max_lag behind: masked), seconds waiting for the batch,
 in the update. Per run: wall time, the engine's idle fraction (its /metrics sampled every 0.1 s:
 no request running or waiting), and what the training loop's gym-grpc part costs (CpuMeter): the CPU
 seconds of the `gym-grpc run` process tree and of the trainer's event-loop thread (GymClient and
-gym_grpc.training), as a share of the engine's CPU, of all the run's CPU, and of its wall time.
+gym_grpc.training), as a share of the engine's CPU, of all the run's CPU, and of its wall time. Each
+run's stack is new, and warmed up with one step's worth of rollouts before it is measured: a stack's
+first rollouts cost it more than later ones, once per stack (its cost is reported apart, stack_warm_up).
 A third mode, collect, is the baseline of that cost: the same steps' rollouts with no trainer.
 """
 
@@ -394,20 +396,40 @@ async def collect_only(args: argparse.Namespace, stack: GymRun, engine_pid: int 
     return {"rollouts": done, "wall_seconds": round(wall, 1), **cost}
 
 
+async def warm_up(args: argparse.Namespace, stack: GymRun, engine_pid: int | None) -> dict[str, Any]:
+    """One step's worth of rollouts (the last tasks of the seeded order, never trained on) through a new
+    stack before any run is measured: a server process's first rollouts cost it several times what
+    later ones do (first connections, first renders and checks, code run for the first time), a cost
+    paid once per stack and not per step. Reported apart from the runs (CpuMeter's figures)."""
+    rows = tasks(args.seed)[-args.groups :]
+    reg = Registry(stack.registry)
+    async with GymClient(AGENT, reg) as gym:
+        meter = CpuMeter(stack.process.pid, engine_pid)
+        started = time.monotonic()
+        groups = await asyncio.gather(*(gym.run_group(row, args.group_size) for row in rows))
+        wall = time.monotonic() - started
+        cost = meter.report(wall, 1)
+    await reg.close()
+    done = sum(1 for group in groups for result in group if result.ok)
+    return {"rollouts": done, "wall_seconds": round(wall, 1), "cpu_seconds": cost["cpu_seconds"]}
+
+
 async def runs(
     args: argparse.Namespace, config: Path, engine_url: str, engine_pid: int | None, model_dir: Path, tmp: Path
 ) -> dict[str, Any]:
     """Each mode's run, on one event loop (gRPC's completion queue outlives a loop: a second asyncio.run
     in one process gets the first one's late events), each with a `gym-grpc run` of its own, whose
     model server serves no version yet."""
-    results = {}
+    results: dict[str, Any] = {}
     for mode in args.modes.split(","):
         stack = await asyncio.to_thread(GymRun.start, config)
         try:
+            warm = await warm_up(args, stack, engine_pid)
             if mode == "collect":
                 results[mode] = await collect_only(args, stack, engine_pid)
             else:
                 results[mode] = await run(mode, args, stack, engine_url, engine_pid, model_dir, tmp)
+            results[mode]["stack_warm_up"] = warm
         finally:
             await asyncio.to_thread(stack.stop)
     return results
