@@ -91,3 +91,69 @@ def test_close_stops_the_workers_at_once_and_the_process_exits_cleanly():
     assert "Traceback" not in done.stderr and "Error" not in done.stderr, done.stderr
     with pytest.raises(ProcessLookupError):
         os.kill(int(worker), 0)  # the workers are gone with the pool
+
+
+def fail(message: str) -> None:
+    raise ValueError(message)
+
+
+class NeedsTwoArguments(Exception):
+    def __init__(self, a: str, b: str) -> None:  # pickled with args (a,) only: it cannot be unpickled
+        super().__init__(a)
+
+
+def fail_unpicklably() -> None:
+    raise NeedsTwoArguments("a", "b")
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def touch(path: str) -> None:
+    with open(path, "w"):
+        pass
+
+
+async def test_a_checks_error_reaches_its_caller_with_the_workers_traceback():
+    pool = CpuPool("t", workers=1)
+    await pool.start()
+    try:
+        with pytest.raises(ValueError, match="no answer") as raised:
+            await pool.run(fail, "no answer")
+        assert "in the check worker" in "".join(raised.value.__notes__)
+        assert "raise ValueError(message)" in "".join(raised.value.__notes__)
+        with pytest.raises(TypeError, match="cannot read a check's result"):
+            await pool.run(fail_unpicklably)
+        assert (await pool.run(where_and_square, 3))[1] == 9  # the worker serves on
+    finally:
+        pool.close()
+
+
+async def test_a_check_that_kills_its_worker_twice_fails_and_the_pool_serves_on():
+    pool = CpuPool("t", workers=1)
+    await pool.start()
+    try:
+        with pytest.raises(RuntimeError, match="the check's worker died twice"):
+            await pool.run(die)
+        assert (await pool.run(where_and_square, 4))[1] == 16
+    finally:
+        pool.close()
+
+
+async def test_a_check_whose_caller_gave_up_while_it_waited_for_a_worker_never_runs(tmp_path):
+    import asyncio
+    import time
+
+    pool = CpuPool("t", workers=1)
+    await pool.start()
+    try:
+        busy = asyncio.ensure_future(pool.run(time.sleep, 0.5))  # the one worker, for half a second at least
+        waiting = asyncio.ensure_future(pool.run(touch, str(tmp_path / "ran")))
+        await asyncio.sleep(0)  # both submitted
+        waiting.cancel()
+        await busy
+        await pool.run(where_and_square, 1)  # after the cancelled one, had it been sent
+        assert not (tmp_path / "ran").exists()
+    finally:
+        pool.close()
