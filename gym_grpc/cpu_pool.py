@@ -11,13 +11,13 @@
             correct = await self.pool.run(check_answer, expected, final_text(response))
 
 By default the checks run in `verify_workers` spawned processes (spawn, not
-fork: forking a process that runs gRPC is unsafe), each sent one check at a
-time through a pipe that the event loop itself reads; the checks waiting for a
-worker wait here, in order. A worker that dies is replaced and its check tried
-once more. No thread stands between the loop and the workers, as
-concurrent.futures' process pool puts two (its manager thread and its queue's
-feeder): a trivial call through that pool cost the calling process 0.17-0.28
-ms of CPU here, through a pipe 0.03-0.10 ms. With `ray_address` ("auto",
+fork: forking a process that runs gRPC is unsafe), each with a pipe that the
+event loop itself reads: a worker is sent the check it runs and the next one,
+and the others wait here, in order. A worker that dies is replaced and its
+check tried once more. No thread stands between the loop and the workers, as
+two do in concurrent.futures' process pool (its manager thread and its queue's
+feeder), which cost the server about three times the CPU per check
+(bench/check_pool.py). With `ray_address` ("auto",
 "ray://host:10001", or "local" to start Ray in this process) each check is a
 Ray task instead; the function's module travels by value, so the cluster
 needs the function's own imports but neither gym_grpc nor the environment.
@@ -83,14 +83,19 @@ class _Call:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     future: asyncio.Future[Any]
-    tries: int = 0
+    died: bool = False  # its worker died running it once
+
+
+#: Calls sent to a worker at once: the one it runs and the next, already in its pipe, so that it never
+#: waits a round trip through the event loop between two checks when checks are waiting.
+_DEPTH = 2
 
 
 @dataclass(eq=False)
 class _Worker:
     process: BaseProcess
     conn: Connection
-    call: _Call | None = None  # the one it runs
+    calls: deque[_Call] = field(default_factory=deque)  # sent, in order: the first is the one it runs
 
 
 @dataclass(eq=False)
@@ -100,8 +105,7 @@ class _Workers:
     name: str
     count: int
     loop: asyncio.AbstractEventLoop
-    idle: list[_Worker] = field(default_factory=list)
-    busy: set[_Worker] = field(default_factory=set)
+    workers: list[_Worker] = field(default_factory=list)
     waiting: deque[_Call] = field(default_factory=deque)
 
     def __post_init__(self) -> None:
@@ -116,29 +120,30 @@ class _Workers:
         theirs.close()
         worker = _Worker(process, ours)
         self.loop.add_reader(ours.fileno(), self._answered, worker)
-        self.idle.append(worker)
+        self.workers.append(worker)
 
     def submit(self, call: _Call) -> None:
         self.waiting.append(call)
         self._dispatch()
 
     def _dispatch(self) -> None:
-        while self.idle and self.waiting:
+        while self.waiting:
+            worker = min(self.workers, key=lambda w: len(w.calls))
+            if len(worker.calls) >= _DEPTH:
+                return
             call = self.waiting.popleft()
             if call.future.done():  # its caller gave up while it waited
                 continue
-            worker = self.idle.pop()
-            worker.call, call.tries = call, call.tries + 1
-            self.busy.add(worker)
             try:
                 worker.conn.send((call.fn, call.args, call.kwargs))
             except (BrokenPipeError, ConnectionResetError):
+                self.waiting.appendleft(call)
                 self._died(worker)
+                return
             except Exception as e:  # the call does not pickle: its error, not the worker's
-                worker.call = None
-                self.busy.discard(worker)
-                self.idle.append(worker)
                 call.future.set_exception(TypeError(f"{self.name}: cannot send {call.fn!r} to a worker: {e}"))
+                continue
+            worker.calls.append(call)
 
     def _answered(self, worker: _Worker) -> None:
         try:
@@ -148,10 +153,8 @@ class _Workers:
             return
         except Exception as e:  # a result (an exception of a class that needs arguments) that does not unpickle
             reply = (False, TypeError(f"{self.name}: cannot read a check's result: {e!r}"), "")
-        call, worker.call = worker.call, None
-        self.busy.discard(worker)
-        self.idle.append(worker)
-        if call is not None and not call.future.done():
+        call = worker.calls.popleft()
+        if not call.future.done():
             if reply[0]:
                 call.future.set_result(reply[1])
             else:
@@ -162,20 +165,21 @@ class _Workers:
         self._dispatch()
 
     def _died(self, worker: _Worker) -> None:
-        """A worker is gone (the OOM killer, a stray signal): a new one takes its place, and the call it
-        ran is tried once more, first in line."""
+        """A worker is gone (the OOM killer, a stray signal): a new one takes its place; the call it ran
+        is tried once more, first in line, and the one sent after it goes back in line unharmed."""
         self._drop(worker)
-        self.busy.discard(worker)
-        if worker in self.idle:
-            self.idle.remove(worker)
-        call, worker.call = worker.call, None
+        self.workers.remove(worker)
         log.warning("%s: a check worker died (exit code %s); starting a new one", self.name, worker.process.exitcode)
         self._spawn()
-        if call is not None and not call.future.done():
-            if call.tries < 2:
-                self.waiting.appendleft(call)
-            else:
-                call.future.set_exception(RuntimeError(f"{self.name}: the check's worker died twice running it"))
+        if worker.calls:
+            running, *unstarted = worker.calls
+            self.waiting.extendleft(reversed(unstarted))
+            if not running.future.done():
+                if running.died:
+                    running.future.set_exception(RuntimeError(f"{self.name}: the check's worker died twice running it"))
+                else:
+                    running.died = True
+                    self.waiting.appendleft(running)
         self._dispatch()
 
     def _drop(self, worker: _Worker) -> None:
@@ -187,15 +191,12 @@ class _Workers:
     def close(self) -> None:
         """Stop every worker now: a check still running is abandoned (its caller is gone), and the
         calls still waiting fail."""
-        for worker in [*self.idle, *self.busy]:
+        for worker in self.workers:
             self._drop(worker)
-            if worker.call is not None and not worker.call.future.done():
-                worker.call.future.set_exception(RuntimeError(f"{self.name}: the pool closed"))
-        for call in self.waiting:
+        for call in [*(c for w in self.workers for c in w.calls), *self.waiting]:
             if not call.future.done():
                 call.future.set_exception(RuntimeError(f"{self.name}: the pool closed"))
-        self.idle.clear()
-        self.busy.clear()
+        self.workers.clear()
         self.waiting.clear()
 
 
