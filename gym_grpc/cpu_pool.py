@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, TypeVar
 
 from pydantic import Field
@@ -62,6 +63,7 @@ class CpuPoolConfig(ResourcesConfig):
 def _serve(conn: Connection) -> None:
     """A worker process: run each call that comes through the pipe, send back its result or its error,
     until the pipe closes (the pool closed, or the server process is gone)."""
+    conn.send(_READY)
     while True:
         try:
             fn, args, kwargs = conn.recv()
@@ -77,24 +79,31 @@ def _serve(conn: Connection) -> None:
             conn.send((False, TypeError(f"{fn.__name__}: cannot send its result back: {e}"), ""))
 
 
-@dataclass(eq=False)
-class _Call:
-    fn: Callable[..., Any]
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    future: asyncio.Future[Any]
-    died: bool = False  # its worker died running it once
-
+#: A worker's first message: it serves from now on (it was spawned, has imported what it needs and reads).
+_READY = "ready"
 
 #: Calls sent to a worker at once: the one it runs and the next, already in its pipe, so that it never
 #: waits a round trip through the event loop between two checks when checks are waiting.
 _DEPTH = 2
+
+#: The largest call sent to a worker that is running one: it waits in the pipe's buffer (64 KiB on Linux)
+#: until the running check ends, so it must fit there, or the event loop would block writing it. A
+#: larger call waits for an idle worker, which reads it as it is written.
+_QUEUED_BYTES = 32 * 1024
+
+
+@dataclass(eq=False)
+class _Call:
+    message: bytes  # the pickled (fn, args, kwargs)
+    future: asyncio.Future[Any]
+    died: bool = False  # its worker died running it once
 
 
 @dataclass(eq=False)
 class _Worker:
     process: BaseProcess
     conn: Connection
+    ready: bool = False
     calls: deque[_Call] = field(default_factory=deque)  # sent, in order: the first is the one it runs
 
 
@@ -107,6 +116,7 @@ class _Workers:
     loop: asyncio.AbstractEventLoop
     workers: list[_Worker] = field(default_factory=list)
     waiting: deque[_Call] = field(default_factory=deque)
+    broken: RuntimeError | None = None  # set when workers die before they serve: starting more would loop
 
     def __post_init__(self) -> None:
         for _ in range(self.count):
@@ -123,26 +133,30 @@ class _Workers:
         self.workers.append(worker)
 
     def submit(self, call: _Call) -> None:
+        if self.broken is not None:
+            raise self.broken
         self.waiting.append(call)
         self._dispatch()
 
     def _dispatch(self) -> None:
         while self.waiting:
-            worker = min(self.workers, key=lambda w: len(w.calls))
-            if len(worker.calls) >= _DEPTH:
-                return
-            call = self.waiting.popleft()
+            call = self.waiting[0]
             if call.future.done():  # its caller gave up while it waited
+                self.waiting.popleft()
                 continue
+            ready = [w for w in self.workers if w.ready]
+            if not ready:
+                return
+            worker = min(ready, key=lambda w: len(w.calls))
+            if worker.calls and (len(worker.calls) >= _DEPTH or len(call.message) > _QUEUED_BYTES):
+                return
+            self.waiting.popleft()
             try:
-                worker.conn.send((call.fn, call.args, call.kwargs))
-            except (BrokenPipeError, ConnectionResetError):
+                worker.conn.send_bytes(call.message)
+            except OSError:  # it died (a broken pipe): the call goes back first in line
                 self.waiting.appendleft(call)
                 self._died(worker)
                 return
-            except Exception as e:  # the call does not pickle: its error, not the worker's
-                call.future.set_exception(TypeError(f"{self.name}: cannot send {call.fn!r} to a worker: {e}"))
-                continue
             worker.calls.append(call)
 
     def _answered(self, worker: _Worker) -> None:
@@ -153,6 +167,10 @@ class _Workers:
             return
         except Exception as e:  # a result (an exception of a class that needs arguments) that does not unpickle
             reply = (False, TypeError(f"{self.name}: cannot read a check's result: {e!r}"), "")
+        if not worker.ready:
+            worker.ready = reply == _READY
+            self._dispatch()
+            return
         call = worker.calls.popleft()
         if not call.future.done():
             if reply[0]:
@@ -169,7 +187,15 @@ class _Workers:
         is tried once more, first in line, and the one sent after it goes back in line unharmed."""
         self._drop(worker)
         self.workers.remove(worker)
-        log.warning("%s: a check worker died (exit code %s); starting a new one", self.name, worker.process.exitcode)
+        code = worker.process.exitcode
+        if not worker.ready:  # it never served: a new one would die the same way (an import that fails)
+            self.broken = RuntimeError(f"{self.name}: a check worker died as it started (exit code {code})")
+            for call in self.waiting:
+                if not call.future.done():
+                    call.future.set_exception(self.broken)
+            self.waiting.clear()
+            return
+        log.warning("%s: a check worker died (exit code %s); starting a new one", self.name, code)
         self._spawn()
         if worker.calls:
             running, *unstarted = worker.calls
@@ -242,7 +268,11 @@ class CpuPool:
         processes = self._processes
         if processes is None:
             raise RuntimeError(f"{self.name}: CpuPool.run before start (or after close)")
-        call = _Call(fn, args, kwargs, asyncio.get_running_loop().create_future())
+        try:
+            message = ForkingPickler.dumps((fn, args, kwargs))
+        except Exception as e:
+            raise TypeError(f"{self.name}: cannot send {fn!r} and its arguments to a worker: {e}") from e
+        call = _Call(bytes(message), asyncio.get_running_loop().create_future())
         processes.submit(call)
         return await call.future
 

@@ -163,3 +163,43 @@ async def test_a_check_whose_caller_gave_up_while_it_waited_for_a_worker_never_r
         assert not (tmp_path / "ran").exists()
     finally:
         pool.close()
+
+
+def exit_at_once(conn) -> None:
+    os._exit(3)
+
+
+async def test_workers_that_die_as_they_start_fail_the_checks_rather_than_start_again_forever(monkeypatch):
+    from gym_grpc import cpu_pool
+
+    monkeypatch.setattr(cpu_pool, "_serve", exit_at_once)  # what the spawned workers run
+    pool = CpuPool("t", workers=1)
+    await pool.start()
+    try:
+        with pytest.raises(RuntimeError, match=r"a check worker died as it started \(exit code 3\)"):
+            await pool.run(where_and_square, 2)
+        with pytest.raises(RuntimeError, match="died as it started"):
+            await pool.run(where_and_square, 3)
+    finally:
+        pool.close()
+
+
+async def test_a_call_too_big_to_wait_in_a_busy_workers_pipe_waits_for_an_idle_worker():
+    """Queued behind a running check, a call waits in the pipe's buffer: one larger than that would block
+    the event loop's write until the check ended."""
+    import asyncio
+    import time
+
+    pool = CpuPool("t", workers=1)
+    await pool.start()
+    try:
+        running = asyncio.ensure_future(pool.run(time.sleep, 0.5))
+        big = asyncio.ensure_future(pool.run(len, "x" * 1_000_000))
+        small = asyncio.ensure_future(pool.run(len, "x" * 10))
+        while not running.done():
+            (worker,) = pool._processes.workers
+            assert len(worker.calls) <= 1 or len(worker.calls) == 2 and big.done()
+            await asyncio.sleep(0.01)
+        assert await big == 1_000_000 and await small == 10
+    finally:
+        pool.close()
