@@ -170,6 +170,8 @@ def exit_at_once(conn) -> None:
 
 
 async def test_workers_that_die_as_they_start_fail_the_checks_rather_than_start_again_forever(monkeypatch):
+    import asyncio
+
     from gym_grpc import cpu_pool
 
     monkeypatch.setattr(cpu_pool, "_serve", exit_at_once)  # what the spawned workers run
@@ -177,7 +179,7 @@ async def test_workers_that_die_as_they_start_fail_the_checks_rather_than_start_
     await pool.start()
     try:
         with pytest.raises(RuntimeError, match=r"a check worker died as it started \(exit code 3\)"):
-            await pool.run(where_and_square, 2)
+            await asyncio.wait_for(pool.run(where_and_square, 2), 120)  # not forever, should workers respawn
         with pytest.raises(RuntimeError, match="died as it started"):
             await pool.run(where_and_square, 3)
     finally:
@@ -186,20 +188,22 @@ async def test_workers_that_die_as_they_start_fail_the_checks_rather_than_start_
 
 async def test_a_call_too_big_to_wait_in_a_busy_workers_pipe_waits_for_an_idle_worker():
     """Queued behind a running check, a call waits in the pipe's buffer: one larger than that would block
-    the event loop's write until the check ended."""
+    the event loop's write until the check ended, so it waits in the pool instead."""
     import asyncio
     import time
 
     pool = CpuPool("t", workers=1)
     await pool.start()
     try:
-        running = asyncio.ensure_future(pool.run(time.sleep, 0.5))
+        await pool.run(where_and_square, 1)  # the worker serves
+        running = asyncio.ensure_future(pool.run(time.sleep, 1))
+        await asyncio.sleep(0)  # sent: the worker runs it
         big = asyncio.ensure_future(pool.run(len, "x" * 1_000_000))
         small = asyncio.ensure_future(pool.run(len, "x" * 10))
-        while not running.done():
-            (worker,) = pool._processes.workers
-            assert len(worker.calls) <= 1 or len(worker.calls) == 2 and big.done()
-            await asyncio.sleep(0.01)
+        await asyncio.sleep(0)  # both submitted
+        (worker,) = pool._processes.workers
+        assert len(worker.calls) == 1 and len(pool._processes.waiting) == 2  # neither queued behind the sleep
+        await running
         assert await big == 1_000_000 and await small == 10
     finally:
         pool.close()
