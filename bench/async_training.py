@@ -376,24 +376,32 @@ async def run(
     }
 
 
-async def collect_only(args: argparse.Namespace, stack: GymRun, engine_pid: int | None) -> dict[str, Any]:
-    """The baseline of the cost: a step's rollouts (the same tasks, groups and concurrency), `--steps`
-    times, with no trainer, no optimizer and no weight update: what collection alone costs gym-grpc
-    and the engine, measured by the same CpuMeter."""
-    rows = tasks(args.seed)
+async def _collect(
+    stack: GymRun, engine_pid: int | None, batches: list[list[dict[str, Any]]], group_size: int
+) -> dict[str, Any]:
+    """Each batch's rows as groups of `group_size`, one batch after the other, with no trainer: the
+    rollouts that succeeded, the wall time and CpuMeter's report."""
     reg = Registry(stack.registry)
     async with GymClient(AGENT, reg) as gym:
         meter = CpuMeter(stack.process.pid, engine_pid)
         started = time.monotonic()
         done = 0
-        for step in range(args.steps):
-            picked = [(step * args.groups + i) % len(rows) for i in range(args.groups)]
-            groups = await asyncio.gather(*(gym.run_group(rows[i], args.group_size) for i in picked))
+        for batch in batches:
+            groups = await asyncio.gather(*(gym.run_group(row, group_size) for row in batch))
             done += sum(1 for group in groups for result in group if result.ok)
         wall = time.monotonic() - started
-        cost = meter.report(wall, args.steps)
+        cost = meter.report(wall, len(batches))
     await reg.close()
     return {"rollouts": done, "wall_seconds": round(wall, 1), **cost}
+
+
+async def collect_only(args: argparse.Namespace, stack: GymRun, engine_pid: int | None) -> dict[str, Any]:
+    """The baseline of the cost: a step's rollouts (the same tasks, groups and concurrency), `--steps`
+    times, with no trainer, no optimizer and no weight update: what collection alone costs gym-grpc
+    and the engine, measured by the same CpuMeter."""
+    rows = tasks(args.seed)
+    steps = [[rows[(step * args.groups + i) % len(rows)] for i in range(args.groups)] for step in range(args.steps)]
+    return await _collect(stack, engine_pid, steps, args.group_size)
 
 
 async def warm_up(args: argparse.Namespace, stack: GymRun, engine_pid: int | None) -> dict[str, Any]:
@@ -401,17 +409,8 @@ async def warm_up(args: argparse.Namespace, stack: GymRun, engine_pid: int | Non
     stack before any run is measured: a server process's first rollouts cost it several times what
     later ones do (first connections, first renders and checks, code run for the first time), a cost
     paid once per stack and not per step. Reported apart from the runs (CpuMeter's figures)."""
-    rows = tasks(args.seed)[-args.groups :]
-    reg = Registry(stack.registry)
-    async with GymClient(AGENT, reg) as gym:
-        meter = CpuMeter(stack.process.pid, engine_pid)
-        started = time.monotonic()
-        groups = await asyncio.gather(*(gym.run_group(row, args.group_size) for row in rows))
-        wall = time.monotonic() - started
-        cost = meter.report(wall, 1)
-    await reg.close()
-    done = sum(1 for group in groups for result in group if result.ok)
-    return {"rollouts": done, "wall_seconds": round(wall, 1), "cpu_seconds": cost["cpu_seconds"]}
+    warm = await _collect(stack, engine_pid, [tasks(args.seed)[-args.groups :]], args.group_size)
+    return {key: warm[key] for key in ("rollouts", "wall_seconds", "cpu_seconds")}
 
 
 async def runs(

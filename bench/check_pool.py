@@ -20,7 +20,6 @@ import json
 import multiprocessing
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,10 +31,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-_spec = importlib.util.spec_from_file_location("bench_run", REPO / "bench" / "run.py")
+_spec = importlib.util.spec_from_file_location("bench_real_engine", REPO / "bench" / "real_engine.py")
 assert _spec is not None and _spec.loader is not None
-bench_run = sys.modules["bench_run"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench_run)
+bench_real = sys.modules["bench_real_engine"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_real)
+bench_run = bench_real.bench_run
 
 from gym_grpc.cpu_pool import CpuPool  # noqa: E402
 from servers.resources.math.server import check_answer  # noqa: E402
@@ -134,19 +134,10 @@ def main() -> None:
     import uvloop
 
     load_start = [round(x, 2) for x in os.getloadavg()]
-    report = {
-        "name": args.name,
-        "command": " ".join(["python", "bench/check_pool.py", *sys.argv[1:]]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "machine": bench_run.machine(),
-        "gym_grpc_commit": subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip(),
-        "load_average_start": load_start,
-        "settings": {"calls": args.calls, "rounds": args.rounds, "workers": 1},
-        "results": uvloop.run(bench(args.calls, args.rounds)),
-        "load_average_end": [round(x, 2) for x in os.getloadavg()],
-    }
+    report = bench_real.report_head("bench/check_pool.py", args, bench_real.versions(None), load_start)
+    report["settings"] = {"calls": args.calls, "rounds": args.rounds, "workers": 1}
+    report["results"] = uvloop.run(bench(args.calls, args.rounds))
+    report["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     directory = Path(tempfile.mkdtemp()) if args.smoke else REPO / "bench" / "results"
     path = directory / f"{args.name}-check_pool.json"
     path.write_text(json.dumps(report, indent=1) + "\n")

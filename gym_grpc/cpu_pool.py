@@ -76,7 +76,7 @@ def _serve(conn: Connection) -> None:
         try:
             conn.send(reply)
         except Exception as e:  # the result (or the error) does not pickle
-            conn.send((False, TypeError(f"{fn.__name__}: cannot send its result back: {e}"), ""))
+            conn.send((False, TypeError(f"{getattr(fn, '__name__', fn)!r}: cannot send its result back: {e}"), ""))
 
 
 #: A worker's first message: it serves from now on (it was spawned, has imported what it needs and reads).

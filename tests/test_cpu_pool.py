@@ -1,8 +1,10 @@
 """CpuPool: checks run in another process, survive a dead worker, and run the same on Ray."""
 
+import asyncio
 import os
 import signal
 import sys
+import time
 
 import pytest
 
@@ -10,30 +12,29 @@ from gym_grpc.cpu_pool import CpuPool
 from gym_grpc.errors import ConfigError
 
 
+@pytest.fixture
+async def pool():
+    """A started pool of one worker process, closed after the test."""
+    started = CpuPool("t", workers=1)
+    await started.start()
+    yield started
+    started.close()
+
+
 def where_and_square(x: int) -> tuple[int, int]:
     return os.getpid(), x * x
 
 
-async def test_a_check_runs_in_another_process():
-    pool = CpuPool("t", workers=1)
-    await pool.start()
-    try:
-        pid, value = await pool.run(where_and_square, 7)
-        assert value == 49 and pid != os.getpid()
-    finally:
-        pool.close()
+async def test_a_check_runs_in_another_process(pool):
+    pid, value = await pool.run(where_and_square, 7)
+    assert value == 49 and pid != os.getpid()
 
 
-async def test_a_dead_worker_is_replaced_and_its_check_tried_again():
-    pool = CpuPool("t", workers=1)
-    await pool.start()
-    try:
-        first, _ = await pool.run(where_and_square, 2)
-        os.kill(first, signal.SIGKILL)
-        second, value = await pool.run(where_and_square, 3)
-        assert value == 9 and second != first
-    finally:
-        pool.close()
+async def test_a_dead_worker_is_replaced_and_its_check_tried_again(pool):
+    first, _ = await pool.run(where_and_square, 2)
+    os.kill(first, signal.SIGKILL)
+    second, value = await pool.run(where_and_square, 3)
+    assert value == 9 and second != first
 
 
 async def test_run_before_start_is_an_error():
@@ -115,54 +116,34 @@ def touch(path: str) -> None:
         pass
 
 
-async def test_a_checks_error_reaches_its_caller_with_the_workers_traceback():
-    pool = CpuPool("t", workers=1)
-    await pool.start()
-    try:
-        with pytest.raises(ValueError, match="no answer") as raised:
-            await pool.run(fail, "no answer")
-        assert "in the check worker" in "".join(raised.value.__notes__)
-        assert "raise ValueError(message)" in "".join(raised.value.__notes__)
-        with pytest.raises(TypeError, match="cannot read a check's result"):
-            await pool.run(fail_unpicklably)
-        assert (await pool.run(where_and_square, 3))[1] == 9  # the worker serves on
-    finally:
-        pool.close()
+async def test_a_checks_error_reaches_its_caller_with_the_workers_traceback(pool):
+    with pytest.raises(ValueError, match="no answer") as raised:
+        await pool.run(fail, "no answer")
+    assert "in the check worker" in "".join(raised.value.__notes__)
+    assert "raise ValueError(message)" in "".join(raised.value.__notes__)
+    with pytest.raises(TypeError, match="cannot read a check's result"):
+        await pool.run(fail_unpicklably)
+    assert (await pool.run(where_and_square, 3))[1] == 9  # the worker serves on
 
 
-async def test_a_check_that_kills_its_worker_twice_fails_and_the_one_sent_after_it_still_runs():
-    import asyncio
-
-    pool = CpuPool("t", workers=1)
-    await pool.start()
-    try:
-        dying, after = await asyncio.gather(pool.run(die), pool.run(where_and_square, 4), return_exceptions=True)
-        assert isinstance(dying, RuntimeError) and "the check's worker died twice" in str(dying)
-        assert after[1] == 16
-        assert (await pool.run(where_and_square, 5))[1] == 25
-    finally:
-        pool.close()
+async def test_a_check_that_kills_its_worker_twice_fails_and_the_one_sent_after_it_still_runs(pool):
+    dying, after = await asyncio.gather(pool.run(die), pool.run(where_and_square, 4), return_exceptions=True)
+    assert isinstance(dying, RuntimeError) and "the check's worker died twice" in str(dying)
+    assert after[1] == 16
+    assert (await pool.run(where_and_square, 5))[1] == 25
 
 
-async def test_a_check_whose_caller_gave_up_while_it_waited_for_a_worker_never_runs(tmp_path):
+async def test_a_check_whose_caller_gave_up_while_it_waited_for_a_worker_never_runs(tmp_path, pool):
     """A worker is sent the check it runs and the next one (so that it never waits for the loop between
     two); a third waits in the pool, and is dropped when its caller gives up."""
-    import asyncio
-    import time
-
-    pool = CpuPool("t", workers=1)
-    await pool.start()
-    try:
-        running = asyncio.ensure_future(pool.run(time.sleep, 0.5))  # the one worker, for half a second at least
-        next_one = asyncio.ensure_future(pool.run(time.sleep, 0))
-        waiting = asyncio.ensure_future(pool.run(touch, str(tmp_path / "ran")))
-        await asyncio.sleep(0)  # all three submitted
-        waiting.cancel()
-        await asyncio.gather(running, next_one)
-        await pool.run(where_and_square, 1)  # after the cancelled one, had it been sent
-        assert not (tmp_path / "ran").exists()
-    finally:
-        pool.close()
+    running = asyncio.ensure_future(pool.run(time.sleep, 0.5))  # the one worker, for half a second at least
+    next_one = asyncio.ensure_future(pool.run(time.sleep, 0))
+    waiting = asyncio.ensure_future(pool.run(touch, str(tmp_path / "ran")))
+    await asyncio.sleep(0)  # all three submitted
+    waiting.cancel()
+    await asyncio.gather(running, next_one)
+    await pool.run(where_and_square, 1)  # after the cancelled one, had it been sent
+    assert not (tmp_path / "ran").exists()
 
 
 def exit_at_once(conn) -> None:
@@ -170,8 +151,6 @@ def exit_at_once(conn) -> None:
 
 
 async def test_workers_that_die_as_they_start_fail_the_checks_rather_than_start_again_forever(monkeypatch):
-    import asyncio
-
     from gym_grpc import cpu_pool
 
     monkeypatch.setattr(cpu_pool, "_serve", exit_at_once)  # what the spawned workers run
@@ -186,24 +165,16 @@ async def test_workers_that_die_as_they_start_fail_the_checks_rather_than_start_
         pool.close()
 
 
-async def test_a_call_too_big_to_wait_in_a_busy_workers_pipe_waits_for_an_idle_worker():
+async def test_a_call_too_big_to_wait_in_a_busy_workers_pipe_waits_for_an_idle_worker(pool):
     """Queued behind a running check, a call waits in the pipe's buffer: one larger than that would block
     the event loop's write until the check ended, so it waits in the pool instead."""
-    import asyncio
-    import time
-
-    pool = CpuPool("t", workers=1)
-    await pool.start()
-    try:
-        await pool.run(where_and_square, 1)  # the worker serves
-        running = asyncio.ensure_future(pool.run(time.sleep, 1))
-        await asyncio.sleep(0)  # sent: the worker runs it
-        big = asyncio.ensure_future(pool.run(len, "x" * 1_000_000))
-        small = asyncio.ensure_future(pool.run(len, "x" * 10))
-        await asyncio.sleep(0)  # both submitted
-        (worker,) = pool._processes.workers
-        assert len(worker.calls) == 1 and len(pool._processes.waiting) == 2  # neither queued behind the sleep
-        await running
-        assert await big == 1_000_000 and await small == 10
-    finally:
-        pool.close()
+    await pool.run(where_and_square, 1)  # the worker serves
+    running = asyncio.ensure_future(pool.run(time.sleep, 1))
+    await asyncio.sleep(0)  # sent: the worker runs it
+    big = asyncio.ensure_future(pool.run(len, "x" * 1_000_000))
+    small = asyncio.ensure_future(pool.run(len, "x" * 10))
+    await asyncio.sleep(0)  # both submitted
+    (worker,) = pool._processes.workers
+    assert len(worker.calls) == 1 and len(pool._processes.waiting) == 2  # neither queued behind the sleep
+    await running
+    assert await big == 1_000_000 and await small == 10
