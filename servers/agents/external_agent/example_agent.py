@@ -59,6 +59,8 @@ def chat_loop(client: OpenAI, params: dict[str, Any], max_turns: int) -> str:
     options: dict[str, Any] = {"tools": tools} if tools else {}
     if "temperature" in params:
         options["temperature"] = params["temperature"]
+    if "max_output_tokens" in params:  # the task's limit on each answer, in Chat Completions' name
+        options["max_completion_tokens"] = params["max_output_tokens"]
     for _ in range(max_turns):
         completion = client.chat.completions.create(model=MODEL, messages=messages, **options)
         message = completion.choices[0].message
@@ -76,8 +78,9 @@ def responses_loop(client: OpenAI, params: dict[str, Any], max_turns: int) -> st
     if isinstance(conversation, str):
         conversation = [{"role": "user", "content": conversation}]
     options: dict[str, Any] = {"tools": params["tools"]} if params.get("tools") else {}
-    if "temperature" in params:
-        options["temperature"] = params["temperature"]
+    for key in ("temperature", "max_output_tokens"):
+        if key in params:
+            options[key] = params[key]
     for _ in range(max_turns):
         response = client.responses.create(model=MODEL, input=conversation, **options)
         conversation += response.output  # the SDK's own output items, sent back as they are

@@ -42,10 +42,10 @@ def registry(tmp_path_factory):
         yield run.registry
 
 
-def _collect(registry: str, agent: str, output: Path) -> list[dict]:
+def _collect(registry: str, agent: str, output: Path, *extra: str) -> list[dict]:
     done = subprocess.run(
         [_gym(), "collect", "--registry", registry, "--agent", agent, "--input", str(TASKS), "--output", str(output)]
-        + ["--no-progress", "temperature=0"],
+        + ["--no-progress", "temperature=0", *extra],
         capture_output=True,
         text=True,
         timeout=300,
@@ -79,3 +79,16 @@ def test_collect_through_an_openai_sdk_program_records_every_turn_and_scores_as_
                 "function_call_output",
                 "message",
             ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("agent", ["weather_external_agent", "weather_external_responses"])
+def test_the_program_asks_each_answer_within_the_tasks_max_output_tokens(registry, agent, tmp_path):
+    # Uncapped, the embedded policy's answers here run to 77-79 tokens; a real model's can run on to
+    # the end of its context (minutes a call on a CPU engine).
+    rows = _collect(registry, agent, tmp_path / "capped.jsonl", "--limit", "2", "max_output_tokens=24")
+    assert len(rows) == 2
+    for row in rows:
+        assert row["response"]["max_output_tokens"] == 24  # what the program's last request asked
+        turns = [item for item in row["response"]["output"] if "generation_token_ids" in item]
+        assert turns and all(0 < len(item["generation_token_ids"]) <= 24 for item in turns)
