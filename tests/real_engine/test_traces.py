@@ -24,6 +24,10 @@ pytestmark = pytest.mark.real_engine
 #: Seconds the engine may take to send its spans once the rollout is done (it sends in batches).
 SPANS_WITHIN = 120.0
 
+#: The answer's length does not matter here; uncapped, SmolLM2 can run on to the context's end
+#: (4,096 tokens, near three minutes on the CPU engine, which CI saw on one engine state).
+MAX_OUTPUT_TOKENS = "max_output_tokens=48"
+
 
 @pytest.fixture
 def traced(engine, engine_traces, tmp_path):
@@ -45,7 +49,7 @@ def test_vllm_continues_the_trace_of_the_rollout(tmp_path, traced):
     )
     try:
         output = tmp_path / "rollouts.jsonl"
-        args = collect_args(run, "weather_agent", WEATHER_TASKS, output, "--limit", "1")
+        args = collect_args(run, "weather_agent", WEATHER_TASKS, output, "--limit", "1", MAX_OUTPUT_TOKENS)
         done = subprocess.run(args, capture_output=True, text=True, timeout=3600, env=env)
         assert done.returncode == 0, done.stderr
     finally:
