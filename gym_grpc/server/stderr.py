@@ -10,8 +10,8 @@ out at once when it cannot block (nothing is waiting before it, it fits in one a
 and the descriptor has room for it): so a process's last words reach its log even when it dies the
 next instant (`os._exit`, a signal). Otherwise it waits on a bounded queue that a thread of its own
 writes out, blocking alone while the reader does. Past `CAPACITY` writes waiting, writes are dropped
-and counted, and once writing goes on a line says how many were lost. At exit the queue gets a
-moment to drain.
+and counted; the first write queued after them goes out behind a line saying how many were lost,
+where they went missing. At exit the queue gets a moment to drain.
 """
 
 from __future__ import annotations
@@ -37,12 +37,16 @@ class Stderr(io.TextIOBase):
 
     def __init__(self, fd: int = 2, capacity: int = CAPACITY) -> None:
         self._fd = fd
-        self._queue: queue.Queue[bytes] = queue.Queue(maxsize=capacity)
+        #: (writes dropped before this one was queued, the write): the count places a drop's note
+        #: where the lines went missing, not where the writer thread happened to notice it.
+        self._queue: queue.Queue[tuple[int, bytes]] = queue.Queue(maxsize=capacity)
         #: Held while writing to `fd`: by the writer thread, or by a write that cannot block.
         self._writing = threading.Lock()
+        #: Held while queueing or dropping, so that the counts in the queue only grow.
         self._counting = threading.Lock()
         #: Writes dropped since start (the queue was full).
         self.dropped = 0
+        #: Drops a note has told of; written under `_writing`.
         self._told = 0
         self._writer = threading.Thread(target=self._write_out, name="stderr writer", daemon=True)
         self._writer.start()
@@ -62,16 +66,20 @@ class Stderr(io.TextIOBase):
         """Write `data` as it is (a line another process wrote, say): now if that cannot block, else queued."""
         if len(data) <= select.PIPE_BUF and self._writing.acquire(blocking=False):
             try:
-                # unfinished_tasks: queued writes not written yet (they go first, in order).
-                if not self._queue.unfinished_tasks and select.select([], [self._fd], [], 0)[1]:
+                # Queued writes not written yet, and drops not told of yet, go first, in order.
+                if (
+                    not self._queue.unfinished_tasks
+                    and self.dropped == self._told
+                    and select.select([], [self._fd], [], 0)[1]
+                ):
                     _write_all(self._fd, data)  # room for PIPE_BUF bytes: one write, which does not block
                     return
             finally:
                 self._writing.release()
-        try:
-            self._queue.put_nowait(data)
-        except queue.Full:
-            with self._counting:
+        with self._counting:
+            try:
+                self._queue.put_nowait((self.dropped, data))
+            except queue.Full:
                 self.dropped += 1
 
     def flush(self) -> None:
@@ -85,11 +93,10 @@ class Stderr(io.TextIOBase):
 
     def _write_out(self) -> None:
         while True:
-            data = self._queue.get()
-            with self._counting:
-                lost, self._told = self.dropped - self._told, self.dropped
+            dropped, data = self._queue.get()
             with self._writing:
-                if lost:
+                if dropped > self._told:
+                    lost, self._told = dropped - self._told, dropped
                     note = f"[gym-grpc] {lost:,} log lines dropped: nobody read this process's stderr\n"
                     _write_all(self._fd, note.encode())
                 _write_all(self._fd, data)
