@@ -345,8 +345,8 @@ async def run(
                 pause = "keep" if mode == "async" else "wait"
                 await gym.update_weights(step + 1, str(checkpoint), MODEL, pause_mode=pause)
                 updated = time.monotonic() - t2
-                if step:
-                    shutil.rmtree(out / f"step-{step}", ignore_errors=True)
+                if step:  # the trainer's file work, off the loop thread that CpuMeter counts as gym-grpc's
+                    await asyncio.to_thread(shutil.rmtree, out / f"step-{step}", ignore_errors=True)
                 record = _record(step, groups, samples, stats)
                 record.update(
                     loss=round(loss["loss"], 5),
