@@ -132,16 +132,18 @@ def test_a_full_queue_drops_lines_counts_them_and_says_how_many_where_they_went_
         if reader.is_alive():
             reader.join(10)
         os.close(read)
-    told, gap, last = 0, 0, -1
+    told, gap, kept = 0, 0, [-1]
     for line in b"".join(chunks).replace(b"\0", b"").decode().splitlines():
         if note := re.fullmatch(r"\[gym-grpc\] ([\d,]+) log lines dropped: .+", line):
             gap = int(note[1].replace(",", ""))
             told += gap
             continue
         number = int(line.removeprefix("line "))
-        assert number == last + 1 + gap, f"{line!r} after line {last} and a note of {gap} dropped"
-        last, gap = number, 0
-    assert (last, told) == (1000, stream.dropped)
+        assert number == kept[-1] + 1 + gap, f"{line!r} after line {kept[-1]} and a note of {gap} dropped"
+        kept.append(number)
+        gap = 0
+    assert kept[1] == 0 and 999 not in kept  # the first lines wait in the queue; the last are dropped
+    assert (kept[-1], told) == (1000, stream.dropped)
 
 
 def _read_to_end(fd: int, chunks: list[bytes]) -> None:
