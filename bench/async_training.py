@@ -490,7 +490,7 @@ def main() -> None:
         engine_url = args.engine_url
     else:
         print("starting the local vLLM ...", file=sys.stderr)
-        engine = local_vllm.start(prepared)
+        engine = local_vllm.start(prepared, tied=True)
         engine_url, engine_pid = engine.base_url, engine.pid
     report = bench_real.report_head("bench/async_training.py", args, machine, load_start)
     report["settings"] = {

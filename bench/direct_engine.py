@@ -283,7 +283,7 @@ def main() -> None:
     prepared = local_vllm.prepare()
     machine = real_engine.versions(prepared)
     print("starting the local vLLM ...", file=sys.stderr)
-    engine = local_vllm.start(prepared)
+    engine = local_vllm.start(prepared, tied=True)
     report: dict[str, Any] = {"gym_grpc": [], "direct": []}
     loop = asyncio.new_event_loop()
     try:

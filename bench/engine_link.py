@@ -236,7 +236,7 @@ def main() -> None:
         engine_url, model = args.engine_url, args.engine_model
     else:
         print("starting the local vLLM ...", file=sys.stderr)
-        engine = local_vllm.start(prepared)
+        engine = local_vllm.start(prepared, tied=True)
         engine_url, model, args.engine_pid = engine.base_url, engine.model, engine.pid
     proxies = Proxies(engine_url)
     results: dict[str, dict[str, Any]] = {}

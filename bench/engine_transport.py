@@ -157,7 +157,7 @@ def main() -> None:
         )
     else:
         print("starting the local vLLM's HTTP and gRPC servers ...", file=sys.stderr)
-        started = [local_vllm.start(prepared), local_vllm.start(prepared, grpc=True)]
+        started = [local_vllm.start(prepared, tied=True), local_vllm.start(prepared, tied=True, grpc=True)]
         urls = {"http": started[0].base_url, "grpc": started[1].base_url}
         pids, model = {"http": started[0].pid, "grpc": started[1].pid}, started[0].model
     levels = [1, args.load_concurrency]

@@ -205,7 +205,7 @@ def main() -> None:
         engines, model = args.engine_urls.split(","), args.engine_model
     else:
         print("starting two local vLLMs ...", file=sys.stderr)
-        started = [local_vllm.start(prepared) for _ in range(2)]
+        started = [local_vllm.start(prepared, tied=True) for _ in range(2)]
         engines, model = [e.base_url for e in started], started[0].model
     runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
     try:

@@ -462,7 +462,7 @@ def main() -> None:
         engine_url, engine_pid, model = args.engine_url, args.engine_pid, args.engine_model
     else:
         print("starting the local vLLM ...", file=sys.stderr)
-        engine = local_vllm.start(prepared)
+        engine = local_vllm.start(prepared, tied=True)
         engine_url, engine_pid, model = engine.base_url, engine.pid, engine.model
     results = {}
     try:
