@@ -32,6 +32,7 @@ import asyncio
 import logging
 import multiprocessing
 import sys
+import time
 import traceback
 from collections import deque
 from collections.abc import Callable
@@ -105,6 +106,7 @@ class _Worker:
     conn: Connection
     ready: bool = False
     calls: deque[_Call] = field(default_factory=deque)  # sent, in order: the first is the one it runs
+    since: float = 0.0  # time.monotonic() when the check it runs began
 
 
 @dataclass(eq=False)
@@ -144,11 +146,8 @@ class _Workers:
             if call.future.done():  # its caller gave up while it waited
                 self.waiting.popleft()
                 continue
-            ready = [w for w in self.workers if w.ready]
-            if not ready:
-                return
-            worker = min(ready, key=lambda w: len(w.calls))
-            if worker.calls and (len(worker.calls) >= _DEPTH or len(call.message) > _QUEUED_BYTES):
+            worker = self._worker_for(call)
+            if worker is None:
                 return
             self.waiting.popleft()
             try:
@@ -157,7 +156,23 @@ class _Workers:
                 self.waiting.appendleft(call)
                 self._died(worker)
                 return
+            if not worker.calls:
+                worker.since = time.monotonic()
             worker.calls.append(call)
+
+    def _worker_for(self, call: _Call) -> _Worker | None:
+        """The worker to send `call` to now, or None: it waits in the pool.
+
+        An idle worker, if one is. Otherwise the call would wait in a busy worker's pipe, behind a
+        check that may run for long (a code_exec candidate, up to its time limit): that is done only
+        when no worker is still starting (it will serve soon, and a call queued behind a slow check
+        would miss it), for a call that fits the pipe, and behind the check that began last."""
+        ready = [w for w in self.workers if w.ready]
+        idle = next((w for w in ready if not w.calls), None)
+        if idle is not None or len(ready) < len(self.workers) or len(call.message) > _QUEUED_BYTES:
+            return idle
+        room = [w for w in ready if len(w.calls) < _DEPTH]
+        return max(room, key=lambda w: w.since, default=None)
 
     def _answered(self, worker: _Worker) -> None:
         try:
@@ -172,6 +187,7 @@ class _Workers:
             self._dispatch()
             return
         call = worker.calls.popleft()
+        worker.since = time.monotonic()  # the next call in its pipe, if any, begins now
         if not call.future.done():
             if reply[0]:
                 call.future.set_result(reply[1])

@@ -178,3 +178,64 @@ async def test_a_call_too_big_to_wait_in_a_busy_workers_pipe_waits_for_an_idle_w
     assert len(worker.calls) == 1 and len(pool._processes.waiting) == 2  # neither queued behind the sleep
     await running
     assert await big == 1_000_000 and await small == 10
+
+
+def wait_for_file(path: str, most_seconds: float = 60.0) -> bool:
+    """A check that runs until `path` exists (True), or `most_seconds` (False): a slow check the test ends."""
+    deadline = time.monotonic() + most_seconds
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+async def _first_done(*futures: asyncio.Future) -> asyncio.Future:
+    done, _ = await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
+    return next(iter(done))
+
+
+async def test_a_check_sent_while_a_worker_starts_waits_for_it_rather_than_behind_a_slow_check(tmp_path):
+    """Both checks come before either worker serves: the slow one goes to the first worker that is
+    ready, and the quick one waits for the second rather than in the first one's pipe behind it."""
+    pool = CpuPool("t", workers=2)
+    await pool.start()
+    release = str(tmp_path / "release")
+    try:
+        slow = asyncio.ensure_future(pool.run(wait_for_file, release))
+        quick = asyncio.ensure_future(pool.run(where_and_square, 3))
+        assert await _first_done(slow, quick) is quick  # the slow one would give up after 60 s
+        assert quick.result()[1] == 9
+        touch(release)
+        assert await slow is True
+    finally:
+        touch(release)
+        pool.close()
+
+
+async def test_a_check_queued_behind_a_busy_worker_goes_behind_the_one_that_began_last(tmp_path):
+    """With every worker busy, a check waits in the pipe of the worker whose check began last: not
+    behind one that has been running for long."""
+    pool = CpuPool("t", workers=2)
+    await pool.start()
+    long_release, short_release = str(tmp_path / "long"), str(tmp_path / "short")
+    try:
+        await asyncio.gather(*(pool.run(where_and_square, i) for i in range(4)))
+        while not all(worker.ready for worker in pool._processes.workers):
+            await asyncio.sleep(0.01)
+        slow = asyncio.ensure_future(pool.run(wait_for_file, long_release))
+        await asyncio.sleep(0)  # sent to one worker
+        short = asyncio.ensure_future(pool.run(wait_for_file, short_release))
+        await asyncio.sleep(0)  # sent to the other: both busy
+        after = asyncio.ensure_future(pool.run(where_and_square, 4))
+        await asyncio.sleep(0)
+        assert not pool._processes.waiting  # queued in a worker's pipe, not in the pool
+        touch(short_release)
+        assert await _first_done(slow, after) is after
+        assert after.result()[1] == 16 and await short is True
+        touch(long_release)
+        assert await slow is True
+    finally:
+        touch(long_release)
+        touch(short_release)
+        pool.close()
