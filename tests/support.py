@@ -85,9 +85,10 @@ def alive(pid: int) -> bool:
     """Whether process `pid` runs (a zombie has ended)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (ProcessLookupError, FileNotFoundError):  # gone, or reaped between the two
         return False
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    return stat.rpartition(")")[2].split()[0] != "Z"  # the state follows the command name, which may hold spaces
 
 
 def tool(name: str) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from gym_grpc.testing import calculator_task as task
 from gym_grpc.testing.fake_engine import IM_END, IM_START, Turn, encode
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
+from tests.support import alive
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "example_agent.py"
 
@@ -194,14 +194,6 @@ time.sleep(600)
 """
 
 
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-
-
 async def test_a_program_that_hangs_is_stopped_with_what_it_started_and_the_rollout_fails(start, tmp_path):
     pids = tmp_path / "pids"
     with pytest.raises(errors.GymError) as failed:
@@ -211,7 +203,7 @@ async def test_a_program_that_hangs_is_stopped_with_what_it_started_and_the_roll
     assert failed.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "was still running after 5 s" in failed.value.message
     program, child = map(int, pids.read_text().split())
-    assert not _running(program) and not _running(child)
+    assert not alive(program) and not alive(child)
 
 
 LEAVES_A_CHILD = """
@@ -232,7 +224,7 @@ async def test_a_program_that_exits_leaving_a_child_behind_ends_its_rollout_and_
         start, ScriptedModel([say("It is 5.")]), program, timeout_seconds=60, env={"PIDS_FILE": str(pids)}
     )
     assert rollout.reward == 1.0
-    assert not _running(int(pids.read_text()))
+    assert not alive(int(pids.read_text()))
 
 
 async def test_a_program_that_never_calls_the_model_fails_the_rollout(start, tmp_path):
