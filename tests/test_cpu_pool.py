@@ -220,7 +220,6 @@ async def test_a_check_queued_behind_a_busy_worker_goes_behind_the_one_that_bega
     await pool.start()
     long_release, short_release = str(tmp_path / "long"), str(tmp_path / "short")
     try:
-        await asyncio.gather(*(pool.run(where_and_square, i) for i in range(4)))
         while not all(worker.ready for worker in pool._processes.workers):
             await asyncio.sleep(0.01)
         slow = asyncio.ensure_future(pool.run(wait_for_file, long_release))
