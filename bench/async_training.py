@@ -35,8 +35,9 @@ Per step: mean reward of the batch trained, the policy versions its tokens came 
 stale samples (more than max_lag behind: masked), seconds waiting for the batch, in the optimizer, and
 in the update. Per run: wall time, the engine's idle fraction (its /metrics sampled every 0.1 s:
 no request running or waiting), and what the training loop's gym-grpc part costs (CpuMeter): the CPU
-seconds of the `gym-grpc run` process tree and of the trainer's event-loop thread (GymClient and
-gym_grpc.training), as a share of the engine's CPU, of all the run's CPU, and of its wall time. Each
+seconds of the `gym-grpc run` process tree and of gym-grpc's threads in the trainer (the event loop,
+with GymClient and gym_grpc.training, and gRPC's own), as a share of the engine's CPU, of all the
+run's CPU, and of its wall time. Each
 run's stack is new, and warmed up with one step's worth of rollouts before it is measured: a stack's
 first rollouts cost it more than later ones, once per stack (its cost is reported apart, stack_warm_up).
 A third mode, collect, is the baseline of that cost: the same steps' rollouts with no trainer.
@@ -160,9 +161,9 @@ class Trainer:
 class EngineIdle:
     """The engine's idle fraction: its /metrics sampled every 0.1 s, idle when nothing runs or waits.
 
-    Sampled from a thread of its own, not from the event loop: the loop thread's CPU is what
-    CpuMeter counts as gym-grpc's side of the trainer, and ten wake-ups a second with a thread hop
-    each were most of it (0.23 of its 0.9 s over a 4-step run, in a yappi profile of that thread)."""
+    Sampled from a thread of its own, not from the event loop, whose CPU CpuMeter counts as
+    gym-grpc's: there, ten wake-ups a second with a thread hop each were most of the loop's CPU (0.23
+    of its 0.9 s over a 4-step run, in a yappi profile of that thread)."""
 
     def __init__(self, engine_url: str) -> None:
         self.url = f"{engine_url.removesuffix('/v1')}/metrics"
@@ -232,11 +233,40 @@ def _record(step: int, groups: list[list[RolloutResult]], samples: list[training
     }
 
 
+# The names gRPC's C core gives its threads (as /proc shows them): its event engine's workers, the
+# lifeguard that watches them, and the timer thread.
+GRPC_CORE_THREADS = {"event_engine", "lifeguard", "grpc_global_tim"}
+
+
+def gym_grpc_threads_cpu() -> tuple[float, float]:
+    """CPU seconds of this process's live threads that do gym-grpc's work: the main thread (the event
+    loop, with GymClient and gym_grpc.training), then gRPC's threads (its C core's, and grpc.aio's
+    completion-queue poller, a Python thread running `_poll_wrapper`). Not the trainer's: the
+    optimizer and the checkpoints run in worker threads, and torch has threads of its own. A pool
+    thread that gRPC ended is missed (its CPU is the process's, no longer a thread's); the reserve
+    the pool keeps does not end."""
+    main = threading.main_thread().native_id
+    poller = {t.native_id for t in threading.enumerate() if "_poll_wrapper" in t.name}
+    loop_ns = grpc_ns = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+            ran = int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[0])
+        except OSError:  # the thread ended
+            continue
+        if int(tid) == main:
+            loop_ns += ran
+        elif int(tid) in poller or name in GRPC_CORE_THREADS:
+            grpc_ns += ran
+    return loop_ns / 1e9, grpc_ns / 1e9
+
+
 class CpuMeter:
     """The CPU seconds of gym-grpc's own work in a run, beside the engine's and the trainer's: the
-    `gym-grpc run` process tree (supervisor and servers), the trainer's event-loop thread (GymClient
-    and turning results into samples, gym_grpc.training: gym-grpc's side of the trainer), the
-    trainer's whole process (with the optimizer's threads) and the engine's process tree."""
+    `gym-grpc run` process tree (supervisor and servers), gym-grpc's threads in the trainer process
+    (gym_grpc_threads_cpu: gym_grpc_in_trainer, of which gym_grpc_in_trainer_grpc_threads are
+    gRPC's), the trainer's whole process (with the optimizer's threads) and the engine's process
+    tree."""
 
     def __init__(self, stack_pid: int, engine_pid: int | None) -> None:
         self.stack_pid, self.engine_pid = stack_pid, engine_pid
@@ -244,9 +274,11 @@ class CpuMeter:
 
     def _read(self) -> dict[str, float]:
         tree = bench_real._tree_cpu
+        loop, grpc_threads = gym_grpc_threads_cpu()
         return {
             "gym_grpc_servers": sum(tree(self.stack_pid).values()),
-            "gym_grpc_client_thread": time.thread_time(),
+            "gym_grpc_in_trainer": loop + grpc_threads,
+            "gym_grpc_in_trainer_grpc_threads": grpc_threads,
             "trainer_process": time.process_time(),
             "engine": sum(tree(self.engine_pid).values()) if self.engine_pid else 0.0,
         }
@@ -254,7 +286,7 @@ class CpuMeter:
     def report(self, wall: float, steps: int) -> dict[str, Any]:
         end = self._read()
         used = {key: round(end[key] - self.start[key], 2) for key in end}
-        gym = used["gym_grpc_servers"] + used["gym_grpc_client_thread"]
+        gym = used["gym_grpc_servers"] + used["gym_grpc_in_trainer"]
         return {
             "cpu_seconds": used | {"gym_grpc_total": round(gym, 2)},
             "gym_grpc_cpu_seconds_per_step": round(gym / steps, 3),
