@@ -37,9 +37,9 @@ in the update. Per run: wall time, the engine's idle fraction (its /metrics samp
 no request running or waiting), and what the training loop's gym-grpc part costs (CpuMeter): the CPU
 seconds of the `gym-grpc run` process tree and of gym-grpc's threads in the trainer (the event loop,
 with GymClient and gym_grpc.training, and gRPC's own), as a share of the engine's CPU, of all the
-run's CPU, and of its wall time. Each
-run's stack is new, and warmed up with one step's worth of rollouts before it is measured: a stack's
-first rollouts cost it more than later ones, once per stack (its cost is reported apart, stack_warm_up).
+run's CPU, and of its wall time. Each run's stack is new, and warmed up with one step's worth of
+rollouts before it is measured: a stack's first rollouts cost it more than later ones, once per stack
+(its cost is reported apart, stack_warm_up).
 A third mode, collect, is the baseline of that cost: the same steps' rollouts with no trainer.
 """
 
