@@ -41,12 +41,16 @@ run's CPU, and of its wall time. Each run's stack is new, and warmed up with one
 rollouts before it is measured: a stack's first rollouts cost it more than later ones, once per stack
 (its cost is reported apart, stack_warm_up).
 A third mode, collect, is the baseline of that cost: the same steps' rollouts with no trainer.
+`--repeats N` runs the modes N times in turn and reports each mode's median run with every run's
+totals beside it: the engine's CPU, which the share is of, moves by a tenth from run to run.
+`--group-workers` sets the stack's worker processes (auto: one per core).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import importlib.util
 import json
 import os
@@ -448,22 +452,40 @@ async def warm_up(args: argparse.Namespace, stack: GymRun, engine_pid: int | Non
 async def runs(
     args: argparse.Namespace, config: Path, engine_url: str, engine_pid: int | None, model_dir: Path, tmp: Path
 ) -> dict[str, Any]:
-    """Each mode's run, on one event loop (gRPC's completion queue outlives a loop: a second asyncio.run
-    in one process gets the first one's late events), each with a `gym-grpc run` of its own, whose
-    model server serves no version yet."""
-    results: dict[str, Any] = {}
-    for mode in args.modes.split(","):
-        stack = await asyncio.to_thread(GymRun.start, config)
-        try:
-            warm = await warm_up(args, stack, engine_pid)
-            if mode == "collect":
-                results[mode] = await collect_only(args, stack, engine_pid)
-            else:
-                results[mode] = await run(mode, args, stack, engine_url, engine_pid, model_dir, tmp)
-            results[mode]["stack_warm_up"] = warm
-        finally:
-            await asyncio.to_thread(stack.stop)
-    return results
+    """Each mode's runs, `--repeats` rounds of the modes in turn, on one event loop (gRPC's completion
+    queue outlives a loop: a second asyncio.run in one process gets the first one's late events), each
+    with a `gym-grpc run` of its own, whose model server serves no version yet; per mode, its median
+    run (median_run)."""
+    results: dict[str, list[dict[str, Any]]] = {}
+    for _ in range(args.repeats):
+        for mode in args.modes.split(","):
+            stack = await asyncio.to_thread(GymRun.start, config)
+            try:
+                warm = await warm_up(args, stack, engine_pid)
+                if mode == "collect":
+                    one = await collect_only(args, stack, engine_pid)
+                else:
+                    one = await run(mode, args, stack, engine_url, engine_pid, model_dir, tmp)
+                one["stack_warm_up"] = warm
+                results.setdefault(mode, []).append(one)
+            finally:
+                await asyncio.to_thread(stack.stop)
+            # The run's garbage (a trainer's model and optimizer) is freed now, not by a collection that
+            # would fall in the next run, on the loop thread CpuMeter counts as gym-grpc's.
+            gc.collect()
+    return {mode: median_run(done) for mode, done in results.items()}
+
+
+def median_run(done: list[dict[str, Any]]) -> dict[str, Any]:
+    """Of one mode's runs, the one of median gym-grpc share of the engine's CPU (the lower of the two middle
+    ones for an even count), and beside it, when there are several, every run's totals (`runs`, in the
+    order run): the engine's CPU, the share's denominator, moves from run to run on a shared machine."""
+    if len(done) == 1:
+        return done[0]
+    ordered = sorted(done, key=lambda one: one["gym_grpc_cpu_share_of_engine"] or 0.0)
+    median = dict(ordered[(len(ordered) - 1) // 2])
+    median["runs"] = [{key: value for key, value in one.items() if key != "steps"} for one in done]
+    return median
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -487,6 +509,15 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def group_workers(value: str) -> int | str:
+    """--group-workers: auto, or a number of worker processes (1 or more)."""
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: give auto or a number of processes, 1 or more")
+    return int(value)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -503,12 +534,23 @@ def main() -> None:
     )
     parser.add_argument("--engine-url", help="a running local vLLM in dev mode (its /v1 URL) instead of starting one")
     parser.add_argument("--engine-pid", type=int, help="with --engine-url: its pid, for the engine's CPU")
+    parser.add_argument(
+        "--group-workers",
+        type=group_workers,
+        default="auto",
+        help="the stack's group_workers (its worker processes): auto (one per core) or a number",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="rounds of the modes; each mode's median run is reported"
+    )
     parser.add_argument("--smoke", action="store_true", help="2 steps of 2 groups of 4; results in a temp dir")
     parser.add_argument("--name", default="async_training", help="results file name")
     args = parser.parse_args()
     unknown = set(args.modes.split(",")) - {"async", "sync", "collect"}
     if unknown:
         parser.error(f"--modes: no mode {', '.join(sorted(unknown))} (async, sync, collect)")
+    if args.repeats < 1:
+        parser.error(f"--repeats: {args.repeats} rounds; give 1 or more")
     if args.smoke:
         args.steps, args.groups, args.group_size = 2, 2, 4
     from gym_grpc.engines import local_vllm
@@ -534,6 +576,8 @@ def main() -> None:
         "clip": args.clip,
         "max_lag": args.max_lag,
         "seed": args.seed,
+        "group_workers": args.group_workers,
+        "repeats": args.repeats,
     }
     try:
         with tempfile.TemporaryDirectory() as directory:
@@ -552,6 +596,7 @@ def main() -> None:
                     }
                 },
                 {AGENT: (MODEL, 1)},
+                group_workers=args.group_workers,
             )
             report.update(asyncio.run(runs(args, config, engine_url, engine_pid, prepared.model_dir, tmp)))
     finally:

@@ -118,11 +118,17 @@ def tito_available() -> bool:
 
 
 def write_stack(
-    directory: Path, name: str, resources: tuple[str, str], models: dict[str, dict], agents: dict[str, tuple[str, int]]
+    directory: Path,
+    name: str,
+    resources: tuple[str, str],
+    models: dict[str, dict],
+    agents: dict[str, tuple[str, int]],
+    group_workers: int | str = "auto",
 ) -> Path:
     """A `gym-grpc run` config in directory/<name>.yaml (JSON, which is YAML): the resources server (its
     name, its entrypoint under servers/resources), a vllm_model server per entry of `models` (name: its
-    config) and a simple agent per entry of `agents` (name: its model server and max_steps)."""
+    config) and a simple agent per entry of `agents` (name: its model server and max_steps), grouped in
+    `group_workers` worker processes."""
     servers: dict[str, Any] = {resources[0]: {"entrypoint": f"{REPO}/servers/resources/{resources[1]}"}}
     for model, config in models.items():
         servers[model] = {
@@ -135,7 +141,7 @@ def write_stack(
             "config": {"model_server": model, "resources_server": resources[0], "max_steps": steps},
         }
     file = directory / f"{name}.yaml"
-    file.write_text(json.dumps({"registry": {"port": 0}, "servers": servers}))
+    file.write_text(json.dumps({"registry": {"port": 0}, "group_workers": group_workers, "servers": servers}))
     return file
 
 
