@@ -470,9 +470,12 @@ async def runs(
                 results.setdefault(mode, []).append(one)
             finally:
                 await asyncio.to_thread(stack.stop)
-            # The run's garbage (a trainer's model and optimizer) is freed now, not by a collection that
-            # would fall in the next run, on the loop thread CpuMeter counts as gym-grpc's.
+            # The run's garbage (a trainer's model and optimizer) is freed now, and what is left (torch's and
+            # transformers' half a million objects) kept out of later collections, as gym-grpc's own
+            # processes keep theirs: otherwise a full collection of them (0.2 CPU s on an idle machine)
+            # can fall in a later run, on the loop thread CpuMeter counts as gym-grpc's.
             gc.collect()
+            gc.freeze()
     return {mode: median_run(done) for mode, done in results.items()}
 
 
