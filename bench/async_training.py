@@ -472,8 +472,9 @@ async def runs(
                 await asyncio.to_thread(stack.stop)
             # The run's garbage (a trainer's model and optimizer) is freed now, and what is left (torch's and
             # transformers' half a million objects) kept out of later collections, as gym-grpc's own
-            # processes keep theirs: otherwise a full collection of them (0.2 CPU s on an idle machine)
-            # can fall in a later run, on the loop thread CpuMeter counts as gym-grpc's.
+            # processes keep theirs: a full collection of them (0.2 CPU s on an idle machine) would fall
+            # in a later run, on the loop thread CpuMeter counts as gym-grpc's. (The 0.4-0.5 CPU s that
+            # one run in three still shows there is protobuf's malloc_trim: docs/training.md.)
             gc.collect()
             gc.freeze()
     return {mode: median_run(done) for mode, done in results.items()}
