@@ -75,6 +75,7 @@ _spec.loader.exec_module(bench_real)
 
 from gym_grpc import training  # noqa: E402
 from gym_grpc.client import GymClient, RolloutResult  # noqa: E402
+from gym_grpc.engines.local_vllm.process import die_with_parent  # noqa: E402
 from gym_grpc.rpc.registry import Registry  # noqa: E402
 from gym_grpc.testing.processes import GymRun  # noqa: E402
 
@@ -459,7 +460,10 @@ async def runs(
     results: dict[str, list[dict[str, Any]]] = {}
     for _ in range(args.repeats):
         for mode in args.modes.split(","):
-            stack = await asyncio.to_thread(GymRun.start, config)
+            # Started from the main thread and tied to it (PR_SET_PDEATHSIG, which follows the thread that
+            # started the child): a benchmark killed by SIGTERM, when no finally runs, takes its stack
+            # with it, as it takes its engine. The loop waits the stack's few seconds of start-up.
+            stack = GymRun.start(config, preexec_fn=die_with_parent if sys.platform == "linux" else None)
             try:
                 warm = await warm_up(args, stack, engine_pid)
                 if mode == "collect":
