@@ -66,6 +66,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pydantic
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -76,6 +78,7 @@ _spec.loader.exec_module(bench_real)
 from gym_grpc import training  # noqa: E402
 from gym_grpc.client import GymClient, RolloutResult  # noqa: E402
 from gym_grpc.engines.local_vllm.process import die_with_parent  # noqa: E402
+from gym_grpc.launch.config import GymConfig  # noqa: E402
 from gym_grpc.rpc.registry import Registry  # noqa: E402
 from gym_grpc.testing.processes import GymRun  # noqa: E402
 
@@ -518,12 +521,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 def group_workers(value: str) -> int | str:
-    """--group-workers: auto, or a number of worker processes (1 or more)."""
-    if value == "auto":
-        return value
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"{value!r}: give auto or a number of processes, 1 or more")
-    return int(value)
+    """--group-workers, as a configuration's `group_workers` takes it (GymConfig's rule and message)."""
+    try:
+        return GymConfig.model_validate({"servers": {}, "group_workers": value}).group_workers
+    except pydantic.ValidationError as e:
+        raise argparse.ArgumentTypeError("; ".join(error["msg"] for error in e.errors())) from None
 
 
 def main() -> None:
