@@ -18,9 +18,11 @@ from tests.support import (
     alive,
     collect_args,
     cpu_ticks,
+    descendants,
     grpcurl,
     gym,
     listening_pids,
+    one_server_config,
     read_rows,
     run_status,
     start_run,
@@ -348,6 +350,35 @@ def test_ctrl_c_at_once_after_the_ready_line_stops_every_server_in_order():
         assert run.stop() == 0, run.log()[-2000:]
         assert "Aborted!" not in run.log()
         assert not [pid for pid in pids if alive(pid)]
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_a_server_is_starting_stops_the_run_and_the_server_at_once(tmp_path):
+    """A server whose start does not end (a model loading for minutes, an engine that does not answer)
+    kept `gym-grpc run` deaf to Ctrl-C until its start-up time-out (120 s), and then its process deaf
+    to the SIGTERM that stops it, until killed after the grace period (15 s)."""
+    started = tmp_path / "started"
+    config = one_server_config(
+        tmp_path, "hanging", "tests/programs/hanging_env.py:HangingEnv", {"started_file": str(started)}
+    )
+    run = subprocess.Popen(
+        [tool("gym-grpc"), "run", str(config), "--registry", "127.0.0.1:0"], stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 120  # a bound on a hang, not a timing claim
+        while not started.exists():  # the server's process waits in its start
+            assert run.poll() is None and time.monotonic() < deadline, "the server's start never began"
+            time.sleep(0.05)
+        workers = descendants(run.pid)
+        run.send_signal(signal.SIGINT)
+        _, said = run.communicate(timeout=120)
+        assert run.returncode == 128 + signal.SIGINT, said
+        assert "stopped before every server was ready" in said
+        assert "did not stop in time" not in said  # the server's process stopped when told to
+        assert [pid for pid in workers if alive(pid)] == []
+    finally:
+        run.kill()
+        run.wait()
 
 
 @pytest.mark.slow

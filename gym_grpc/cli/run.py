@@ -16,6 +16,7 @@ from gym_grpc.launch.config import GymConfig, dump_config, load_config
 from gym_grpc.launch.ray_runner import RayRunner
 from gym_grpc.launch.ray_runner import describe as describe_ray
 from gym_grpc.launch.runner import Runner, describe
+from gym_grpc.rpc import event_loop
 from gym_grpc.server import stderr
 
 
@@ -24,13 +25,23 @@ async def _serve(config: GymConfig, grace: float, ready_json: bool) -> int:
     # Ctrl-C (or SIGTERM) from now on stops the servers in order: one that came between the ready line
     # and a handler installed after it was a KeyboardInterrupt, "Aborted!", and servers left behind.
     stop = asyncio.Event()
+    received: list[int] = []
+
+    def on_signal(sig: int) -> None:
+        received.append(sig)
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     runner: Runner | RayRunner = (
         RayRunner(config, grace=grace) if config.ray is not None else Runner(config, grace=grace)
     )
-    await runner.start()
+    # A signal while the servers start (one may take minutes, or hang) stops the start: cancelled, the
+    # runner stops what it started, as it does past its start-up time-out.
+    if await event_loop.stopped_first(runner.start(), stop):
+        click.echo("stopped before every server was ready", err=True)
+        return 128 + received[0]
     table = describe_ray(runner, started) if isinstance(runner, RayRunner) else describe(runner, started)
     if ready_json:
         click.echo(table, err=True)

@@ -1,5 +1,5 @@
 """The event loop every gym-grpc process runs on: uvloop when it is installed, else asyncio's,
-and the garbage collector's settings for a long-running server.
+the garbage collector's settings for a long-running server, and a start that a signal stops.
 
 uvloop (libuv) runs asyncio's callbacks, timers and sockets in C; grpc.aio
 works on it, and so does aiohttp. A server process spends much of its CPU
@@ -11,9 +11,10 @@ loop out when something misbehaves).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -55,3 +56,22 @@ def run(coroutine: Coroutine[Any, Any, T]) -> T:
 
         return uvloop.run(coroutine)
     return asyncio.run(coroutine)
+
+
+async def stopped_first(work: Awaitable[None], stop: asyncio.Event) -> bool:
+    """Await `work` unless `stop` is set first: then cancel it, wait for its own clean-up (an
+    `except`/`finally` of its that stops what it started), and return True. For a process's start,
+    which may take minutes or hang, so that Ctrl-C or SIGTERM stops it then too."""
+    working = asyncio.ensure_future(work)
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({working, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if working.done():
+        working.result()  # its exception, if it failed
+        return False
+    working.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await working
+    return True

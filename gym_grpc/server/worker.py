@@ -69,7 +69,8 @@ async def _serve(apps: list[GymServer], specs: list[dict[str, Any]], security: S
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     running: list[Running] = []
-    try:
+
+    async def start() -> None:
         for app, spec in zip(apps, specs, strict=True):
             running.append(
                 await serve(
@@ -81,6 +82,12 @@ async def _serve(apps: list[GymServer], specs: list[dict[str, Any]], security: S
                     metrics_port=spec.get("metrics_port"),
                 )
             )
+
+    try:
+        # The parent stops a worker whose start takes too long, or that it is asked to stop meanwhile.
+        if await event_loop.stopped_first(start(), stop):
+            log.info("stopped before it served")
+            return
         local = {r.app.name: r.in_process for r in running} if len(running) > 1 else {}
         for app in apps:
             app.registry.in_process.update(local)
