@@ -75,7 +75,11 @@ class GymRun:
             preexec_fn=preexec_fn,
         )
         assert process.stdout is not None
-        line = process.stdout.readline()  # the runner's own start-up time-out bounds the wait
+        try:
+            line = process.stdout.readline()  # the runner's own start-up time-out bounds the wait
+        except BaseException:  # Ctrl-C, or SystemExit from a signal handler: no caller will stop this run
+            with cls(process, {}, stderr):  # so it is stopped here, and its log removed, on the way out
+                raise
         if not line:
             code = process.wait(timeout=STOP_TIMEOUT_SECONDS)
             stderr.seek(0)
