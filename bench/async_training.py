@@ -77,7 +77,6 @@ _spec.loader.exec_module(bench_real)
 
 from gym_grpc import training  # noqa: E402
 from gym_grpc.client import GymClient, RolloutResult  # noqa: E402
-from gym_grpc.engines.local_vllm.process import die_with_parent  # noqa: E402
 from gym_grpc.launch.config import GymConfig  # noqa: E402
 from gym_grpc.rpc.registry import Registry  # noqa: E402
 from gym_grpc.testing.processes import GymRun  # noqa: E402
@@ -463,10 +462,10 @@ async def runs(
     results: dict[str, list[dict[str, Any]]] = {}
     for _ in range(args.repeats):
         for mode in args.modes.split(","):
-            # Started from the main thread and tied to it (PR_SET_PDEATHSIG, which follows the thread that
-            # started the child): a benchmark killed by SIGTERM, when no finally runs, takes its stack
-            # with it, as it takes its engine. The loop waits the stack's few seconds of start-up.
-            stack = GymRun.start(config, preexec_fn=die_with_parent if sys.platform == "linux" else None)
+            # Started from the main thread and tied to it (bench_run.TIED follows the thread that started the
+            # child): a benchmark killed, even by SIGKILL, takes its stack with it, as it takes its engine.
+            # The loop waits the stack's few seconds of start-up.
+            stack = GymRun.start(config, preexec_fn=bench_real.bench_run.TIED)
             try:
                 warm = await warm_up(args, stack, engine_pid)
                 if mode == "collect":
@@ -493,8 +492,7 @@ def median_run(done: list[dict[str, Any]]) -> dict[str, Any]:
     order run): the engine's CPU, the share's denominator, moves from run to run on a shared machine."""
     if len(done) == 1:
         return done[0]
-    ordered = sorted(done, key=lambda one: one["gym_grpc_cpu_share_of_engine"] or 0.0)
-    median = dict(ordered[(len(ordered) - 1) // 2])
+    median = bench_real.bench_run.median_run(done, lambda one: one["gym_grpc_cpu_share_of_engine"] or 0.0)
     median["runs"] = [{key: value for key, value in one.items() if key != "steps"} for one in done]
     return median
 
@@ -556,6 +554,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="2 steps of 2 groups of 4; results in a temp dir")
     parser.add_argument("--name", default="async_training", help="results file name")
     args = parser.parse_args()
+    bench_real.bench_run.stop_on_termination()
     unknown = set(args.modes.split(",")) - {"async", "sync", "collect"}
     if unknown:
         parser.error(f"--modes: no mode {', '.join(sorted(unknown))} (async, sync, collect)")

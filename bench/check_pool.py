@@ -129,6 +129,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="200 calls, 1 round, results in a temp dir")
     args = parser.parse_args()
+    bench_run.stop_on_termination()
     if args.smoke:
         args.calls, args.rounds = 200, 1
     import uvloop

@@ -275,6 +275,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="8 rollouts, one round; results in a temp dir")
     parser.add_argument("--name", default="direct_engine", help="results file name")
     args = parser.parse_args()
+    bench_run.stop_on_termination()
     if args.smoke:
         args.rollouts, args.concurrency, args.rounds = 8, 4, 1
     from gym_grpc.engines import local_vllm

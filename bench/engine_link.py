@@ -223,6 +223,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="2 rollouts, T = 2 and 4; results in a temp dir")
     parser.add_argument("--name", default="engine_link", help="results file name")
     args = parser.parse_args()
+    bench_run.stop_on_termination()
     if args.smoke:
         args.rollouts, args.turns = 2, "2,4"
     turns = [int(t) for t in args.turns.split(",")]

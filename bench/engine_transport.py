@@ -141,6 +141,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="2 rollouts a cell, 1 repeat; results in a temp dir")
     parser.add_argument("--name", default="engine_transport", help="results file name")
     args = parser.parse_args()
+    bench_run.stop_on_termination()
     if args.smoke:
         args.rollouts, args.repeats = 2, 1
     from gym_grpc.engines import local_vllm

@@ -426,7 +426,7 @@ def _log_tail(path: Path) -> str:
 def _median_run(measured: list[dict]) -> dict:
     """The run of median rate (steady state's) among repeats (the lower middle of an even count),
     with every repeat's rates beside it and the failures of all of them."""
-    row = dict(sorted(measured, key=_rate)[(len(measured) - 1) // 2])
+    row = bench.median_run(measured, _rate)
     row["failed"] = sum(run["failed"] for run in measured)
     row["rollouts_per_second_each"] = [run["rollouts_per_second"] for run in measured]
     row["steady_rollouts_per_second_each"] = [run.get("steady_rollouts_per_second") for run in measured]

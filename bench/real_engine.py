@@ -449,6 +449,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="10 rollouts per path; results in a temp dir")
     parser.add_argument("--name", default="real_engine", help="results file name")
     args = parser.parse_args()
+    bench_run.stop_on_termination()
     if args.smoke:
         args.rollouts, args.concurrency = 10, 8
     paths = args.paths.split(",")

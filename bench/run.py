@@ -50,15 +50,18 @@ import os
 import platform
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
+from gym_grpc.engines.local_vllm.process import die_with_parent
 from gym_grpc.testing.processes import GymRun
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,6 +74,33 @@ WEATHER_ROWS = [json.loads(line) for line in (REPO / "servers/resources/weather/
 
 def _gym() -> str:
     return shutil.which("gym-grpc", path=str(BIN)) or "gym-grpc"
+
+
+#: For `preexec_fn` of every process a benchmark starts: it gets SIGTERM when the benchmark dies,
+#: even by SIGKILL, when no `finally` stops it (Linux's PR_SET_PDEATHSIG). It follows the thread
+#: that started the child, so children are started from the main thread.
+TIED = die_with_parent if sys.platform == "linux" else None
+
+
+def stop_on_termination() -> None:
+    """Make SIGTERM and SIGHUP end the benchmark as Ctrl-C does, by an exception, so that each
+    `finally` stops what it started (stacks, engines, NeMo Gym, a Ray cluster) and removes its
+    temporary files. A second signal ends the process at once, as it would have the first time."""
+
+    def stop(signum: int, frame: object) -> None:
+        for each in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(each, signal.SIG_DFL)
+        raise SystemExit(128 + signum)
+
+    for each in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(each, stop)
+
+
+def median_run(runs: list[dict], key: Callable[[dict], float]) -> dict:
+    """Of a measurement repeated, the run of median `key` (the lower of the two middle ones for an
+    even count), copied, so that figures of every run can be set beside it: the run stands for the
+    repeats, so that its figures agree with one another, as a median of each figure's would not."""
+    return dict(sorted(runs, key=key)[(len(runs) - 1) // 2])
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -140,7 +170,7 @@ class InstantEngine:
         port_file = directory / "engine_port"
         port_file.unlink(missing_ok=True)
         self.process = subprocess.Popen(
-            [sys.executable, str(REPO / "bench/instant_engine.py"), str(port_file), str(latency)]
+            [sys.executable, str(REPO / "bench/instant_engine.py"), str(port_file), str(latency)], preexec_fn=TIED
         )
         while not port_file.exists() or not port_file.read_text():
             time.sleep(0.05)
@@ -159,7 +189,7 @@ class Stack:
 
     def __init__(self, config: Path, *overrides: str) -> None:
         started = time.monotonic()
-        self.run = GymRun.start(config, *overrides)
+        self.run = GymRun.start(config, *overrides, preexec_fn=TIED)
         self.ready_seconds = time.monotonic() - started
         self.registry = self.run.registry
         self.servers = self.run.servers
@@ -220,8 +250,13 @@ class Measured:
 def run_measured(args: list[str]) -> Measured:
     """Run a command to the end; wait4 gives its CPU time and peak RSS."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        process = subprocess.Popen(args, stdout=out, stderr=err)
-        _, status, usage = os.wait4(process.pid, 0)
+        process = subprocess.Popen(args, stdout=out, stderr=err, preexec_fn=TIED)
+        try:
+            _, status, usage = os.wait4(process.pid, 0)
+        except BaseException:  # the benchmark is stopping (stop_on_termination, Ctrl-C): the command too
+            process.kill()
+            process.wait()
+            raise
         process.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
@@ -280,7 +315,9 @@ def bench_raw(calls: int, windows: list[int], payload: str = "rollout") -> list[
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         port_file = Path(tmp) / "port"
-        server = subprocess.Popen([sys.executable, str(REPO / "bench/raw_echo.py"), "server", str(port_file), payload])
+        server = subprocess.Popen(
+            [sys.executable, str(REPO / "bench/raw_echo.py"), "server", str(port_file), payload], preexec_fn=TIED
+        )
         try:
             while not port_file.exists() or not port_file.read_text():
                 time.sleep(0.05)
@@ -402,7 +439,9 @@ class CpuHogs:
     """Busy processes that keep the machine loaded while a scenario runs."""
 
     def __init__(self, count: int) -> None:
-        self.processes = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+        self.processes = [
+            subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=TIED) for _ in range(count)
+        ]
 
     def stop(self) -> None:
         for process in self.processes:
@@ -677,7 +716,7 @@ def bench_replicas(tmp: Path, counts: list[int], rollouts: int, window: int, wat
                     }
                     tries.append(row)
                 # The run with the median rate stands for the configuration; every rate is kept.
-                row = sorted(tries, key=lambda x: x["rollouts_per_second"])[len(tries) // 2]
+                row = median_run(tries, key=lambda x: x["rollouts_per_second"])
                 row["rollouts_per_second_runs"] = [x["rollouts_per_second"] for x in tries]
                 row["failed"] = sum(x["failed"] for x in tries)
                 row["ready_seconds"] = round(stack.ready_seconds, 2)
@@ -932,6 +971,7 @@ def main() -> None:
     parser.add_argument("--engine-url", help="with --only admission: a running vLLM's base URL (.../v1) to use")
     parser.add_argument("--engine-model", help="with --only admission and --engine-url: its served model name")
     args = parser.parse_args()
+    stop_on_termination()
     if args.only == "admission":
         _admission(args)
         return
