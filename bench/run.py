@@ -62,7 +62,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from gym_grpc.engines.local_vllm.process import die_with_parent
-from gym_grpc.testing.processes import GymRun
+from gym_grpc.testing.processes import GymRun, descendants
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -626,21 +626,8 @@ def _replicas_config(directory: Path, replicas: int) -> Path:
 
 
 def _descendants(pids: list[int]) -> list[int]:
-    """`pids` and every process they started, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
-    found, todo = [], list(pids)
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(children.get(pid, []))
-    return found
+    """`pids` and every process they started."""
+    return [*pids, *descendants(*pids)]
 
 
 def _cpu_of(pids: list[int]) -> float:

@@ -91,24 +91,6 @@ def alive(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[0] != "Z"  # the state follows the command name, which may hold spaces
 
 
-def descendants(root: int) -> list[int]:
-    """Every process `root` started, and theirs, from /proc (not `root`)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
-    found, todo = [], list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(children.get(pid, []))
-    return found
-
-
 def command_line(pid: int) -> str:
     """Process `pid`'s command line, its words joined by spaces ("" once it has gone)."""
     try:

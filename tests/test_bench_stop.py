@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import alive, command_line, descendants
+from gym_grpc.testing.processes import descendants
+from tests.support import alive, command_line
 
 REPO = Path(__file__).resolve().parent.parent
 

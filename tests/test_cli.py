@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from gym_grpc.testing.processes import descendants
 from tests.support import (
     MATH,
     REPO,
@@ -18,7 +19,6 @@ from tests.support import (
     alive,
     collect_args,
     cpu_ticks,
-    descendants,
     grpcurl,
     gym,
     listening_pids,

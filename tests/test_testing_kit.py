@@ -11,7 +11,8 @@ import time
 import pytest
 
 import gym_grpc.testing as kit
-from tests.support import alive, command_line, descendants, one_server_config
+from gym_grpc.testing.processes import descendants
+from tests.support import alive, command_line, one_server_config
 
 
 def test_every_exported_name_resolves_to_its_module():

@@ -37,6 +37,25 @@ def gym_grpc_command() -> str:
     return str(Path(sys.executable).with_name("gym-grpc"))
 
 
+def descendants(*roots: int) -> list[int]:
+    """Every process `roots` started, and every process those started, from /proc (Linux); not `roots`.
+    Read before a process ends: its children are then given to another parent."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):  # gone meanwhile
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [child for root in roots for child in children.get(root, [])]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
 class RunFailed(errors.FrameworkError, RuntimeError):
     """`gym-grpc run` ended before its servers were ready; the message holds what it said."""
 
