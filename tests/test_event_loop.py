@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from gym_grpc.rpc import event_loop
 
 PROBE = (
@@ -51,3 +53,43 @@ def test_run_collects_cycles_less_often_and_freezes_what_start_up_made():
     assert before == 700  # CPython's default, changed only by run
     assert threshold == event_loop.GC_YOUNG_THRESHOLD
     assert frozen > 1000  # the modules imported before the loop started
+
+
+async def test_a_start_stopped_first_is_cancelled_and_cleans_up_before_stopped_first_returns():
+    stop, cleaned = asyncio.Event(), []
+
+    async def start():
+        try:
+            await asyncio.Event().wait()  # a start that hangs
+        finally:
+            cleaned.append("stopped what it started")
+
+    asyncio.get_running_loop().call_soon(stop.set)
+    assert await event_loop.stopped_first(start(), stop) is True
+    assert cleaned == ["stopped what it started"]
+
+
+async def test_a_start_that_ends_first_returns_false_and_one_that_fails_raises():
+    async def fails():
+        raise OSError("port in use")
+
+    assert await event_loop.stopped_first(asyncio.sleep(0), asyncio.Event()) is False
+    with pytest.raises(OSError, match="port in use"):
+        await event_loop.stopped_first(fails(), asyncio.Event())
+
+
+async def test_a_caller_cancelled_while_it_waits_cancels_the_start():
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def start():
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    waiting = asyncio.ensure_future(event_loop.stopped_first(start(), asyncio.Event()))
+    await started.wait()
+    waiting.cancel()
+    await asyncio.wait_for(cancelled.wait(), 60)  # a bound on a hang

@@ -66,6 +66,9 @@ async def stopped_first(work: Awaitable[None], stop: asyncio.Event) -> bool:
     stopping = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait({working, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this caller cancelled: the work with it
+        working.cancel()
+        raise
     finally:
         stopping.cancel()
     if working.done():
