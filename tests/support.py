@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import os
 import resource
@@ -15,6 +16,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from gym_grpc.responses import input_items, message_text
@@ -89,6 +91,16 @@ def alive(pid: int) -> bool:
     except (ProcessLookupError, FileNotFoundError):  # gone, or reaped between the two
         return False
     return stat.rpartition(")")[2].split()[0] != "Z"  # the state follows the command name, which may hold spaces
+
+
+def script(path: str, name: str) -> ModuleType:
+    """A script of the repository that is no package module (bench/, dev/; `path` from the root), loaded
+    as module `name` and registered under it, as its dataclasses need."""
+    spec = importlib.util.spec_from_file_location(name, REPO / path)
+    assert spec is not None and spec.loader is not None, path
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def command_line(pid: int) -> str:

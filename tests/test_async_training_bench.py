@@ -3,20 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_async_training", REPO / "bench" / "async_training.py")
-    module = sys.modules["bench_async_training"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.support import script
 
 
 def _run(share: float, name: str) -> dict:
@@ -24,7 +14,7 @@ def _run(share: float, name: str) -> dict:
 
 
 def test_the_run_of_median_share_is_reported_with_every_run_beside_it_in_the_order_run():
-    bench = _bench()
+    bench = script("bench/async_training.py", "bench_async_training")
     median = bench.median_run([_run(0.03, "a"), _run(0.01, "b"), _run(0.02, "c")])
     assert median["name"] == "c"
     assert median["steps"] == [{"step": 0}]  # the median run's own steps stay
@@ -33,14 +23,14 @@ def test_the_run_of_median_share_is_reported_with_every_run_beside_it_in_the_ord
 
 
 def test_of_an_even_count_the_lower_middle_run_is_reported_and_one_run_is_reported_as_it_is():
-    bench = _bench()
+    bench = script("bench/async_training.py", "bench_async_training")
     assert bench.median_run([_run(0.04, "a"), _run(0.01, "b"), _run(0.03, "c"), _run(0.02, "d")])["name"] == "d"
     one = _run(0.02, "a")
     assert bench.median_run([one]) is one
 
 
 def test_group_workers_takes_what_a_configuration_takes_and_refuses_the_rest():
-    bench = _bench()
+    bench = script("bench/async_training.py", "bench_async_training")
     assert bench.group_workers("auto") == "auto"
     assert bench.group_workers("3") == 3
     for bad in ("0", "two", "-1"):

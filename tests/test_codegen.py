@@ -1,19 +1,10 @@
 """The checked-in stubs are exactly what the pinned generator makes from proto/."""
 
-import importlib.util
-
-from tests.support import REPO
-
-
-def _codegen():
-    spec = importlib.util.spec_from_file_location("codegen", REPO / "dev" / "codegen.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.support import REPO, script
 
 
 def test_checked_in_stubs_match_a_fresh_generation():
-    problems = _codegen().check()
+    problems = script("dev/codegen.py", "codegen").check()
     assert not problems, "stale stubs, run `python dev/codegen.py`:\n" + "\n".join(problems)
 
 

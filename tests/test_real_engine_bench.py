@@ -2,19 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_real_engine", REPO / "bench" / "real_engine.py")
-    module = sys.modules["bench_real_engine"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.support import script
 
 
 def _call(prompt: list[int], generated: list[int]) -> dict:
@@ -26,7 +17,7 @@ def _write(path: Path, rows: list[dict]) -> None:
 
 
 def test_a_turn_extends_only_when_its_prompt_begins_with_the_previous_prompt_and_generation():
-    bench = _bench()
+    bench = script("bench/real_engine.py", "bench_real_engine")
     assert bench.extends([([1, 2], [3]), ([1, 2, 3, 4], [5]), ([1, 2, 3, 4, 5, 6], [7])]) == [True, True]
     # Re-tokenized history: the same text, other ids for the generated part.
     assert bench.extends([([1, 2], [3, 4]), ([1, 2, 9, 4, 5], [6])]) == [False]
@@ -36,7 +27,7 @@ def test_a_turn_extends_only_when_its_prompt_begins_with_the_previous_prompt_and
 
 
 def test_refused_turns_count_as_not_extending_and_their_earlier_turns_come_from_the_events(tmp_path):
-    bench = _bench()
+    bench = script("bench/real_engine.py", "bench_real_engine")
     out, events = tmp_path / "chat.jsonl", tmp_path / "chat.events.jsonl"
     done = {"task_index": 0, "repeat_index": 0, "model_calls": 2, "reward": 1.0, "stop_reason": "final_message"}
     done["response"] = {"output": [_call([1], [2]), {"type": "function_call_output"}, _call([1, 2, 3], [4])]}
