@@ -34,6 +34,12 @@ from gym_grpc.server.counters import Counters
 #: engine core dies ("EngineCore encountered an issue"), a stop or a crash, not the request.
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 
+#: Seconds an idle connection to an engine is kept for the next request: under the 5 s after which
+#: uvicorn, vLLM's and SGLang's HTTP server, closes one (aiohttp's own default is 15 s). A request
+#: sent on a connection just as its server closes it meets a reset, which a request retries and a
+#: control call, not retried, fails with.
+KEEPALIVE_SECONDS = 4.0
+
 
 def _error_message(status: int, body: bytes) -> str:
     try:
@@ -57,16 +63,22 @@ class Engine(EngineLink):
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            headers = {"Content-Type": "application/json"}
-            if self.settings.api_key:
-                headers["Authorization"] = f"Bearer {self.settings.api_key}"
-            timeout = aiohttp.ClientTimeout(
-                total=None, sock_connect=self.settings.connect_timeout, sock_read=self.settings.read_timeout
-            )
             # Requests past the connection cap wait in aiohttp's pool, in order.
-            connector = aiohttp.TCPConnector(limit=self.settings.max_connections, limit_per_host=0)
-            self._session = aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector)
+            self._session = self._new_session(
+                aiohttp.TCPConnector(
+                    limit=self.settings.max_connections, limit_per_host=0, keepalive_timeout=KEEPALIVE_SECONDS
+                )
+            )
         return self._session
+
+    def _new_session(self, connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:
+        headers = {"Content-Type": "application/json"}
+        if self.settings.api_key:
+            headers["Authorization"] = f"Bearer {self.settings.api_key}"
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=self.settings.connect_timeout, sock_read=self.settings.read_timeout
+        )
+        return aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector)
 
     async def post(self, path: str, body: dict[str, Any], *, from_root: bool = False) -> dict[str, Any]:
         """POST JSON to base_url + path (or, `from_root`, to the server root without
@@ -89,12 +101,16 @@ class Engine(EngineLink):
 
     async def control(self, path: str, body: dict[str, Any] | None = None, **query: str) -> dict[str, Any]:
         """POST to the engine's root once, without retries: a call of vLLM's RL control API
-        (`/pause`, `/collective_rpc`...), which a retry could repeat or make worse. Raises
-        EngineError for an HTTP error, aiohttp's errors when the engine cannot be reached; the
-        caller bounds the time."""
+        (`/pause`, `/collective_rpc`...), which a retry could repeat or make worse. On a connection
+        of its own, opened for it: one kept from an earlier request may be closed by the engine
+        as the call goes out, and the call would fail for it. Raises EngineError for an HTTP
+        error, aiohttp's errors when the engine cannot be reached; the caller bounds the time."""
         url = f"{self.base_url.removesuffix('/v1')}{path}"
         payload = orjson.dumps(body) if body is not None else None
-        async with self._client().post(url, data=payload, params=query or None) as reply:
+        async with (
+            self._new_session(aiohttp.TCPConnector(force_close=True)) as session,
+            session.post(url, data=payload, params=query or None) as reply,
+        ):
             answer = await reply.read()
             if reply.status >= 400:
                 raise EngineError(reply.status, _error_message(reply.status, answer), url)
