@@ -7,6 +7,7 @@ earns rewards with the embedded model."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import signal
@@ -23,7 +24,7 @@ from gym_grpc.data.rows import task_from_row
 from gym_grpc.server.entrypoints import load_entrypoint
 from gym_grpc.testing import AgentConformance, ResourcesConformance, ScriptedModel, Servers, call, static_registry
 from gym_grpc.v1 import responses_pb2 as r
-from tests.support import REPO, gym, read_rows, start_run
+from tests.support import REPO, eventually, gym, read_rows, start_run
 
 EXAMPLES = REPO / "examples"
 ENV_FILE, AGENT_FILE = EXAMPLES / "one_file_env.py", EXAMPLES / "one_file_agent.py"
@@ -111,6 +112,34 @@ def test_the_env_file_serves_itself_and_gym_grpc_conformance_passes_it():
     finally:
         server.send_signal(signal.SIGINT)
         assert server.wait(timeout=30) == 0
+
+
+#: A one-file server whose start hangs (tests/programs/hanging_env.py), served as the examples serve theirs.
+HANGING_FILE_SERVER = """
+import asyncio, sys
+sys.path.insert(0, sys.argv[1])
+from tests.programs.hanging_env import HangingEnv
+from gym_grpc.server.serving import serve_until_signalled
+config = {"started_file": sys.argv[2], "cancelled_file": sys.argv[3]}
+asyncio.run(serve_until_signalled(HangingEnv(config, name="hanging")))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_one_file_server_signalled_while_it_starts_cancels_its_start_and_exits(tmp_path, sig):
+    """A model that loads for minutes is stopped with `kill` (or Ctrl-C) before it serves: its start
+    is cancelled, so that its own clean-up runs, and the process exits 0 at once. SIGTERM used to
+    end it there and then, its clean-up not run; SIGINT, with a KeyboardInterrupt traceback."""
+    started, cancelled = tmp_path / "started", tmp_path / "cancelled"
+    command = [sys.executable, "-c", HANGING_FILE_SERVER, str(REPO), str(started), str(cancelled)]
+    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+        asyncio.run(eventually(started.exists, "the server's start began"))
+        server.send_signal(sig)
+        _, stderr = server.communicate(timeout=30)
+    finally:
+        server.kill()
+    assert server.returncode == 0 and cancelled.exists(), stderr
 
 
 class TestOneFileScreenEnvConformance(ResourcesConformance):

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from gym_grpc import errors, tracing
 from gym_grpc.errors import ConfigError
-from gym_grpc.rpc import in_process, protocol, transport
+from gym_grpc.rpc import event_loop, in_process, protocol, transport
 from gym_grpc.rpc.registry import SERVER_ROLES, Registry
 from gym_grpc.rpc.security import Security
 from gym_grpc.server import admin, health, metrics, open_files, reflection
@@ -525,12 +525,23 @@ async def serve_until_signalled(
     security: Security | None = None,
     metrics_port: int | None = None,
 ) -> None:
-    """Serve until SIGTERM/SIGINT (or `stop_event`), then stop gracefully."""
-    running = await serve(app, host, port, reuse_port=reuse_port, security=security, metrics_port=metrics_port)
+    """Serve until SIGTERM/SIGINT (or `stop_event`), then stop gracefully. A signal while the
+    server starts (a model loading for minutes) cancels its start, whose own clean-up runs."""
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    started: list[Running] = []
+
+    async def start() -> None:
+        started.append(
+            await serve(app, host, port, reuse_port=reuse_port, security=security, metrics_port=metrics_port)
+        )
+
+    if await event_loop.stopped_first(start(), stop):
+        log.info("%s stopped before it served", app.name)
+        return
+    (running,) = started
     if on_ready is not None:
         on_ready(running)
     await stop.wait()
