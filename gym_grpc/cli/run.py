@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import sys
 import time
 from pathlib import Path
@@ -25,15 +24,7 @@ async def _serve(config: GymConfig, grace: float, ready_json: bool) -> int:
     # Ctrl-C (or SIGTERM) from now on stops the servers in order: one that came between the ready line
     # and a handler installed after it was a KeyboardInterrupt, "Aborted!", and servers left behind.
     stop = asyncio.Event()
-    received: list[int] = []
-
-    def on_signal(sig: int) -> None:
-        received.append(sig)
-        stop.set()
-
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal, sig)
+    received = event_loop.stop_on_signals(stop)
     runner: Runner | RayRunner = (
         RayRunner(config, grace=grace) if config.ray is not None else Runner(config, grace=grace)
     )

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import gc
 import os
+import signal
 from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
@@ -58,7 +59,22 @@ def run(coroutine: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coroutine)
 
 
-async def stopped_first(work: Awaitable[None], stop: asyncio.Event) -> bool:
+def stop_on_signals(stop: asyncio.Event) -> list[int]:
+    """Have SIGTERM and SIGINT (Ctrl-C) set `stop`, on the running loop, from now on; the signals
+    received, in order (a process that exits 128 + the signal reads the first)."""
+    received: list[int] = []
+
+    def on_signal(sig: int) -> None:
+        received.append(sig)
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    return received
+
+
+async def stopped_first(work: Awaitable[object], stop: asyncio.Event) -> bool:
     """Await `work` unless `stop` is set first: then cancel it, wait for its own clean-up (an
     `except`/`finally` of its that stops what it started), and return True. For a process's start,
     which may take minutes or hang, so that Ctrl-C or SIGTERM stops it then too."""

@@ -17,7 +17,6 @@ import difflib
 import functools
 import inspect
 import logging
-import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -528,20 +527,14 @@ async def serve_until_signalled(
     """Serve until SIGTERM/SIGINT (or `stop_event`), then stop gracefully. A signal while the
     server starts (a model loading for minutes) cancels its start, whose own clean-up runs."""
     stop = stop_event or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    started: list[Running] = []
-
-    async def start() -> None:
-        started.append(
-            await serve(app, host, port, reuse_port=reuse_port, security=security, metrics_port=metrics_port)
-        )
-
-    if await event_loop.stopped_first(start(), stop):
+    event_loop.stop_on_signals(stop)
+    starting = asyncio.ensure_future(
+        serve(app, host, port, reuse_port=reuse_port, security=security, metrics_port=metrics_port)
+    )
+    if await event_loop.stopped_first(starting, stop):
         log.info("%s stopped before it served", app.name)
         return
-    (running,) = started
+    running = starting.result()
     if on_ready is not None:
         on_ready(running)
     await stop.wait()

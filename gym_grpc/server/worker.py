@@ -18,7 +18,6 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import sys
 from typing import Any, TextIO
 
@@ -66,8 +65,7 @@ async def _serve(apps: list[GymServer], specs: list[dict[str, Any]], security: S
             stop.set()
 
     loop.add_reader(0, on_stdin)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    event_loop.stop_on_signals(stop)
     running: list[Running] = []
 
     async def start() -> None:
