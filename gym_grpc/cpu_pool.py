@@ -34,6 +34,7 @@ import multiprocessing
 import sys
 import time
 import traceback
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -119,10 +120,16 @@ class _Workers:
     workers: list[_Worker] = field(default_factory=list)
     waiting: deque[_Call] = field(default_factory=deque)
     broken: RuntimeError | None = None  # set when workers die before they serve: starting more would loop
+    ran: float = 0.0  # seconds the workers spent on the checks they answered
 
     def __post_init__(self) -> None:
+        _LIVE.add(self)
         for _ in range(self.count):
             self._spawn()
+
+    def busy_seconds(self, now: float) -> float:
+        """Seconds the workers spent on checks so far, the checks they run now included."""
+        return self.ran + sum(now - w.since for w in self.workers if w.calls)
 
     def _spawn(self) -> None:
         context = multiprocessing.get_context("spawn")
@@ -187,7 +194,9 @@ class _Workers:
             self._dispatch()
             return
         call = worker.calls.popleft()
-        worker.since = time.monotonic()  # the next call in its pipe, if any, begins now
+        now = time.monotonic()
+        self.ran += now - worker.since
+        worker.since = now  # the next call in its pipe, if any, begins now
         if not call.future.done():
             if reply[0]:
                 call.future.set_result(reply[1])
@@ -233,6 +242,7 @@ class _Workers:
     def close(self) -> None:
         """Stop every worker now: a check still running is abandoned (its caller is gone), and the
         calls still waiting fail."""
+        _LIVE.discard(self)
         for worker in self.workers:
             self._drop(worker)
         for call in [*(c for w in self.workers for c in w.calls), *self.waiting]:
@@ -240,6 +250,18 @@ class _Workers:
                 call.future.set_exception(RuntimeError(f"{self.name}: the pool closed"))
         self.workers.clear()
         self.waiting.clear()
+
+
+#: The pools of worker processes of this process that are not closed (checks_busy).
+_LIVE: weakref.WeakSet[_Workers] = weakref.WeakSet()
+
+
+def checks_busy(now: float) -> tuple[float, int]:
+    """Seconds this process's pool workers spent on checks so far (those running now included), and how
+    many workers the pools have: what an agent reports of its checks (RunManyResponse.load). Checks on
+    Ray are not counted: Ray places them."""
+    pools = list(_LIVE)
+    return sum(pool.busy_seconds(now) for pool in pools), sum(pool.count for pool in pools)
 
 
 class CpuPool:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from gym_grpc.cpu_pool import CpuPool
+from gym_grpc.cpu_pool import CpuPool, checks_busy
 from gym_grpc.errors import ConfigError
 
 
@@ -35,6 +35,26 @@ async def test_a_dead_worker_is_replaced_and_its_check_tried_again(pool):
     os.kill(first, signal.SIGKILL)
     second, value = await pool.run(where_and_square, 3)
     assert value == 9 and second != first
+
+
+async def test_busy_seconds_count_the_time_workers_spend_on_checks_those_running_included(pool):
+    """What an agent reports of its pools (RunManyResponse.load): the seconds their workers spent on
+    checks, a check still running counted up to now; a closed pool no longer counts."""
+    workers = pool._processes
+    assert workers.busy_seconds(time.monotonic()) == 0.0
+    await pool.run(time.sleep, 0.2)
+    done = workers.busy_seconds(time.monotonic())
+    assert done >= 0.2
+    running = asyncio.ensure_future(pool.run(time.sleep, 60))
+    await asyncio.sleep(0.5)  # the sleep is in the worker, half a second at least
+    now = time.monotonic()
+    assert workers.busy_seconds(now) >= done + 0.5
+    before_close = checks_busy(now)  # every pool of this process, this one among them
+    assert before_close[0] >= done + 0.5 and before_close[1] >= 1
+    pool.close()
+    assert checks_busy(now)[1] == before_close[1] - 1
+    with pytest.raises(RuntimeError, match="closed"):
+        await running
 
 
 async def test_run_before_start_is_an_error():

@@ -17,6 +17,7 @@ from gym_grpc.batch.collector import CollectOptions, collect
 from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
 from gym_grpc.bundled.servers.resources.weather.server import WeatherEnv
+from gym_grpc.client import run_many
 from gym_grpc.client.stubs import ModelClient, ResourcesClient
 from gym_grpc.client.training import GymClient
 from gym_grpc.launch.config import ConfigError, load_config
@@ -359,7 +360,8 @@ def test_a_group_with_num_workers_runs_rollouts_in_every_worker_and_calls_in_pro
         tasks.write_text("".join(WEATHER.read_text() for _ in range(50)))
         out = tmp_path / "out.jsonl"
         args = ["collect", "--registry", run.registry, "--agent", "weather_agent", "--input", str(tasks)]
-        args += ["--output", str(out), "--no-progress"]
+        # More in flight than one worker is given before the next (run_many.PACK): both take runs.
+        args += ["--output", str(out), "--no-progress", "--max-in-flight", str(4 * run_many.PACK)]
         done = subprocess.run([tool("gym-grpc"), *args], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
         assert len(read_rows(out)) == len(tasks.read_text().splitlines())

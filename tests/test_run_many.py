@@ -8,7 +8,9 @@ rollouts over RunMany when the agent serves it.
 """
 
 import asyncio
-import subprocess
+import json
+import math
+import time
 
 import grpc
 import pytest
@@ -18,14 +20,18 @@ from gym_grpc import errors
 from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 from gym_grpc.client import run_many as _run_many_client
 from gym_grpc.client.stubs import AgentClient
+from gym_grpc.cpu_pool import CpuPool
+from gym_grpc.data.rows import task_from_row
 from gym_grpc.rpc import transport
+from gym_grpc.rpc.registry import Registry
+from gym_grpc.server import run_many as _run_many_server
 from gym_grpc.testing import Servers
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
 from gym_grpc.v1 import agent_service_pb2 as agent_pb
 from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
 from gym_grpc.v1 import task_pb2
-from tests.support import MATH, Calculator, EchoModel, collect_args, eventually, start_run, static_registry, task, tool
+from tests.support import MATH, Calculator, EchoModel, eventually, start_run, static_registry, task
 from tests.test_replicas import replicated
 
 
@@ -68,6 +74,41 @@ async def test_runs_sent_over_one_call_come_back_each_under_its_id(start):
         assert await call.code() == grpc.StatusCode.OK
     assert {i: r.rollout.reward for i, r in results.items()} == {1: 1.0, 2: 0.0, 30: 1.0}
     assert all(r.rollout.model_calls == 1 and r.rollout.response.output for r in results.values())
+
+
+async def test_each_reply_says_how_busy_the_agents_process_and_its_check_pools_were(start, monkeypatch):
+    """RunManyResponse.load: the agent process's CPU and its CPU pools' share of time on checks, over
+    the interval (LOAD_SECONDS, at least) that ended at the reply. A pool worker kept on a check
+    through the interval makes it busy; once it has been idle for a whole interval, it is not."""
+    monkeypatch.setattr(_run_many_server, "LOAD_SECONDS", 0.2)
+    monkeypatch.setattr(_run_many_server, "_LOAD", None)  # measured from this test's first reply
+    agent, _ = await _agent(start, EchoModel(delay=0.01))
+    pool = CpuPool("t", workers=1)
+    await pool.start()
+    try:
+        async with transport.open_channel(agent.address) as channel:
+            call = agent_grpc.AgentServiceStub(channel).RunMany(timeout=30)
+
+            async def load_after(run_id: int) -> agent_pb.WorkerLoad:
+                await call.write(agent_pb.RunManyRequest(runs=[_item(run_id, "7", expected_answer=7)]))
+                reply = await call.read()
+                assert [result.id for result in reply.results] == [run_id]
+                return reply.load
+
+            await load_after(1)  # the interval begins
+            checking = asyncio.ensure_future(pool.run(time.sleep, 0.5))
+            await asyncio.sleep(0.3)
+            during = await load_after(2)
+            await checking
+            await load_after(3)  # the interval the check ended in
+            await asyncio.sleep(0.3)
+            after = await load_after(4)
+            await call.done_writing()
+            assert await call.code() == grpc.StatusCode.OK
+    finally:
+        pool.close()
+    assert during.cpu > 0 and during.checks > 0, during
+    assert after.cpu > 0 and after.checks == 0, after
 
 
 async def test_a_failed_run_ends_as_run_would_end_it_and_the_others_go_on(start):
@@ -310,24 +351,48 @@ def _in_flight(server, method: str) -> int:
 
 
 @pytest.mark.slow
-def test_collect_opens_one_run_many_call_on_each_worker_process_of_an_agent(tmp_path):
-    """An agent with `num_workers: 2` behind one port, the collector's connections spread over
-    both by the kernel: one RunMany call reaches each worker (asked with GetServerInfo which
-    worker a connection reaches), and both run rollouts."""
+async def test_runs_fill_one_worker_process_of_an_agent_while_it_has_room_and_spread_once_it_is_busy(monkeypatch):
+    """An agent with `num_workers: 2` behind one port, the client's connections spread over both
+    by the kernel: one RunMany call reaches each worker (asked with GetServerInfo which worker a
+    connection reaches). While the first worker has room (fewer than PACK runs waiting, and its
+    replies' WorkerLoad under BUSY), it runs every run and the second is not woken; with more than
+    PACK in flight, or once its replies say it is busy, the second takes runs too.
+
+    BUSY is set in this process, the client, to each end of its range, so that what is checked does
+    not hang on how busy this machine makes the agent: never busy, then busy at any load reported
+    (a reply without WorkerLoad would leave the second worker idle)."""
     run = start_run("servers.math_agent.num_workers=2")
+    registry = Registry(run.registry)
+    tasks = [task_from_row(json.loads(line)) for line in MATH.read_text().splitlines()] * 20
+    runs: dict[str, list[int]] = {}
     try:
-        tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
-        tasks.write_text(MATH.read_text() * 20)
-        args = [*collect_args(run.registry, "math_agent", tasks, out), "--max-in-flight", "64", "--no-progress"]
-        done = subprocess.run([tool("gym-grpc"), *args], capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
-        counters = asyncio.run(_counters_by_worker(run.servers["math_agent"], workers=2))
+        for case, window, busy in (
+            ("room", _run_many_client.PACK // 2, math.inf),
+            ("past PACK", 4 * _run_many_client.PACK, math.inf),
+            ("busy", _run_many_client.PACK // 2, 0.0),
+        ):
+            monkeypatch.setattr(_run_many_client, "BUSY", busy)
+            before = await _counters_by_worker(run.servers["math_agent"], workers=2)
+            client = AgentClient(registry, "math_agent")
+            slots = asyncio.Semaphore(window)
+
+            async def one(rollout_task: task_pb2.Task, client: AgentClient, slots: asyncio.Semaphore) -> None:
+                async with slots:
+                    await client.run(rollout_task, timeout=120)
+
+            try:
+                await asyncio.gather(*(one(rollout_task, client, slots) for rollout_task in tasks))
+            finally:
+                await client.close()
+            after = await _counters_by_worker(run.servers["math_agent"], workers=2)
+            runs[case] = [_calls(after[w], "Run") - _calls(before[w], "Run") for w in (0, 1)]
+            assert [_calls(after[w], "RunMany") - _calls(before[w], "RunMany") for w in (0, 1)] == [1, 1]
     finally:
+        await registry.close()
         run.stop()
-    rows = len(tasks.read_text().splitlines())
-    runs = [_calls(methods, "Run") for methods in counters.values()]
-    assert sum(runs) == rows and min(runs) > 0, runs
-    assert [_calls(methods, "RunMany") for methods in counters.values()] == [1, 1]
+    assert runs["room"] == [len(tasks), 0], runs
+    for case in ("past PACK", "busy"):
+        assert sum(runs[case]) == len(tasks) and min(runs[case]) > 0, runs
 
 
 async def _counters_by_worker(address: str, workers: int) -> dict[int, dict]:

@@ -18,9 +18,18 @@ reads from then on (SERVER_STOPPING) and ends the call once its runs in flight
 are done: the runs it did not start go out again on another call, which
 reaches another replica where there is one, as a new unary call would.
 
-Runs go to the call with the fewest waiting, so that the runs that replace a
-reply's results go out together, and every call (every worker process, every
-replica of a balanced channel) carries as many.
+Where a run goes. Between replicas (and processes that do not say which
+worker they are), to the one with the fewest runs waiting, so that every
+replica carries as many, and the runs that replace a reply's results go out
+together. Between the worker processes behind one address (a group run by a
+worker per core), the workers are filled in turn: a run goes to the first
+worker with room, one that has fewer than PACK runs waiting and whose last
+reply said it was not busy (WorkerLoad: under BUSY of a core, and under BUSY
+of its CPU pools' capacity); when no worker has room, to the one with the
+fewest. A light load then wakes one process, not every worker for its share
+of each burst of messages, which costs as much per wake-up for a fraction of
+the work; a worker whose core or whose checks are busy is given no more than
+its share (docs/running.md#layout-grouped-or-per_server).
 
 Durable runs (an agent that resumes rollouts, Capabilities.resumable_rollouts):
 each run carries a rollout id and is sent `durable`, and the client keeps the
@@ -53,6 +62,15 @@ from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
 from gym_grpc.v1 import task_pb2
 
 METHOD = "RunMany"
+
+#: Runs waiting on one worker process of a replica past which the next worker behind its address is
+#: given runs, however idle the first says it is (see the module's docstring); the only bound for an
+#: agent older than protocol 1.15, which does not say.
+PACK = 64
+
+#: A worker whose last reply said it used this share of a core or more, or of its CPU pools' capacity
+#: (WorkerLoad), is busy: it gets no more than its share of runs (see the module's docstring).
+BUSY = 0.5
 
 #: Seconds a connection has to say which worker process it reaches.
 PROBE_SECONDS = 5.0
@@ -128,6 +146,8 @@ class _Call:
         self._wake = asyncio.Event()
         #: No more runs go on it: it ends once the runs on it have.
         self.closing = False
+        #: Its last reply said its process is busy (WorkerLoad past BUSY): fill it no further.
+        self.busy = False
         self.ended = False
         wait = connection.wait
         self._call = connection.stub(agent_grpc.AgentServiceStub).RunMany(wait_for_ready=wait)
@@ -212,6 +232,8 @@ class _Call:
         try:
             async for reply in self._call:
                 self.connection.answered()
+                if reply.HasField("load"):
+                    self.busy = reply.load.cpu >= BUSY or reply.load.checks >= BUSY
                 for checkpoint in reply.checkpoints:
                     progress = self.progress.get(checkpoint.id)
                     if progress is not None:
@@ -281,7 +303,8 @@ class RunMany:
         self._connections = connections
         self._error_of = error_of
         self._calls: dict[tuple[transport.Connection, int], _Call] = {}
-        self._slots: list[tuple[transport.Connection, int]] = []
+        #: The slots by replica (the workers behind one address, in order), or each slot alone.
+        self._groups: list[list[tuple[transport.Connection, int]]] = []
         self._pool: list[transport.Connection] | None = None
         self._opening: asyncio.Future[None] | None = None
         self._next = 0
@@ -296,19 +319,28 @@ class RunMany:
         with GetServerInfo which one it reaches). On a channel balanced over replicas, gRPC
         gives each new call the next replica: a call per replica on each connection."""
         slots = [(c, i) for c in connections for i in range(c.address.count(",") + 1)]
+        groups = [[slot] for slot in slots]  # each slot alone: spread, as over replicas
         if len(connections) > 1 and len(slots) == len(connections):
             reached = await asyncio.gather(*map(_process_of, connections))
-            if None not in reached:
-                one_each = {process: connection for process, connection in zip(reached, connections, strict=True)}
-                slots = [(connection, 0) for connection in one_each.values()]
-        self._pool, self._slots = connections, slots
+            known = [process for process in reached if process is not None]
+            if len(known) == len(reached):
+                one_each = {process: connection for process, connection in zip(known, connections, strict=True)}
+                # The workers behind one address (one port) are one replica's, to be filled in turn.
+                by_address: dict[str, list[tuple[int, transport.Connection]]] = {}
+                for (_, worker), connection in one_each.items():
+                    by_address.setdefault(connection.address, []).append((worker, connection))
+                groups = [[(connection, 0) for _, connection in sorted(workers)] for workers in by_address.values()]
+                slots = [slot for group in groups for slot in group]
+        self._pool, self._groups = connections, groups
         for slot in [slot for slot in self._calls if slot not in slots]:
             self._calls.pop(slot).close()
 
     async def _call_for_next_run(self) -> _Call:
-        """The call with the fewest runs waiting: the one whose results just came back, so that
-        the runs that replace them go out together, in one message; over time as many runs on
-        each call. Ties go round the calls."""
+        """The call the next run goes on (see the module's docstring): on the replica with the
+        fewest runs waiting (ties go round them), the first of its workers' calls with room
+        (fewer than PACK waiting, not busy), else the one with the fewest. The fewest waiting is
+        where results just came back, so that the runs that replace them go out together, in one
+        message."""
         connections = await self._connections()
         while connections is not self._pool:
             if self._opening is None:
@@ -320,19 +352,28 @@ class RunMany:
                 if opening.done() and self._opening is opening:
                     self._opening = None
             connections = await self._connections()
-        slots = self._slots
-        self._next = (self._next + 1) % len(slots)
-        best: _Call | None = None
-        for slot in itertools.chain(slots[self._next :], slots[: self._next]):
-            call = self._calls.get(slot)
-            if call is None or call.ended or call.closing:
-                if call is not None and call.ended and not call.closing:
-                    self._pool = None  # a worker died: the next run asks again which connection reaches which
-                call = self._calls[slot] = _Call(slot[0], self._error_of)
-            if best is None or len(call.waiting) < len(best.waiting):
-                best = call
-        assert best is not None  # the registry gives at least one connection
-        return best
+        groups = self._groups
+        self._next = (self._next + 1) % len(groups)
+        best: list[_Call] = []
+        fewest = 0
+        for group in itertools.chain(groups[self._next :], groups[: self._next]):
+            calls = [self._open_call(slot) for slot in group]
+            waiting = sum(len(call.waiting) for call in calls)
+            if not best or waiting < fewest:
+                best, fewest = calls, waiting
+        assert best  # the registry gives at least one connection
+        return next((call for call in best if len(call.waiting) < PACK and not call.busy), None) or min(
+            best, key=lambda call: len(call.waiting)
+        )
+
+    def _open_call(self, slot: tuple[transport.Connection, int]) -> _Call:
+        """The call of `slot`, a new one when it has none open that takes runs."""
+        call = self._calls.get(slot)
+        if call is None or call.ended or call.closing:
+            if call is not None and call.ended and not call.closing:
+                self._pool = None  # a worker died: the next run asks again which connection reaches which
+            call = self._calls[slot] = _Call(slot[0], self._error_of)
+        return call
 
     def park(self) -> int:
         """Ask the agent to park every run in flight at its next turn boundary: each one's `run`

@@ -50,7 +50,9 @@ from gym_grpc.v1 import agent_service_pb2, resources_service_pb2  # noqa: F401  
 #:       RunManyItem.trace_context (a run's W3C trace context).
 #: 1.14: Worker.address: a worker process's own port, which SeedSessionResponse.replica names when a
 #:       replica's workers share one (sessions stay in the process that opened them).
-VERSION = (1, 14)
+#: 1.15: RunManyResponse.load (WorkerLoad: the agent process's CPU and its CPU pools' use), by which a client
+#:       fills an agent's worker processes in turn while the first has room.
+VERSION = (1, 15)
 
 
 class Unfilled(NamedTuple):

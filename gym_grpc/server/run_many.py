@@ -12,6 +12,10 @@ does not read them), it stops reading that call until they go out, and gRPC's fl
 the client's writes. So a client that sends 100,000 runs and reads nothing costs the agent a
 bounded memory, not one that grows with what it sends.
 
+Each reply says how loaded the agent's process is (WorkerLoad: its CPU use and its CPU pools'
+over the last second or more, measured as replies go out, so an idle agent spends nothing on
+it), for a client that chooses between the agent's worker processes (client/run_many.py).
+
 Every run read gets a result. So when the agent stops (gracefully: a scale-down,
 the end of `gym-grpc run`), it answers each run it reads from then on with
 UNAVAILABLE and reason SERVER_STOPPING, without starting it, finishes the runs
@@ -23,6 +27,8 @@ replica (client/run_many.py does).
 from __future__ import annotations
 
 import asyncio
+import sys
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +49,49 @@ MAX_RUNS = 16_384
 
 #: Bytes of one call's results not sent yet, past which the agent stops reading it.
 MAX_UNSENT_BYTES = 64 * 2**20
+
+#: Seconds, at least, over which a reply's WorkerLoad is measured.
+LOAD_SECONDS = 1.0
+
+
+def _checks_busy(now: float) -> tuple[float, int]:
+    """gym_grpc.cpu_pool.checks_busy, or none when no CpuPool was ever imported here: an agent that
+    shares no process with an environment does not import it (a sixth of a second)."""
+    pools = sys.modules.get("gym_grpc.cpu_pool")
+    return pools.checks_busy(now) if pools is not None else (0.0, 0)
+
+
+class _Load:
+    """This process's load as the replies of all its RunMany calls tell it (WorkerLoad)."""
+
+    def __init__(self) -> None:
+        self._at = time.monotonic()
+        self._cpu = time.process_time()
+        self._checks = _checks_busy(self._at)[0]
+        self.load = agent_pb.WorkerLoad()
+
+    def now(self) -> agent_pb.WorkerLoad:
+        """The load over the interval that ended last, measured anew once LOAD_SECONDS have passed."""
+        now = time.monotonic()
+        seconds = now - self._at
+        if seconds >= LOAD_SECONDS:
+            cpu = time.process_time()
+            checks, workers = _checks_busy(now)
+            # A pool closed since is no longer counted: its seconds are not, either (hence at least 0).
+            busy = max(checks - self._checks, 0.0) / (seconds * workers) if workers else 0.0
+            self.load = agent_pb.WorkerLoad(cpu=(cpu - self._cpu) / seconds, checks=busy)
+            self._at, self._cpu, self._checks = now, cpu, checks
+        return self.load
+
+
+_LOAD: _Load | None = None
+
+
+def _load() -> agent_pb.WorkerLoad:
+    global _LOAD
+    if _LOAD is None:  # made on first use: a process that serves no RunMany measures nothing
+        _LOAD = _Load()
+    return _LOAD.now()
 
 
 class RunLink:
@@ -230,6 +279,7 @@ async def serve(
         while True:
             if runs.replies:
                 reply = runs.take()
+                reply.load.CopyFrom(_load())
                 yield reply
                 runs.sent(reply)
                 continue

@@ -246,6 +246,7 @@ class RunManyResponse(_message.Message):
 
     RESULTS_FIELD_NUMBER: _builtins.int
     CHECKPOINTS_FIELD_NUMBER: _builtins.int
+    LOAD_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunManyResult]:
         """One result per run that ended since the last message."""
@@ -256,19 +257,63 @@ class RunManyResponse(_message.Message):
         checkpoints come before its result.
         """
 
+    @_builtins.property
+    def load(self) -> Global___WorkerLoad:
+        """How loaded the process that sends this message is (since 1.15; unset
+        from older agents). A client with calls on several worker
+        processes of one agent reads it to choose where its next run goes: it
+        gives a process more runs only while it has room for them.
+        """
+
     def __init__(
         self,
         *,
         results: _abc.Iterable[Global___RunManyResult] | None = ...,
         checkpoints: _abc.Iterable[Global___RunCheckpoint] | None = ...,
+        load: Global___WorkerLoad | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoints", b"checkpoints", "results", b"results"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoints", b"checkpoints", "load", b"load", "results", b"results"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RunManyResponse: _TypeAlias = RunManyResponse  # noqa: Y015
+
+@_typing.final
+class WorkerLoad(_message.Message):
+    """How loaded an agent's worker process is (RunManyResponse.load), over a
+    recent interval of at least a second, measured as the message went out.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CPU_FIELD_NUMBER: _builtins.int
+    CHECKS_FIELD_NUMBER: _builtins.int
+    cpu: _builtins.float
+    """The cores' worth of CPU the process used: its CPU seconds (all its
+    threads) over the interval's wall-clock seconds. 0.5 is half of one core;
+    0 until first measured.
+    """
+    checks: _builtins.float
+    """How busy the process's CPU pools (gym_grpc.cpu_pool: the worker processes
+    that run an environment's checks) were: the seconds their workers spent on
+    checks over the interval's seconds times the number of workers. 1 is every
+    pool worker busy all the time; 0 when the process has no pool.
+    """
+    def __init__(
+        self,
+        *,
+        cpu: _builtins.float = ...,
+        checks: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checks", b"checks", "cpu", b"cpu"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkerLoad: _TypeAlias = WorkerLoad  # noqa: Y015
 
 @_typing.final
 class RunCheckpoint(_message.Message):
