@@ -85,6 +85,7 @@ async def test_each_reply_says_how_busy_the_agents_process_and_its_check_pools_w
     agent, _ = await _agent(start, EchoModel(delay=0.01))
     pool = CpuPool("t", workers=1)
     await pool.start()
+    await pool.run(time.sleep, 0)  # its worker serves: the check below begins as soon as it is sent
     try:
         async with transport.open_channel(agent.address) as channel:
             call = agent_grpc.AgentServiceStub(channel).RunMany(timeout=30)
@@ -95,14 +96,16 @@ async def test_each_reply_says_how_busy_the_agents_process_and_its_check_pools_w
                 assert [result.id for result in reply.results] == [run_id]
                 return reply.load
 
-            await load_after(1)  # the interval begins
+            # Each reply after a wait longer than LOAD_SECONDS ends an interval and begins the next.
+            await load_after(1)
             checking = asyncio.ensure_future(pool.run(time.sleep, 0.5))
             await asyncio.sleep(0.3)
-            during = await load_after(2)
+            during = await load_after(2)  # the check ran through most of this interval
             await checking
+            await asyncio.sleep(0.3)
             await load_after(3)  # the interval the check ended in
             await asyncio.sleep(0.3)
-            after = await load_after(4)
+            after = await load_after(4)  # an interval after it
             await call.done_writing()
             assert await call.code() == grpc.StatusCode.OK
     finally:
