@@ -199,7 +199,10 @@ def _create_responses(run: GymRun, name: str) -> int:
     answered = 0
     for address in run.worker_addresses(name):
         counters = json.loads(grpcurl(address, "gym.v1.AdminService/GetCounters"))
-        method = next((m for m in counters["methods"] if m["method"] == "CreateResponse"), {"calls_by_status": {}})
+        # A worker that answered no call has no methods (grpcurl leaves an empty list out): the client fills
+        # a group's workers in turn, so a light load may never reach the second.
+        methods = counters.get("methods", [])
+        method = next((m for m in methods if m["method"] == "CreateResponse"), {"calls_by_status": {}})
         answered += int(method["calls_by_status"].get("OK", 0))
     return answered
 
