@@ -81,7 +81,7 @@ async def test_each_reply_says_how_busy_the_agents_process_and_its_check_pools_w
     the interval (LOAD_SECONDS, at least) that ended at the reply. A pool worker kept on a check
     through the interval makes it busy; once it has been idle for a whole interval, it is not."""
     monkeypatch.setattr(_run_many_server, "LOAD_SECONDS", 0.2)
-    monkeypatch.setattr(_run_many_server, "_LOAD", None)  # measured from this test's first reply
+    monkeypatch.setattr(_run_many_server, "_LOAD", _run_many_server._Load())  # an interval from now
     agent, _ = await _agent(start, EchoModel(delay=0.01))
     pool = CpuPool("t", workers=1)
     await pool.start()
@@ -353,6 +353,11 @@ def _in_flight(server, method: str) -> int:
     return counters[method].in_flight if method in counters else 0
 
 
+async def _run_within(client: AgentClient, rollout_task: task_pb2.Task, slots: asyncio.Semaphore) -> None:
+    async with slots:
+        await client.run(rollout_task, timeout=120)
+
+
 @pytest.mark.slow
 async def test_runs_fill_one_worker_process_of_an_agent_while_it_has_room_and_spread_once_it_is_busy(monkeypatch):
     """An agent with `num_workers: 2` behind one port, the client's connections spread over both
@@ -379,12 +384,8 @@ async def test_runs_fill_one_worker_process_of_an_agent_while_it_has_room_and_sp
             client = AgentClient(registry, "math_agent")
             slots = asyncio.Semaphore(window)
 
-            async def one(rollout_task: task_pb2.Task, client: AgentClient, slots: asyncio.Semaphore) -> None:
-                async with slots:
-                    await client.run(rollout_task, timeout=120)
-
             try:
-                await asyncio.gather(*(one(rollout_task, client, slots) for rollout_task in tasks))
+                await asyncio.gather(*(_run_within(client, rollout_task, slots) for rollout_task in tasks))
             finally:
                 await client.close()
             after = await _counters_by_worker(run.servers["math_agent"], workers=2)

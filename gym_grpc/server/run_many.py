@@ -12,9 +12,10 @@ does not read them), it stops reading that call until they go out, and gRPC's fl
 the client's writes. So a client that sends 100,000 runs and reads nothing costs the agent a
 bounded memory, not one that grows with what it sends.
 
-Each reply says how loaded the agent's process is (WorkerLoad: its CPU use and its CPU pools'
+The replies say how loaded the agent's process is (WorkerLoad: its CPU use and its CPU pools'
 over the last second or more, measured as replies go out, so an idle agent spends nothing on
-it), for a client that chooses between the agent's worker processes (client/run_many.py).
+it), for a client that chooses between the agent's worker processes (client/run_many.py). Each
+measurement goes out once on each call, in its next reply; the client keeps the last.
 
 Every run read gets a result. So when the agent stops (gracefully: a scale-down,
 the end of `gym-grpc run`), it answers each run it reads from then on with
@@ -84,14 +85,8 @@ class _Load:
         return self.load
 
 
-_LOAD: _Load | None = None
-
-
-def _load() -> agent_pb.WorkerLoad:
-    global _LOAD
-    if _LOAD is None:  # made on first use: a process that serves no RunMany measures nothing
-        _LOAD = _Load()
-    return _LOAD.now()
+#: This process's load: its interval begins at import, the first is measured by the first reply past it.
+_LOAD = _Load()
 
 
 class RunLink:
@@ -157,6 +152,8 @@ class _Runs:
         self.changed = asyncio.Event()
         #: Set when a run ends or results go out: the reader may read more.
         self.room = asyncio.Event()
+        #: The last process load a reply of this call carried (each measurement goes out once a call).
+        self.load_sent: agent_pb.WorkerLoad | None = None
 
     def full(self) -> bool:
         """Whether the call holds as many runs, or results not sent, as it may (see the module's docstring)."""
@@ -279,7 +276,10 @@ async def serve(
         while True:
             if runs.replies:
                 reply = runs.take()
-                reply.load.CopyFrom(_load())
+                load = _LOAD.now()
+                if load is not runs.load_sent:  # a new measurement: the client keeps it until the next
+                    reply.load.CopyFrom(load)
+                    runs.load_sent = load
                 yield reply
                 runs.sent(reply)
                 continue

@@ -259,8 +259,10 @@ class RunManyResponse(_message.Message):
 
     @_builtins.property
     def load(self) -> Global___WorkerLoad:
-        """How loaded the process that sends this message is (since 1.15; unset
-        from older agents). A client with calls on several worker
+        """How loaded the process that sends this message is (since 1.15; never
+        set by older agents). Set when the agent measured it anew since the
+        call's last message that carried it (at most about once a second): a
+        client keeps the last one it read. A client with calls on several worker
         processes of one agent reads it to choose where its next run goes: it
         gives a process more runs only while it has room for them.
         """
