@@ -13,6 +13,10 @@ The token-path tests run on both of vLLM's servers (`policy`): the HTTP one and 
 gRPC one (`grpc_engine`, `start --grpc`, GYM_GRPC_REAL_GRPC_ENGINE_URL to reuse one),
 the same model; the HTTP engine's /tokenize and /detokenize check what the model
 server renders and decodes for the gRPC one.
+
+With engines given by URL, `pytest -n 2 --dist loadgroup` runs the suite in two lanes side by
+side, the HTTP engine's tests in one and the rest in the other (`pytest_xdist_make_scheduler`
+below; .ci/run runs it so). Without engines given, each lane would start the ones it uses.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import os
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -72,14 +77,18 @@ def engine_traces() -> Iterator[Receiver]:
 
 
 @pytest.fixture(scope="session")
-def engine(tmp_path_factory: pytest.TempPathFactory, engine_traces: Receiver) -> Iterator[local_vllm.Engine]:
+def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[local_vllm.Engine]:
+    """The HTTP engine: the one GYM_GRPC_REAL_ENGINE_URL gives, else one started for the session and
+    sending its spans to `engine_traces` (asked for only then: with two lanes, only the lane of
+    test_traces.py may bind the receiver's port that .ci/run gives)."""
     given = _given_http("GYM_GRPC_REAL_ENGINE_URL", tmp_path_factory)
     if given is not None:
         yield given
         return
+    receiver = request.getfixturevalue("engine_traces")
     prepared = local_vllm.prepare()
     log_path = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    with traced_vllm(engine_traces, log_path, prepared=prepared) as running:
+    with traced_vllm(receiver, log_path, prepared=prepared) as running:
         yield running
 
 
@@ -110,6 +119,40 @@ def grpc_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[local_vllm
 
 
 @pytest.fixture(params=["http", "grpc"])
-def policy(request: pytest.FixtureRequest, engine: local_vllm.Engine) -> local_vllm.Engine:
+def policy(request: pytest.FixtureRequest) -> local_vllm.Engine:
     """The engine a token-path test's model server talks to: vLLM's HTTP server, then its gRPC one."""
-    return engine if request.param == "http" else request.getfixturevalue("grpc_engine")
+    return request.getfixturevalue("engine" if request.param == "http" else "grpc_engine")
+
+
+#: Test files whose tests generate elsewhere than on the session's HTTP engine: on the vision engine,
+#: or on engines they start (and stop) themselves.
+ELSEWHERE = ("test_vision.py", "test_engine_restart.py", "test_engine_cli.py")
+
+
+def lane(nodeid: str) -> str:
+    """"http" for a test that generates on the session's HTTP engine; "other" for one that generates on
+    the gRPC engine (a `[grpc]` case), the vision engine or an engine of its own. (The HTTP engine's
+    /tokenize and /detokenize, which some of the others read for reference, generate nothing.)"""
+    path, _, name = nodeid.partition("::")
+    return "other" if "[grpc]" in name or path.rsplit("/", 1)[-1] in ELSEWHERE else "http"
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """With `--dist loadgroup` (`pytest -n 2 --dist loadgroup`, as .ci/run runs this suite): two lanes,
+    each lane's tests in one process and in order, the two lanes side by side.
+
+    vLLM's CPU backend runs a model on one core, so with the gRPC and vision engines bound to the
+    other core (VLLM_CPU_OMP_THREADS_BIND, as .ci/run starts them) the lanes' generations do not queue
+    behind each other. Within a lane nothing changes: the tests that count an engine's requests,
+    reload its weights or restart one still have their engine to themselves. The lanes are told by
+    node id, not by xdist_group marks: pytest 9.2 names a node by `_id`, and pytest-xdist 3.8's
+    loadgroup still appends the group to `_nodeid`, so its marks group nothing."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Lanes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return lane(nodeid)
+
+    return Lanes(config, log)
