@@ -129,10 +129,11 @@ def policy(request: pytest.FixtureRequest) -> local_vllm.Engine:
 ELSEWHERE = ("test_vision.py", "test_engine_restart.py", "test_engine_cli.py")
 
 
-def lane(nodeid: str) -> str:
-    """"http" for a test that generates on the session's HTTP engine; "other" for one that generates on
-    the gRPC engine (a `[grpc]` case), the vision engine or an engine of its own. (The HTTP engine's
-    /tokenize and /detokenize, which some of the others read for reference, generate nothing.)"""
+def _lane(nodeid: str) -> str:
+    """The lane of a test: "http" when it generates on the session's HTTP engine; "other" when it
+    generates on the gRPC engine (a `[grpc]` case), the vision engine or an engine of its own. (The
+    HTTP engine's /tokenize and /detokenize, which some of the others read for reference, generate
+    nothing.)"""
     path, _, name = nodeid.partition("::")
     return "other" if "[grpc]" in name or path.rsplit("/", 1)[-1] in ELSEWHERE else "http"
 
@@ -153,6 +154,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     class Lanes(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return lane(nodeid)
+            return _lane(nodeid)
 
     return Lanes(config, log)
