@@ -126,7 +126,7 @@ def policy(request: pytest.FixtureRequest) -> local_vllm.Engine:
 
 #: Test files whose tests generate elsewhere than on the session's HTTP engine: on the vision engine,
 #: or on engines they start (and stop) themselves.
-ELSEWHERE = ("test_vision.py", "test_engine_restart.py", "test_engine_cli.py")
+_ELSEWHERE = ("test_vision.py", "test_engine_restart.py", "test_engine_cli.py")
 
 
 def _lane(nodeid: str) -> str:
@@ -135,7 +135,7 @@ def _lane(nodeid: str) -> str:
     HTTP engine's /tokenize and /detokenize, which some of the others read for reference, generate
     nothing.)"""
     path, _, name = nodeid.partition("::")
-    return "other" if "[grpc]" in name or path.rsplit("/", 1)[-1] in ELSEWHERE else "http"
+    return "other" if "[grpc]" in name or path.rsplit("/", 1)[-1] in _ELSEWHERE else "http"
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
