@@ -8,9 +8,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -44,6 +46,13 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     pids = tmp_path / "pids"
     monkeypatch.setenv("FAKE_VLLM_PIDS", str(pids))
     monkeypatch.setenv("GYM_GRPC_ENGINE_CACHE", str(tmp_path / "cache"))
+    # The engines' socket directories go to a temporary directory of the test's own, as short as
+    # the system's (a Unix socket's path is short): stop() sweeps the temporary directory, and must
+    # not meet another test's engines.
+    own = Path(tempfile.mkdtemp(prefix="t-"))
+    (tmp_path / "tmp").symlink_to(own)
+    monkeypatch.setattr(tempfile, "tempdir", str(own))
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
 
     def _fake(mode: str) -> tuple[Prepared, Path]:
         monkeypatch.setenv("FAKE_VLLM_MODE", mode)
@@ -53,6 +62,7 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     for pid in _started(pids):  # whatever a failed test left running
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+    shutil.rmtree(own)
 
 
 def _started(pids: Path) -> list[int]:
@@ -123,6 +133,49 @@ def test_stop_kills_an_engine_that_ignores_sigterm(fake: Any, tmp_path: Path) ->
     stop(engine.pid, grace=0.5)
     assert time.monotonic() - began < 10
     assert not any(alive(pid) for pid in _started(pids))
+
+
+def _socket_directories(tmp_path: Path) -> list[Path]:
+    return sorted((tmp_path / "tmp").glob("gym-vllm-*"))
+
+
+def test_an_engines_sockets_go_to_a_directory_of_its_own_that_stop_removes(fake: Any, tmp_path: Path) -> None:
+    """vLLM makes its ZeroMQ sockets in VLLM_RPC_BASE_PATH and leaves them when it ends (a thousand in
+    /tmp on this project's CI machine): each engine started here gets a directory for them, gone after stop()."""
+    prepared, _ = fake("serve")
+    engine = start(prepared, log_path=tmp_path / "vllm.log", ready_timeout=30)
+    try:
+        (directory,) = _socket_directories(tmp_path)
+        assert (directory / "pid").read_text() == str(engine.pid)
+        assert any(path.is_socket() for path in directory.iterdir())
+    finally:
+        stop(engine.pid)
+    assert _socket_directories(tmp_path) == []
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_the_sockets_of_an_engine_that_ended_without_stop_go_at_the_next_stop(fake: Any, tmp_path: Path) -> None:
+    prepared, pids = fake("serve")
+    killed = start(prepared, log_path=tmp_path / "killed.log", ready_timeout=30)
+    os.killpg(killed.pid, signal.SIGKILL)  # as when its owner is killed (die_with_parent)
+    os.waitpid(killed.pid, 0)
+    engine = start(prepared, log_path=tmp_path / "vllm.log", ready_timeout=30)
+    assert len(_socket_directories(tmp_path)) == 2
+    stop(engine.pid)
+    assert _socket_directories(tmp_path) == []
+
+
+def test_a_vllm_rpc_base_path_of_ones_own_is_used_and_left_as_it_is(
+    fake: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(mine))
+    prepared, _ = fake("serve")
+    engine = start(prepared, log_path=tmp_path / "vllm.log", ready_timeout=30)
+    stop(engine.pid)
+    assert _socket_directories(tmp_path) == []
+    assert [path.is_socket() for path in mine.iterdir()] == [True]
 
 
 def test_prepare_builds_once_and_rebuilds_what_is_unfinished_or_from_another_spec(

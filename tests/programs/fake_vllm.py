@@ -6,14 +6,18 @@ serve (answers GET /v1/models, with a forked child like vLLM's engine core; as
 checks with SERVING instead),
 die, hang (never listens), stubborn (serves and ignores SIGTERM), taken_once
 (the first start fails with vLLM's "address already in use", later ones serve).
-Writes its PID and its child's to FAKE_VLLM_PIDS, one per line.
+Writes its PID and its child's to FAKE_VLLM_PIDS, one per line. Like vLLM, it listens on
+a Unix socket in VLLM_RPC_BASE_PATH (ZeroMQ's, in vLLM), and leaves it there when it ends.
 """
 
 import http.server
 import os
 import signal
+import socket
 import sys
+import tempfile
 import time
+import uuid
 from pathlib import Path
 
 
@@ -48,6 +52,9 @@ def main() -> None:
             time.sleep(1)
     with pids.open("a") as f:
         f.write(f"{os.getpid()}\n{child}\n")
+    ipc = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    ipc.bind(os.path.join(os.environ.get("VLLM_RPC_BASE_PATH", tempfile.gettempdir()), str(uuid.uuid4())))
+    ipc.listen()
     if mode == "stubborn":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if mode == "hang":

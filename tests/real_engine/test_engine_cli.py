@@ -59,8 +59,13 @@ def test_engine_start_points_env_yaml_at_a_serving_vllm_and_stop_ends_it(tmp_pat
         assert status.returncode == 0 and f"base_url: {env['policy_base_url']}\n" in status.stdout
         pid = int(status.stdout.split("pid: ")[1].split()[0])
         assert _group_alive(pid)
+        # vLLM's ZeroMQ sockets are in a directory of this engine's own, which stop removes.
+        environ = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
+        sockets = Path(environ["VLLM_RPC_BASE_PATH"])
+        assert sockets.name.startswith("gym-vllm-") and any(path.is_socket() for path in sockets.iterdir())
     finally:
         stopped = _gym_grpc(tmp_path, "engine", "stop", timeout=60)
     assert stopped.returncode == 0 and f"stopped vLLM (pid {pid})" in stopped.stdout
     assert not _group_alive(pid)
+    assert not sockets.exists()
     assert _gym_grpc(tmp_path, "engine", "status").returncode == 1

@@ -12,6 +12,13 @@ use"), start() picks another, a bounded number of times.
 vLLM runs in its own session (process group) because it forks an engine-core
 process: stop() signals the whole group it started, SIGTERM first, SIGKILL
 after a grace period, so no child outlives it.
+
+vLLM's processes talk over ZeroMQ sockets that it makes in VLLM_RPC_BASE_PATH (the
+system's temporary directory unless told), several per start, and it does not remove
+them when it stops: a machine that starts engines all day collects thousands. Each
+engine started here gets a directory of its own for them (unless VLLM_RPC_BASE_PATH
+is set), which stop() removes once the engine has ended, with those of engines that
+ended without a stop() (killed with their owner, say).
 """
 
 from __future__ import annotations
@@ -21,10 +28,12 @@ import ctypes
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -53,6 +62,10 @@ _GRPC_ENV = {"SMG_VLLM_SERVICER_WARMUP": "off"}
 # served only in vLLM's dev mode. It is on loopback here; an engine reachable by others needs care.
 _HTTP_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 _ADDRESS_IN_USE = ("address already in use", "failed to bind")
+#: The name of an engine's directory for its sockets, in the temporary directory: this, then random
+#: characters. It holds a file "pid", the engine's PID, once the engine is started. Short: a Unix
+#: socket's path has at most 107 bytes, and vLLM's are this directory and a UUID.
+_SOCKETS_PREFIX = "gym-vllm-"
 
 
 class EngineStartError(errors.FrameworkError, RuntimeError):
@@ -212,6 +225,10 @@ def start(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     for attempt in range(1, port_attempts + 1):
         bound = port if port is not None else _free_port()
+        env = {**os.environ, **_ENV, **(_GRPC_ENV if grpc else _HTTP_ENV)}
+        sockets = None
+        if "VLLM_RPC_BASE_PATH" not in env:
+            sockets = env["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix=_SOCKETS_PREFIX)
         with open(log_path, "w" if attempt == 1 else "a") as log:  # a retry keeps the failed attempt's log
             log.write(f"--- gym_grpc.engines.local_vllm: attempt {attempt}, port {bound}\n")
             log.flush()
@@ -220,10 +237,12 @@ def start(
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **_ENV, **(_GRPC_ENV if grpc else _HTTP_ENV)},
+                env=env,
                 start_new_session=True,
                 preexec_fn=die_with_parent if tied and sys.platform == "linux" else None,
             )
+        if sockets is not None:
+            Path(sockets, "pid").write_text(str(process.pid))
         url = f"{GRPC_SCHEME}127.0.0.1:{bound}" if grpc else f"http://127.0.0.1:{bound}/v1"
         engine = Engine(url, process.pid, log_path, prepared.model_name)
         deadline = time.monotonic() + ready_timeout
@@ -264,7 +283,24 @@ def _alive(pid: int) -> bool:
 
 
 def stop(pid: int, grace: float = 15.0) -> None:
-    """End the vLLM started as pid (and its process group): SIGTERM, then SIGKILL after grace seconds."""
+    """End the vLLM started as pid (and its process group): SIGTERM, then SIGKILL after grace seconds.
+    Then remove the socket directories of the engines that have ended, this one's included."""
+    _end(pid, grace)
+    _remove_sockets()
+
+
+def _remove_sockets() -> None:
+    """Remove each engine's socket directory (see the module's docstring) whose engine has ended."""
+    for directory in Path(tempfile.gettempdir()).glob(_SOCKETS_PREFIX + "*"):
+        try:
+            pid = int((directory / "pid").read_text())
+        except (OSError, ValueError):
+            continue  # its engine is being started: the pid is not written yet
+        if not _alive(pid):
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _end(pid: int, grace: float) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
