@@ -39,7 +39,12 @@ seconds of the `gym-grpc run` process tree and of gym-grpc's threads in the trai
 with GymClient and gym_grpc.training, and gRPC's own), as a share of the engine's CPU, of all the
 run's CPU, and of its wall time. Each run's stack is new, and warmed up with one step's worth of
 rollouts before it is measured: a stack's first rollouts cost it more than later ones, once per stack
-(its cost is reported apart, stack_warm_up).
+(its cost is reported apart, stack_warm_up). Then, before the run, the stack and the trainer's
+gym-grpc threads are watched for IDLE_SECONDS with nothing running (idle_rate): what gym-grpc spends
+a second whatever it does (gRPC's C core wakes on timers in every process that has it). A run's
+report gives that rate times its wall time (gym_grpc_idle_cpu_seconds), and its share of the engine's
+CPU without it (gym_grpc_cpu_share_of_engine_beyond_idle): the part that grows with the rollouts,
+where the idle part grows with a step's length, the optimizer's included.
 A third mode, collect, is the baseline of that cost: the same steps' rollouts with no trainer.
 `--repeats N` runs the modes N times in turn and reports each mode's median run with every run's
 totals beside it: the engine's CPU, which the share is of, moves by a tenth from run to run.
@@ -245,27 +250,76 @@ def _record(step: int, groups: list[list[RolloutResult]], samples: list[training
 GRPC_CORE_THREADS = {"event_engine", "lifeguard", "grpc_global_tim"}
 
 
-def gym_grpc_threads_cpu() -> tuple[float, float]:
-    """CPU seconds of this process's live threads that do gym-grpc's work: the main thread (the event
-    loop, with GymClient and gym_grpc.training), then gRPC's threads (its C core's, and grpc.aio's
-    completion-queue poller, a Python thread running `_poll_wrapper`). Not the trainer's: the
-    optimizer and the checkpoints run in worker threads, and torch has threads of its own. A pool
-    thread that gRPC ended is missed (its CPU is the process's, no longer a thread's); the reserve
-    the pool keeps does not end."""
+def _gym_grpc_threads() -> dict[int, tuple[bool, int]]:
+    """This process's live threads that do gym-grpc's work, by id: whether it is gRPC's, and the
+    nanoseconds it ran. The main thread (the event loop, with GymClient and gym_grpc.training), and
+    gRPC's threads (its C core's, and grpc.aio's completion-queue poller, a Python thread running
+    `_poll_wrapper`). Not the trainer's: the optimizer and the checkpoints run in worker threads, and
+    torch has threads of its own."""
     main = threading.main_thread().native_id
     poller = {t.native_id for t in threading.enumerate() if "_poll_wrapper" in t.name}
-    loop_ns = grpc_ns = 0
+    found = {}
     for tid in os.listdir("/proc/self/task"):
         try:
             name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
             ran = int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[0])
         except OSError:  # the thread ended
             continue
-        if int(tid) == main:
-            loop_ns += ran
-        elif int(tid) in poller or name in GRPC_CORE_THREADS:
-            grpc_ns += ran
-    return loop_ns / 1e9, grpc_ns / 1e9
+        if int(tid) == main or int(tid) in poller or name in GRPC_CORE_THREADS:
+            found[int(tid)] = (int(tid) != main, ran)
+    return found
+
+
+def gym_grpc_threads_cpu() -> tuple[float, float]:
+    """CPU seconds of this process's live threads that do gym-grpc's work (_gym_grpc_threads): the
+    main thread's, then gRPC's. A pool thread that gRPC ended is missed (its CPU is the process's, no
+    longer a thread's); the reserve the pool keeps does not end."""
+    threads = _gym_grpc_threads().values()
+    return sum(ran for grpc, ran in threads if not grpc) / 1e9, sum(ran for grpc, ran in threads if grpc) / 1e9
+
+
+#: Seconds idle_rate watches a stack with nothing running.
+IDLE_SECONDS = 10.0
+
+
+def _tree_threads(root: int) -> dict[tuple[int, int], int]:
+    """The nanoseconds each live thread of root's process tree ran, by (pid, thread id), from
+    schedstat: an idle process's few milliseconds a second are under /proc/PID/stat's 10 ms ticks."""
+    found = {}
+    for pid in bench_real._tree(root):
+        try:
+            threads = os.listdir(f"/proc/{pid}/task")
+        except OSError:  # ended
+            continue
+        for tid in threads:
+            try:
+                found[pid, int(tid)] = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+            except OSError:
+                continue
+    return found
+
+
+def _ran_since(before: dict[Any, int], after: dict[Any, int]) -> float:
+    """Seconds the threads of `after` ran since `before` (all of it for a thread new since): a thread
+    that ended between the two is left out, rather than counted as running backwards."""
+    return sum(ran - before.get(key, 0) for key, ran in after.items()) / 1e9
+
+
+def _trainer_threads() -> dict[int, int]:
+    return {tid: ran for tid, (_, ran) in _gym_grpc_threads().items()}
+
+
+async def idle_rate(stack_pid: int, seconds: float = IDLE_SECONDS) -> dict[str, float]:
+    """CPU milliseconds a second of gym-grpc with no rollout running: the `gym-grpc run` tree, and
+    gym-grpc's threads in this (the trainer's) process, over `seconds` of nothing."""
+    servers, trainer = _tree_threads(stack_pid), _trainer_threads()
+    began = time.monotonic()
+    await asyncio.sleep(seconds)
+    took = time.monotonic() - began
+    return {
+        "servers_ms_per_second": round(1000 * _ran_since(servers, _tree_threads(stack_pid)) / took, 3),
+        "in_trainer_ms_per_second": round(1000 * _ran_since(trainer, _trainer_threads()) / took, 3),
+    }
 
 
 class CpuMeter:
@@ -275,8 +329,8 @@ class CpuMeter:
     gRPC's), the trainer's whole process (with the optimizer's threads) and the engine's process
     tree."""
 
-    def __init__(self, stack_pid: int, engine_pid: int | None) -> None:
-        self.stack_pid, self.engine_pid = stack_pid, engine_pid
+    def __init__(self, stack_pid: int, engine_pid: int | None, idle: dict[str, float] | None = None) -> None:
+        self.stack_pid, self.engine_pid, self.idle = stack_pid, engine_pid, idle
         self.start = self._read()
 
     def _read(self) -> dict[str, float]:
@@ -294,7 +348,14 @@ class CpuMeter:
         end = self._read()
         used = {key: round(end[key] - self.start[key], 2) for key in end}
         gym = used["gym_grpc_servers"] + used["gym_grpc_in_trainer"]
+        beyond: dict[str, Any] = {}
+        if self.idle is not None:
+            idle = wall * sum(self.idle.values()) / 1000
+            beyond = {"idle": self.idle, "gym_grpc_idle_cpu_seconds": round(idle, 3)}
+            if self.engine_pid and used["engine"]:
+                beyond["gym_grpc_cpu_share_of_engine_beyond_idle"] = round((gym - idle) / used["engine"], 4)
         return {
+            **beyond,
             "cpu_seconds": used | {"gym_grpc_total": round(gym, 2)},
             "gym_grpc_cpu_seconds_per_step": round(gym / steps, 3),
             "gym_grpc_cpu_share_of_engine": round(gym / used["engine"], 4)
@@ -317,8 +378,9 @@ async def run(
     engine_pid: int | None,
     model_dir: Path,
     out: Path,
+    idle: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """One training run, `mode` async or sync; its steps and totals."""
+    """One training run, `mode` async or sync; its steps and totals (`idle`: the stack's idle_rate)."""
     registry = stack.registry
     rows = tasks(args.seed)
     trainer = Trainer(model_dir, args.lr, args.clip, args.seed, out)
@@ -360,7 +422,7 @@ async def run(
                 in_flight.add(group)
                 group.add_done_callback(in_flight.discard)
 
-        meter = CpuMeter(stack.process.pid, engine_pid)
+        meter = CpuMeter(stack.process.pid, engine_pid, idle)
         producer = asyncio.ensure_future(produce()) if mode == "async" else None
         started = time.monotonic()
         with EngineIdle(engine_url) as idle:
@@ -416,13 +478,17 @@ async def run(
 
 
 async def _collect(
-    stack: GymRun, engine_pid: int | None, batches: list[list[dict[str, Any]]], group_size: int
+    stack: GymRun,
+    engine_pid: int | None,
+    batches: list[list[dict[str, Any]]],
+    group_size: int,
+    idle: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """Each batch's rows as groups of `group_size`, one batch after the other, with no trainer: the
-    rollouts that succeeded, the wall time and CpuMeter's report."""
+    rollouts that succeeded, the wall time and CpuMeter's report (`idle`: the stack's idle_rate)."""
     reg = Registry(stack.registry)
     async with GymClient(AGENT, reg) as gym:
-        meter = CpuMeter(stack.process.pid, engine_pid)
+        meter = CpuMeter(stack.process.pid, engine_pid, idle)
         started = time.monotonic()
         done = 0
         for batch in batches:
@@ -434,13 +500,15 @@ async def _collect(
     return {"rollouts": done, "wall_seconds": round(wall, 1), **cost}
 
 
-async def collect_only(args: argparse.Namespace, stack: GymRun, engine_pid: int | None) -> dict[str, Any]:
+async def collect_only(
+    args: argparse.Namespace, stack: GymRun, engine_pid: int | None, idle: dict[str, float] | None = None
+) -> dict[str, Any]:
     """The baseline of the cost: a step's rollouts (the same tasks, groups and concurrency), `--steps`
     times, with no trainer, no optimizer and no weight update: what collection alone costs gym-grpc
     and the engine, measured by the same CpuMeter."""
     rows = tasks(args.seed)
     steps = [[rows[(step * args.groups + i) % len(rows)] for i in range(args.groups)] for step in range(args.steps)]
-    return await _collect(stack, engine_pid, steps, args.group_size)
+    return await _collect(stack, engine_pid, steps, args.group_size, idle)
 
 
 async def warm_up(args: argparse.Namespace, stack: GymRun, engine_pid: int | None) -> dict[str, Any]:
@@ -468,10 +536,11 @@ async def runs(
             stack = GymRun.start(config, preexec_fn=bench_real.bench_run.TIED)
             try:
                 warm = await warm_up(args, stack, engine_pid)
+                idle = await idle_rate(stack.process.pid, 1.0 if args.smoke else IDLE_SECONDS)
                 if mode == "collect":
-                    one = await collect_only(args, stack, engine_pid)
+                    one = await collect_only(args, stack, engine_pid, idle)
                 else:
-                    one = await run(mode, args, stack, engine_url, engine_pid, model_dir, tmp)
+                    one = await run(mode, args, stack, engine_url, engine_pid, model_dir, tmp, idle)
                 one["stack_warm_up"] = warm
                 results.setdefault(mode, []).append(one)
             finally:
