@@ -279,7 +279,7 @@ def gym_grpc_threads_cpu() -> tuple[float, float]:
 
 
 #: Seconds idle_rate watches a stack with nothing running.
-IDLE_SECONDS = 10.0
+IDLE_SECONDS = 10
 
 
 def _tree_threads(root: int) -> dict[tuple[int, int], int]:
@@ -309,16 +309,23 @@ def _trainer_threads() -> dict[int, int]:
     return {tid: ran for tid, (_, ran) in _gym_grpc_threads().items()}
 
 
-async def idle_rate(stack_pid: int, seconds: float = IDLE_SECONDS) -> dict[str, float]:
+async def idle_rate(stack_pid: int, seconds: int = IDLE_SECONDS) -> dict[str, float]:
     """CPU milliseconds a second of gym-grpc with no rollout running: the `gym-grpc run` tree, and
-    gym-grpc's threads in this (the trainer's) process, over `seconds` of nothing."""
-    servers, trainer = _tree_threads(stack_pid), _trainer_threads()
-    began = time.monotonic()
-    await asyncio.sleep(seconds)
-    took = time.monotonic() - began
+    gym-grpc's threads in this (the trainer's) process; the median of `seconds` one-second windows of
+    nothing, so that a one-off in one of them (a check pool's worker still starting, a collection of
+    the garbage) does not stand for every second of the run."""
+    servers: list[float] = []
+    trainer: list[float] = []
+    for _ in range(seconds):
+        stack, own = _tree_threads(stack_pid), _trainer_threads()
+        began = time.monotonic()
+        await asyncio.sleep(1.0)
+        took = time.monotonic() - began
+        servers.append(1000 * _ran_since(stack, _tree_threads(stack_pid)) / took)
+        trainer.append(1000 * _ran_since(own, _trainer_threads()) / took)
     return {
-        "servers_ms_per_second": round(1000 * _ran_since(servers, _tree_threads(stack_pid)) / took, 3),
-        "in_trainer_ms_per_second": round(1000 * _ran_since(trainer, _trainer_threads()) / took, 3),
+        "servers_ms_per_second": round(statistics.median(servers), 3),
+        "in_trainer_ms_per_second": round(statistics.median(trainer), 3),
     }
 
 
@@ -536,7 +543,7 @@ async def runs(
             stack = GymRun.start(config, preexec_fn=bench_real.bench_run.TIED)
             try:
                 warm = await warm_up(args, stack, engine_pid)
-                idle = await idle_rate(stack.process.pid, 1.0 if args.smoke else IDLE_SECONDS)
+                idle = await idle_rate(stack.process.pid, 1 if args.smoke else IDLE_SECONDS)
                 if mode == "collect":
                     one = await collect_only(args, stack, engine_pid, idle)
                 else:
