@@ -313,13 +313,18 @@ async def idle_rate(stack_pid: int, seconds: int = IDLE_SECONDS) -> dict[str, fl
     """CPU milliseconds a second of gym-grpc with no rollout running: the `gym-grpc run` tree, and
     gym-grpc's threads in this (the trainer's) process; the median of `seconds` one-second windows of
     nothing, so that a one-off in one of them (a check pool's worker still starting, a collection of
-    the garbage) does not stand for every second of the run."""
+    the garbage) does not stand for every second of the run. Watched from a thread of its own: the
+    walk through /proc costs milliseconds, which the event loop's thread would count as gym-grpc's."""
+    return await asyncio.to_thread(_idle_rate, stack_pid, seconds)
+
+
+def _idle_rate(stack_pid: int, seconds: int) -> dict[str, float]:
     servers: list[float] = []
     trainer: list[float] = []
     for _ in range(seconds):
         stack, own = _tree_threads(stack_pid), _trainer_threads()
         began = time.monotonic()
-        await asyncio.sleep(1.0)
+        time.sleep(1.0)
         took = time.monotonic() - began
         servers.append(1000 * _ran_since(stack, _tree_threads(stack_pid)) / took)
         trainer.append(1000 * _ran_since(own, _trainer_threads()) / took)
