@@ -168,7 +168,7 @@ def test_the_sockets_of_an_engine_that_ended_without_stop_go_at_the_next_stop(fa
 def test_a_vllm_rpc_base_path_of_ones_own_is_used_and_left_as_it_is(
     fake: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    mine = tmp_path / "mine"
+    mine = (tmp_path / "tmp").resolve() / "mine"  # short: tmp_path under pytest-xdist is too long for a socket
     mine.mkdir()
     monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(mine))
     prepared, _ = fake("serve")
