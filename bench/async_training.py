@@ -339,10 +339,10 @@ class CpuMeter:
     `gym-grpc run` process tree (supervisor and servers), gym-grpc's threads in the trainer process
     (gym_grpc_threads_cpu: gym_grpc_in_trainer, of which gym_grpc_in_trainer_grpc_threads are
     gRPC's), the trainer's whole process (with the optimizer's threads) and the engine's process
-    tree."""
+    tree; given the stack's idle_rate (`stack_idle`), the run's idle CPU and its share beyond it."""
 
-    def __init__(self, stack_pid: int, engine_pid: int | None, idle: dict[str, float] | None = None) -> None:
-        self.stack_pid, self.engine_pid, self.idle = stack_pid, engine_pid, idle
+    def __init__(self, stack_pid: int, engine_pid: int | None, stack_idle: dict[str, float] | None = None) -> None:
+        self.stack_pid, self.engine_pid, self.stack_idle = stack_pid, engine_pid, stack_idle
         self.start = self._read()
 
     def _read(self) -> dict[str, float]:
@@ -361,9 +361,9 @@ class CpuMeter:
         used = {key: round(end[key] - self.start[key], 2) for key in end}
         gym = used["gym_grpc_servers"] + used["gym_grpc_in_trainer"]
         beyond: dict[str, Any] = {}
-        if self.idle is not None:
-            idle = wall * sum(self.idle.values()) / 1000
-            beyond = {"idle": self.idle, "gym_grpc_idle_cpu_seconds": round(idle, 3)}
+        if self.stack_idle is not None:
+            idle = wall * sum(self.stack_idle.values()) / 1000
+            beyond = {"idle": self.stack_idle, "gym_grpc_idle_cpu_seconds": round(idle, 3)}
             if self.engine_pid and used["engine"]:
                 beyond["gym_grpc_cpu_share_of_engine_beyond_idle"] = round((gym - idle) / used["engine"], 4)
         return {
@@ -390,9 +390,9 @@ async def run(
     engine_pid: int | None,
     model_dir: Path,
     out: Path,
-    idle: dict[str, float] | None = None,
+    stack_idle: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """One training run, `mode` async or sync; its steps and totals (`idle`: the stack's idle_rate)."""
+    """One training run, `mode` async or sync; its steps and totals (`stack_idle`: its idle_rate)."""
     registry = stack.registry
     rows = tasks(args.seed)
     trainer = Trainer(model_dir, args.lr, args.clip, args.seed, out)
@@ -434,7 +434,7 @@ async def run(
                 in_flight.add(group)
                 group.add_done_callback(in_flight.discard)
 
-        meter = CpuMeter(stack.process.pid, engine_pid, idle)
+        meter = CpuMeter(stack.process.pid, engine_pid, stack_idle)
         producer = asyncio.ensure_future(produce()) if mode == "async" else None
         started = time.monotonic()
         with EngineIdle(engine_url) as idle:
@@ -494,13 +494,13 @@ async def _collect(
     engine_pid: int | None,
     batches: list[list[dict[str, Any]]],
     group_size: int,
-    idle: dict[str, float] | None = None,
+    stack_idle: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """Each batch's rows as groups of `group_size`, one batch after the other, with no trainer: the
-    rollouts that succeeded, the wall time and CpuMeter's report (`idle`: the stack's idle_rate)."""
+    rollouts that succeeded, the wall time and CpuMeter's report (`stack_idle`: its idle_rate)."""
     reg = Registry(stack.registry)
     async with GymClient(AGENT, reg) as gym:
-        meter = CpuMeter(stack.process.pid, engine_pid, idle)
+        meter = CpuMeter(stack.process.pid, engine_pid, stack_idle)
         started = time.monotonic()
         done = 0
         for batch in batches:
@@ -513,14 +513,14 @@ async def _collect(
 
 
 async def collect_only(
-    args: argparse.Namespace, stack: GymRun, engine_pid: int | None, idle: dict[str, float] | None = None
+    args: argparse.Namespace, stack: GymRun, engine_pid: int | None, stack_idle: dict[str, float] | None = None
 ) -> dict[str, Any]:
     """The baseline of the cost: a step's rollouts (the same tasks, groups and concurrency), `--steps`
     times, with no trainer, no optimizer and no weight update: what collection alone costs gym-grpc
     and the engine, measured by the same CpuMeter."""
     rows = tasks(args.seed)
     steps = [[rows[(step * args.groups + i) % len(rows)] for i in range(args.groups)] for step in range(args.steps)]
-    return await _collect(stack, engine_pid, steps, args.group_size, idle)
+    return await _collect(stack, engine_pid, steps, args.group_size, stack_idle)
 
 
 async def warm_up(args: argparse.Namespace, stack: GymRun, engine_pid: int | None) -> dict[str, Any]:
@@ -548,11 +548,11 @@ async def runs(
             stack = GymRun.start(config, preexec_fn=bench_real.bench_run.TIED)
             try:
                 warm = await warm_up(args, stack, engine_pid)
-                idle = await idle_rate(stack.process.pid, 1 if args.smoke else IDLE_SECONDS)
+                stack_idle = await idle_rate(stack.process.pid, 1 if args.smoke else IDLE_SECONDS)
                 if mode == "collect":
-                    one = await collect_only(args, stack, engine_pid, idle)
+                    one = await collect_only(args, stack, engine_pid, stack_idle)
                 else:
-                    one = await run(mode, args, stack, engine_url, engine_pid, model_dir, tmp, idle)
+                    one = await run(mode, args, stack, engine_url, engine_pid, model_dir, tmp, stack_idle)
                 one["stack_warm_up"] = warm
                 results.setdefault(mode, []).append(one)
             finally:
