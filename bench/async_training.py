@@ -250,6 +250,11 @@ def _record(step: int, groups: list[list[RolloutResult]], samples: list[training
 GRPC_CORE_THREADS = {"event_engine", "lifeguard", "grpc_global_tim"}
 
 
+def _ran_ns(task: str) -> int:
+    """Nanoseconds the thread at /proc/PID/task/TID has run (its schedstat); OSError once it has ended."""
+    return int(Path(task, "schedstat").read_text().split()[0])
+
+
 def _gym_grpc_threads() -> dict[int, tuple[bool, int]]:
     """This process's live threads that do gym-grpc's work, by id: whether it is gRPC's, and the
     nanoseconds it ran. The main thread (the event loop, with GymClient and gym_grpc.training), and
@@ -262,7 +267,7 @@ def _gym_grpc_threads() -> dict[int, tuple[bool, int]]:
     for tid in os.listdir("/proc/self/task"):
         try:
             name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
-            ran = int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[0])
+            ran = _ran_ns(f"/proc/self/task/{tid}")
         except OSError:  # the thread ended
             continue
         if int(tid) == main or int(tid) in poller or name in GRPC_CORE_THREADS:
@@ -293,7 +298,7 @@ def _tree_threads(root: int) -> dict[tuple[int, int], int]:
             continue
         for tid in threads:
             try:
-                found[pid, int(tid)] = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+                found[pid, int(tid)] = _ran_ns(f"/proc/{pid}/task/{tid}")
             except OSError:
                 continue
     return found

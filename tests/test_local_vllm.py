@@ -50,7 +50,6 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     # the system's (a Unix socket's path is short): stop() sweeps the temporary directory, and must
     # not meet another test's engines.
     own = Path(tempfile.mkdtemp(prefix="t-"))
-    (tmp_path / "tmp").symlink_to(own)
     monkeypatch.setattr(tempfile, "tempdir", str(own))
     monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
 
@@ -135,8 +134,9 @@ def test_stop_kills_an_engine_that_ignores_sigterm(fake: Any, tmp_path: Path) ->
     assert not any(alive(pid) for pid in _started(pids))
 
 
-def _socket_directories(tmp_path: Path) -> list[Path]:
-    return sorted((tmp_path / "tmp").glob("gym-vllm-*"))
+def _socket_directories() -> list[Path]:
+    """The engines' socket directories in the temporary directory (the fixture `fake` makes it the test's own)."""
+    return sorted(Path(tempfile.gettempdir()).glob("gym-vllm-*"))
 
 
 def test_an_engines_sockets_go_to_a_directory_of_its_own_that_stop_removes(fake: Any, tmp_path: Path) -> None:
@@ -145,13 +145,13 @@ def test_an_engines_sockets_go_to_a_directory_of_its_own_that_stop_removes(fake:
     prepared, _ = fake("serve")
     engine = start(prepared, log_path=tmp_path / "vllm.log", ready_timeout=30)
     try:
-        (directory,) = _socket_directories(tmp_path)
+        (directory,) = _socket_directories()
         assert (directory / "pid").read_text() == str(engine.pid)
         assert any(path.is_socket() for path in directory.iterdir())
     finally:
         stop(engine.pid)
-    assert _socket_directories(tmp_path) == []
-    assert list((tmp_path / "tmp").iterdir()) == []
+    assert _socket_directories() == []
+    assert list(Path(tempfile.gettempdir()).iterdir()) == []
 
 
 def test_the_sockets_of_an_engine_that_ended_without_stop_go_at_the_next_stop(fake: Any, tmp_path: Path) -> None:
@@ -160,21 +160,21 @@ def test_the_sockets_of_an_engine_that_ended_without_stop_go_at_the_next_stop(fa
     os.killpg(killed.pid, signal.SIGKILL)  # as when its owner is killed (die_with_parent)
     os.waitpid(killed.pid, 0)
     engine = start(prepared, log_path=tmp_path / "vllm.log", ready_timeout=30)
-    assert len(_socket_directories(tmp_path)) == 2
+    assert len(_socket_directories()) == 2
     stop(engine.pid)
-    assert _socket_directories(tmp_path) == []
+    assert _socket_directories() == []
 
 
 def test_a_vllm_rpc_base_path_of_ones_own_is_used_and_left_as_it_is(
     fake: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    mine = (tmp_path / "tmp").resolve() / "mine"  # short: tmp_path under pytest-xdist is too long for a socket
+    mine = Path(tempfile.gettempdir(), "mine")  # short: tmp_path under pytest-xdist is too long for a socket
     mine.mkdir()
     monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(mine))
     prepared, _ = fake("serve")
     engine = start(prepared, log_path=tmp_path / "vllm.log", ready_timeout=30)
     stop(engine.pid)
-    assert _socket_directories(tmp_path) == []
+    assert _socket_directories() == []
     assert [path.is_socket() for path in mine.iterdir()] == [True]
 
 
