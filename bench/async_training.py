@@ -339,12 +339,27 @@ def _idle_rate(stack_pid: int, seconds: int) -> dict[str, float]:
     }
 
 
+#: What the processes of the `gym-grpc run` tree do, for the split of its CPU (_server_role).
+SERVER_ROLES = ("supervisor", "workers", "check_pools")
+
+
+def _server_role(pid: int) -> str:
+    """A process of the stack's tree by its command line: a server worker (`gym_grpc.server.worker`:
+    the servers, grouped), a check pool's process (spawned by multiprocessing: an environment's
+    checks, math-verify here), or the supervisor (`gym-grpc run` itself)."""
+    command = bench_real._command_name(pid)
+    if "multiprocessing" in command:
+        return "check_pools"
+    return "workers" if "gym_grpc.server.worker" in command else "supervisor"
+
+
 class CpuMeter:
     """The CPU seconds of gym-grpc's own work in a run, beside the engine's and the trainer's: the
-    `gym-grpc run` process tree (supervisor and servers), gym-grpc's threads in the trainer process
-    (gym_grpc_threads_cpu: gym_grpc_in_trainer, of which gym_grpc_in_trainer_grpc_threads are
-    gRPC's), the trainer's whole process (with the optimizer's threads) and the engine's process
-    tree; given the stack's idle_rate (`stack_idle`), the run's idle CPU and its share beyond it."""
+    `gym-grpc run` process tree (supervisor and servers; split by SERVER_ROLES), gym-grpc's threads
+    in the trainer process (gym_grpc_threads_cpu: gym_grpc_in_trainer, of which
+    gym_grpc_in_trainer_grpc_threads are gRPC's), the trainer's whole process (with the optimizer's
+    threads) and the engine's process tree; given the stack's idle_rate (`stack_idle`), the run's
+    idle CPU and its share beyond it."""
 
     def __init__(self, stack_pid: int, engine_pid: int | None, stack_idle: dict[str, float] | None = None) -> None:
         self.stack_pid, self.engine_pid, self.stack_idle = stack_pid, engine_pid, stack_idle
@@ -353,8 +368,13 @@ class CpuMeter:
     def _read(self) -> dict[str, float]:
         tree = bench_real._tree_cpu
         loop, grpc_threads = gym_grpc_threads_cpu()
+        servers = tree(self.stack_pid)
+        by_role = dict.fromkeys(SERVER_ROLES, 0.0)
+        for pid, cpu in servers.items():
+            by_role[_server_role(pid)] += cpu
         return {
-            "gym_grpc_servers": sum(tree(self.stack_pid).values()),
+            "gym_grpc_servers": sum(servers.values()),
+            **{f"gym_grpc_servers_{role}": cpu for role, cpu in by_role.items()},
             "gym_grpc_in_trainer": loop + grpc_threads,
             "gym_grpc_in_trainer_grpc_threads": grpc_threads,
             "trainer_process": time.process_time(),

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import os
+import subprocess
+import sys
+from multiprocessing.connection import Connection
 
 import pytest
 
@@ -36,3 +41,30 @@ def test_group_workers_takes_what_a_configuration_takes_and_refuses_the_rest():
     for bad in ("0", "two", "-1"):
         with pytest.raises(argparse.ArgumentTypeError):
             bench.group_workers(bad)
+
+
+def _wait(ready: Connection) -> None:
+    ready.recv()
+
+
+def test_the_stacks_cpu_is_split_by_what_each_process_runs():
+    """A check pool's process is one multiprocessing spawned (as CpuPool does), a server worker runs
+    gym_grpc.server.worker, and anything else in the tree is the supervisor's."""
+    bench = script("bench/async_training.py", "bench_async_training")
+    theirs, ours = multiprocessing.Pipe()
+    child = multiprocessing.get_context("spawn").Process(target=_wait, args=(theirs,), daemon=True)
+    child.start()
+    try:
+        assert child.pid is not None
+        assert bench._server_role(child.pid) == "check_pools"
+    finally:
+        ours.send(None)
+        child.join(10)
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "gym_grpc.server.worker"])
+    try:
+        assert bench._server_role(worker.pid) == "workers"
+    finally:
+        worker.kill()
+        worker.wait()
+    assert bench._server_role(os.getpid()) == "supervisor"
+    assert set(bench.SERVER_ROLES) == {"supervisor", "workers", "check_pools"}
