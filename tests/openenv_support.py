@@ -5,7 +5,7 @@ OpenEnv 0.10 needs fastmcp 3, hence mcp 1.x, while the test extra holds mcp 2 (v
 the two cannot share one environment. So the tests build, once per machine, a virtualenv with `openenv`
 alone under ~/.cache/gym-grpc-openenv/<version> (GYM_GRPC_OPENENV_CACHE to move it), and generate there,
 with `openenv init echo_env`, the environment OpenEnv's own template makes (an echo env: each step's
-reward is min(0.1 * len(message), 1)). A file lock makes parallel test processes (pytest -n 2) build it
+reward is min(0.1 * len(message), 1)). A file lock makes parallel test processes (pytest -n 3) build it
 once; a marker file holding the spec makes it rebuilt when the spec changes. OpenEnv is BSD-3-Clause.
 """
 
