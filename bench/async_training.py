@@ -347,7 +347,10 @@ def _server_role(pid: int) -> str:
     """A process of the stack's tree by its command line: a server worker (`gym_grpc.server.worker`:
     the servers, grouped), a check pool's process (spawned by multiprocessing: an environment's
     checks, math-verify here), or the supervisor (`gym-grpc run` itself)."""
-    command = bench_real._command_name(pid)
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")  # whole: the name can come late
+    except OSError:  # it ended
+        return "supervisor"
     if "multiprocessing" in command:
         return "check_pools"
     return "workers" if "gym_grpc.server.worker" in command else "supervisor"

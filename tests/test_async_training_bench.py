@@ -43,25 +43,34 @@ def test_group_workers_takes_what_a_configuration_takes_and_refuses_the_rest():
             bench.group_workers(bad)
 
 
-def _wait(ready: Connection) -> None:
-    ready.recv()
+def _wait(pipe: Connection) -> None:
+    pipe.send("started")
+    pipe.recv()
 
 
 def test_the_stacks_cpu_is_split_by_what_each_process_runs():
     """A check pool's process is one multiprocessing spawned (as CpuPool does), a server worker runs
-    gym_grpc.server.worker, and anything else in the tree is the supervisor's."""
+    gym_grpc.server.worker, and anything else in the tree is the supervisor's. Each child is asked
+    only once it says it runs: right after a fork and exec its /proc/PID/cmdline can still be empty
+    (once in 200 starts here)."""
     bench = script("bench/async_training.py", "bench_async_training")
     theirs, ours = multiprocessing.Pipe()
     child = multiprocessing.get_context("spawn").Process(target=_wait, args=(theirs,), daemon=True)
     child.start()
     try:
+        assert ours.poll(60) and ours.recv() == "started"
         assert child.pid is not None
         assert bench._server_role(child.pid) == "check_pools"
     finally:
         ours.send(None)
         child.join(10)
-    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "gym_grpc.server.worker"])
+    worker = subprocess.Popen(
+        [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(30)", "gym_grpc.server.worker"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
+        assert worker.stdout is not None and worker.stdout.readline() == "started\n"
         assert bench._server_role(worker.pid) == "workers"
     finally:
         worker.kill()
