@@ -1,10 +1,10 @@
 """Weight updates of the real CPU vLLM under a running collection (ModelService.UpdateWeights).
 
 `gym-grpc run configs/vllm.yaml` with the math environment; a trainer's loop keeps 4 rollouts in
-flight (12 in all) and, each time the engine's own count says a generation is running, updates the
-weights: version 1 is a copy of the model with its embeddings perturbed, version 2 the model
-again (version 0, the model, is loaded before the first rollout, as a trainer's step 0 does). In
-each pause mode: no rollout is lost; the turns the updates caught are what the mode says
+flight, starting new ones until it has updated twice, and, each time the engine's own count says a
+generation is running, updates the weights: version 1 is a copy of the model with its embeddings
+perturbed, version 2 the model again (version 0, the model, is loaded before the first rollout, as a
+trainer's step 0 does). In each pause mode: no rollout is lost; the turns the updates caught are what the mode says
 (spanning two versions with keep, generated again with abort, neither with wait); and every
 generated token's version is the one that sampled it: the log-probs its turn recorded are the ones
 the weights of its version give it (scored again afterwards, prefill only), and not the ones the
@@ -30,8 +30,10 @@ from tests.support import run_status
 
 pytestmark = pytest.mark.real_engine
 
-ROLLOUTS = 12
 IN_FLIGHT = 4
+#: Rollouts started at most: more than the updates need (about 12), a bound should the engine never
+#: be seen generating.
+MAX_ROLLOUTS = 60
 #: Bounds on the mean |log-prob difference| of tokens re-scored by the weights that sampled them
 #: (prefill rather than decode, other batches) and by the others. Measured: 0.000–0.005 and 2.1–3.9 nats.
 SAME, OTHER = 0.15, 0.5
@@ -101,31 +103,47 @@ def test_updates_under_a_collection_lose_no_rollout_and_stamp_every_token_with_i
             await model.update_weights(0, weights[0], mode)
             async with GymClient("math_agent", registry) as gym:
                 slots = asyncio.Semaphore(IN_FLIGHT)
+                updated = False
+                runs: list[asyncio.Future[Any]] = []
 
                 async def one(k: int) -> Any:
-                    async with slots:
+                    try:
                         return await gym.run(_task(k))
+                    finally:
+                        slots.release()
 
-                runs = [asyncio.ensure_future(one(k)) for k in range(ROLLOUTS)]
+                async def produce() -> None:
+                    """New rollouts until both updates are done: with a fixed number, the last ones
+                    could all end (their generations end together) before the second update saw one
+                    generating, and in wait mode the first update holds the collection for a while."""
+                    for k in range(MAX_ROLLOUTS):
+                        await slots.acquire()
+                        if updated:
+                            return
+                        runs.append(asyncio.ensure_future(one(k)))
+
+                producer = asyncio.ensure_future(produce())
                 for version in (1, 2):
                     finished = sum(run.done() for run in runs)
                     # A rollout finished under the version before (else abort would leave it no token),
                     # and a generation in flight for the update to catch.
                     while sum(run.done() for run in runs) == finished or await requests.count() == 0:
-                        assert not all(run.done() for run in runs), f"every rollout ended before update {version}"
+                        assert not producer.done(), f"{MAX_ROLLOUTS} rollouts ended before update {version}"
                         await asyncio.sleep(0.05)
                     (answer,) = await model.update_weights(version, weights[version], mode)
                     assert answer.updated and answer.previous == version - 1
                     assert [e.engine for e in answer.engines] == [engine.base_url]
+                updated = True
+                await producer
                 results = await asyncio.gather(*runs)
             await registry.close()
             return results
 
         results = asyncio.run(collect())
         _, status = run_status(run.registry)
-    assert [result.failure for result in results] == [None] * ROLLOUTS  # no rollout lost
+    assert [result.failure for result in results] == [None] * len(results)  # no rollout lost
     turns = [item for result in results for item in result.rollout.response.output if item.message.generation_token_ids]
-    assert len(turns) == ROLLOUTS
+    assert len(turns) == len(results)
     caught = status["policy_model"]["turns_caught_by_update"]
     spanning = [turn for turn in turns if turn.message.policy_version_spans]
     if mode == "keep":
