@@ -76,4 +76,3 @@ def test_the_stacks_cpu_is_split_by_what_each_process_runs():
         worker.kill()
         worker.wait()
     assert bench._server_role(os.getpid()) == "supervisor"
-    assert set(bench.SERVER_ROLES) == {"supervisor", "workers", "check_pools"}

@@ -128,7 +128,7 @@ def test_updates_under_a_collection_lose_no_rollout_and_stamp_every_token_with_i
                     # A rollout finished under the version before (else abort would leave it no token),
                     # and a generation in flight for the update to catch.
                     while sum(run.done() for run in runs) == finished or await requests.count() == 0:
-                        assert not producer.done(), f"{MAX_ROLLOUTS} rollouts ended before update {version}"
+                        assert not producer.done(), f"all {MAX_ROLLOUTS} rollouts started before update {version}"
                         await asyncio.sleep(0.05)
                     (answer,) = await model.update_weights(version, weights[version], mode)
                     assert answer.updated and answer.previous == version - 1
