@@ -366,11 +366,18 @@ class CpuMeter:
 
     def __init__(self, stack_pid: int, engine_pid: int | None, stack_idle: dict[str, float] | None = None) -> None:
         self.stack_pid, self.engine_pid, self.stack_idle = stack_pid, engine_pid, stack_idle
-        self.start = self._read()
+        # The trainer's threads read last at the start and first at the end (_read): the walk through
+        # /proc runs on the event loop's thread, which is counted as gym-grpc's, and is the meter's.
+        self.start = self._read() | self._in_trainer()
+
+    @staticmethod
+    def _in_trainer() -> dict[str, float]:
+        loop, grpc_threads = gym_grpc_threads_cpu()
+        return {"gym_grpc_in_trainer": loop + grpc_threads, "gym_grpc_in_trainer_grpc_threads": grpc_threads}
 
     def _read(self) -> dict[str, float]:
         tree = bench_real._tree_cpu
-        loop, grpc_threads = gym_grpc_threads_cpu()
+        in_trainer = self._in_trainer()
         servers = tree(self.stack_pid)
         by_role = dict.fromkeys(SERVER_ROLES, 0.0)
         for pid, cpu in servers.items():
@@ -378,8 +385,7 @@ class CpuMeter:
         return {
             "gym_grpc_servers": sum(servers.values()),
             **{f"gym_grpc_servers_{role}": cpu for role, cpu in by_role.items()},
-            "gym_grpc_in_trainer": loop + grpc_threads,
-            "gym_grpc_in_trainer_grpc_threads": grpc_threads,
+            **in_trainer,
             "trainer_process": time.process_time(),
             "engine": sum(tree(self.engine_pid).values()) if self.engine_pid else 0.0,
         }

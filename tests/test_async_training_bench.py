@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import time
 from multiprocessing.connection import Connection
 
 import pytest
@@ -76,3 +77,21 @@ def test_the_stacks_cpu_is_split_by_what_each_process_runs():
         worker.kill()
         worker.wait()
     assert bench._server_role(os.getpid()) == "supervisor"
+
+
+def test_the_meters_own_walk_through_proc_is_not_counted_as_gym_grpcs(monkeypatch):
+    """CpuMeter reads the stack's and the engine's /proc on the event loop's thread, whose CPU it counts
+    as gym-grpc's: its reading at the start and at the end must fall outside what it counts. Here a
+    reading of the tree costs 0.2 CPU s, and nothing else runs on this thread between the two."""
+    bench = script("bench/async_training.py", "bench_async_training")
+
+    def costly_tree(root: int) -> dict[int, float]:
+        began = time.thread_time()
+        while time.thread_time() - began < 0.2:
+            pass
+        return {}
+
+    monkeypatch.setattr(bench.bench_real, "_tree_cpu", costly_tree)
+    meter = bench.CpuMeter(stack_pid=os.getpid(), engine_pid=os.getpid())
+    used = meter.report(wall=1.0, steps=1)["cpu_seconds"]
+    assert used["gym_grpc_in_trainer"] < 0.1  # 0.4 or more when a reading is counted
