@@ -388,8 +388,7 @@ class VLLMModel(EngineModelServer):
             if local is None:
                 assert isinstance(engine, Engine)
                 return await self._tokenize(engine, {**template, "messages": conversation}, add_generation_prompt)
-            ids = await asyncio.to_thread(
-                local.render,
+            ids = await local.render_shared(
                 conversation,
                 tools=template.get("tools"),
                 template_kwargs=template.get("chat_template_kwargs"),

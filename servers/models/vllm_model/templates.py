@@ -20,15 +20,25 @@ renders every conversation both ways and fails on a difference; the real-engine 
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
+from array import array
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Literal
+
+import orjson
 
 from gym_grpc.errors import ConfigError
 
 JSON = dict[str, Any]
 ContentFormat = Literal["string", "openai"]
+
+#: Renders kept by their input, the most recent: a GRPO group's rollouts, and its retries, start
+#: from one conversation, which is then rendered once, not once per rollout (a short prompt's render
+#: is about 0.1 ms of CPU, and its hop to a thread and back a third more).
+RENDERS_KEPT = 256
 
 
 def _texts(content: Any) -> list[str] | None:
@@ -134,6 +144,12 @@ class LocalTemplate:
                 f"tokenizer_dir {str(directory)!r}: its tokenizer has no chat template; give chat_template"
             )
         self.content_format = content_format
+        # A template that reads the clock (Llama 3's "Today Date", through transformers' strftime_now)
+        # renders differently from one day to the next: its renders are not kept.
+        source = self.template if self.template is not None else self.tokenizer.chat_template
+        self._renders: OrderedDict[bytes, asyncio.Future[array[int]]] | None = (
+            None if "strftime_now" in str(source) else OrderedDict()
+        )
         # One render now, while the server starts: transformers compiles a template at its first use
         # (about 10 ms of CPU, once per thread that misses its cache at the same moment, so up to once per
         # thread of the pool the first rollouts render in), and a template that cannot render even a
@@ -172,3 +188,57 @@ class LocalTemplate:
             **(template_kwargs or {}),
         )
         return list(ids)
+
+    async def render_shared(
+        self,
+        messages: list[JSON],
+        *,
+        tools: list[JSON] | None,
+        template_kwargs: JSON | None,
+        add_generation_prompt: bool,
+    ) -> list[int]:
+        """render(), in a thread, once for the same input however many rollouts ask for it at once or in
+        turn (RENDERS_KEPT). To be called from one event loop: the renders kept are that loop's."""
+        try:
+            key = orjson.dumps([messages, tools, template_kwargs, add_generation_prompt])
+        except TypeError:  # not JSON (orjson.JSONEncodeError): rendered, not kept
+            key = None
+        if key is None or self._renders is None:
+            return await asyncio.to_thread(
+                self.render,
+                messages,
+                tools=tools,
+                template_kwargs=template_kwargs,
+                add_generation_prompt=add_generation_prompt,
+            )
+        renders = self._renders
+        kept = renders.get(key)
+        if kept is None:
+
+            def ids() -> array[int]:
+                return array(
+                    "I",
+                    self.render(
+                        messages,
+                        tools=tools,
+                        template_kwargs=template_kwargs,
+                        add_generation_prompt=add_generation_prompt,
+                    ),
+                )
+
+            kept = renders[key] = asyncio.ensure_future(asyncio.to_thread(ids))
+            kept.add_done_callback(lambda done: _forget_failed(renders, key, done))
+            if len(renders) > RENDERS_KEPT:
+                renders.popitem(last=False)
+        else:
+            renders.move_to_end(key)
+        # shielded: one caller cancelled does not cancel the render the others wait for
+        return list(await asyncio.shield(kept))
+
+
+def _forget_failed(
+    renders: OrderedDict[bytes, asyncio.Future[array[int]]], key: bytes, done: asyncio.Future[array[int]]
+) -> None:
+    """A render that failed is not kept: the next caller tries again (and hears its own error)."""
+    if (done.cancelled() or done.exception() is not None) and renders.get(key) is done:
+        del renders[key]

@@ -1,0 +1,113 @@
+"""LocalTemplate.render_shared: a conversation that several rollouts start from (a GRPO group's prompt)
+is rendered once, whether they ask at the same moment or one after the other, and what one caller does
+with its ids, its cancellation or a failed render does not reach the others. On the fake engine's
+tokenizer files (`write_tokenizer`) and real transformers."""
+
+import asyncio
+
+import pytest
+
+from gym_grpc.bundled.servers.models.vllm_model import templates
+from gym_grpc.testing.fake_engine import write_tokenizer
+
+PROMPT = [{"role": "user", "content": "What is 2 + 3?"}]
+
+
+@pytest.fixture
+def counted(tmp_path, monkeypatch):
+    """A LocalTemplate whose tokenizer counts its renders, and the count (a one-item list)."""
+    local = templates.LocalTemplate(write_tokenizer(tmp_path / "tok"))
+    calls = [0]
+    real = local.tokenizer.apply_chat_template
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(local.tokenizer, "apply_chat_template", counting)
+    return local, calls
+
+
+def _shared(local: templates.LocalTemplate, messages=PROMPT, generation: bool = True):
+    return local.render_shared(messages, tools=None, template_kwargs=None, add_generation_prompt=generation)
+
+
+async def test_a_groups_prompt_asked_at_once_is_rendered_once_and_is_the_render(counted):
+    local, calls = counted
+    results = await asyncio.gather(*(_shared(local) for _ in range(8)))
+    expected = local.render(PROMPT, tools=None, template_kwargs=None, add_generation_prompt=True)
+    assert calls[0] == 1 + 1  # the eight's, then render()'s own
+    assert all(ids == expected for ids in results)
+
+
+async def test_a_prompt_asked_again_later_is_not_rendered_again_and_each_caller_has_its_own_list(counted):
+    local, calls = counted
+    first = await _shared(local)
+    first.append(-1)  # a caller changing its ids
+    second = await _shared(local)
+    assert calls[0] == 1 and second == first[:-1]
+
+
+async def test_another_conversation_or_generation_prompt_is_another_render(counted):
+    local, calls = counted
+    with_prompt = await _shared(local)
+    without = await _shared(local, generation=False)
+    other = await _shared(local, [{"role": "user", "content": "What is 2 + 4?"}])
+    assert calls[0] == 3 and len({tuple(with_prompt), tuple(without), tuple(other)}) == 3
+
+
+async def test_only_the_most_recent_renders_are_kept(counted, monkeypatch):
+    local, calls = counted
+    monkeypatch.setattr(templates, "RENDERS_KEPT", 2)
+    conversations = [[{"role": "user", "content": f"{n}"}] for n in range(3)]
+    for messages in conversations:
+        await _shared(local, messages)
+    await _shared(local, conversations[2])  # kept
+    await _shared(local, conversations[0])  # dropped when the third came
+    assert calls[0] == 4
+
+
+async def test_a_failed_render_is_not_kept_and_the_next_caller_renders_anew(counted, monkeypatch):
+    local, calls = counted
+    real = local.tokenizer.apply_chat_template
+
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        raise ValueError("the template raised")
+
+    monkeypatch.setattr(local.tokenizer, "apply_chat_template", failing)
+    with pytest.raises(ValueError, match="the template raised"):
+        await asyncio.gather(_shared(local), _shared(local))
+    assert calls[0] == 1  # the two callers' one render
+    monkeypatch.setattr(local.tokenizer, "apply_chat_template", real)
+    ids = await _shared(local)
+    assert calls[0] == 2
+    assert ids == local.render(PROMPT, tools=None, template_kwargs=None, add_generation_prompt=True)
+
+
+async def test_a_cancelled_caller_leaves_the_render_to_the_others(counted):
+    local, calls = counted
+    first = asyncio.ensure_future(_shared(local))
+    second = asyncio.ensure_future(_shared(local))
+    await asyncio.sleep(0)  # both waiting on the one render
+    first.cancel()
+    ids = await second
+    assert first.cancelled() and calls[0] == 1
+    assert ids == local.render(PROMPT, tools=None, template_kwargs=None, add_generation_prompt=True)
+
+
+async def test_a_template_that_reads_the_clock_is_rendered_every_time(tmp_path):
+    dated = tmp_path / "dated.jinja"
+    dated.write_text("{{ strftime_now('%d %b %Y') }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    local = templates.LocalTemplate(write_tokenizer(tmp_path / "tok"), dated)
+    calls = [0]
+    real = local.tokenizer.apply_chat_template
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    local.tokenizer.apply_chat_template = counting
+    await _shared(local)
+    await _shared(local)
+    assert calls[0] == 2
