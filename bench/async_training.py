@@ -717,6 +717,8 @@ def main() -> None:
                         "return_token_ids": True,
                         "tokenizer_dir": str(prepared.model_dir),
                         "chat_template": str(local_vllm.CHAT_TEMPLATE),
+                        # the local engine's connections outlast a step (--engine-url: one local_vllm started)
+                        "keepalive_seconds": local_vllm.CLIENT_KEEPALIVE_SECONDS,
                     }
                 },
                 {AGENT: (MODEL, 1)},

@@ -5,6 +5,7 @@ import re
 import pytest
 import yaml
 
+from gym_grpc.engines.settings import KEEPALIVE_SECONDS
 from gym_grpc.launch.config import ConfigError, dump_config, load_config, set_env_values
 from gym_grpc.server.entrypoints import load_entrypoint
 from gym_grpc.server.serving import GymServer
@@ -172,6 +173,19 @@ def test_the_engine_configs_validate_with_the_env_yaml_keys(tmp_path, name):
     server = load_entrypoint(spec.entrypoint)(spec.config, name="policy_model")
     assert server.config.base_url == ["http://gpu:8000/v1"] and server.config.api_key == "sk-x"
     assert config.servers["math_agent"].config["model_server"] == "policy_model"
+    if name == "vllm.yaml":  # no policy_keepalive_seconds: the default, under vLLM's own 5 s
+        assert server.config.keepalive_seconds == KEEPALIVE_SECONDS
+
+
+def test_the_vllm_config_keeps_connections_as_long_as_env_yaml_says(tmp_path):
+    """`gym-grpc engine start` writes policy_keepalive_seconds (its engine keeps a connection 300 s)."""
+    env = _write(
+        tmp_path / "env.yaml",
+        "policy_base_url: http://127.0.0.1:8000/v1\npolicy_api_key: EMPTY\npolicy_model_name: m\n"
+        "policy_keepalive_seconds: '290'\n",
+    )
+    spec = load_config([REPO / "configs" / "vllm.yaml"], env_file=env).servers["policy_model"]
+    assert load_entrypoint(spec.entrypoint)(spec.config, name="policy_model").config.keepalive_seconds == 290.0
 
 
 #: A server whose config block takes any keys, for the tests of the dump.

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gym_grpc.engines import local_vllm
 from gym_grpc.engines.local_vllm import installation
 from tests.support import alive
 
@@ -99,6 +100,7 @@ def test_start_writes_env_yaml_keeping_the_users_keys_and_stop_ends_the_engine(s
     assert env["hf_token"] == "hf_abc" and env["policy_api_key"] == "EMPTY"
     assert env["policy_model_name"] == installation.MODEL_NAME
     assert env["policy_chat_template"].endswith("hermes_tools.jinja")  # what the engine was started with
+    assert env["policy_keepalive_seconds"] == str(local_vllm.CLIENT_KEEPALIVE_SECONDS)  # under the engine's 300 s
     assert env["policy_base_url"].startswith("http://127.0.0.1:") and env["policy_base_url"].endswith("/v1")
     assert _models(env["policy_base_url"]) == ["fake"]  # the URL written is the engine's
     assert env_yaml.read_text().startswith("# my secrets\nhf_token: hf_abc  # for the Hub\n")
@@ -172,6 +174,7 @@ def test_env_file_option_names_the_file_written(shell: Shell) -> None:
         "policy_model_name",
         "policy_tokenizer_dir",
         "policy_chat_template",
+        "policy_keepalive_seconds",
     }
     assert "gym-grpc run --env-file secrets/engine.yaml configs/vllm.yaml" in started.stdout
 

@@ -252,3 +252,35 @@ async def test_an_engine_answer_is_read_as_json_reads_it(body, expected):
         assert got["logprob"] != got["logprob"] and got["floor"] == float("-inf")  # NaN, -inf
     else:
         assert got == expected
+
+
+@pytest.mark.parametrize(("keepalive", "connections"), [(30.0, 1), (0.05, 2)])
+async def test_an_idle_connection_is_kept_for_keepalive_seconds_and_no_longer(keepalive, connections):
+    """Two requests 0.5 s apart on a real aiohttp server that never closes a connection itself: one
+    connection when keepalive_seconds outlasts the gap (the next batch after a trainer's step reuses
+    the last one's), a new one when it does not (under the engine's own keep-alive)."""
+    from aiohttp import web
+
+    peers: set[int] = set()
+
+    async def answer(request: web.Request) -> web.Response:
+        assert request.transport is not None
+        peers.add(request.transport.get_extra_info("peername")[1])
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    runner = web.AppRunner(app, keepalive_timeout=3600)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1"
+    engine = Engine(url, EngineSettings(base_url=[url], model="m", keepalive_seconds=keepalive))
+    try:
+        await engine.post("/chat/completions", {"messages": []})
+        await asyncio.sleep(0.5)
+        await engine.post("/chat/completions", {"messages": []})
+    finally:
+        await engine.close()
+        await runner.cleanup()
+    assert len(peers) == connections

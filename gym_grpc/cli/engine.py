@@ -10,9 +10,17 @@ import click
 
 from gym_grpc.launch.config import ConfigError, load_env, set_env_values
 
-#: The env.yaml keys that configs/vllm.yaml reads: where the engine is, and the tokenizer and chat
-#: template it serves, with which the model server renders prompts itself.
-ENGINE_KEYS = ("policy_base_url", "policy_api_key", "policy_model_name", "policy_tokenizer_dir", "policy_chat_template")
+#: The env.yaml keys that configs/vllm.yaml reads: where the engine is, the tokenizer and chat
+#: template it serves, with which the model server renders prompts itself, and how long the model
+#: server keeps an idle connection to it (the local engine keeps one longer than vLLM's 5 s).
+ENGINE_KEYS = (
+    "policy_base_url",
+    "policy_api_key",
+    "policy_model_name",
+    "policy_tokenizer_dir",
+    "policy_chat_template",
+    "policy_keepalive_seconds",
+)
 
 
 @click.group()
@@ -74,7 +82,14 @@ def engine_start_command(env_file: Path, max_model_len: int, ready_timeout: floa
         f"vLLM serves {started.model} at {started.base_url} (pid {started.pid}) after {time.monotonic() - began:.0f} s"
     )
     click.echo(f"log: {started.log_path}")
-    served = (started.base_url, "EMPTY", started.model, str(prepared.model_dir), str(local_vllm.CHAT_TEMPLATE))
+    served = (
+        started.base_url,
+        "EMPTY",
+        started.model,
+        str(prepared.model_dir),
+        str(local_vllm.CHAT_TEMPLATE),
+        str(local_vllm.CLIENT_KEEPALIVE_SECONDS),
+    )
     values = dict(zip(ENGINE_KEYS, served, strict=True))
     try:
         kept = set_env_values(env_file, values)

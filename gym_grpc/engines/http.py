@@ -34,12 +34,6 @@ from gym_grpc.server.counters import Counters
 #: engine core dies ("EngineCore encountered an issue"), a stop or a crash, not the request.
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 
-#: Seconds an idle connection to an engine is kept for the next request: under the 5 s after which
-#: uvicorn, vLLM's and SGLang's HTTP server, closes one (aiohttp's own default is 15 s). A request
-#: sent on a connection just as its server closes it meets a reset, which a request retries and a
-#: control call, not retried, fails with.
-KEEPALIVE_SECONDS = 4.0
-
 
 def _error_message(status: int, body: bytes) -> str:
     try:
@@ -66,7 +60,9 @@ class Engine(EngineLink):
             # Requests past the connection cap wait in aiohttp's pool, in order.
             self._session = self._new_session(
                 aiohttp.TCPConnector(
-                    limit=self.settings.max_connections, limit_per_host=0, keepalive_timeout=KEEPALIVE_SECONDS
+                    limit=self.settings.max_connections,
+                    limit_per_host=0,
+                    keepalive_timeout=self.settings.keepalive_seconds,
                 )
             )
         return self._session

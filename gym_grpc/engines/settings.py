@@ -13,6 +13,12 @@ from gym_grpc.server.serving import ServerConfig
 #: How a base URL names a vLLM gRPC server (gym_grpc.engines.vllm_grpc).
 GRPC_SCHEME = "grpc://"
 
+#: Seconds an idle connection to an HTTP engine is kept for the next request, by default: under the
+#: 5 s after which uvicorn, vLLM's and SGLang's HTTP server, closes one (aiohttp's own default is
+#: 15 s). A request sent on a connection just as its server closes it meets a reset, which a request
+#: retries and a control call, not retried, fails with.
+KEEPALIVE_SECONDS = 4.0
+
 
 class EngineSettings(ServerConfig, RetrySettings):
     """How to reach the engines of one model server (the `config:` keys of model servers)."""
@@ -31,6 +37,13 @@ class EngineSettings(ServerConfig, RetrySettings):
         "(the conversation's start: a GRPO group's rollouts too); a request's prompt_cache_key wins over both",
     )
     connect_timeout: float = Field(10.0, gt=0, description="seconds to open a connection")
+    keepalive_seconds: float = Field(
+        KEEPALIVE_SECONDS,
+        gt=0,
+        description="HTTP engines: seconds an idle connection is kept for the next request; under the engine's "
+        "own keep-alive (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s unless set). Past it, a batch after a trainer's "
+        "step opens its connections anew",
+    )
     read_timeout: float = Field(600.0, gt=0, description="seconds to wait for an answer")
     checkpoint_check: bool = Field(
         True,
@@ -38,6 +51,11 @@ class EngineSettings(ServerConfig, RetrySettings):
         "config.json (vLLM's engine core dies on one it cannot load); false when the engines see files "
         "the model server does not",
     )
+
+    @field_validator("keepalive_seconds", mode="before")
+    @classmethod
+    def _empty_is_default(cls, value: Any) -> Any:
+        return KEEPALIVE_SECONDS if value == "" else value  # `${policy_keepalive_seconds:-}` in configs/vllm.yaml
 
     @field_validator("base_url", mode="before")
     @classmethod

@@ -8,7 +8,10 @@ the servers would fail for a reason that is not theirs.
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
 import json
+import time
+import urllib.parse
 from typing import Any
 
 import pytest
@@ -141,3 +144,27 @@ def test_seeded_requests_arriving_together_do_not_kill_the_engine(engine: local_
     with concurrent.futures.ThreadPoolExecutor(48) as pool:
         reasons = list(pool.map(ask, range(48)))
     assert len(reasons) == 48 and set(reasons) <= {"stop", "length"}
+
+
+def test_an_idle_connection_outlives_vllms_default_five_second_keep_alive(engine: local_vllm.Engine) -> None:
+    """The local engine keeps an idle connection open past uvicorn's 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE:
+    local_vllm's process.KEEPALIVE_SECONDS), so that a model server's connections outlast a trainer's
+    step: a request, 6 s of nothing, then a second request on the same connection is answered (a
+    connection the engine had closed would fail it, RemoteDisconnected, or be reopened from another
+    port)."""
+    url = urllib.parse.urlsplit(engine.base_url)
+    assert url.hostname is not None and url.port is not None
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    try:
+        connection.request("GET", "/health")
+        first = connection.getresponse()
+        first.read()
+        assert first.status == 200 and connection.sock is not None
+        local = connection.sock.getsockname()
+        time.sleep(6)
+        connection.request("GET", "/health")
+        second = connection.getresponse()
+        second.read()
+        assert second.status == 200 and connection.sock.getsockname() == local
+    finally:
+        connection.close()

@@ -14,7 +14,16 @@ to run it from an installed gym-grpc, which has no dev/ directory.
 """
 
 from gym_grpc.engines.local_vllm.installation import Prepared, PrepareError, cache_dir, is_prepared, prepare
-from gym_grpc.engines.local_vllm.process import CHAT_TEMPLATE, Capacity, Engine, EngineStartError, running, start, stop
+from gym_grpc.engines.local_vllm.process import (
+    CHAT_TEMPLATE,
+    CLIENT_KEEPALIVE_SECONDS,
+    Capacity,
+    Engine,
+    EngineStartError,
+    running,
+    start,
+    stop,
+)
 from gym_grpc.engines.local_vllm.run_file import (
     AlreadyRunning,
     RunFileError,
@@ -28,6 +37,7 @@ from gym_grpc.engines.local_vllm.run_file import (
 __all__ = [
     "AlreadyRunning",
     "CHAT_TEMPLATE",
+    "CLIENT_KEEPALIVE_SECONDS",
     "Capacity",
     "Engine",
     "EngineStartError",
