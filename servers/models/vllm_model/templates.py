@@ -203,29 +203,18 @@ class LocalTemplate:
             key = orjson.dumps([messages, tools, template_kwargs, add_generation_prompt])
         except TypeError:  # not JSON (orjson.JSONEncodeError): rendered, not kept
             key = None
-        if key is None or self._renders is None:
-            return await asyncio.to_thread(
-                self.render,
-                messages,
-                tools=tools,
-                template_kwargs=template_kwargs,
-                add_generation_prompt=add_generation_prompt,
+
+        def ids() -> array[int]:
+            rendered = self.render(
+                messages, tools=tools, template_kwargs=template_kwargs, add_generation_prompt=add_generation_prompt
             )
+            return array("I", rendered)
+
         renders = self._renders
+        if key is None or renders is None:
+            return list(await asyncio.to_thread(ids))
         kept = renders.get(key)
         if kept is None:
-
-            def ids() -> array[int]:
-                return array(
-                    "I",
-                    self.render(
-                        messages,
-                        tools=tools,
-                        template_kwargs=template_kwargs,
-                        add_generation_prompt=add_generation_prompt,
-                    ),
-                )
-
             kept = renders[key] = asyncio.ensure_future(asyncio.to_thread(ids))
             kept.add_done_callback(lambda done: _forget_failed(renders, key, done))
             if len(renders) > RENDERS_KEPT:
