@@ -366,8 +366,8 @@ class CpuMeter:
 
     def __init__(self, stack_pid: int, engine_pid: int | None, stack_idle: dict[str, float] | None = None) -> None:
         self.stack_pid, self.engine_pid, self.stack_idle = stack_pid, engine_pid, stack_idle
-        # The trainer's threads read last at the start and first at the end (_read): the walk through
-        # /proc runs on the event loop's thread, which is counted as gym-grpc's, and is the meter's.
+        # The trainer's threads read last at the start and first at the end: the walk through /proc
+        # (_read) runs on the event loop's thread, which is counted as gym-grpc's, and is the meter's.
         self.start = self._read() | self._in_trainer()
 
     @staticmethod
@@ -377,7 +377,6 @@ class CpuMeter:
 
     def _read(self) -> dict[str, float]:
         tree = bench_real._tree_cpu
-        in_trainer = self._in_trainer()
         servers = tree(self.stack_pid)
         by_role = dict.fromkeys(SERVER_ROLES, 0.0)
         for pid, cpu in servers.items():
@@ -385,13 +384,12 @@ class CpuMeter:
         return {
             "gym_grpc_servers": sum(servers.values()),
             **{f"gym_grpc_servers_{role}": cpu for role, cpu in by_role.items()},
-            **in_trainer,
             "trainer_process": time.process_time(),
             "engine": sum(tree(self.engine_pid).values()) if self.engine_pid else 0.0,
         }
 
     def report(self, wall: float, steps: int) -> dict[str, Any]:
-        end = self._read()
+        end = self._in_trainer() | self._read()
         used = {key: round(end[key] - self.start[key], 2) for key in end}
         gym = used["gym_grpc_servers"] + used["gym_grpc_in_trainer"]
         beyond: dict[str, Any] = {}

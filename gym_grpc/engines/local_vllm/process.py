@@ -58,17 +58,16 @@ _ENV = {
 }
 # The gRPC server's warm-up runs 75 prefills (minutes on a CPU) to tune GPU kernels: not here.
 _GRPC_ENV = {"SMG_VLLM_SERVICER_WARMUP": "off"}
-# The HTTP server's RL control API (pause, resume, reload weights: ModelService.UpdateWeights) is
-# served only in vLLM's dev mode. It is on loopback here; an engine reachable by others needs care.
-# Idle connections are kept KEEPALIVE_SECONDS, not uvicorn's 5 s: see below.
-_HTTP_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "300"}
 #: Seconds the local HTTP engine keeps an idle connection open (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
 #: 5 s by default): longer than a trainer's step, so that the batch after it finds the last batch's
 #: connections open instead of opening one a rollout (0.1-0.15 ms of a model server's CPU each).
-KEEPALIVE_SECONDS = int(_HTTP_ENV["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"])
+KEEPALIVE_SECONDS = 300
 #: What a model server of the local engine keeps them for (its keepalive_seconds): under the engine's,
 #: so that it never sends a request on a connection the engine is closing.
 CLIENT_KEEPALIVE_SECONDS = KEEPALIVE_SECONDS - 10
+# The HTTP server's RL control API (pause, resume, reload weights: ModelService.UpdateWeights) is
+# served only in vLLM's dev mode. It is on loopback here; an engine reachable by others needs care.
+_HTTP_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(KEEPALIVE_SECONDS)}
 _ADDRESS_IN_USE = ("address already in use", "failed to bind")
 #: The name of an engine's directory for its sockets, in the temporary directory: this, then random
 #: characters. It holds a file "pid", the engine's PID, once the engine is started. Short: a Unix

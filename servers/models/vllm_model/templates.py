@@ -199,10 +199,6 @@ class LocalTemplate:
     ) -> list[int]:
         """render(), in a thread, once for the same input however many rollouts ask for it at once or in
         turn (RENDERS_KEPT). To be called from one event loop: the renders kept are that loop's."""
-        try:
-            key = orjson.dumps([messages, tools, template_kwargs, add_generation_prompt])
-        except TypeError:  # not JSON (orjson.JSONEncodeError): rendered, not kept
-            key = None
 
         def ids() -> array[int]:
             rendered = self.render(
@@ -211,6 +207,10 @@ class LocalTemplate:
             return array("I", rendered)
 
         renders = self._renders
+        try:
+            key = None if renders is None else orjson.dumps([messages, tools, template_kwargs, add_generation_prompt])
+        except TypeError:  # not JSON (orjson.JSONEncodeError): rendered, not kept
+            key = None
         if key is None or renders is None:
             return list(await asyncio.to_thread(ids))
         kept = renders.get(key)

@@ -13,10 +13,8 @@ from gym_grpc.testing.fake_engine import write_tokenizer
 PROMPT = [{"role": "user", "content": "What is 2 + 3?"}]
 
 
-@pytest.fixture
-def counted(tmp_path, monkeypatch):
-    """A LocalTemplate whose tokenizer counts its renders, and the count (a one-item list)."""
-    local = templates.LocalTemplate(write_tokenizer(tmp_path / "tok"))
+def _counting(local: templates.LocalTemplate, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Make `local`'s tokenizer count its renders; the count (a one-item list)."""
     calls = [0]
     real = local.tokenizer.apply_chat_template
 
@@ -25,7 +23,14 @@ def counted(tmp_path, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(local.tokenizer, "apply_chat_template", counting)
-    return local, calls
+    return calls
+
+
+@pytest.fixture
+def counted(tmp_path, monkeypatch):
+    """A LocalTemplate whose tokenizer counts its renders, and the count."""
+    local = templates.LocalTemplate(write_tokenizer(tmp_path / "tok"))
+    return local, _counting(local, monkeypatch)
 
 
 def _shared(local: templates.LocalTemplate, messages=PROMPT, generation: bool = True):
@@ -96,18 +101,11 @@ async def test_a_cancelled_caller_leaves_the_render_to_the_others(counted):
     assert ids == local.render(PROMPT, tools=None, template_kwargs=None, add_generation_prompt=True)
 
 
-async def test_a_template_that_reads_the_clock_is_rendered_every_time(tmp_path):
+async def test_a_template_that_reads_the_clock_is_rendered_every_time(tmp_path, monkeypatch):
     dated = tmp_path / "dated.jinja"
     dated.write_text("{{ strftime_now('%d %b %Y') }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
     local = templates.LocalTemplate(write_tokenizer(tmp_path / "tok"), dated)
-    calls = [0]
-    real = local.tokenizer.apply_chat_template
-
-    def counting(*args, **kwargs):
-        calls[0] += 1
-        return real(*args, **kwargs)
-
-    local.tokenizer.apply_chat_template = counting
+    calls = _counting(local, monkeypatch)
     await _shared(local)
     await _shared(local)
     assert calls[0] == 2
