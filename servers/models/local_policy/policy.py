@@ -15,7 +15,6 @@ engine samples a token: `temperature` sharpens or flattens the distribution
 
 from __future__ import annotations
 
-import ast
 import json
 import math
 import operator
@@ -66,23 +65,107 @@ _WORDS = [
     ("×", "*"),
     ("÷", "/"),
 ]
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
+
+#: The tokens of an arithmetic expression: a number, an operator or a parenthesis, or whitespace (the
+#: `space` group); any other character is not arithmetic.
+_TOKEN = re.compile(r"(?P<space>[ \t\f\r\n]+)|(?P<number>[0-9]+\.[0-9]*|\.[0-9]+|[0-9]+)|(?P<op>\*\*|//|[-+*/()])")
+
+#: Parentheses nested deeper than this are not arithmetic (nor Python: "too many nested parentheses").
+_MAX_NESTING = 200
 
 
-def _evaluate(node: ast.AST) -> tuple[Fraction, int]:
-    """Value of an arithmetic expression and its number of operations."""
-    if isinstance(node, ast.Expression):
-        return _evaluate(node.body)
-    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
-        return Fraction(str(node.value)), 0
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        value, ops = _evaluate(node.operand)
-        return (-value if isinstance(node.op, ast.USub) else value), ops
-    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-        left, lops = _evaluate(node.left)
-        right, rops = _evaluate(node.right)
-        return _OPS[type(node.op)](left, right), lops + rops + 1
-    raise ValueError("not arithmetic")
+def _tokens(text: str) -> list[str]:
+    """The tokens of `text` as Python reads them; ValueError where Python would find a syntax error.
+
+    A line break only inside parentheses, as in Python; an integer with leading zeros is refused, as
+    Python refuses it (a float may have them)."""
+    tokens: list[str] = []
+    depth, at = 0, 0
+    while at < len(text):
+        match = _TOKEN.match(text, at)
+        if match is None:
+            raise ValueError("not arithmetic")
+        at = match.end()
+        token = match.group()
+        if match.lastgroup == "space":
+            if depth == 0 and ("\n" in token or "\r" in token):
+                raise ValueError("a line break outside parentheses")
+            continue
+        if match.lastgroup == "number" and "." not in token and token[0] == "0" and token.strip("0"):
+            raise ValueError("leading zeros")
+        depth += token == "("
+        depth -= token == ")"
+        if depth < 0 or depth > _MAX_NESTING:
+            raise ValueError("parentheses unbalanced, or nested too deep")
+        tokens.append(token)
+    return tokens
+
+
+def _evaluate(text: str) -> tuple[Fraction, int]:
+    """Value of an arithmetic expression (numbers, + - * /, unary signs, parentheses) and its number
+    of operations, read as Python reads it; ValueError for anything else (`**`, `//`, a call such as
+    `2(3)`), ZeroDivisionError for a division by zero.
+
+    Not `ast.parse`: on Python 3.11 the AST constructor's recursion count is shared by every thread,
+    and an AST built in another thread at the same time (a traceback formatted, since 3.11 marks its
+    carets with `ast.parse`) makes it raise SystemError."""
+    tokens = _tokens(text)
+    at = 0
+    by_zero = False  # raised once the whole text is read: a syntax error counts first, as in Python
+
+    def peek() -> str:
+        return tokens[at] if at < len(tokens) else ""
+
+    def expression() -> tuple[Fraction, int]:
+        nonlocal at
+        value, ops = term()
+        while peek() in ("+", "-"):
+            op = tokens[at]
+            at += 1
+            right, right_ops = term()
+            value, ops = _OPS[op](value, right), ops + right_ops + 1
+        return value, ops
+
+    def term() -> tuple[Fraction, int]:
+        nonlocal at, by_zero
+        value, ops = factor()
+        while peek() in ("*", "/"):
+            op = tokens[at]
+            at += 1
+            right, right_ops = factor()
+            if op == "/" and not right:
+                by_zero, right = True, Fraction(1)
+            value, ops = _OPS[op](value, right), ops + right_ops + 1
+        return value, ops
+
+    def factor() -> tuple[Fraction, int]:
+        nonlocal at
+        negative = False
+        while peek() in ("+", "-"):
+            negative ^= tokens[at] == "-"
+            at += 1
+        token = peek()
+        at += 1
+        if token == "(":
+            value, ops = expression()
+            if peek() != ")":
+                raise ValueError("not arithmetic")  # `()`, or an unclosed parenthesis
+            at += 1
+        elif token[:1].isdigit() or token[:1] == ".":
+            value, ops = Fraction(str(float(token) if "." in token else int(token))), 0
+        else:
+            raise ValueError("not arithmetic")
+        if peek() in ("(", "**"):  # a call, a power
+            raise ValueError("not arithmetic")
+        return (-value if negative else value), ops
+
+    result = expression()
+    if at != len(tokens):
+        raise ValueError("not arithmetic")
+    if by_zero:
+        raise ZeroDivisionError("division by zero")
+    return result
 
 
 def find_arithmetic(prompt: str) -> tuple[str, Fraction, int] | None:
@@ -96,8 +179,8 @@ def find_arithmetic(prompt: str) -> tuple[str, Fraction, int] | None:
         if not re.search(r"\d\s*[-+*/]\s*[\d(-]", candidate):
             continue
         try:
-            value, ops = _evaluate(ast.parse(candidate, mode="eval"))
-        except (SyntaxError, ValueError, ZeroDivisionError):
+            value, ops = _evaluate(candidate)
+        except (ValueError, ZeroDivisionError):
             continue
         if best is None or len(candidate) > len(best[0]):
             best = (candidate, value, ops)

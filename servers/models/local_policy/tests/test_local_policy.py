@@ -1,8 +1,15 @@
 """The embedded policy is a real participant: it computes, calls tools, slips, and
 reports honest token ids and log-probs."""
 
+import ast
+import gc
 import json
 import math
+import operator
+import random
+import sys
+import threading
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -134,6 +141,103 @@ def test_arithmetic_reader_handles_words_and_ignores_plain_numbers():
     assert policy.find_arithmetic("In 2024 there were 12 apples.") is None
     assert policy.find_arithmetic("divide: 1 / 0") is None
     assert policy.latex(policy.find_arithmetic("1/2 - 1")[1]) == "-\\frac{1}{2}"
+
+
+def _read_by_python(text: str) -> object:
+    """What Python's own parser makes of `text` as the policy's arithmetic: (value, operations), or
+    the kind of refusal. The reference the policy's reader is held to (run in one thread only)."""
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+    def value(node: ast.AST) -> tuple[Fraction, int]:
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return Fraction(str(node.value)), 0
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            inner, count = value(node.operand)
+            return (-inner if isinstance(node.op, ast.USub) else inner), count
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            (left, lcount), (right, rcount) = value(node.left), value(node.right)
+            return ops[type(node.op)](left, right), lcount + rcount + 1
+        raise ValueError(node)
+
+    try:
+        return value(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError):
+        return "not arithmetic"
+    except ZeroDivisionError:
+        return "division by zero"
+
+
+def _read_by_policy(text: str) -> object:
+    try:
+        return policy._evaluate(text)
+    except ValueError:
+        return "not arithmetic"
+    except ZeroDivisionError:
+        return "division by zero"
+
+
+def test_arithmetic_is_read_as_pythons_parser_reads_it():
+    """30,000 strings of digits, points, operators, parentheses and whitespace (line breaks among
+    them), stripped as find_arithmetic strips its candidates, each read by the policy and by Python's
+    parser: the same value and count of operations,
+    or the same refusal (leading zeros, `**`, `//`, calls such as `2(3)`, `()`, a line break outside
+    parentheses, unbalanced parentheses)."""
+    rng = random.Random(7)
+    alphabet = "0123456789" * 3 + "00.. ++--**//(()) " + "\n\t\r\x0c\x0b"
+    cases = ["007", "00", "007.5", "3.", ".5", "1..2", "2(3)", "(2)(3)", "()", "--3", "3\n+4", "(3\n+4)", "1/0"]
+    cases += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 14))) for _ in range(30_000)]
+    cases = [case.strip() for case in cases]  # as find_arithmetic reads its candidates
+    read = [(case, _read_by_python(case), _read_by_policy(case)) for case in cases]
+    assert not [one for one in read if one[1] != one[2]], [one for one in read if one[1] != one[2]][:10]
+    assert sum(isinstance(by_policy, tuple) for _, _, by_policy in read) > 3_000  # not only refusals
+
+
+def test_arithmetic_is_read_while_another_thread_builds_python_syntax_trees():
+    """On Python 3.11 the AST constructor counts its recursion in one place for every thread, so two
+    threads building syntax trees at once can make either raise SystemError ("AST constructor
+    recursion depth mismatch"): the policy's reading did, beside a traceback formatted in another
+    thread (3.11 marks its carets with `ast.parse`), and a turn failed INTERNAL in a test run. Here
+    another thread parses while the garbage collector, run often, calls finalizers that let threads
+    switch mid-parse: every reading comes out right, and the other thread's parsing never fails
+    (with the policy on `ast.parse`, it failed in each of eight runs)."""
+
+    class Finalized:
+        def __del__(self):
+            sum(range(20))
+
+    failures: list[BaseException] = []
+    parses = 0
+
+    def parse_beside() -> None:
+        nonlocal parses
+        while not done.is_set():
+            junk = [Finalized() for _ in range(3)]
+            for item in junk:
+                item.cycle = item  # left to the cyclic collector, whose finalizers run Python code
+            del junk
+            try:
+                ast.parse("total = [x * 2 for x in range(10) if x]\n" * 10)
+            except SystemError as e:
+                failures.append(e)
+            parses += 1
+
+    done = threading.Event()
+    switch, thresholds = sys.getswitchinterval(), gc.get_threshold()
+    sys.setswitchinterval(1e-6)
+    gc.set_threshold(50)
+    beside = threading.Thread(target=parse_beside, daemon=True)
+    beside.start()
+    try:
+        readings = 0
+        while readings < 2_000 or parses < 300:  # both at it for a while
+            assert policy.find_arithmetic("Compute 12 * (7 - 3) + 5 / (1 + 1) - 8.")[1:] == (Fraction(85, 2), 6)
+            readings += 1
+    finally:
+        done.set()
+        beside.join()
+        sys.setswitchinterval(switch)
+        gc.set_threshold(*thresholds)
+    assert not failures, failures[:3]
 
 
 MCQA_DATA = HERE.parents[2] / "resources" / "mcqa" / "data" / "example.jsonl"
