@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import json
 from array import array
 from collections import OrderedDict
@@ -200,22 +201,23 @@ class LocalTemplate:
         """render(), in a thread, once for the same input however many rollouts ask for it at once or in
         turn (RENDERS_KEPT). To be called from one event loop: the renders kept are that loop's."""
 
-        def ids() -> array[int]:
-            rendered = self.render(
-                messages, tools=tools, template_kwargs=template_kwargs, add_generation_prompt=add_generation_prompt
-            )
-            return array("I", rendered)
-
+        render = functools.partial(
+            self.render,
+            messages,
+            tools=tools,
+            template_kwargs=template_kwargs,
+            add_generation_prompt=add_generation_prompt,
+        )
         renders = self._renders
         try:
             key = None if renders is None else orjson.dumps([messages, tools, template_kwargs, add_generation_prompt])
         except TypeError:  # not JSON (orjson.JSONEncodeError): rendered, not kept
             key = None
         if key is None or renders is None:
-            return list(await asyncio.to_thread(ids))
+            return await asyncio.to_thread(render)  # not kept: its list as it is
         kept = renders.get(key)
         if kept is None:
-            kept = renders[key] = asyncio.ensure_future(asyncio.to_thread(ids))
+            kept = renders[key] = asyncio.ensure_future(asyncio.to_thread(lambda: array("I", render())))
             kept.add_done_callback(lambda done: _forget_failed(renders, key, done))
             if len(renders) > RENDERS_KEPT:
                 renders.popitem(last=False)

@@ -187,7 +187,8 @@ def test_arithmetic_is_read_as_pythons_parser_reads_it():
     cases += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 14))) for _ in range(30_000)]
     cases = [case.strip() for case in cases]  # as find_arithmetic reads its candidates
     read = [(case, _read_by_python(case), _read_by_policy(case)) for case in cases]
-    assert not [one for one in read if one[1] != one[2]], [one for one in read if one[1] != one[2]][:10]
+    mismatches = [(case, by_python, by_policy) for case, by_python, by_policy in read if by_python != by_policy]
+    assert not mismatches, mismatches[:10]
     assert sum(isinstance(by_policy, tuple) for _, _, by_policy in read) > 3_000  # not only refusals
 
 
