@@ -31,16 +31,22 @@ def _gym_grpc(tmp_path: Path, *args: str, timeout: float = 120) -> subprocess.Co
     return subprocess.run([*GYM_GRPC, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def _group_alive(pgid: int) -> bool:
-    """Whether a live (not zombie) process is in the group: vLLM runs in its own, with its engine core."""
+def _group(pgid: int) -> list[str]:
+    """The names of the live (not zombie) processes in the group: vLLM runs in its own, with its engine core."""
+    names = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (command)"
+            text = stat.read_text()
         except OSError:
             continue  # ended meanwhile
+        name, fields = text[text.index("(") + 1 : text.rindex(")")], text.rsplit(")", 1)[1].split()
         if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+            names.append(name)
+    return names
+
+
+def _group_alive(pgid: int) -> bool:
+    return bool(_group(pgid))
 
 
 def test_engine_start_points_env_yaml_at_a_serving_vllm_and_stop_ends_it(tmp_path: Path) -> None:
@@ -58,7 +64,10 @@ def test_engine_start_points_env_yaml_at_a_serving_vllm_and_stop_ends_it(tmp_pat
         status = _gym_grpc(tmp_path, "engine", "status")
         assert status.returncode == 0 and f"base_url: {env['policy_base_url']}\n" in status.stdout
         pid = int(status.stdout.split("pid: ")[1].split()[0])
-        assert _group_alive(pid)
+        # The model runs in the engine core, not in a worker process that the engine core would wait
+        # for by spinning on a core of its own (gym_grpc/engines/local_vllm/process.py).
+        names = _group(pid)
+        assert "VLLM::EngineCor" in names and not any(name.startswith("VLLM::Worker") for name in names), names
         # vLLM's ZeroMQ sockets are in a directory of this engine's own, which stop removes.
         environ = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
         sockets = Path(environ["VLLM_RPC_BASE_PATH"])

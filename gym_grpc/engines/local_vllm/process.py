@@ -13,6 +13,15 @@ vLLM runs in its own session (process group) because it forks an engine-core
 process: stop() signals the whole group it started, SIGTERM first, SIGKILL
 after a grace period, so no child outlives it.
 
+The model runs inside that engine-core process, on one thread per core but one. vLLM's CPU
+backend would run it in a worker process of its own, and the engine core waits for each step of
+that worker by spinning on shared memory (sched_yield in a loop, for up to a second after each
+read): a second core kept busy for every core that generates. On two cores that halved the
+speed of two engines side by side, and doubled an engine's CPU (bench/local_engine.py). vLLM's
+uniprocess executor avoids it; its CPU platform allows it only with VLLM_ENABLE_V1_MULTIPROCESSING
+off, which its OpenAI and gRPC servers do not read: their engine core still runs in a process of
+its own. `worker_process=True` starts vLLM's own layout instead, to compare.
+
 vLLM's processes talk over ZeroMQ sockets that it makes in VLLM_RPC_BASE_PATH (the
 system's temporary directory unless told), several per start, and it does not remove
 them when it stops: a machine that starts engines all day collects thousands. Each
@@ -46,6 +55,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gym_grpc import errors
 from gym_grpc.engines.local_vllm.installation import Prepared, cache_dir, prepare
 from gym_grpc.engines.settings import GRPC_SCHEME
+from gym_grpc.launch.config import cores
 
 CHAT_TEMPLATE = Path(__file__).with_name("hermes_tools.jinja")
 # Without these vLLM reaches for the Hub, and reserves 4 GiB for its KV cache on CPU.
@@ -68,6 +78,9 @@ CLIENT_KEEPALIVE_SECONDS = KEEPALIVE_SECONDS - 10
 # The HTTP server's RL control API (pause, resume, reload weights: ModelService.UpdateWeights) is
 # served only in vLLM's dev mode. It is on loopback here; an engine reachable by others needs care.
 _HTTP_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(KEEPALIVE_SECONDS)}
+#: The model inside the engine core (see the module's docstring).
+_IN_PROCESS_WORKER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+_IN_PROCESS_WORKER_ARGS = ("--distributed-executor-backend", "uni")
 _ADDRESS_IN_USE = ("address already in use", "failed to bind")
 #: The name of an engine's directory for its sockets, in the temporary directory: this, then random
 #: characters. It holds a file "pid", the engine's PID, once the engine is started. Short: a Unix
@@ -190,6 +203,12 @@ def _command(
     ]
 
 
+def _threads() -> int:
+    """The model's threads in the engine core: one per core this process may run on, but one, which
+    vLLM's own layout leaves to its server (VLLM_CPU_OMP_THREADS_BIND=auto); at least one."""
+    return max(1, cores() - 1)
+
+
 def die_with_parent() -> None:
     """For `preexec_fn` (Linux): the child gets SIGTERM when the process that started it dies, even by
     SIGKILL, when no `finally` runs. A test session killed on a time-out leaves no 3 GB engine behind."""
@@ -213,6 +232,7 @@ def start(
     grpc: bool = False,
     extra_args: Sequence[str] = (),
     capacity: Capacity = DEFAULTS,
+    worker_process: bool = False,
 ) -> Engine:
     """Start vLLM and return once GET /v1/models answers (with `grpc`, its gRPC server, once its health
     answers SERVING); raise EngineStartError if it dies or times out. `extra_args`: more options for
@@ -221,7 +241,9 @@ def start(
     With `port` (say, an engine's again after a restart) vLLM binds that port or fails: a
     port in use is an error, not a reason to try another. `tied`: the engine ends when this
     process does (see die_with_parent); `gym-grpc engine start` leaves it running instead.
-    `capacity`: a smaller KV cache or batch than vLLM's defaults (Capacity)."""
+    `capacity`: a smaller KV cache or batch than vLLM's defaults (Capacity). `worker_process`: the
+    model in a worker process of its own, vLLM's layout on CPU, not in the engine core (see the
+    module's docstring)."""
     prepared = prepared or prepare()
     if port is not None:
         port_attempts = 1
@@ -233,6 +255,11 @@ def start(
     for attempt in range(1, port_attempts + 1):
         bound = port if port is not None else _free_port()
         env = {**os.environ, **_ENV, **(_GRPC_ENV if grpc else _HTTP_ENV)}
+        layout: Sequence[str] = ()
+        if not worker_process:
+            env.update(_IN_PROCESS_WORKER_ENV)
+            env.setdefault("OMP_NUM_THREADS", str(_threads()))
+            layout = _IN_PROCESS_WORKER_ARGS
         sockets = None
         if "VLLM_RPC_BASE_PATH" not in env:
             sockets = env["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix=_SOCKETS_PREFIX)
@@ -240,7 +267,7 @@ def start(
             log.write(f"--- gym_grpc.engines.local_vllm: attempt {attempt}, port {bound}\n")
             log.flush()
             process = subprocess.Popen(
-                [*_command(prepared, bound, max_model_len, grpc, capacity), *extra_args],
+                [*_command(prepared, bound, max_model_len, grpc, capacity), *layout, *extra_args],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
