@@ -10,7 +10,9 @@ twice samples the same tokens.
 
 1. Record: the rollouts are collected once through gym-grpc with its vllm_model
    pointed at a recording proxy in front of the engine. The proxy keeps the body of
-   every /v1/completions request, and the seed says which rollout it belongs to.
+   every generation request (/inference/v1/generate, where the engine serves it, as
+   the local vLLM does; else /v1/completions), and the seed says which rollout it
+   belongs to.
 2. Then, in turn, `rounds` times: gym-grpc (vllm_model straight to the engine,
    `gym-grpc collect` as its own process) and the direct script: per rollout, the
    recorded request bodies POSTed to the engine one after the other (each turn
@@ -54,18 +56,25 @@ REPO = real_engine.REPO
 # --- the recording proxy -------------------------------------------------------
 
 
+#: The paths of the engine's generation requests: the prompt's ids and the seed in each one's body.
+GENERATIONS = {
+    "/inference/v1/generate": lambda body: (body["token_ids"], body["sampling_params"]["seed"]),
+    "/v1/completions": lambda body: (body["prompt"], body["seed"]),
+}
+
+
 class Recorder:
-    """An HTTP proxy in front of the engine that keeps every /v1/completions body by its seed."""
+    """An HTTP proxy in front of the engine that keeps every generation request (path and body) by its seed."""
 
     def __init__(self, engine_url: str) -> None:
         self.engine_root = engine_url.removesuffix("/v1")
-        self.requests: dict[int, list[dict[str, Any]]] = defaultdict(list)
+        self.requests: dict[int, list[tuple[str, dict[str, Any]]]] = defaultdict(list)
 
     async def handle(self, request: web.Request) -> web.Response:
         body = await request.read()
-        if request.path == "/v1/completions":
+        if request.path in GENERATIONS:
             parsed = json.loads(body)
-            self.requests[parsed["seed"]].append(parsed)
+            self.requests[GENERATIONS[request.path](parsed)[1]].append((request.path, parsed))
         async with self.session.request(
             request.method, self.engine_root + request.path_qs, data=body, headers={"Content-Type": "application/json"}
         ) as answer:
@@ -85,15 +94,18 @@ class Recorder:
         await runner.cleanup()
         await self.session.close()
 
-    def rollouts(self) -> list[list[dict[str, Any]]]:
+    def rollouts(self) -> list[list[tuple[str, dict[str, Any]]]]:
         """The recorded requests of each rollout, turn by turn (each turn's prompt is longer)."""
-        return [sorted(turns, key=lambda b: len(b["prompt"])) for _, turns in sorted(self.requests.items())]
+        return [
+            sorted(turns, key=lambda turn: len(GENERATIONS[turn[0]](turn[1])[0]))
+            for _, turns in sorted(self.requests.items())
+        ]
 
 
 # --- the direct script -----------------------------------------------------------
 
 
-async def direct(engine_url: str, rollouts: list[list[dict[str, Any]]], concurrency: int) -> dict[str, Any]:
+async def direct(engine_url: str, rollouts: list[list[tuple[str, dict[str, Any]]]], concurrency: int) -> dict[str, Any]:
     """The recorded requests straight to the engine: `concurrency` rollouts at a time, each
     rollout's turns one after the other. Rollouts/s and generated tokens/s."""
     todo = iter(rollouts)
@@ -105,8 +117,8 @@ async def direct(engine_url: str, rollouts: list[list[dict[str, Any]]], concurre
         async def worker() -> None:
             nonlocal generated, failed
             for turns in todo:
-                for body in turns:
-                    async with session.post(engine_url + "/completions", json=body) as answer:
+                for path, body in turns:
+                    async with session.post(engine_url.removesuffix("/v1") + path, json=body) as answer:
                         if answer.status != 200:
                             failed += 1
                             break

@@ -142,9 +142,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """With `--dist loadgroup` (`pytest -n 2 --dist loadgroup`, as .ci/run runs this suite): two lanes,
     each lane's tests in one process and in order, the two lanes side by side.
 
-    vLLM's CPU backend runs a model on one core, so with the gRPC and vision engines bound to the
-    other core (VLLM_CPU_OMP_THREADS_BIND, as .ci/run starts them) the lanes' generations do not queue
-    behind each other. Within a lane nothing changes: the tests that count an engine's requests,
+    The local vLLM generates on one thread in its engine core (gym_grpc/engines/local_vllm/process.py),
+    so on two cores each lane's engine generates on a core of its own and the lanes' generations do
+    not queue behind each other. Within a lane nothing changes: the tests that count an engine's requests,
     reload its weights or restart one still have their engine to themselves. The lanes are told by
     node id, not by xdist_group marks: pytest 9.2 names a node by `_id`, and pytest-xdist 3.8's
     loadgroup still appends the group to `_nodeid`, so its marks group nothing."""
