@@ -55,7 +55,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gym_grpc import errors
 from gym_grpc.engines.local_vllm.installation import Prepared, cache_dir, prepare
 from gym_grpc.engines.settings import GRPC_SCHEME
-from gym_grpc.launch.config import cores
 
 CHAT_TEMPLATE = Path(__file__).with_name("hermes_tools.jinja")
 # Without these vLLM reaches for the Hub, and reserves 4 GiB for its KV cache on CPU.
@@ -206,7 +205,7 @@ def _command(
 def _threads() -> int:
     """The model's threads in the engine core: one per core this process may run on, but one, which
     vLLM's own layout leaves to its server (VLLM_CPU_OMP_THREADS_BIND=auto); at least one."""
-    return max(1, cores() - 1)
+    return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 def die_with_parent() -> None:
