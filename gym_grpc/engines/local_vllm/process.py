@@ -203,8 +203,9 @@ def _command(
 
 
 def _threads() -> int:
-    """The model's threads in the engine core: one per core this process may run on, but one, which
-    vLLM's own layout leaves to its server (VLLM_CPU_OMP_THREADS_BIND=auto); at least one."""
+    """The model's threads in the engine core: one per core this process may run on, but one, as
+    vLLM's own layout binds its worker (VLLM_CPU_OMP_THREADS_BIND=auto reserves a core for the rest);
+    at least one."""
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
