@@ -237,7 +237,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"Workload: multi_step refund, simple agent, max_steps {w['max_steps']}, token in token out, temperature "
         f"1.0 with a seed per task, tool_choice required, max_output_tokens {w['max_output_tokens']}, "
         f"{w['concurrency']} rollouts in flight, {w['rollouts']} rollouts per round, {w['recorded_requests']} "
-        "recorded /v1/completions requests.",
+        "recorded generation requests.",
         "",
         "| round | gym-grpc rollouts/s | direct rollouts/s | gym-grpc tokens/s | direct tokens/s "
         "| gym-grpc CPU / engine CPU | direct CPU / engine CPU |",
@@ -265,10 +265,11 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 NOTES = [
-    "The direct script replays, per rollout, the /v1/completions bodies gym-grpc's vllm_model sent in a "
-    "recording pass (same prompts, sampling parameters, seed and tool-call grammar), turn after turn, at the "
-    "same concurrency; it sends no /tokenize call, runs no tool and parses nothing. gym-grpc also renders "
-    "each tool output with a /tokenize call, which the engine serves.",
+    "The direct script replays, per rollout, the generation requests gym-grpc's vllm_model sent in a "
+    "recording pass (/inference/v1/generate where the engine serves it, else /v1/completions; same prompts, "
+    "sampling parameters, seed and tool-call grammar), turn after turn, at the same concurrency; it sends no "
+    "/tokenize call, runs no tool and parses nothing. gym-grpc also renders each tool output with a /tokenize "
+    "call, which the engine serves.",
     "Rounds alternate (gym-grpc, then direct) after the recording pass, which warmed the engine's prefix cache "
     "for both. A round of gym-grpc is `gym-grpc collect` as its own process, timed from its start to its last "
     "row; the direct script is timed from its first request to its last answer.",
