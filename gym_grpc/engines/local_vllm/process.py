@@ -167,7 +167,12 @@ DEFAULTS = Capacity()
 
 
 def _command(
-    prepared: Prepared, port: int, max_model_len: int, grpc: bool = False, capacity: Capacity = DEFAULTS
+    prepared: Prepared,
+    port: int,
+    max_model_len: int,
+    grpc: bool = False,
+    capacity: Capacity = DEFAULTS,
+    worker_process: bool = False,
 ) -> list[str]:
     server = "vllm.entrypoints.launchers.grpc_server" if grpc else "vllm.entrypoints.openai.api_server"
     # The HTTP server's own options: the gRPC one takes token ids, and neither renders nor parses.
@@ -199,6 +204,7 @@ def _command(
         str(max_model_len),
         *([] if grpc else chat),
         *capacity.args(),
+        *([] if worker_process else _IN_PROCESS_WORKER_ARGS),
     ]
 
 
@@ -255,11 +261,9 @@ def start(
     for attempt in range(1, port_attempts + 1):
         bound = port if port is not None else _free_port()
         env = {**os.environ, **_ENV, **(_GRPC_ENV if grpc else _HTTP_ENV)}
-        layout: Sequence[str] = ()
         if not worker_process:
             env.update(_IN_PROCESS_WORKER_ENV)
             env.setdefault("OMP_NUM_THREADS", str(_threads()))
-            layout = _IN_PROCESS_WORKER_ARGS
         sockets = None
         if "VLLM_RPC_BASE_PATH" not in env:
             sockets = env["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix=_SOCKETS_PREFIX)
@@ -267,7 +271,7 @@ def start(
             log.write(f"--- gym_grpc.engines.local_vllm: attempt {attempt}, port {bound}\n")
             log.flush()
             process = subprocess.Popen(
-                [*_command(prepared, bound, max_model_len, grpc, capacity), *layout, *extra_args],
+                [*_command(prepared, bound, max_model_len, grpc, capacity, worker_process), *extra_args],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
