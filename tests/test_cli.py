@@ -6,6 +6,7 @@ import os
 import signal
 import struct
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -255,6 +256,25 @@ def test_a_mistyped_option_is_refused_with_a_suggestion_not_taken_as_an_override
     dump = gym("dump-config", str(REPO / "configs" / "quickstart.yaml"), "--env-fil", "x")
     assert dump.returncode == 2 and "Did you mean '--env-file'?" in dump.stderr
     assert not Path(out).exists()
+
+
+def test_each_verb_is_the_command_of_its_name_and_imports_no_other_verb():
+    """The verbs are imported when used (gym_grpc/cli/app.py): each name leads to the command of
+    that name, and a verb that runs loads its own module only."""
+    from gym_grpc.cli.app import VERBS, main
+
+    ctx = main.make_context("gym-grpc", ["--help"], resilient_parsing=True)
+    for name in VERBS:
+        assert main.get_command(ctx, name).name == name
+    code = (
+        "import sys; from gym_grpc.cli.app import main; main(['status', '--help'], standalone_mode=False); "
+        "print(sorted(m for m in sys.modules if m.startswith('gym_grpc.cli.') and m != 'gym_grpc.cli.app'))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "['gym_grpc.cli.options', 'gym_grpc.cli.status']"
+    unknown = gym("colect")
+    assert unknown.returncode == 2 and "No such command 'colect'" in unknown.stderr
 
 
 def test_collect_without_verifying_then_reverify(live, tmp_path):
