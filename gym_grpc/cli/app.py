@@ -4,7 +4,7 @@ Each verb group lives in its own module of this package (run, collect, report,
 training, status, quickstart, authoring, engine, data, envs); the work they
 do lives in the layers below (launch, batch, report, datasets, ...). A verb's
 module is imported when that verb runs (or `--help` lists them all), not at
-every start: importing all ten took a fifth of a second of CPU more than
+every start: importing all ten took about a tenth of a second of CPU more than
 importing one, on each `gym-grpc` a user or a test starts. A verb
 raises what those layers raise: every gym-grpc error (`errors.FrameworkError`)
 reaches `GymCommand.invoke`, which prints its public message, and any notes
