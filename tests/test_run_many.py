@@ -167,6 +167,20 @@ async def test_cancel_ids_cancel_one_run_and_leave_the_others(start):
     assert model.cancelled == 1
 
 
+async def test_a_run_cancelled_in_the_request_that_starts_it_ends_cancelled_and_the_call_ends(start):
+    """Its task is cancelled before it first runs (test_fuzz.py found the call then never ended)."""
+    agent, _ = await _agent(start, EchoModel(delay=0.01))
+    async with transport.open_channel(agent.address) as channel:
+        call = agent_grpc.AgentServiceStub(channel).RunMany(timeout=30)
+        runs = [_item(1, "1", expected_answer=1), _item(2, "2")]
+        await call.write(agent_pb.RunManyRequest(runs=runs, cancel_ids=[2, 2]))  # a repeated id: ignored
+        await call.done_writing()
+        results = await _results(call)
+        assert await call.code() == grpc.StatusCode.OK
+    assert results[1].rollout.reward == 1.0
+    assert results[2].error.code == grpc.StatusCode.CANCELLED.value[0]
+
+
 async def test_an_id_already_in_flight_fails_only_the_second_run(start):
     agent, _ = await _agent(start, EchoModel(delay=0.2))
     async with transport.open_channel(agent.address) as channel:

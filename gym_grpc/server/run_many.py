@@ -28,6 +28,7 @@ replica (client/run_many.py does).
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -184,7 +185,8 @@ class _Runs:
             self._result(item.id).error.CopyFrom(_from_status(error))
             return
         link = self.links[item.id] = RunLink(self, item.id, item.durable)
-        self.in_flight[item.id] = asyncio.ensure_future(self._one(item, link))
+        task = self.in_flight[item.id] = asyncio.ensure_future(self._one(item, link))
+        task.add_done_callback(functools.partial(self._ended, item.id))
 
     def cancel(self, run_id: int) -> None:
         task = self.in_flight.get(run_id)
@@ -212,20 +214,24 @@ class _Runs:
             reply = await in_process.invoke(run, item.run, item.timeout_seconds or None, self._peer, metadata=metadata)
         except grpc.aio.AioRpcError as e:
             self._result(item.id).error.CopyFrom(_from_call(e))
-        except asyncio.CancelledError:
-            if item.id not in self._cancelled:
-                raise  # the call is ending: nobody is left to tell
-            self._cancelled.discard(item.id)
-            self._result(item.id).error.CopyFrom(_from_status(errors.Cancelled("the run was cancelled by its caller")))
         else:
             if link.parked is not None:
                 self._result(item.id, link.parked.ByteSize()).parked.CopyFrom(link.parked)
             else:
                 self._result(item.id, reply.rollout.ByteSize()).rollout.CopyFrom(reply.rollout)
-        finally:
-            del self.in_flight[item.id]
-            del self.links[item.id]
-            self.room.set()
+
+    def _ended(self, run_id: int, task: asyncio.Task[None]) -> None:
+        """A run's task is done: the result of a run its caller cancelled, and the run's bookkeeping.
+        Here rather than in `_one`, whose body never runs when the run is cancelled before its task
+        first steps (a cancel in the same request as its run): that run too gets its result."""
+        by_caller = run_id in self._cancelled
+        self._cancelled.discard(run_id)
+        if task.cancelled() and by_caller:  # else the call is ending: nobody is left to tell
+            self._result(run_id).error.CopyFrom(_from_status(errors.Cancelled("the run was cancelled by its caller")))
+        del self.in_flight[run_id]
+        del self.links[run_id]
+        self.room.set()
+        self.changed.set()  # the call may end once no run is in flight
 
     def _result(self, run_id: int, size: int = 0) -> agent_pb.RunManyResult:
         """A new result, of about `size` bytes, in the reply that is filling; what the run waits
