@@ -8,8 +8,10 @@ rollouts over RunMany when the agent serves it.
 """
 
 import asyncio
+import collections
 import json
 import math
+import random
 import time
 
 import grpc
@@ -179,6 +181,49 @@ async def test_a_run_cancelled_in_the_request_that_starts_it_ends_cancelled_and_
         assert await call.code() == grpc.StatusCode.OK
     assert results[1].rollout.reward == 1.0
     assert results[2].error.code == grpc.StatusCode.CANCELLED.value[0]
+
+
+def _random_requests(rng: random.Random) -> list[agent_pb.RunManyRequest]:
+    """One to five requests over a few ids: runs good, bad (no input) and short of time, durable
+    or not, and cancels and parks of those ids, each landing before, during or after its run."""
+    requests = []
+    for _ in range(rng.randint(1, 5)):
+        request = agent_pb.RunManyRequest()
+        for _ in range(rng.randint(0, 3)):
+            run_id = rng.randint(0, 3)
+            item = _item(run_id, str(run_id), timeout=rng.choice([30.0, 0.0, 0.001]), expected_answer=run_id)
+            if rng.random() < 0.2:
+                item.run.task.Clear()  # INVALID_ARGUMENT
+            if rng.random() < 0.3:
+                item.durable = True
+                if rng.random() < 0.8:  # without one: INVALID_ARGUMENT
+                    item.run.rollout_id = f"r{run_id}-{rng.random()}"
+            request.runs.append(item)
+        request.cancel_ids.extend(rng.randint(0, 3) for _ in range(rng.choice([0, 0, 1, 2])))
+        request.park_ids.extend(rng.randint(0, 3) for _ in range(rng.choice([0, 0, 1])))
+        requests.append(request)
+    return requests
+
+
+async def test_random_streams_of_runs_cancels_and_parks_end_with_one_result_a_run(start):
+    """Whatever a call's requests hold, every run read gets one result and the call ends OK."""
+    model = EchoModel(delay=0.005)
+    agent, _ = await _agent(start, model)
+    async with transport.open_channel(agent.address) as channel:
+        stub = agent_grpc.AgentServiceStub(channel)
+        for seed in range(150):
+            requests = _random_requests(random.Random(seed))
+            call = stub.RunMany(timeout=30)
+            for request in requests:
+                await call.write(request)
+                if random.Random(seed).random() < 0.5:
+                    await asyncio.sleep(0.003)  # some runs under way before the next request
+            await call.done_writing()
+            results = [result async for reply in call for result in reply.results]
+            assert await call.code() == grpc.StatusCode.OK, seed
+            sent = collections.Counter(item.id for request in requests for item in request.runs)
+            assert collections.Counter(result.id for result in results) == sent, (seed, requests, results)
+            assert all(result.WhichOneof("outcome") for result in results), seed
 
 
 async def test_an_id_already_in_flight_fails_only_the_second_run(start):
