@@ -127,12 +127,19 @@ def live():
     run.stop()
 
 
+#: Streams that follow until their caller cancels: one message is their answer.
+FOLLOWING = {"gym.v1.RegistryService.WatchServer"}
+
+
 def _call(channel: grpc.Channel, method: d.MethodDescriptor, payload: bytes) -> None:
     path = f"/{method.containing_service.full_name}/{method.name}"
     try:
         if method.server_streaming:
-            for _ in channel.unary_stream(path)(payload, timeout=20):
-                pass
+            replies = channel.unary_stream(path)(payload, timeout=20)
+            for _ in replies:
+                if method.full_name in FOLLOWING:
+                    replies.cancel()
+                    break
         else:
             channel.unary_unary(path)(payload, timeout=20)
     except grpc.RpcError as e:
