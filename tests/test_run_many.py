@@ -243,6 +243,68 @@ async def test_random_streams_of_runs_cancels_and_parks_end_with_one_result_a_ru
     assert None not in outcomes and min(outcomes[kind] for kind in ("rollout", "error", "parked")) >= 10, outcomes
 
 
+async def test_random_callers_that_give_up_or_park_leave_no_run_and_no_session_behind(start):
+    """AgentClient's side: rollouts whose callers cancel them (before they go out, or at any point
+    after), run out of time or are parked, in rounds. Every caller gets its answer, and once a
+    round is over the agent has no run left and the environment keeps only the parked runs' sessions."""
+    model = AddingModel(delay=0.003)
+    served_model, env = await start(model), await start(Calculator(name="calc"))
+    agent = await start(
+        SimpleAgent(
+            {"model_server": "model", "resources_server": "calc"},
+            name="agent",
+            registry=static_registry(model=served_model, calc=env),
+        )
+    )
+    registry = static_registry(agent=agent)
+    client = AgentClient(registry, "agent")
+    ends: collections.Counter[str] = collections.Counter()
+    try:
+        for seed in range(40):
+            rng = random.Random(seed)
+            runs = [
+                asyncio.ensure_future(client.run(task(str(i), expected_answer=i), rng.choice([30.0, 30.0, 0.004])))
+                for i in range(rng.randint(1, 20))
+            ]
+            for run in runs:
+                if rng.random() < 0.3:
+                    await asyncio.sleep(rng.choice([0, 0, 0.002, 0.006]))
+                    run.cancel()
+            if rng.random() < 0.3:
+                await asyncio.sleep(0.004)
+                client.park()
+            async with asyncio.timeout(30):  # a caller never answered is a hang
+                answers = await asyncio.gather(*runs, return_exceptions=True)
+            for answer in answers:
+                kind = type(answer).__name__
+                assert kind in ("Rollout", "CancelledError", "DeadlineExceeded", "RolloutParked"), (seed, answer)
+                ends[kind] += 1
+            parked = sum(isinstance(answer, errors.RolloutParked) for answer in answers)
+            await eventually(lambda: model.active == 0, f"seed {seed}: no model call left")
+            await eventually(
+                lambda: {m.method: m for m in agent.app.counters.to_proto().methods}["Run"].in_flight == 0,
+                f"seed {seed}: no run left on the agent",
+            )
+            await eventually(
+                lambda parked=parked: len(env.app.sessions) == parked, f"seed {seed}: only the parked runs' sessions"
+            )
+            env.app.sessions.clear()  # the parked runs are not resumed
+        await client.close()
+
+        def methods() -> dict[str, admin_pb.MethodCounters]:
+            return {m.method: m for m in agent.app.counters.to_proto().methods}
+
+        await eventually(lambda: methods()["RunMany"].in_flight == 0, "the client's calls ended")
+        # The client's calls ended as it closed them, with no run left open on them: OK, not CANCELLED.
+        assert set(methods()["RunMany"].calls_by_status) == {"OK"}, methods()["RunMany"]
+        # A run's caller that gave up while it ran stopped it on the agent.
+        assert methods()["Run"].calls_by_status["CANCELLED"] > 0, methods()["Run"]
+    finally:
+        await client.close()
+        await registry.close()
+    assert min(ends[kind] for kind in ("Rollout", "CancelledError", "DeadlineExceeded", "RolloutParked")) >= 5, ends
+
+
 async def test_an_id_already_in_flight_fails_only_the_second_run(start):
     agent, _ = await _agent(start, EchoModel(delay=0.2))
     async with transport.open_channel(agent.address) as channel:
