@@ -227,11 +227,12 @@ async def test_random_streams_of_runs_cancels_and_parks_end_with_one_result_a_ru
     async with transport.open_channel(agent.address) as channel:
         stub = agent_grpc.AgentServiceStub(channel)
         for seed in range(150):
-            requests = _random_requests(random.Random(seed))
+            rng = random.Random(seed)
+            requests = _random_requests(rng)
             call = stub.RunMany(timeout=30)
             for request in requests:
                 await call.write(request)
-                if random.Random(seed).random() < 0.5:
+                if rng.random() < 0.5:
                     await asyncio.sleep(0.003)  # some runs under way before the next request
             await call.done_writing()
             results = [result async for reply in call for result in reply.results]
@@ -259,6 +260,10 @@ async def test_random_callers_that_give_up_or_park_leave_no_run_and_no_session_b
     registry = static_registry(agent=agent)
     client = AgentClient(registry, "agent")
     ends: collections.Counter[str] = collections.Counter()
+
+    def methods() -> dict[str, admin_pb.MethodCounters]:
+        return {m.method: m for m in agent.app.counters.to_proto().methods}
+
     try:
         for seed in range(40):
             rng = random.Random(seed)
@@ -281,19 +286,12 @@ async def test_random_callers_that_give_up_or_park_leave_no_run_and_no_session_b
                 ends[kind] += 1
             parked = sum(isinstance(answer, errors.RolloutParked) for answer in answers)
             await eventually(lambda: model.active == 0, f"seed {seed}: no model call left")
-            await eventually(
-                lambda: {m.method: m for m in agent.app.counters.to_proto().methods}["Run"].in_flight == 0,
-                f"seed {seed}: no run left on the agent",
-            )
+            await eventually(lambda: methods()["Run"].in_flight == 0, f"seed {seed}: no run left on the agent")
             await eventually(
                 lambda parked=parked: len(env.app.sessions) == parked, f"seed {seed}: only the parked runs' sessions"
             )
             env.app.sessions.clear()  # the parked runs are not resumed
         await client.close()
-
-        def methods() -> dict[str, admin_pb.MethodCounters]:
-            return {m.method: m for m in agent.app.counters.to_proto().methods}
-
         await eventually(lambda: methods()["RunMany"].in_flight == 0, "the client's calls ended")
         # The client's calls ended as it closed them, with no run left open on them: OK, not CANCELLED.
         assert set(methods()["RunMany"].calls_by_status) == {"OK"}, methods()["RunMany"]
