@@ -60,7 +60,11 @@ def _texts(content: Any) -> list[str] | None:
 
 
 def _arguments(arguments: Any) -> JSON:
-    """A tool call's arguments as templates get them from vLLM: an object ({} for anything else)."""
+    """A tool call's arguments as templates get them from vLLM: an object ({} for anything else).
+
+    Also {} for an object that holds half a character: JSON decodes the escape of a lone surrogate
+    ("\\ud8ca", which a model may write at a high temperature), but no tokenizer encodes it. (vLLM's own
+    render fails on it.) The token path needs the render only around the turn, not its words."""
     if isinstance(arguments, dict):
         return arguments
     if not arguments:
@@ -69,7 +73,13 @@ def _arguments(arguments: Any) -> JSON:
         parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
     except json.JSONDecodeError:
         return {}
-    return parsed if isinstance(parsed, dict) else {}
+    if not isinstance(parsed, dict):
+        return {}
+    try:
+        json.dumps(parsed, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return {}
+    return parsed
 
 
 def conversation(messages: list[JSON], content_format: ContentFormat) -> list[JSON] | None:

@@ -51,6 +51,16 @@ async def test_rendered_here_a_turn_costs_the_engine_one_request(start, engine, 
     assert calls == {"/inference/v1/generate": 1, "/v1/completions": turns, "/v1/models": 1}
 
 
+async def test_rendered_here_a_call_with_an_escaped_half_character_renders_and_the_next_turn_extends_it(
+    start, engine, tmp_path
+):
+    """Seen on the real engine (CI, 2026-12-06): the model wrote a JSON escape of a lone surrogate in a
+    call's arguments. Decoded for the template, no tokenizer can encode it: the next turn failed INTERNAL."""
+    fake = await engine([Turn(tool_calls=[("add", '{"a": "x\\ud8ca", "b": 1}')]), Turn(content="5")])
+    _, prompts = await _rollout(start, fake, 2, tokenizer_dir=str(write_tokenizer(tmp_path / "tok")))
+    assert len(prompts) == 2 and prompts[1][: len(prompts[0])] == prompts[0]
+
+
 @pytest.mark.parametrize("turns", [4, 12])
 async def test_rendered_by_the_engine_a_turn_costs_two_tokenize_however_many_came_before(start, engine, turns):
     fake = await engine(_script(turns))
