@@ -61,7 +61,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -73,6 +72,7 @@ from typing import Any
 import run as bench
 
 from gym_grpc.launch.config import GymConfig
+from gym_grpc.rpc import ports
 
 NEMO_GYM = "nemo-gym==0.7.0"
 EXTRAS = ("math-verify==0.8.0",)  # math_with_judge's requirements.txt, beside the package's own dependencies
@@ -158,12 +158,6 @@ def _run_text(command: list[str]) -> str:
     return subprocess.run(command, capture_output=True, text=True, check=True).stdout
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tree_cpu(root: int) -> float:
     """CPU seconds of `root` and every process under it, with the children each has reaped."""
     total = 0.0
@@ -199,7 +193,7 @@ class NemoGymStack:
     """`gym env start` of the given configurations, ready when its head server says so."""
 
     def __init__(self, tmp: Path, configs: list[str], engine_url: str, log: Path, extra: Sequence[str] = ()) -> None:
-        self.head = f"127.0.0.1:{_free_port()}"
+        self.head = f"127.0.0.1:{ports.free_port()}"
         host, port = self.head.split(":")
         self.overrides = [f"++head_server.host={host}", f"++head_server.port={port}"]
         paths = ",".join(str(PEER / c) for c in configs)

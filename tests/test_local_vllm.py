@@ -32,6 +32,7 @@ from gym_grpc.engines.local_vllm import (
     stop,
 )
 from gym_grpc.engines.local_vllm import process as local_vllm_process
+from gym_grpc.rpc import ports
 from tests.support import alive
 
 FAKE_VLLM = Path(__file__).parent / "programs" / "fake_vllm.py"
@@ -121,7 +122,7 @@ def test_an_engine_restarted_on_its_port_serves_the_same_base_url(fake: Any, tmp
 def test_a_given_port_that_is_taken_fails_without_trying_another(fake: Any, tmp_path: Path) -> None:
     prepared, _ = fake("taken_once")
     with pytest.raises(EngineStartError, match=r"(?s)exited with status 1 before serving.*Address already in use"):
-        start(prepared, log_path=tmp_path / "vllm.log", ready_timeout=30, port=local_vllm_process._free_port())
+        start(prepared, log_path=tmp_path / "vllm.log", ready_timeout=30, port=ports.free_port())
     assert "attempt 2" not in (tmp_path / "vllm.log").read_text()
 
 

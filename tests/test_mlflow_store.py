@@ -5,7 +5,6 @@ process started once for this module, and the real MLflow client."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from gym_grpc.cli.app import main
+from gym_grpc.rpc import ports
 from tests.support import gym, read_rows, tool
 
 pytestmark = pytest.mark.slow
@@ -27,18 +27,11 @@ TRAIN, VALIDATION = DATA / "train.jsonl", DATA / "validation.jsonl"
 QUIET = {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 
 
-def _free_port() -> int:
-    # mlflow server cannot bind port 0 and report it: take one the kernel hands out
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """A real `mlflow server` (sqlite backend, artifacts served by it), all its files in a tmp dir."""
     root = tmp_path_factory.mktemp("mlflow-server")
-    port = _free_port()
+    port = ports.free_port()  # mlflow server cannot bind port 0 and report it
     url = f"http://127.0.0.1:{port}"
     log = (root / "server.log").open("w")
     process = subprocess.Popen(

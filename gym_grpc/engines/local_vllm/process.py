@@ -39,7 +39,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -55,6 +54,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gym_grpc import errors
 from gym_grpc.engines.local_vllm.installation import Prepared, cache_dir, prepare
 from gym_grpc.engines.settings import GRPC_SCHEME
+from gym_grpc.rpc import ports
 
 CHAT_TEMPLATE = Path(__file__).with_name("hermes_tools.jinja")
 # Without these vLLM reaches for the Hub, and reserves 4 GiB for its KV cache on CPU.
@@ -104,12 +104,6 @@ class Engine:
 
     def to_json(self) -> str:
         return json.dumps({**dataclasses.asdict(self), "log_path": str(self.log_path)})
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tail(path: Path, lines: int = 30) -> str:
@@ -259,7 +253,7 @@ def start(
         log_path = logs / f"vllm-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     for attempt in range(1, port_attempts + 1):
-        bound = port if port is not None else _free_port()
+        bound = port if port is not None else ports.free_port()
         env = {**os.environ, **_ENV, **(_GRPC_ENV if grpc else _HTTP_ENV)}
         if not worker_process:
             env.update(_IN_PROCESS_WORKER_ENV)
