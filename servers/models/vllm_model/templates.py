@@ -63,8 +63,9 @@ def _arguments(arguments: Any) -> JSON:
     """A tool call's arguments as templates get them from vLLM: an object ({} for anything else).
 
     Also {} for an object that holds half a character: JSON decodes the escape of a lone surrogate
-    ("\\ud8ca", which a model may write at a high temperature), but no tokenizer encodes it. (vLLM's own
-    render fails on it.) The token path needs the render only around the turn, not its words."""
+    ("\\ud8ca", which a model may write at a high temperature), but no tokenizer encodes it. (vLLM decodes
+    them so too, so its own render meets the same tokenizer error.) The token path needs the render only
+    around the turn, not its words."""
     if isinstance(arguments, dict):
         return arguments
     if not arguments:
