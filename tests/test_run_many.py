@@ -39,10 +39,11 @@ from tests.support import MATH, Calculator, EchoModel, call, eventually, say, st
 from tests.test_replicas import replicated
 
 
-async def _agent(start, model: EchoModel):
-    """The simple agent over `model` and the calculator; (its Running, a registry naming it "agent")."""
+async def _agent(start, model: EchoModel, calculator: Calculator | None = None):
+    """The simple agent over `model` and the calculator (`calculator`, or a new one); (its Running, a
+    registry naming it "agent")."""
     served_model = await start(model)
-    env = await start(Calculator(name="calc"))
+    env = await start(calculator or Calculator(name="calc"))
     agent = await start(
         SimpleAgent(
             {"model_server": "model", "resources_server": "calc"},
@@ -248,16 +249,8 @@ async def test_random_callers_that_give_up_or_park_leave_no_run_and_no_session_b
     """AgentClient's side: rollouts whose callers cancel them (before they go out, or at any point
     after), run out of time or are parked, in rounds. Every caller gets its answer, and once a
     round is over the agent has no run left and the environment keeps only the parked runs' sessions."""
-    model = AddingModel(delay=0.003)
-    served_model, env = await start(model), await start(Calculator(name="calc"))
-    agent = await start(
-        SimpleAgent(
-            {"model_server": "model", "resources_server": "calc"},
-            name="agent",
-            registry=static_registry(model=served_model, calc=env),
-        )
-    )
-    registry = static_registry(agent=agent)
+    model, env = AddingModel(delay=0.003), Calculator(name="calc")
+    agent, registry = await _agent(start, model, env)
     client = AgentClient(registry, "agent")
     ends: collections.Counter[str] = collections.Counter()
 
@@ -288,9 +281,9 @@ async def test_random_callers_that_give_up_or_park_leave_no_run_and_no_session_b
             await eventually(lambda: model.active == 0, f"seed {seed}: no model call left")
             await eventually(lambda: methods()["Run"].in_flight == 0, f"seed {seed}: no run left on the agent")
             await eventually(
-                lambda parked=parked: len(env.app.sessions) == parked, f"seed {seed}: only the parked runs' sessions"
+                lambda parked=parked: len(env.sessions) == parked, f"seed {seed}: only the parked runs' sessions"
             )
-            env.app.sessions.clear()  # the parked runs are not resumed
+            env.sessions.clear()  # the parked runs are not resumed
         await client.close()
         await eventually(lambda: methods()["RunMany"].in_flight == 0, "the client's calls ended")
         # The client's calls ended as it closed them, with no run left open on them: OK, not CANCELLED.

@@ -33,6 +33,8 @@ import orjson
 
 from gym_grpc.errors import ConfigError
 
+from .tool_calls import utf8
+
 JSON = dict[str, Any]
 ContentFormat = Literal["string", "openai"]
 
@@ -76,9 +78,7 @@ def _arguments(arguments: Any) -> JSON:
         return {}
     if not isinstance(parsed, dict):
         return {}
-    try:
-        json.dumps(parsed, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
+    if "\\u" in arguments and not utf8(json.dumps(parsed, ensure_ascii=False)):  # checked only with an escape
         return {}
     return parsed
 

@@ -40,7 +40,7 @@ class ToolCallFormat(Protocol):
         ...
 
 
-def _utf8(text: str) -> bool:
+def utf8(text: str) -> bool:
     """Whether `text` is valid Unicode: JSON can decode an escaped lone surrogate
     that no protobuf string can carry."""
     try:
@@ -106,14 +106,14 @@ class Hermes:
             value = json.loads(body)
         except ValueError:
             return None
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not _utf8(value["name"]):
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not utf8(value["name"]):
             return None
         arguments = value.get("arguments", {})
         if not isinstance(arguments, str):  # as vLLM's hermes parser serialises them
             arguments = json.dumps(arguments, ensure_ascii=False)
-            if not _utf8(arguments):  # a "\\ud8ca" escape of half a character: kept escaped
+            if not utf8(arguments):  # a "\\ud8ca" escape of half a character: kept escaped
                 arguments = json.dumps(value.get("arguments"))
-        elif not _utf8(arguments):
+        elif not utf8(arguments):
             return None
         return ParsedCall(value["name"], arguments)
 
