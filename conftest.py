@@ -58,6 +58,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run the tests marked real_engine against a local CPU vLLM (prepared and started by the tests)",
     )
     parser.addoption(
+        "--lane",
+        choices=("http", "other"),
+        help="with --real-engine: only the tests that generate on the session's HTTP engine (http), or only "
+        "the others (other); CI runs the two side by side (tests/real_engine/conftest.py)",
+    )
+    parser.addoption(
         "--ray-cluster",
         action="store_true",
         help="run the tests marked ray_cluster on a Ray cluster of several nodes started by the tests",

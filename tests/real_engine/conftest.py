@@ -14,9 +14,10 @@ gRPC one (`grpc_engine`, `start --grpc`, GYM_GRPC_REAL_GRPC_ENGINE_URL to reuse 
 the same model; the HTTP engine's /tokenize and /detokenize check what the model
 server renders and decodes for the gRPC one.
 
-With engines given by URL, `pytest -n 2 --dist loadgroup` runs the suite in two lanes side by
-side, the HTTP engine's tests in one and the rest in the other (`pytest_xdist_make_scheduler`
-below; .ci/run runs it so). Without engines given, each lane would start the ones it uses.
+`--lane http` runs only the tests that generate on the HTTP engine, `--lane other` the rest (`_lane`
+below). With engines given by URL, .ci/run runs the two lanes as two pytest processes side by side,
+so that each lane's engine generates on a core of its own; without engines given, each lane would
+start the ones it uses.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import os
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 from unittest import mock
 
 import pytest
@@ -138,22 +138,19 @@ def _lane(nodeid: str) -> str:
     return "other" if "[grpc]" in name or path.rsplit("/", 1)[-1] in _ELSEWHERE else "http"
 
 
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """With `--dist loadgroup` (`pytest -n 2 --dist loadgroup`, as .ci/run runs this suite): two lanes,
-    each lane's tests in one process and in order, the two lanes side by side.
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`--lane NAME`: only the real-engine tests of that lane.
 
     The local vLLM generates on one thread in its engine core (gym_grpc/engines/local_vllm/process.py),
-    so on two cores each lane's engine generates on a core of its own and the lanes' generations do
-    not queue behind each other. Within a lane nothing changes: the tests that count an engine's requests,
-    reload its weights or restart one still have their engine to themselves. The lanes are told by
-    node id, not by xdist_group marks: pytest 9.2 names a node by `_id`, and pytest-xdist 3.8's
-    loadgroup still appends the group to `_nodeid`, so its marks group nothing."""
-    if config.getoption("dist") != "loadgroup":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class Lanes(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return _lane(nodeid)
-
-    return Lanes(config, log)
+    so on two cores the two lanes, run side by side, each have an engine generating on a core of its
+    own, and their generations do not queue behind each other. Within a lane the tests run one at a
+    time, in order: the tests that count an engine's requests, reload its weights or restart one still
+    have their engine to themselves."""
+    lane = config.getoption("lane")
+    if lane is None:
+        return
+    elsewhere = [item for item in items if item.get_closest_marker("real_engine") and _lane(item.nodeid) != lane]
+    if elsewhere:
+        config.hook.pytest_deselected(items=elsewhere)
+        kept = set(items) - set(elsewhere)
+        items[:] = [item for item in items if item in kept]
