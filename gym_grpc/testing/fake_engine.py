@@ -60,6 +60,29 @@ def encode_sampled(text: str) -> list[int]:
     return ids
 
 
+#: What vLLM answers (HTTP 400, on /tokenize and on the chat path) for a conversation its tokenizer
+#: cannot encode, such as one with half a character: JSON decodes the escape of a lone surrogate in a
+#: call's arguments into one (seen on the local CPU vLLM).
+UNENCODABLE = "TextEncodeInput must be Union[TextInputSequence, Tuple[InputSequence, InputSequence]]"
+
+
+class _Unencodable(ValueError):
+    """A conversation whose text holds what no tokenizer encodes (see UNENCODABLE)."""
+
+
+def _encodable(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _Unencodable(text) from None
+    return text
+
+
+def _unencodable() -> web.Response:
+    error = {"message": UNENCODABLE, "type": "BadRequestError", "param": None, "code": 400}
+    return web.json_response({"error": error}, status=400)
+
+
 def _arguments_text(arguments: Any) -> str:
     """Tool-call arguments as the template writes them: parsed to an object, as vLLM passes them
     ({} when they are not one), then `tojson` (transformers': ensure_ascii off)."""
@@ -240,9 +263,9 @@ class FakeEngine:
                     function = call["function"]
                     arguments = _arguments_text(function.get("arguments"))
                     content += f'<tool_call>{{"name": "{function["name"]}", "arguments": {arguments}}}</tool_call>'
-                ids += [IM_START, *encode("assistant\n" + content), IM_END, *encode("\n")]
+                ids += [IM_START, *encode("assistant\n" + _encodable(content)), IM_END, *encode("\n")]
             else:
-                ids += [IM_START, *encode(f"{message['role']}\n{content}"), IM_END, *encode("\n")]
+                ids += [IM_START, *encode(f"{message['role']}\n{_encodable(content)}"), IM_END, *encode("\n")]
         if add_generation_prompt:
             ids += [IM_START, *encode("assistant\n")]
         return ids
@@ -304,7 +327,10 @@ class FakeEngine:
         body, failed = await self._gate(request)
         if failed is not None:
             return failed
-        prompt = self.render(body["messages"], add_generation_prompt=True)
+        try:
+            prompt = self.render(body["messages"], add_generation_prompt=True)
+        except _Unencodable:
+            return _unencodable()
         prefix = body.get("required_prefix_token_ids")
         if prefix:
             prompt = list(prefix) + prompt[len(prefix) :]
@@ -416,7 +442,10 @@ class FakeEngine:
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()
-        tokens = self.render(body["messages"], body.get("add_generation_prompt", False))
+        try:
+            tokens = self.render(body["messages"], body.get("add_generation_prompt", False))
+        except _Unencodable:
+            return _unencodable()
         return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len})
 
     async def _responses(self, request: web.Request) -> web.Response:

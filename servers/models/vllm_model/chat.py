@@ -31,6 +31,8 @@ from gym_grpc.responses import (
 )
 from gym_grpc.v1 import responses_pb2 as r
 
+from .tool_calls import for_template
+
 JSON = dict[str, Any]
 
 
@@ -80,7 +82,8 @@ def _assistant_message(turn: list[r.Item], tags: tuple[str, str]) -> JSON:
     calls = [i.function_call for i in turn if i.WhichOneof("item") == "function_call"]
     if calls:
         message["tool_calls"] = [
-            {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
+            {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": for_template(c.arguments)}}
+            for c in calls
         ]
     return message
 

@@ -33,8 +33,6 @@ import orjson
 
 from gym_grpc.errors import ConfigError
 
-from .tool_calls import utf8
-
 JSON = dict[str, Any]
 ContentFormat = Literal["string", "openai"]
 
@@ -62,12 +60,8 @@ def _texts(content: Any) -> list[str] | None:
 
 
 def _arguments(arguments: Any) -> JSON:
-    """A tool call's arguments as templates get them from vLLM: an object ({} for anything else).
-
-    Also {} for an object that holds half a character: JSON decodes the escape of a lone surrogate
-    ("\\ud8ca", which a model may write at a high temperature), but no tokenizer encodes it. (vLLM decodes
-    them so too, so its own render meets the same tokenizer error.) The token path needs the render only
-    around the turn, not its words."""
+    """A tool call's arguments as templates get them from vLLM: an object ({} for anything else;
+    arguments that hold half a character come as {} already, chat.to_messages)."""
     if isinstance(arguments, dict):
         return arguments
     if not arguments:
@@ -77,8 +71,6 @@ def _arguments(arguments: Any) -> JSON:
     except json.JSONDecodeError:
         return {}
     if not isinstance(parsed, dict):
-        return {}
-    if "\\u" in arguments and not utf8(json.dumps(parsed, ensure_ascii=False)):  # checked only with an escape
         return {}
     return parsed
 

@@ -50,6 +50,23 @@ def utf8(text: str) -> bool:
     return True
 
 
+def for_template(arguments: str) -> str:
+    """A call's arguments as they can go to a chat template: "{}" when their JSON holds half a
+    character (the escape of a lone surrogate, "\\ud8ca", which a model may write at a high
+    temperature), else as they are. A template gets the arguments decoded into an object (vLLM
+    decodes them so), and no tokenizer encodes that character: vLLM answers 400 ("TextEncodeInput
+    must be Union[...]", seen on the local CPU vLLM), a tokenizer here raises TypeError. The token
+    path needs a turn's render only around its words, which stay the ids the model sampled; on the
+    chat path the engine sees the call without its arguments rather than the rollout failing."""
+    if "\\u" not in arguments:  # the only way such a character gets into JSON text
+        return arguments
+    try:
+        parsed = json.loads(arguments)
+    except (ValueError, RecursionError):
+        return arguments
+    return arguments if utf8(json.dumps(parsed, ensure_ascii=False)) else "{}"
+
+
 def _past_space(text: str, i: int) -> int:
     """The index of the first character at or after `i` that is not white space."""
     while i < len(text) and text[i].isspace():

@@ -51,14 +51,29 @@ async def test_rendered_here_a_turn_costs_the_engine_one_request(start, engine, 
     assert calls == {"/inference/v1/generate": 1, "/v1/completions": turns, "/v1/models": 1}
 
 
-async def test_rendered_here_a_call_with_an_escaped_half_character_renders_and_the_next_turn_extends_it(
-    start, engine, tmp_path
+_HALF_A_CHARACTER = [Turn(tool_calls=[("add", '{"a": "x\\ud8ca", "b": 1}')]), Turn(content="5")]
+
+
+@pytest.mark.parametrize("where", ["here", "engine"])
+async def test_a_call_with_an_escaped_half_character_renders_and_the_next_turn_extends_it(
+    start, engine, tmp_path, where
 ):
     """Seen on the real engine (CI, 2026-12-06): the model wrote a JSON escape of a lone surrogate in a
-    call's arguments. Decoded for the template, no tokenizer can encode it: the next turn failed INTERNAL."""
-    fake = await engine([Turn(tool_calls=[("add", '{"a": "x\\ud8ca", "b": 1}')]), Turn(content="5")])
-    _, prompts = await _rollout(start, fake, 2, tokenizer_dir=str(write_tokenizer(tmp_path / "tok")))
+    call's arguments. Decoded for the template, no tokenizer can encode it: rendered here, the next turn
+    failed INTERNAL (the tokenizer's TypeError); rendered by vLLM, its /tokenize answers 400, as the fake
+    engine's does. The call goes to the template as {}, and the turn's ids stay the sampled ones."""
+    fake = await engine(_HALF_A_CHARACTER)
+    config = {"tokenizer_dir": str(write_tokenizer(tmp_path / "tok"))} if where == "here" else {}
+    _, prompts = await _rollout(start, fake, 2, **config)
     assert len(prompts) == 2 and prompts[1][: len(prompts[0])] == prompts[0]
+
+
+async def test_on_the_chat_path_a_call_with_an_escaped_half_character_goes_back_without_its_arguments(start, engine):
+    """vLLM's chat path renders the history as its /tokenize does, and answers 400 for such a call."""
+    fake = await engine(_HALF_A_CHARACTER)
+    await _rollout(start, fake, 2, return_token_ids=False)
+    call = fake.requests[-1]["messages"][1]["tool_calls"][0]["function"]
+    assert call == {"name": "add", "arguments": "{}"}
 
 
 @pytest.mark.parametrize("turns", [4, 12])
