@@ -66,15 +66,9 @@ def encode_sampled(text: str) -> list[int]:
 UNENCODABLE = "TextEncodeInput must be Union[TextInputSequence, Tuple[InputSequence, InputSequence]]"
 
 
-class _Unencodable(ValueError):
-    """A conversation whose text holds what no tokenizer encodes (see UNENCODABLE)."""
-
-
 def _encodable(text: str) -> str:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise _Unencodable(text) from None
+    """`text`, or UnicodeEncodeError where a tokenizer could not encode it (see UNENCODABLE)."""
+    text.encode("utf-8")
     return text
 
 
@@ -329,7 +323,7 @@ class FakeEngine:
             return failed
         try:
             prompt = self.render(body["messages"], add_generation_prompt=True)
-        except _Unencodable:
+        except UnicodeEncodeError:
             return _unencodable()
         prefix = body.get("required_prefix_token_ids")
         if prefix:
@@ -444,7 +438,7 @@ class FakeEngine:
         body = await request.json()
         try:
             tokens = self.render(body["messages"], body.get("add_generation_prompt", False))
-        except _Unencodable:
+        except UnicodeEncodeError:
             return _unencodable()
         return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len})
 

@@ -149,8 +149,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     lane = config.getoption("lane")
     if lane is None:
         return
-    elsewhere = [item for item in items if item.get_closest_marker("real_engine") and _lane(item.nodeid) != lane]
+    kept: list[pytest.Item] = []
+    elsewhere: list[pytest.Item] = []
+    for item in items:
+        (elsewhere if item.get_closest_marker("real_engine") and _lane(item.nodeid) != lane else kept).append(item)
     if elsewhere:
         config.hook.pytest_deselected(items=elsewhere)
-        kept = set(items) - set(elsewhere)
-        items[:] = [item for item in items if item in kept]
+        items[:] = kept

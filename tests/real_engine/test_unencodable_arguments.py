@@ -70,7 +70,7 @@ def test_the_turn_after_a_call_with_an_escaped_half_character_is_answered(
                 await registry.close()
 
         response = asyncio.run(answer())
-    assert response.status == r.RESPONSE_STATUS_COMPLETED or response.status == r.RESPONSE_STATUS_INCOMPLETE
+    assert response.status in (r.RESPONSE_STATUS_COMPLETED, r.RESPONSE_STATUS_INCOMPLETE)
     said = response.output[-1].message
     assert said.generation_token_ids and len(said.generation_log_probs) == len(said.generation_token_ids)
     assert said.prompt_token_ids, "the turn carries the prompt the engine generated from"

@@ -70,9 +70,7 @@ def _arguments(arguments: Any) -> JSON:
         parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
     except json.JSONDecodeError:
         return {}
-    if not isinstance(parsed, dict):
-        return {}
-    return parsed
+    return parsed if isinstance(parsed, dict) else {}
 
 
 def conversation(messages: list[JSON], content_format: ContentFormat) -> list[JSON] | None:
