@@ -1,5 +1,5 @@
 """docs/changes.md keeps up with the protocol: a section for every version protocol.py declares,
-and a row for every deprecated field the servers no longer write."""
+and a row for every deprecated field the servers no longer write; docs/status.md names the version."""
 
 from __future__ import annotations
 
@@ -32,3 +32,10 @@ def test_the_changelog_names_every_unfilled_field_with_its_replacement_and_versi
     for name, field in protocol.UNFILLED.items():
         row = f"| `{name}` | `{field.instead}` | {field.since[0]}.{field.since[1]} "
         assert row in CHANGES, f"docs/changes.md has no row {row!r}"
+
+
+def test_the_status_page_names_the_version_spoken():
+    status = (REPO / "docs" / "status.md").read_text()
+    named = re.search(r"The protocol is `gym\.v1`, version (\d+)\.(\d+)", status)
+    assert named is not None, "docs/status.md no longer says which version the protocol is"
+    assert (int(named[1]), int(named[2])) == protocol.VERSION
