@@ -231,7 +231,7 @@ class AgentServer(GymServer):
     ) -> res_pb.Episode | None:
         """Open a rollout's session on `resources` (ResourcesClient.seed_session).
 
-        A durable run's session is closed once its result has gone out (RunLink.after_result), so
+        A durable run's session is closed once its caller has the result (RunLink.after_result), so
         its caller may start the next rollout while that close is on its way: a caller that keeps
         as many rollouts in flight as the environment's `max_sessions` would see the seed refused
         for sessions this agent has already let go of. So a seed refused for the cap while closes

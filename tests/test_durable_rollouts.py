@@ -29,6 +29,8 @@ from gym_grpc.rpc.registry import Registry
 from gym_grpc.testing import Calculator, Servers, calculator_task, call
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
+from gym_grpc.v1 import agent_service_pb2 as agent_pb
+from gym_grpc.v1 import agent_service_pb2_grpc as agent_grpc
 from gym_grpc.v1 import registry_service_pb2 as reg
 from gym_grpc.v1 import responses_pb2 as r
 from gym_grpc.v1 import task_pb2
@@ -37,6 +39,7 @@ from tests.support import tool as installed
 from tests.test_replicas import start_registry
 
 ADDS = 3  # the model adds this many times, one call a turn, then answers
+AGENT_CONFIG = {"model_server": "model", "resources_server": "calc"}
 
 
 class Counter(Calculator):
@@ -312,6 +315,155 @@ async def test_a_resumed_rollout_whose_session_is_gone_replays_it_when_the_envir
     assert rollout.reward == 1.0 and json.loads(rollout.verifier_fields_json) == {"tool_calls_seen": ADDS}
     assert rollout.attempts[-1].session_replayed and rollout.attempts[-1].session_id != "closed-long-ago"
     assert model.calls == 2  # turn 2 and the answer: the replayed turns were not generated again
+
+
+class HoldingProxy:
+    """A TCP proxy on loopback in front of one server, which can hold back everything the server
+    sends (the client reads none of it) and cut every connection at once: a connection lost with a
+    message written but not yet read. A stand-in for the network: on loopback, the kernel delivers
+    what a live process wrote, and the window in which a dying agent's last message is lost is too
+    short to aim a test at."""
+
+    def __init__(self, upstream: str) -> None:
+        #: The server a new connection reaches.
+        self.upstream = upstream
+        #: Hold back what the server sends, from now on.
+        self.holding = False
+        self.held = bytearray()
+        self._streams: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> str:
+        """Listen on a free port; the proxy's address."""
+        self._server = await asyncio.start_server(self._connected, "127.0.0.1", 0)
+        return f"127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        host, port = self.upstream.rsplit(":", 1)
+        upstream_reader, upstream_writer = await asyncio.open_connection(host, int(port))
+        self._streams += [writer, upstream_writer]
+        await asyncio.gather(
+            self._pipe(reader, upstream_writer, held=False),
+            self._pipe(upstream_reader, writer, held=True),
+            return_exceptions=True,  # a connection cut ends both
+        )
+
+    async def _pipe(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, held: bool) -> None:
+        while data := await source.read(65536):
+            if held and self.holding:
+                self.held += data
+                continue
+            sink.write(data)
+            await sink.drain()
+
+    def cut(self) -> None:
+        """Reset every connection (what was held is lost with them) and hold nothing more."""
+        for stream in self._streams:
+            stream.transport.abort()
+        self._streams.clear()
+        self.held.clear()
+        self.holding = False
+
+    async def close(self) -> None:
+        self.cut()
+        self._server.close()
+        await self._server.wait_closed()
+
+
+async def test_a_result_written_but_never_read_is_resumed_and_verified_in_its_session():
+    """The agent writes a durable rollout's result, and the connection is lost before the client
+    reads it. The agent keeps the session open until the client says it read the result (protocol
+    1.16), so the resume on the agent the client reaches next verifies the rollout in it. An agent
+    that closed the session once the result was written failed that resume SESSION_LOST."""
+    env, model = Counter(name="calc"), AddingModel()
+    release = asyncio.Event()
+    model.gate = (ADDS, release)  # the answer waits while the proxy starts holding
+    async with Servers() as servers:
+        peers = static_registry(model=await servers.start(model), calc=await servers.start(env))
+        first = await servers.start(SimpleAgent(AGENT_CONFIG, name="agent", registry=peers))
+        second = await servers.start(SimpleAgent(AGENT_CONFIG, name="agent", registry=peers))
+        proxy = HoldingProxy(first.address)
+        registry = Registry(static={"agent": await proxy.start()})
+        client = AgentClient(registry, "agent")
+        try:
+            running = asyncio.ensure_future(client.run(_task(), 60))
+            await asyncio.wait_for(model.reached.wait(), 30)
+            proxy.holding = True
+            release.set()
+            # The verifier's fields are in the result, and only there: the result was written.
+            await eventually(lambda: b"tool_calls_seen" in proxy.held, "the result written")
+            assert len(env.sessions) == 1  # the client has not said it read the result
+            proxy.upstream = second.address
+            proxy.cut()
+            rollout = await asyncio.wait_for(running, 60)
+            await eventually(lambda: not env.sessions, "the session closed once the client read the result")
+        finally:
+            await client.close()
+            await registry.close()
+            await proxy.close()
+            await peers.close()
+    assert rollout.reward == 1.0 and json.loads(rollout.verifier_fields_json) == {"tool_calls_seen": ADDS}
+    one, two = rollout.attempts
+    assert one.ended.startswith("UNAVAILABLE") and two.session_id == one.session_id and not two.session_replayed
+    assert env.runs == ADDS and model.calls == ADDS + 2  # the answer generated again; no add run again
+
+
+def _durable_item(run_id: int, acknowledge: bool) -> agent_pb.RunManyItem:
+    run = agent_pb.RunRequest(task=_task(), rollout_id=f"rollout-{run_id}")
+    return agent_pb.RunManyItem(id=run_id, run=run, timeout_seconds=30, durable=True, acknowledge_result=acknowledge)
+
+
+async def _results_of(call, *run_ids: int) -> list[agent_pb.RunManyResult]:
+    """Read `call`'s replies up to the results of every run of `run_ids`; those results in that order."""
+    results: dict[int, agent_pb.RunManyResult] = {}
+    while not results.keys() >= set(run_ids):
+        reply = await call.read()
+        assert reply is not grpc.aio.EOF, f"the call ended with the results of {sorted(results)} of {run_ids}"
+        results |= {result.id: result for result in reply.results}
+    return [results[run_id] for run_id in run_ids]
+
+
+@pytest.mark.parametrize("acknowledge", [True, False], ids=["acknowledged", "not_acknowledged"])
+async def test_a_durable_runs_session_closes_once_its_client_says_it_read_the_result_or_once_written(acknowledge):
+    """Over the wire, as a client in any language: with `acknowledge_result` the session waits for
+    `received_ids`; without it (a client older than 1.16) it is closed once the result is written."""
+    env, model = Counter(name="calc"), AddingModel()
+    async with Servers() as servers:
+        peers = static_registry(model=await servers.start(model), calc=await servers.start(env))
+        agent = await servers.start(SimpleAgent(AGENT_CONFIG, name="agent", registry=peers))
+        try:
+            async with transport.open_channel(agent.address) as channel:
+                call = agent_grpc.AgentServiceStub(channel).RunMany(timeout=60)
+                await call.write(agent_pb.RunManyRequest(runs=[_durable_item(7, acknowledge)]))
+                (result,) = await _results_of(call, 7)
+                assert result.rollout.reward == 1.0
+                if acknowledge:
+                    assert len(env.sessions) == 1 and not agent.app._closing  # no close started
+                    await call.write(agent_pb.RunManyRequest(received_ids=[7]))
+                await eventually(lambda: not env.sessions, "the session closed")
+                await call.done_writing()
+                assert await call.code() == grpc.StatusCode.OK
+        finally:
+            await peers.close()
+
+
+async def test_an_agent_that_stops_closes_the_sessions_of_results_not_yet_acknowledged():
+    """A graceful stop ends the call OK once its results are written: no acknowledgement can come
+    after, and the sessions are closed rather than left to the environment's idle time-out."""
+    env, model = Counter(name="calc"), AddingModel()
+    async with Servers() as servers:
+        peers = static_registry(model=await servers.start(model), calc=await servers.start(env))
+        agent = await servers.start(SimpleAgent(AGENT_CONFIG, name="agent", registry=peers))
+        try:
+            async with transport.open_channel(agent.address) as channel:
+                call = agent_grpc.AgentServiceStub(channel).RunMany(timeout=60)
+                await call.write(agent_pb.RunManyRequest(runs=[_durable_item(1, True), _durable_item(2, True)]))
+                results = await _results_of(call, 1, 2)
+                assert [result.rollout.reward for result in results] == [1.0, 1.0] and len(env.sessions) == 2
+                await agent.stop(grace=30)  # the agent's stop waits for the closes it started
+                assert not env.sessions
+                assert await call.read() is grpc.aio.EOF and await call.code() == grpc.StatusCode.OK
+        finally:
+            await peers.close()
 
 
 async def test_a_resume_the_agent_cannot_use_is_refused_naming_the_field():

@@ -38,7 +38,11 @@ went away (UNAVAILABLE: the agent replica, its model server or engine, the call
 itself), it is sent again with that state to resume from (RunRequest.resume),
 on the next call (another replica where there is one), up to `resume_attempts`
 times within its deadline: only the turn in flight is generated again, and the
-tool calls already made are answered from the environment's records.
+tool calls already made are answered from the environment's records. Each
+durable run's result is acknowledged once read (RunManyRequest.received_ids),
+ahead of any run sent after it and before the client closes its side of the
+call: the agent keeps the run's session open until then, for the resume of a
+result written but lost with its agent or its connection.
 """
 
 from __future__ import annotations
@@ -142,6 +146,9 @@ class _Call:
         #: Each durable run on it: the state it began from and the checkpoints it sent since,
         #: serialized (compact; a checkpoint kept as a message would keep its whole reply).
         self.progress: dict[int, tuple[task_pb2.RolloutState, list[bytes]]] = {}
+        #: Durable runs whose result has not come yet: it is acknowledged once read, whether or not
+        #: its caller still waits for it (the agent keeps its session open until then).
+        self._unread: set[int] = set()
         self._outbox: Outbox[agent_pb.RunManyRequest] = Outbox(agent_pb.RunManyRequest)
         self._wake = asyncio.Event()
         #: No more runs go on it: it ends once the runs on it have.
@@ -163,13 +170,14 @@ class _Call:
         run_id = next(self._ids)
         future = self.waiting[run_id] = asyncio.get_running_loop().create_future()
         item = self._outbox.filling(run.ByteSize()).runs.add(
-            id=run_id, run=run, timeout_seconds=timeout or 0.0, durable=durable
+            id=run_id, run=run, timeout_seconds=timeout or 0.0, durable=durable, acknowledge_result=durable
         )
         trace = tracing.carrier()  # each run its own: the runs of a call belong to different traces
         if trace:
             item.trace_context.update(trace)
         if durable:
             self.progress[run_id] = (run.resume, [])
+            self._unread.add(run_id)
         self._wake.set()
         return run_id, future
 
@@ -214,6 +222,15 @@ class _Call:
         self._call.cancel()
         await asyncio.gather(self._sender, self._receiver, return_exceptions=True)
 
+    def _acknowledge(self, reply: agent_pb.RunManyResponse) -> None:
+        """Say that the results of durable runs in `reply` were read, before their callers (who may
+        send the next runs at once) hear of them: the agent then closes their sessions."""
+        received = [result.id for result in reply.results if result.id in self._unread]
+        if received:
+            self._unread.difference_update(received)
+            self._outbox.filling().received_ids.extend(received)
+            self._wake.set()
+
     async def _send(self) -> None:
         try:
             while True:
@@ -221,7 +238,7 @@ class _Call:
                 self._wake.clear()
                 while self._outbox:
                     await self._call.write(self._outbox.take())
-                if self.closing:
+                if self.closing and not self._unread:  # after the last acknowledgement
                     await self._call.done_writing()
                     return
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
@@ -238,6 +255,8 @@ class _Call:
                     progress = self.progress.get(checkpoint.id)
                     if progress is not None:
                         progress[1].append(checkpoint.SerializeToString())
+                if self._unread:
+                    self._acknowledge(reply)
                 for result in reply.results:
                     future = self.waiting.pop(result.id, None)
                     if future is None or future.done():

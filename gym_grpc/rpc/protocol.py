@@ -52,7 +52,9 @@ from gym_grpc.v1 import agent_service_pb2, resources_service_pb2  # noqa: F401  
 #:       replica's workers share one (sessions stay in the process that opened them).
 #: 1.15: RunManyResponse.load (WorkerLoad: the agent process's CPU and its CPU pools' use), by which a client
 #:       fills an agent's worker processes in turn while the first has room.
-VERSION = (1, 15)
+#: 1.16: RunManyItem.acknowledge_result and RunManyRequest.received_ids: a durable run's session is closed once
+#:       its client says it has the result, not once the result is written.
+VERSION = (1, 16)
 
 
 class Unfilled(NamedTuple):

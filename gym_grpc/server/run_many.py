@@ -23,6 +23,15 @@ UNAVAILABLE and reason SERVER_STOPPING, without starting it, finishes the runs
 in flight and then ends the call OK: a run the client sent that has no result
 then was never read, and can be sent again, as the one refused can, to another
 replica (client/run_many.py does).
+
+A durable run's environment session is closed once its caller has the run's result
+(RunLink.after_result): for a client that acknowledges its results (RunManyItem.acknowledge_result),
+once it says it read it (RunManyRequest.received_ids); for one that does not, once the result is
+written. Written is not read: the agent or its connection may be lost before the bytes arrive, and
+the client then resumes the run, which is verified again in that session. A call that ends before
+the client said so (it broke, or the client closed its side without saying) leaves such sessions
+to the resume, or to the environment's idle time-out; a call the agent ends as it stops closes them,
+its results all written before its status.
 """
 
 from __future__ import annotations
@@ -99,9 +108,11 @@ class RunLink:
     ends the whole call (the client is gone, or its connection) from one of the run alone
     (its caller's cancel, its deadline): a durable run keeps its session after the first."""
 
-    def __init__(self, runs: _Runs, run_id: int, durable: bool) -> None:
+    def __init__(self, runs: _Runs, run_id: int, durable: bool, acknowledged: bool = False) -> None:
         self._runs, self._id = runs, run_id
         self.durable = durable
+        #: The client says when it read the run's result (RunManyItem.acknowledge_result).
+        self.acknowledged = acknowledged
         self.park = False
         self.call_ended = False
         #: What to do once the run's result has gone out (see `after_result`).
@@ -110,9 +121,10 @@ class RunLink:
         self.parked: task_pb2.RolloutState | None = None
 
     def after_result(self, then: Callable[[], object]) -> None:
-        """Call `then` once the run's result has been written to the call, not before: a durable
-        run's session is closed then, so that an agent that dies between the two leaves a session
-        open, which the caller's resume of the run (the result never came) still needs."""
+        """Call `then` once the caller has the run's result, not before: once it says so when it
+        acknowledges results, else once the result has been written to the call. A durable run's
+        session is closed then, so that an agent (or a connection) lost between the two leaves a
+        session open, which the caller's resume of the run (the result never came) still needs."""
         self.after.append(then)
 
     def checkpoint(self, size: int) -> agent_pb.RunCheckpoint:
@@ -146,6 +158,8 @@ class _Runs:
         self.links: dict[int, RunLink] = {}
         #: What to do once each reply not sent yet has been written (RunLink.after_result), by id(reply).
         self._after: dict[int, tuple[agent_pb.RunManyResponse, list[Callable[[], object]]]] = {}
+        #: What to do once the client says it read a run's result (RunLink.after_result), by run id.
+        self._unread: dict[int, list[Callable[[], object]]] = {}
         self._cancelled: set[int] = set()
         self.replies: Outbox[agent_pb.RunManyResponse] = Outbox(agent_pb.RunManyResponse)
         #: Results in `replies`, not sent yet.
@@ -173,6 +187,17 @@ class _Runs:
         for then in self._after.pop(id(reply), (reply, []))[1]:
             then()
 
+    def received(self, run_id: int) -> None:
+        """The client read the result of run `run_id`: do what the run waits for (nothing when it waits
+        for nothing: a run that failed, a stateless environment, an id of no run)."""
+        for then in self._unread.pop(run_id, ()):
+            then()
+
+    def stopped(self) -> None:
+        """The agent ends the call as it stops: every result was written before the call's status."""
+        for run_id in list(self._unread):
+            self.received(run_id)
+
     def start(self, item: agent_pb.RunManyItem) -> None:
         if self._agent.stopping.is_set():
             stopping = errors.Unavailable(
@@ -184,7 +209,7 @@ class _Runs:
             error = errors.InvalidArgument(f"runs.id: {item.id} is already in flight on this call", field="runs.id")
             self._result(item.id).error.CopyFrom(_from_status(error))
             return
-        link = self.links[item.id] = RunLink(self, item.id, item.durable)
+        link = self.links[item.id] = RunLink(self, item.id, item.durable, item.durable and item.acknowledge_result)
         task = self.in_flight[item.id] = asyncio.ensure_future(self._one(item, link))
         task.add_done_callback(functools.partial(self._ended, item.id))
 
@@ -241,7 +266,10 @@ class _Runs:
         reply = self.replies.filling(size)
         link = self.links.get(run_id)
         if link is not None and link.after:
-            self._after.setdefault(id(reply), (reply, []))[1].extend(link.after)
+            if link.acknowledged:
+                self._unread[run_id] = link.after
+            else:
+                self._after.setdefault(id(reply), (reply, []))[1].extend(link.after)
         return reply.results.add(id=run_id)
 
     def cancel_all(self) -> None:
@@ -263,6 +291,8 @@ async def serve(
     async def read() -> None:
         try:
             async for request in requests:
+                for run_id in request.received_ids:  # before the runs: an id may be used again
+                    runs.received(run_id)
                 for item in request.runs:
                     runs.start(item)
                 for run_id in request.cancel_ids:
@@ -292,6 +322,8 @@ async def serve(
             if reader.done():
                 reader.result()  # a request that could not be read ends the call with its error
             if (reader.done() or stopping.done()) and not runs.in_flight:
+                if not reader.done():
+                    runs.stopped()
                 return
             runs.changed.clear()
             await runs.changed.wait()

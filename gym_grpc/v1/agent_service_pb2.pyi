@@ -123,6 +123,7 @@ class RunManyRequest(_message.Message):
     RUNS_FIELD_NUMBER: _builtins.int
     CANCEL_IDS_FIELD_NUMBER: _builtins.int
     PARK_IDS_FIELD_NUMBER: _builtins.int
+    RECEIVED_IDS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunManyItem]:
         """Runs to start now."""
@@ -142,16 +143,26 @@ class RunManyRequest(_message.Message):
         is not in flight is ignored.
         """
 
+    @_builtins.property
+    def received_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Ids of runs sent with `acknowledge_result` whose results this client has
+        read (protocol 1.16): the agent closes each one's environment session
+        now. Read before the `runs` of the same message. An id with nothing to
+        close (no such run, a stateless environment, a run that failed) is
+        ignored.
+        """
+
     def __init__(
         self,
         *,
         runs: _abc.Iterable[Global___RunManyItem] | None = ...,
         cancel_ids: _abc.Iterable[_builtins.int] | None = ...,
         park_ids: _abc.Iterable[_builtins.int] | None = ...,
+        received_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_ids", b"cancel_ids", "park_ids", b"park_ids", "runs", b"runs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_ids", b"cancel_ids", "park_ids", b"park_ids", "received_ids", b"received_ids", "runs", b"runs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -188,6 +199,7 @@ class RunManyItem(_message.Message):
     TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
     DURABLE_FIELD_NUMBER: _builtins.int
     TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
+    ACKNOWLEDGE_RESULT_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """The caller's id for the run, echoed on its result. Unique among the runs
     in flight on the call; a run whose id is already in flight fails with
@@ -206,6 +218,18 @@ class RunManyItem(_message.Message):
     call breaks, it leaves the environment session open for the attempt that
     resumes it (the environment's idle time-out closes it if none does).
     Needs run.rollout_id.
+    """
+    acknowledge_result: _builtins.bool
+    """With `durable` (protocol 1.16): this client says, in
+    RunManyRequest.received_ids, when it has read the run's result (before it
+    sends its next runs and before it closes its side of the call), and the
+    agent keeps the run's environment session open until then rather than
+    closing it once the result is written: a result written just before the
+    agent or its connection was lost may never arrive, and the resume that
+    follows is verified in that session. A call that ends before the client
+    said so leaves the session to that resume or to the environment's idle
+    time-out, unless the agent ended it as it stopped (it closes the session
+    then). An agent older than 1.16 closes it once the result is written.
     """
     @_builtins.property
     def run(self) -> Global___RunRequest:
@@ -229,10 +253,11 @@ class RunManyItem(_message.Message):
         timeout_seconds: _builtins.float = ...,
         durable: _builtins.bool = ...,
         trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        acknowledge_result: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["run", b"run"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["durable", b"durable", "id", b"id", "run", b"run", "timeout_seconds", b"timeout_seconds", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acknowledge_result", b"acknowledge_result", "durable", b"durable", "id", b"id", "run", b"run", "timeout_seconds", b"timeout_seconds", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
