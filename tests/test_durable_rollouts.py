@@ -317,6 +317,14 @@ async def test_a_resumed_rollout_whose_session_is_gone_replays_it_when_the_envir
     assert model.calls == 2  # turn 2 and the answer: the replayed turns were not generated again
 
 
+async def _agents(servers: Servers, env: Counter, model: AddingModel, count: int = 1):
+    """The model, the environment and `count` agents all named "agent" serving: (the agents' Running
+    servers, the registry they reach the others by, for the test to close)."""
+    peers = static_registry(model=await servers.start(model), calc=await servers.start(env))
+    agents = [await servers.start(SimpleAgent(AGENT_CONFIG, name="agent", registry=peers)) for _ in range(count)]
+    return agents, peers
+
+
 class HoldingProxy:
     """A TCP proxy on loopback in front of one server, which can hold back everything the server
     sends (the client reads none of it) and cut every connection at once: a connection lost with a
@@ -378,9 +386,7 @@ async def test_a_result_written_but_never_read_is_resumed_and_verified_in_its_se
     release = asyncio.Event()
     model.gate = (ADDS, release)  # the answer waits while the proxy starts holding
     async with Servers() as servers:
-        peers = static_registry(model=await servers.start(model), calc=await servers.start(env))
-        first = await servers.start(SimpleAgent(AGENT_CONFIG, name="agent", registry=peers))
-        second = await servers.start(SimpleAgent(AGENT_CONFIG, name="agent", registry=peers))
+        (first, second), peers = await _agents(servers, env, model, 2)
         proxy = HoldingProxy(first.address)
         registry = Registry(static={"agent": await proxy.start()})
         client = AgentClient(registry, "agent")
@@ -428,8 +434,7 @@ async def test_a_durable_runs_session_closes_once_its_client_says_it_read_the_re
     `received_ids`; without it (a client older than 1.16) it is closed once the result is written."""
     env, model = Counter(name="calc"), AddingModel()
     async with Servers() as servers:
-        peers = static_registry(model=await servers.start(model), calc=await servers.start(env))
-        agent = await servers.start(SimpleAgent(AGENT_CONFIG, name="agent", registry=peers))
+        (agent,), peers = await _agents(servers, env, model)
         try:
             async with transport.open_channel(agent.address) as channel:
                 call = agent_grpc.AgentServiceStub(channel).RunMany(timeout=60)
@@ -451,8 +456,7 @@ async def test_an_agent_that_stops_closes_the_sessions_of_results_not_yet_acknow
     after, and the sessions are closed rather than left to the environment's idle time-out."""
     env, model = Counter(name="calc"), AddingModel()
     async with Servers() as servers:
-        peers = static_registry(model=await servers.start(model), calc=await servers.start(env))
-        agent = await servers.start(SimpleAgent(AGENT_CONFIG, name="agent", registry=peers))
+        (agent,), peers = await _agents(servers, env, model)
         try:
             async with transport.open_channel(agent.address) as channel:
                 call = agent_grpc.AgentServiceStub(channel).RunMany(timeout=60)
