@@ -148,6 +148,7 @@ async def _one(turns: int) -> dict[str, Any]:
         page = next(p for p in tasks.pages() if p.name == "enter-text")
         row = tasks.task_rows(BrowserEnv.tool_definitions())[tasks.pages().index(page)]
         rollout = await client.run(rows.task_from_row(row))
+        await client.close()  # its last word to the agent says it has the result: the session closes
         await client.registry.close()
         await agent.app.registry.close()
         for relay in relays.values():

@@ -40,8 +40,9 @@ on the next call (another replica where there is one), up to `resume_attempts`
 times within its deadline: only the turn in flight is generated again, and the
 tool calls already made are answered from the environment's records. Each
 durable run's result is acknowledged once read (RunManyRequest.received_ids),
-ahead of any run sent after it and before the client closes its side of the
-call: the agent keeps the run's session open until then, for the resume of a
+and returned once that is written: ahead of any run sent after it, before the
+client closes its side of the call, and before a caller that exits at once
+does. The agent keeps the run's session open until then, for the resume of a
 result written but lost with its agent or its connection.
 """
 
@@ -149,6 +150,8 @@ class _Call:
         #: Durable runs whose result has not come yet: it is acknowledged once read, whether or not
         #: its caller still waits for it (the agent keeps its session open until then).
         self._unread: set[int] = set()
+        #: Acknowledgements not written yet, by run id: each future is done once its message is.
+        self._acknowledging: dict[int, asyncio.Future[None]] = {}
         self._outbox: Outbox[agent_pb.RunManyRequest] = Outbox(agent_pb.RunManyRequest)
         self._wake = asyncio.Event()
         #: No more runs go on it: it ends once the runs on it have.
@@ -229,7 +232,24 @@ class _Call:
         if received:
             self._unread.difference_update(received)
             self._outbox.filling().received_ids.extend(received)
+            loop = asyncio.get_running_loop()
+            self._acknowledging.update((run_id, loop.create_future()) for run_id in received)
             self._wake.set()
+
+    async def acknowledged(self, run_id: int) -> None:
+        """Once the acknowledgement of run `run_id`'s result is written (at once when it has none, or
+        the call ended): a caller that exits right after its last rollout, without closing the
+        client, has then told the agent, which closes the session rather than keep it until the
+        environment's idle time-out."""
+        future = self._acknowledging.get(run_id)
+        if future is not None:
+            await future
+
+    def _written(self, message: agent_pb.RunManyRequest) -> None:
+        for run_id in message.received_ids:
+            future = self._acknowledging.pop(run_id, None)
+            if future is not None and not future.done():  # its caller may have given up on it
+                future.set_result(None)
 
     async def _send(self) -> None:
         try:
@@ -237,7 +257,9 @@ class _Call:
                 await self._wake.wait()
                 self._wake.clear()
                 while self._outbox:
-                    await self._call.write(self._outbox.take())
+                    message = self._outbox.take()
+                    await self._call.write(message)
+                    self._written(message)
                 if self.closing and not self._unread:  # after the last acknowledgement
                     await self._call.done_writing()
                     return
@@ -289,6 +311,10 @@ class _Call:
         finally:
             self.ended = True
             self._sender.cancel()
+            for acknowledging in self._acknowledging.values():
+                if not acknowledging.done():
+                    acknowledging.set_result(None)
+            self._acknowledging.clear()
         if not self.waiting:
             return
         if error is None and not self.connection.given_up:
@@ -428,7 +454,9 @@ class RunMany:
                     # The last attempt allowed is not durable: the agent closes its session if it fails too.
                     run_id, result = call.submit(request, left, durable and resumes < resume_attempts)
                     try:
-                        return await result
+                        rollout = await result
+                        await call.acknowledged(run_id)
+                        return rollout
                     except _NotStarted:
                         resends += 1
                         if resends > RESENDS:
