@@ -8,6 +8,7 @@ runs in its own process and is SIGKILLed (`_agent_process`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -430,46 +431,47 @@ async def _results_of(call, *run_ids: int) -> list[agent_pb.RunManyResult]:
     return [results[run_id] for run_id in run_ids]
 
 
-@pytest.mark.parametrize("acknowledge", [True, False], ids=["acknowledged", "not_acknowledged"])
-async def test_a_durable_runs_session_closes_once_its_client_says_it_read_the_result_or_once_written(acknowledge):
-    """Over the wire, as a client in any language: with `acknowledge_result` the session waits for
-    `received_ids`; without it (a client older than 1.16) it is closed once the result is written."""
-    env, model = Counter(name="calc"), AddingModel()
+@contextlib.asynccontextmanager
+async def _run_many_call(env: Counter, model: AddingModel):
+    """An agent over `model` and `env`, and a RunMany call to it through the generated stub, as a
+    client in any language makes one: (the agent's Running server, the call)."""
     async with Servers() as servers:
         (agent,), peers = await _agents(servers, env, model)
         try:
             async with transport.open_channel(agent.address) as channel:
-                call = agent_grpc.AgentServiceStub(channel).RunMany(timeout=60)
-                await call.write(agent_pb.RunManyRequest(runs=[_durable_item(7, acknowledge)]))
-                (result,) = await _results_of(call, 7)
-                assert result.rollout.reward == 1.0
-                if acknowledge:
-                    assert len(env.sessions) == 1 and not agent.app._closing  # no close started
-                    await call.write(agent_pb.RunManyRequest(received_ids=[7]))
-                await eventually(lambda: not env.sessions, "the session closed")
-                await call.done_writing()
-                assert await call.code() == grpc.StatusCode.OK
+                yield agent, agent_grpc.AgentServiceStub(channel).RunMany(timeout=60)
         finally:
             await peers.close()
+
+
+@pytest.mark.parametrize("acknowledge", [True, False], ids=["acknowledged", "not_acknowledged"])
+async def test_a_durable_runs_session_closes_once_its_client_says_it_read_the_result_or_once_written(acknowledge):
+    """Over the wire, as a client in any language: with `acknowledge_result` the session waits for
+    `received_ids`; without it (a client older than 1.16) it is closed once the result is written."""
+    env = Counter(name="calc")
+    async with _run_many_call(env, AddingModel()) as (agent, call):
+        await call.write(agent_pb.RunManyRequest(runs=[_durable_item(7, acknowledge)]))
+        (result,) = await _results_of(call, 7)
+        assert result.rollout.reward == 1.0
+        if acknowledge:
+            assert len(env.sessions) == 1 and not agent.app._closing  # no close started
+            await call.write(agent_pb.RunManyRequest(received_ids=[7]))
+        await eventually(lambda: not env.sessions, "the session closed")
+        await call.done_writing()
+        assert await call.code() == grpc.StatusCode.OK
 
 
 async def test_an_agent_that_stops_closes_the_sessions_of_results_not_yet_acknowledged():
     """A graceful stop ends the call OK once its results are written: no acknowledgement can come
     after, and the sessions are closed rather than left to the environment's idle time-out."""
-    env, model = Counter(name="calc"), AddingModel()
-    async with Servers() as servers:
-        (agent,), peers = await _agents(servers, env, model)
-        try:
-            async with transport.open_channel(agent.address) as channel:
-                call = agent_grpc.AgentServiceStub(channel).RunMany(timeout=60)
-                await call.write(agent_pb.RunManyRequest(runs=[_durable_item(1, True), _durable_item(2, True)]))
-                results = await _results_of(call, 1, 2)
-                assert [result.rollout.reward for result in results] == [1.0, 1.0] and len(env.sessions) == 2
-                await agent.stop(grace=30)  # the agent's stop waits for the closes it started
-                assert not env.sessions
-                assert await call.read() is grpc.aio.EOF and await call.code() == grpc.StatusCode.OK
-        finally:
-            await peers.close()
+    env = Counter(name="calc")
+    async with _run_many_call(env, AddingModel()) as (agent, call):
+        await call.write(agent_pb.RunManyRequest(runs=[_durable_item(1, True), _durable_item(2, True)]))
+        results = await _results_of(call, 1, 2)
+        assert [result.rollout.reward for result in results] == [1.0, 1.0] and len(env.sessions) == 2
+        await agent.stop(grace=30)  # the agent's stop waits for the closes it started
+        assert not env.sessions
+        assert await call.read() is grpc.aio.EOF and await call.code() == grpc.StatusCode.OK
 
 
 EXITING_CLIENT = """\

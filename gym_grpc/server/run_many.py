@@ -108,7 +108,7 @@ class RunLink:
     ends the whole call (the client is gone, or its connection) from one of the run alone
     (its caller's cancel, its deadline): a durable run keeps its session after the first."""
 
-    def __init__(self, runs: _Runs, run_id: int, durable: bool, acknowledged: bool = False) -> None:
+    def __init__(self, runs: _Runs, run_id: int, durable: bool, acknowledged: bool) -> None:
         self._runs, self._id = runs, run_id
         self.durable = durable
         #: The client says when it read the run's result (RunManyItem.acknowledge_result).
