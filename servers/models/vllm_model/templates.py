@@ -37,9 +37,17 @@ JSON = dict[str, Any]
 ContentFormat = Literal["string", "openai"]
 
 #: Renders kept by their input, the most recent: a GRPO group's rollouts, and its retries, start
-#: from one conversation, which is then rendered once, not once per rollout (a short prompt's render
-#: is about 0.1 ms of CPU, and its hop to a thread and back a third more).
+#: from one conversation, which is then rendered once, not once per rollout.
 RENDERS_KEPT = 256
+
+#: A conversation up to this size (its messages, tools and options as JSON) is rendered on the event
+#: loop's thread; a larger one in a thread, so that the loop is not held while it renders. A render
+#: takes about 0.3 us of CPU per byte of that JSON (0.2 ms at 600 bytes, 2 ms at 6,000, 8 ms at
+#: 22,000, with the fake engine's byte-level tokenizer), and a hop to a thread and back about 0.1 ms
+#: more when nothing else runs, a good deal more beside a busy loop (the GIL changes hands twice): on
+#: the peer benchmark's token path rendered here, the hop for every render cost a tenth of a
+#: rollout's CPU. Here the loop is held for at most about 2.5 ms.
+INLINE_BYTES = 8192
 
 
 def _texts(content: Any) -> list[str] | None:
@@ -199,8 +207,9 @@ class LocalTemplate:
         template_kwargs: JSON | None,
         add_generation_prompt: bool,
     ) -> list[int]:
-        """render(), in a thread, once for the same input however many rollouts ask for it at once or in
-        turn (RENDERS_KEPT). To be called from one event loop: the renders kept are that loop's."""
+        """render(), once for the same input however many rollouts ask for it at once or in turn
+        (RENDERS_KEPT); on the loop's thread up to INLINE_BYTES, else in a thread. To be called from
+        one event loop: the renders kept are that loop's."""
 
         render = functools.partial(
             self.render,
@@ -211,21 +220,28 @@ class LocalTemplate:
         )
         renders = self._renders
         try:
-            key = None if renders is None else orjson.dumps([messages, tools, template_kwargs, add_generation_prompt])
-        except TypeError:  # not JSON (orjson.JSONEncodeError): rendered, not kept
+            key: bytes | None = orjson.dumps([messages, tools, template_kwargs, add_generation_prompt])
+        except TypeError:  # not JSON (orjson.JSONEncodeError): rendered in a thread, not kept
             key = None
+        inline = key is not None and len(key) <= INLINE_BYTES
         if key is None or renders is None:
-            return await asyncio.to_thread(render)  # not kept: its list as it is
+            return render() if inline else await asyncio.to_thread(render)  # not kept: its list as it is
         kept = renders.get(key)
-        if kept is None:
-            kept = renders[key] = asyncio.ensure_future(asyncio.to_thread(lambda: array("I", render())))
-            kept.add_done_callback(lambda done: _forget_failed(renders, key, done))
-            if len(renders) > RENDERS_KEPT:
-                renders.popitem(last=False)
-        else:
+        if kept is not None:
             renders.move_to_end(key)
-        # shielded: one caller cancelled does not cancel the render the others wait for
-        return list(await asyncio.shield(kept))
+            # shielded: one caller cancelled does not cancel the render the others wait for
+            return list(await asyncio.shield(kept))
+        if inline:  # done before another caller can ask for it, and kept only when it succeeded
+            ids = render()
+            kept = asyncio.get_running_loop().create_future()
+            kept.set_result(array("I", ids))
+        else:
+            kept = asyncio.ensure_future(asyncio.to_thread(lambda: array("I", render())))
+            kept.add_done_callback(functools.partial(_forget_failed, renders, key))
+        renders[key] = kept
+        if len(renders) > RENDERS_KEPT:
+            renders.popitem(last=False)
+        return ids if inline else list(await asyncio.shield(kept))
 
 
 def _forget_failed(
