@@ -20,7 +20,8 @@ rollout is T model calls unless the context runs out. Each model server first ru
 counted (what it asks once: the template's turn closing, the context length). Per cell: turns per rollout; the engine's
 requests per rollout and per turn, by path; KB sent to the engine per rollout and per turn (of it to
 /tokenize); the engine's API-server CPU seconds per rollout and per turn (utime+stime of vLLM's API
-server process, the one that renders and tokenizes; its engine core is reported apart).
+server process, the one that renders and tokenizes; its engine core is reported apart); gym-grpc's
+CPU seconds per rollout and per turn (its server processes: the collector is left out).
 """
 
 from __future__ import annotations
@@ -150,10 +151,12 @@ def cell(stack: Any, proxy: CountingProxy, mode: str, turns: int, tasks: Path, t
     requests_before, bytes_before = proxy.snapshot()
     api_before = bench_run._cpu_seconds(args.engine_pid) if args.engine_pid else 0.0
     core_before = _core_cpu(args.engine_pid)
+    stack_before = stack.cpu()
     run = bench_run.collect(stack, f"{mode}_agent_{turns}", tasks, out, args.concurrency, "--timeout", "3600")
     requests_after, bytes_after = proxy.snapshot()
     api = (bench_run._cpu_seconds(args.engine_pid) - api_before) if args.engine_pid else None
     core = _core_cpu(args.engine_pid) - core_before
+    gym_grpc = stack.cpu() - stack_before
     rows = real_engine.read_jsonl(out)
     model_calls = sum(row.get("model_calls", 0) for row in rows)
     requests, sent = requests_after - requests_before, bytes_after - bytes_before
@@ -171,6 +174,8 @@ def cell(stack: Any, proxy: CountingProxy, mode: str, turns: int, tasks: Path, t
         "engine_api_cpu_s_per_rollout": None if api is None else round(api * per_rollout, 3),
         "engine_api_cpu_s_per_turn": None if api is None else round(api * per_turn, 4),
         "engine_core_cpu_s_per_rollout": round(core * per_rollout, 2),
+        "gym_grpc_cpu_s_per_rollout": round(gym_grpc * per_rollout, 3),
+        "gym_grpc_cpu_s_per_turn": round(gym_grpc * per_turn, 4),
         "seconds": round(run.seconds, 1),
     }
 
@@ -180,8 +185,9 @@ def markdown(report: dict) -> str:
     lines += [
         "",
         "| T (max model calls) | mode | turns / rollout | requests / turn (/tokenize) | KB sent / turn (to /tokenize) "
-        "| engine API CPU ms / turn | KB sent / rollout | engine API CPU s / rollout |",
-        "|---|---|---|---|---|---|---|---|",
+        "| engine API CPU ms / turn | gym-grpc CPU ms / turn | KB sent / rollout | engine API CPU s / rollout "
+        "| gym-grpc CPU s / rollout |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for turns, modes in report["results"].items():
         for mode, r in modes.items():
@@ -192,7 +198,8 @@ def markdown(report: dict) -> str:
             lines.append(
                 f"| {turns} | {mode} | {r['turns_per_rollout']} | {per_turn:.2f} ({tokenize:.2f}) "
                 f"| {r['kb_sent_per_turn']:.2f} ({r['kb_sent_per_turn_tokenize']:.2f}) | {api_ms} "
-                f"| {r['kb_sent_per_rollout']} | {api_s} |"
+                f"| {1000 * r['gym_grpc_cpu_s_per_turn']:.1f} | {r['kb_sent_per_rollout']} | {api_s} "
+                f"| {r['gym_grpc_cpu_s_per_rollout']:.3f} |"
             )
     lines += ["", *(f"- {note}" for note in report["notes"]), ""]
     return "\n".join(lines)
@@ -208,6 +215,10 @@ NOTES = [
     "recomputation cheap, not the transfer).",
     "Engine API CPU: utime+stime of vLLM's API server process (it parses requests, renders and tokenizes); "
     "the engine core (the model) is reported apart, per rollout, in the JSON.",
+    "gym-grpc CPU: utime+stime of the `gym-grpc run` stack's server processes over the cell (one mode's "
+    "agent and model server run at a time; the collector, whose interpreter start-up would swamp a "
+    "small cell, is left out): what rendering in the model server costs it, against what it moves off "
+    "the engine's API server.",
 ]
 
 
