@@ -45,8 +45,9 @@ RENDERS_KEPT = 256
 #: takes about 0.3 us of CPU per byte of that JSON (0.2 ms at 600 bytes, 2 ms at 6,000, 8 ms at
 #: 22,000, with the fake engine's byte-level tokenizer), and a hop to a thread and back about 0.1 ms
 #: more when nothing else runs, a good deal more beside a busy loop (the GIL changes hands twice): on
-#: the peer benchmark's token path rendered here, the hop for every render cost a tenth of a
-#: rollout's CPU. Here the loop is held for at most about 2.5 ms.
+#: the peer benchmark's token path rendered here, a hop for every render cost about a seventh of a
+#: rollout's CPU (docs/performance.md#the-engine-link-one-request-a-turn). With that tokenizer, the
+#: loop is held for at most about 2.5 ms.
 INLINE_BYTES = 8192
 
 
