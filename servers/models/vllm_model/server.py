@@ -399,11 +399,29 @@ class VLLMModel(EngineModelServer):
                 await self._verify_render(engine, template, conversation, add_generation_prompt, ids)
             return ids
 
+        async def extension(
+            through: list[dict[str, Any]], conversation: list[dict[str, Any]], closing: list[int]
+        ) -> list[int] | None:
+            assert local is not None
+            added = await local.extension(
+                through,
+                conversation,
+                tools=template.get("tools"),
+                template_kwargs=template.get("chat_template_kwargs"),
+                closing=closing,
+            )
+            if added is not None and self.config.verify_render:
+                assert isinstance(engine, Engine)
+                await self._verify_added(engine, template, through, conversation, closing, added)
+            return added
+
         carriers, earlier, whole = _history(params)
         try:
             closing = await self._closing(engine, template.get("chat_template_kwargs"), render)
             known = self._known.get(session_id)
-            prompt = await token_prompts.build(messages, carriers, render, closing, known, earlier)
+            prompt = await token_prompts.build(
+                messages, carriers, render, closing, known, earlier, None if local is None else extension
+            )
         except ValueError as e:
             raise errors.InvalidArgument(str(e), field="params.input") from None
         self._remember(session_id, token_prompts.Known(whole, array("I", prompt.ids)))
@@ -618,6 +636,30 @@ class VLLMModel(EngineModelServer):
                 f"the local chat template renders a conversation of {len(conversation)} messages other than the "
                 f"engine {engine.base_url}: {len(ids)} ids here, {len(expected)} there, apart from position {apart} "
                 "(check tokenizer_dir, chat_template and chat_template_content_format against the engine's)",
+                reason=errors.Reason.ENGINE_FAILED,
+            )
+
+    async def _verify_added(
+        self,
+        engine: Engine,
+        template: dict[str, Any],
+        through: list[dict[str, Any]],
+        conversation: list[dict[str, Any]],
+        closing: list[int],
+        added: list[int],
+    ) -> None:
+        """verify_render: what `conversation` adds to `through`, found here from only the added text, must
+        be what the engine's own renderings of the two say it is, to the token."""
+        start, whole = await asyncio.gather(
+            self._tokenize(engine, {**template, "messages": through}, False),
+            self._tokenize(engine, {**template, "messages": conversation}, True),
+        )
+        if whole[: len(start)] != start or start[-len(closing) :] != closing or whole[len(start) :] != added:
+            raise errors.GymError(
+                f"the local chat template renders what a conversation of {len(conversation)} messages adds to "
+                f"its first {len(through)} other than the engine {engine.base_url}: {len(added)} ids here, "
+                f"{len(whole) - len(start)} there (check tokenizer_dir, chat_template and "
+                "chat_template_content_format against the engine's)",
                 reason=errors.Reason.ENGINE_FAILED,
             )
 

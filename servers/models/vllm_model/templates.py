@@ -12,6 +12,10 @@ vLLM renders a chat request in two steps, and this module makes both as it does:
 2. the tokenizer's `apply_chat_template` (transformers) renders the conversation with the tools and
    the chat template the engine was started with, and tokenizes the text without special tokens.
 
+A later turn needs only what its conversation adds to the one through the turn before: `added`
+renders both as text and tokenizes only the added text, where token_cuts.py says that gives the
+ids of tokenizing the whole.
+
 Images and other parts that are not text have no local rendering here: such a conversation is
 rendered by the engine (`LocalTemplate.renders` says which). The model server's `verify_render`
 renders every conversation both ways and fails on a difference; the real-engine tests run so.
@@ -26,12 +30,15 @@ import functools
 import json
 from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import orjson
 
 from gym_grpc.errors import ConfigError
+
+from . import token_cuts
 
 JSON = dict[str, Any]
 ContentFormat = Literal["string", "openai"]
@@ -155,6 +162,10 @@ class LocalTemplate:
                 f"tokenizer_dir {str(directory)!r}: its tokenizer has no chat template; give chat_template"
             )
         self.content_format = content_format
+        # Where a rendered text can be cut and its end tokenized alone (None: nowhere), and the text
+        # of each turn closing asked for (None: it does not tokenize back to its ids).
+        self._cuts = token_cuts.Cuts.of(self.tokenizer)
+        self._closings: dict[tuple[int, ...], str | None] = {}
         # A template that reads the clock (Llama 3's "Today Date", through transformers' strftime_now)
         # renders differently from one day to the next: its renders are not kept.
         source = self.template if self.template is not None else self.tokenizer.chat_template
@@ -177,6 +188,29 @@ class LocalTemplate:
         """Whether this conversation can be rendered here (text only)."""
         return conversation(messages, self.content_format) is not None
 
+    def text(
+        self,
+        messages: list[JSON],
+        *,
+        tools: list[JSON] | None,
+        template_kwargs: JSON | None,
+        add_generation_prompt: bool,
+    ) -> str:
+        """`messages` as the chat template writes them (ValueError when a part is not text)."""
+        parsed = conversation(messages, self.content_format)
+        if parsed is None:
+            raise ValueError("a message has a part that is not text: only the engine renders it")
+        text = self.tokenizer.apply_chat_template(
+            parsed,
+            tools=None if tools is None else [tool(t) for t in tools],
+            chat_template=self.template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **(template_kwargs or {}),
+        )
+        assert isinstance(text, str)
+        return text
+
     def render(
         self,
         messages: list[JSON],
@@ -186,19 +220,69 @@ class LocalTemplate:
         add_generation_prompt: bool,
     ) -> list[int]:
         """The ids of `messages` as the engine's /tokenize gives them (ValueError when a part is not text)."""
-        parsed = conversation(messages, self.content_format)
-        if parsed is None:
-            raise ValueError("a message has a part that is not text: only the engine renders it")
-        ids = self.tokenizer.apply_chat_template(
-            parsed,
-            tools=None if tools is None else [tool(t) for t in tools],
-            chat_template=self.template,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=True,
-            return_dict=False,
-            **(template_kwargs or {}),
+        text = self.text(
+            messages, tools=tools, template_kwargs=template_kwargs, add_generation_prompt=add_generation_prompt
         )
-        return list(ids)
+        return self._ids(text)
+
+    def _ids(self, text: str) -> list[int]:
+        """The ids of a rendered text, tokenized as transformers' apply_chat_template does."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def added(
+        self,
+        through: list[JSON],
+        whole: list[JSON],
+        *,
+        tools: list[JSON] | None,
+        template_kwargs: JSON | None,
+        closing: Sequence[int],
+    ) -> list[int] | None:
+        """The ids the chat template adds after `through` (a conversation that ends with an assistant
+        turn) to render `whole` (one that goes on from it) with its generation prompt: both rendered as
+        text, and only the added text tokenized, so that the cost of tokenizing does not grow with the
+        turns before. None when that is not certain to give the ids of whole renders (token_cuts.py),
+        or the texts do not extend each other, or `through`'s does not end with `closing`: the caller
+        then renders both whole, and says what is wrong."""
+        if self._cuts is None:
+            return None
+        end = self._closing_text(tuple(closing))
+        if end is None:
+            return None
+        start = self.text(through, tools=tools, template_kwargs=template_kwargs, add_generation_prompt=False)
+        full = self.text(whole, tools=tools, template_kwargs=template_kwargs, add_generation_prompt=True)
+        cut = len(start)
+        if not (full.startswith(start) and start.endswith(end)):
+            return None
+        if not (self._cuts.at(full, cut) and self._cuts.at(start, cut - len(end))):
+            return None
+        return self._ids(full[cut:])
+
+    def _closing_text(self, closing: tuple[int, ...]) -> str | None:
+        """The text of a turn's closing ids, when it tokenizes back to them."""
+        if closing not in self._closings:
+            text = self.tokenizer.decode(list(closing), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            self._closings[closing] = text if self._ids(text) == list(closing) else None
+        return self._closings[closing]
+
+    async def extension(
+        self,
+        through: list[JSON],
+        whole: list[JSON],
+        *,
+        tools: list[JSON] | None,
+        template_kwargs: JSON | None,
+        closing: Sequence[int],
+    ) -> list[int] | None:
+        """added(), on the loop's thread up to INLINE_BYTES of `whole`, else in a thread."""
+        added = functools.partial(
+            self.added, through, whole, tools=tools, template_kwargs=template_kwargs, closing=closing
+        )
+        try:
+            inline = len(orjson.dumps([whole, tools, template_kwargs])) <= INLINE_BYTES
+        except TypeError:  # not JSON (orjson.JSONEncodeError)
+            inline = False
+        return added() if inline else await asyncio.to_thread(added)
 
     async def render_shared(
         self,

@@ -17,12 +17,14 @@ the assistant's words, the rest from rendering the conversation through turn
 n-1 and all of it and taking the difference. A turn cut at max_output_tokens
 is closed the same way.
 
-What a turn costs the renderer does not grow with the turns before it: the prompt a session's
+How many renders a turn costs does not grow with the turns before it: the prompt a session's
 last turn was built from is kept (`Known`), and when the next call's conversation is that one
 with the turn's answer and what followed (the caller's digests of the two agree), and the turn
 carries the ids that prompt was, the earlier turns are known to extend each other already; only
 the conversation through the new turn and all of it are rendered (two renders a turn, where
-checking every earlier turn took two for each). Any other history is checked whole, as below.
+checking every earlier turn took two for each). A renderer that can (`Extension`: the model
+server's own, templates.py) renders the two as text and tokenizes only what the second adds, when
+that is certain to give the same ids (token_cuts.py). Any other history is checked whole, as below.
 
 The history a caller sends back is checked against the ids its turns carry:
 every earlier turn's prompt must be either the conversation before it as the
@@ -44,6 +46,10 @@ from typing import Any
 
 #: (messages, add_generation_prompt) -> the ids of the conversation as the chat template renders it.
 Render = Callable[[list[dict[str, Any]], bool], Awaitable[list[int]]]
+#: (through, whole, closing) -> the ids that rendering `whole` with its generation prompt adds after
+#: `through` (a conversation ending with an assistant turn that `closing` ends), found without
+#: tokenizing `through` (templates.LocalTemplate.added); None when it cannot say for certain.
+Extension = Callable[[list[dict[str, Any]], list[dict[str, Any]], list[int]], Awaitable[list[int] | None]]
 
 
 @dataclass(frozen=True)
@@ -101,9 +107,14 @@ def _extend(done: _Done, before_next: list[int], closing: list[int]) -> list[int
             f"the chat template renders the conversation through assistant turn {done.number} differently "
             "once later messages follow it (does it drop earlier reasoning?)",
         )
-    generated = list(done.carrier.generated)
+    return _joined(done.carrier, closing, before_next[len(through) :])
+
+
+def _joined(carrier: Carrier, closing: list[int], added: list[int]) -> list[int]:
+    """The turn's prompt and generated ids, the rest of the template's turn `closing`, then `added`."""
+    generated = list(carrier.generated)
     written = next(k for k in range(len(closing), -1, -1) if k == 0 or generated[-k:] == closing[:k])
-    return [*done.carrier.prompt, *generated, *closing[written:], *before_next[len(through) :]]
+    return [*carrier.prompt, *generated, *closing[written:], *added]
 
 
 def _extends(done: _Done | None, before: list[int], closing: list[int], prompt: Sequence[int]) -> bool:
@@ -138,6 +149,7 @@ async def build(
     closing: list[int],
     known: Known | None = None,
     earlier: bytes | None = None,
+    extension: Extension | None = None,
 ) -> Prompt:
     """The prompt ids of the next turn of `messages` (Chat Completions messages).
 
@@ -145,13 +157,17 @@ async def build(
     carries (None for a turn without ids, such as a few-shot example);
     `closing` is the template's turn_closing(); `known`, what the session's last
     prompt was built from (see the module's docstring), and `earlier` the digest of
-    this conversation before its last assistant turn, made as `known.digest` was. Raises
+    this conversation before its last assistant turn, made as `known.digest` was; `extension`, when
+    the renderer can find what a conversation adds without tokenizing what came before. Raises
     ValueError when the last assistant turn has no ids although an earlier one has."""
     at = [i for i, message in enumerate(messages) if message.get("role") == "assistant"]
     if len(at) != len(carriers):
         raise ValueError(f"{len(carriers)} carriers for {len(at)} assistant messages")
     last = carriers[-1] if carriers else None
     if known is not None and last is not None and earlier == known.digest and array("I", last.prompt) == known.prompt:
+        added = None if extension is None else await extension(messages[: at[-1] + 1], messages, closing)
+        if added is not None:
+            return Prompt(_joined(last, closing, added))
         through_last, all_of_it = await asyncio.gather(render(messages[: at[-1] + 1], False), render(messages, True))
         try:
             return Prompt(_extend(_Done(last, through_last, len(carriers)), all_of_it, closing))
