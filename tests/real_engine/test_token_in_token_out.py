@@ -84,12 +84,16 @@ def test_multi_turn_tool_rollouts_extend_the_sampled_ids_on_every_turn(policy, s
             assert all(value <= 0.0 for value in carrier["generation_log_probs"])
     counters = _post_counters(running)
     assert counters.get("non_monotonic_histories", {}) == {}
+    # SmolLM2's byte-level tokenizer and ChatML: every later turn tokenizes only the text it adds.
+    assert "later turns tokenize only the text they add" in running.log()
+    assert "a later turn was tokenized whole" not in running.log()
     if is_grpc(policy):  # the tokenizer the engine sent, its prompts compared with /tokenize's below
         assert f"prompts rendered here, with the tokenizer {policy.base_url} sent" in running.log()
         return
     # Every prompt of these 25 rollouts was rendered in the model server and checked, id for id,
-    # against the engine's own /tokenize (verify_render): the two agree on tools, tool calls and
-    # their results, multi-turn conversations, reasoning tags and the generation prompt.
+    # against the engine's own /tokenize (verify_render), the later turns' added ids against what
+    # two /tokenize say they add: the two agree on tools, tool calls and their results, multi-turn
+    # conversations, reasoning tags and the generation prompt.
     assert "prompts rendered here, with the tokenizer of" in running.log()
     assert "checked against the engine's /tokenize (verify_render)" in running.log()
 

@@ -294,6 +294,7 @@ class VLLMModel(EngineModelServer):
         self._local: templates.LocalTemplate | None = None
         self._eos: dict[str, set[int]] = {}  # each gRPC engine's end-of-sequence ids
         self._no_generate: set[str] = set()  # HTTP engines that do not serve /inference/v1/generate
+        self._extended_said: set[bool] = set()  # whether a later turn tokenized only what it added, logged once each
         self._defaults: dict[str, dict[str, Any]] = {}  # each gRPC engine's default sampling (generation config)
         self._fetching = asyncio.Lock()
         config = self.config
@@ -413,6 +414,15 @@ class VLLMModel(EngineModelServer):
             if added is not None and self.config.verify_render:
                 assert isinstance(engine, Engine)
                 await self._verify_added(engine, template, through, conversation, closing, added)
+            if (added is not None) not in self._extended_said:
+                self._extended_said.add(added is not None)
+                log.info(
+                    "%s: token path: %s (servers/models/vllm_model/token_cuts.py)",
+                    self.name,
+                    "later turns tokenize only the text they add"
+                    if added is not None
+                    else "a later turn was tokenized whole: its text leaves no exact cut before what it adds",
+                )
             return added
 
         carriers, earlier, whole = _history(params)

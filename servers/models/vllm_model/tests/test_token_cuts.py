@@ -7,6 +7,7 @@ chat template is written here (the models ship none); a real byte-level one, Smo
 own template, is checked against vLLM in tests/real_engine, which renders with verify_render."""
 
 import json
+import logging
 import shutil
 from array import array
 from pathlib import Path
@@ -205,8 +206,10 @@ async def test_a_later_turns_prompt_from_its_added_text_alone_is_the_whole_rende
         assert await _prompt(local, messages, True) == await _prompt(local, messages, False)
 
 
-async def test_rendered_here_a_later_turn_tokenizes_only_what_it_adds(start, engine, tmp_path, monkeypatch):
-    """The question, in every whole render of the conversation, is tokenized in the first turn only."""
+async def test_rendered_here_a_later_turn_tokenizes_only_what_it_adds(start, engine, tmp_path, monkeypatch, caplog):
+    """The question, in every whole render of the conversation, is tokenized in the first turn only;
+    the server says once that later turns go so."""
+    caplog.set_level(logging.INFO)
     tokenized: list[str] = []
     ids = templates.LocalTemplate._ids
 
@@ -230,3 +233,4 @@ async def test_rendered_here_a_later_turn_tokenizes_only_what_it_adds(start, eng
     with_question = [text for text in tokenized if "What is 2 + 3?" in text]
     assert len(with_question) == 1  # the first turn's prompt
     assert len([text for text in tokenized if text.startswith("<|im_start|>tool")]) == turns - 1
+    assert caplog.text.count("later turns tokenize only the text they add") == 1
