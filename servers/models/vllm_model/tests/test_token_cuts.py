@@ -2,7 +2,8 @@
 whole renders, or declines. Checked on real SentencePiece tokenizers, Mistral's own v1 and v3
 models as the mistral-common package ships them (Apache-2.0), converted by transformers, in both of
 its Llama conversions ("legacy", which writes a space before every piece, and not, which writes it
-before the text's first piece only); and on the fake engine's byte-level BPE. The Mistral-style
+before the text's first piece only); and on the fake engine's byte-level BPE, alone and with added
+tokens whose flags bear on a cut (`_with_flagged_tokens`). The Mistral-style
 chat template is written here (the models ship none); a real byte-level one, SmolLM2's with its
 own template, is checked against vLLM in tests/real_engine, which renders with verify_render."""
 
