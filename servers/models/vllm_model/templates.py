@@ -162,7 +162,8 @@ class LocalTemplate:
                 f"tokenizer_dir {str(directory)!r}: its tokenizer has no chat template; give chat_template"
             )
         self.content_format = content_format
-        # Where a rendered text can be cut and its end tokenized alone (None: nowhere), and the text
+        # Where a rendered text can be cut and its end tokenized alone (None: nowhere, or a cut this
+        # template needs was refused once), and the text
         # of each turn closing asked for (None: it does not tokenize back to its ids).
         self._cuts = token_cuts.Cuts.of(self.tokenizer)
         self._closings: dict[tuple[int, ...], str | None] = {}
@@ -254,7 +255,13 @@ class LocalTemplate:
         cut = len(start)
         if not (full.startswith(start) and start.endswith(end)):
             return None
-        if not (self._cuts.at(full, cut) and self._cuts.at(start, cut - len(end))):
+        if not self._cuts.at(full, cut):
+            # What decides this cut is the template's turn closing and the start it writes for the next
+            # message, not the conversation's words: once refused, later turns are tokenized whole
+            # without their text rendered here first, which would render each conversation twice.
+            self._cuts = None
+            return None
+        if not self._cuts.at(start, cut - len(end)):  # the turn's own words may run into its closing
             return None
         return self._ids(full[cut:])
 

@@ -191,7 +191,7 @@ async def _prompt(local: templates.LocalTemplate, messages: list[dict], with_ext
 @pytest.mark.parametrize("model, extends", [(V1, False), (V3, True)])
 @pytest.mark.parametrize("legacy", [True, False])
 async def test_a_later_turns_prompt_from_its_added_text_alone_is_the_whole_renders_or_declined(
-    mistral, model, extends, legacy
+    mistral, model, extends, legacy, monkeypatch
 ):
     local = templates.LocalTemplate(mistral(model, legacy))
     for turns in (1, 3):
@@ -205,6 +205,13 @@ async def test_a_later_turns_prompt_from_its_added_text_alone_is_the_whole_rende
         if extends:
             assert added == whole[len(through) :]
         assert await _prompt(local, messages, True) == await _prompt(local, messages, False)
+    if not extends:  # refused once, the template's texts are not rendered again only to be refused
+
+        def rendered(*args, **kwargs):
+            raise AssertionError("rendered again")
+
+        monkeypatch.setattr(local.tokenizer, "apply_chat_template", rendered)
+        assert local.added(messages[:-1], messages, tools=None, template_kwargs=None, closing=[2]) is None
 
 
 async def test_rendered_here_a_later_turn_tokenizes_only_what_it_adds(start, engine, tmp_path, monkeypatch, caplog):
