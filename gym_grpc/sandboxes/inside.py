@@ -24,7 +24,8 @@ The first line it writes, once ready, is {"ready": true, "pid": its pid}.
 
 A command runs in a process group of its own, which is killed with SIGKILL when
 the command exits or at its timeout: what it started in the background ends
-with it (a fork bomb's processes too). Its output is read as it comes, until
+with it (a fork bomb's processes too), and its answer is sent once they are
+gone, so that they no longer count against the sandbox's process limit. Its output is read as it comes, until
 it exits; the first `max_output` bytes of each stream are returned with the
 stream's full size. Nothing of it is written to the sandbox's disk, so a full
 disk does not hide a command's answer.
@@ -155,6 +156,7 @@ def _exec(request):
     except OSError:
         pass
     code = child.wait()
+    _until_gone(child.pid)
     with _running_lock:  # its group's id is free for another process now: no cancel may use it
         _running.pop(request["id"], None)
     for fd in list(kept):
@@ -173,6 +175,26 @@ def _exec(request):
         "timed_out": timed_out,
         "seconds": time.monotonic() - started,
     }
+
+
+def _until_gone(group):
+    """Return once no process of the group is left, reaped by the sandbox's init (bwrap, pid 1).
+
+    Killed processes take a while to exit and be reaped, and until then they count against the
+    sandbox's process limit: a fork bomb's hundreds would refuse the sandbox's next command (even
+    the thread that serves it) a moment after its own was answered. They cannot be waited for (they
+    are not this program's children) nor fork any more (the kill reached the whole group at once),
+    so the group is asked after until it is empty, killed again each time in case. A group whose
+    process the kill cannot end (stuck in the kernel) is given up after 30 s, as ended.
+    """
+    pause, deadline = 0.001, time.monotonic() + 30.0
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except OSError:  # ESRCH: the group has no process left
+            return
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 def _read(request):
