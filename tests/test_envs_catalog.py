@@ -287,6 +287,32 @@ def test_an_environment_whose_dependency_is_missing_is_listed_with_a_note_saying
     assert "tools:    unknown (see the notes)" in out and "note: entrypoint" in out
 
 
+@pytest.mark.parametrize(
+    ("module", "package", "extra"),
+    [
+        ("gymnasium_envs.server", "gymnasium", "gymnasium"),
+        ("mcp_tools.server", "jsonschema", "mcp"),
+        ("mcp_tools.server", "mcp", "mcp"),
+        ("reasoning_gym_tasks.server", "reasoning_gym", "reasoning-gym"),
+        ("textarena_games.server", "textarena", "textarena"),
+    ],
+)
+def test_a_bundled_environment_whose_extra_is_missing_names_the_extra_to_install(module, package, extra):
+    """In a real interpreter whose first import finder says the package is not there."""
+    code = textwrap.dedent(f"""
+        import sys
+        class Missing:
+            def find_spec(self, name, path=None, target=None):
+                if name == {package!r} or name.startswith({package!r} + "."):
+                    raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        sys.meta_path.insert(0, Missing())
+        import gym_grpc.bundled.servers.resources.{module}
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert f"({package}): pip install 'gym-grpc[{extra}]'" in done.stderr.splitlines()[-1], done.stderr[-2000:]
+
+
 def test_a_config_block_its_server_does_not_take_is_a_note_naming_the_key(tmp_path):
     config = CONFIG.format(name="quiz", cls="QuizEnv", description="").replace(
         "license: MIT", "license: MIT\n    config: {max_sesions: 3}"

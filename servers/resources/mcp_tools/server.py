@@ -54,10 +54,16 @@ import sys
 import typing
 from typing import Any, Literal
 
-import jsonschema
-from mcp.shared.exceptions import MCPError
-from mcp.types import REQUEST_TIMEOUT
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+try:
+    import jsonschema
+    from mcp.shared.exceptions import MCPError
+    from mcp.types import REQUEST_TIMEOUT
+except ImportError as e:  # pragma: no cover - the extra's own message
+    raise ImportError(
+        f"the mcp_tools environment needs the MCP SDK ({e.name}): pip install 'gym-grpc[mcp]'", name=e.name
+    ) from e
 
 from gym_grpc import errors
 from gym_grpc.data.rows import dumps
