@@ -421,7 +421,8 @@ class VLLMModel(EngineModelServer):
                     self.name,
                     "later turns tokenize only the text they add"
                     if added is not None
-                    else "a later turn was tokenized whole: its text leaves no exact cut before what it adds",
+                    else "a later turn was tokenized whole: its text leaves no exact cut before what it adds, "
+                    "or does not extend the text of the turns before",
                 )
             return added
 
