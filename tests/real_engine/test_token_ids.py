@@ -35,6 +35,14 @@ def _detokenize(engine: local_vllm.Engine, ids: list[int]) -> str:
     return gym_cli.post_json(f"{root}/detokenize", {"model": engine.model, "tokens": ids})["prompt"]
 
 
+def _held_back(engine: local_vllm.Engine, ids: list[int]) -> str:
+    """The text vLLM's HTTP server shows for a turn cut after `ids`: that of the ids left once the
+    last ones, whose text ends inside a character, are dropped."""
+    while ids and (text := _detokenize(engine, ids)).endswith("\ufffd"):
+        ids = ids[:-1]
+    return text if ids else ""
+
+
 def _check_rollout(engine: local_vllm.Engine, row: dict[str, Any]) -> list[str]:
     """Check every turn of a rollout; the types of the items that carried the ids."""
     response = row["response"]
@@ -49,12 +57,17 @@ def _check_rollout(engine: local_vllm.Engine, row: dict[str, Any]) -> list[str]:
             cut = item.get("status") == "incomplete"
             assert cut or text.endswith(END), text[-80:]
             # A turn cut at max_output_tokens may end inside a character (byte-level tokens): its
-            # last ids decode to U+FFFD, which vLLM's incremental detokenizer never emits, as it
-            # holds such bytes back until the character is whole.
-            body = text.rstrip("\ufffd") if cut else text.removesuffix(END)
+            # last ids decode to U+FFFD. vLLM's incremental detokenizer (tokenizers' DecodeStream)
+            # holds back all of a token whose text ends inside a character, the whole characters
+            # it begins with too, and at the cut never writes them; the model server decoding a gRPC
+            # engine's ids itself drops only the U+FFFD.
+            bodies = [text.removesuffix(END)]
+            if cut:
+                bodies = [text.rstrip("\ufffd"), _held_back(engine, generated)]
             # vllm_model's chat path strips the whitespace around a message's text
             # (the model often ends with "\n\n"); the ids keep it.
-            assert "".join(part["text"] for part in item["content"]) in (body, body.strip())
+            shown = "".join(part["text"] for part in item["content"])
+            assert shown in bodies or shown in [body.strip() for body in bodies], bodies
         else:
             # The ids cover the whole turn: any text the model wrote first, then its calls,
             # of which this item is the last.
