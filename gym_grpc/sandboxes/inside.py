@@ -27,8 +27,8 @@ the command exits or at its timeout: what it started in the background ends
 with it (a fork bomb's processes too), and its answer is sent once they are
 gone, so that they no longer count against the sandbox's process limit. Its
 output is read as it comes, until it exits; the first `max_output` bytes of
-each stream are returned with the stream's full size. Nothing of it is written to the sandbox's disk, so a full
-disk does not hide a command's answer.
+each stream are returned with the stream's full size. Nothing of it is written
+to the sandbox's disk, so a full disk does not hide a command's answer.
 `forward` listens on 127.0.0.1:port inside the sandbox (whose network has no
 other way out) and joins each connection to the Unix socket the host serves.
 """

@@ -35,12 +35,13 @@ def _detokenize(engine: local_vllm.Engine, ids: list[int]) -> str:
     return gym_cli.post_json(f"{root}/detokenize", {"model": engine.model, "tokens": ids})["prompt"]
 
 
-def _held_back(engine: local_vllm.Engine, ids: list[int]) -> str:
-    """The text vLLM's HTTP server shows for a turn cut after `ids`: that of the ids left once the
-    last ones, whose text ends inside a character, are dropped."""
-    while ids and (text := _detokenize(engine, ids)).endswith("\ufffd"):
+def _held_back(engine: local_vllm.Engine, ids: list[int], text: str) -> str:
+    """The text vLLM's HTTP server shows for a turn cut after `ids` (whose text is `text`): that of
+    the ids left once the last ones, whose text ends inside a character, are dropped."""
+    while ids and text.endswith("\ufffd"):
         ids = ids[:-1]
-    return text if ids else ""
+        text = _detokenize(engine, ids) if ids else ""
+    return text
 
 
 def _check_rollout(engine: local_vllm.Engine, row: dict[str, Any]) -> list[str]:
@@ -63,7 +64,7 @@ def _check_rollout(engine: local_vllm.Engine, row: dict[str, Any]) -> list[str]:
             # engine's ids itself drops only the U+FFFD.
             bodies = [text.removesuffix(END)]
             if cut:
-                bodies = [text.rstrip("\ufffd"), _held_back(engine, generated)]
+                bodies = [text.rstrip("\ufffd"), _held_back(engine, generated, text)]
             # vllm_model's chat path strips the whitespace around a message's text
             # (the model often ends with "\n\n"); the ids keep it.
             shown = "".join(part["text"] for part in item["content"])
