@@ -8,6 +8,7 @@ runs in its own process and is SIGKILLed (`_agent_process`)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -330,10 +331,10 @@ async def _agents(servers: Servers, env: Counter, model: AddingModel, count: int
 
 class HoldingProxy:
     """A TCP proxy on loopback in front of one server, which can hold back everything the server
-    sends (the client reads none of it) and cut every connection at once: a connection lost with a
-    message written but not yet read. A stand-in for the network: on loopback, the kernel delivers
-    what a live process wrote, and the window in which a dying agent's last message is lost is too
-    short to aim a test at."""
+    sends (the client reads none of it) or the client sends, and cut every connection at once: a
+    connection lost with a message written but not yet read. A stand-in for the network: on
+    loopback, the kernel delivers what a live process wrote, and the window in which a dying agent's
+    last message is lost is too short to aim a test at."""
 
     def __init__(self, upstream: str) -> None:
         #: The server a new connection reaches.
@@ -341,6 +342,9 @@ class HoldingProxy:
         #: Hold back what the server sends, from now on.
         self.holding = False
         self.held = bytearray()
+        #: Hold back what the client sends (the server reads none of it), from now on; how many bytes.
+        self.holding_requests = False
+        self.held_requests = 0
         self._streams: list[asyncio.StreamWriter] = []
 
     async def start(self) -> str:
@@ -363,6 +367,9 @@ class HoldingProxy:
             if held and self.holding:
                 self.held += data
                 continue
+            if not held and self.holding_requests:
+                self.held_requests += len(data)
+                continue
             sink.write(data)
             await sink.drain()
 
@@ -372,7 +379,7 @@ class HoldingProxy:
             stream.transport.abort()
         self._streams.clear()
         self.held.clear()
-        self.holding = False
+        self.holding = self.holding_requests = False
 
     async def close(self) -> None:
         self.cut()
@@ -414,6 +421,63 @@ async def test_a_result_written_but_never_read_is_resumed_and_verified_in_its_se
     one, two = rollout.attempts
     assert one.ended.startswith("UNAVAILABLE") and two.session_id == one.session_id and not two.session_replayed
     assert env.runs == ADDS and model.calls == ADDS + 2  # the answer generated again; no add run again
+
+
+async def test_runs_on_a_call_whose_connection_is_reset_under_a_write_are_resumed():
+    """The connection to the agent is reset while a RunMany write waits in gRPC's core (the proxy
+    holds back what the client sends, so HTTP/2's flow control stops the write), three times.
+    grpc.aio then fails the write and ends the call INTERNAL ("Internal error from Core") where the
+    call was lost (UNAVAILABLE). The client must resume the call's runs, as after UNAVAILABLE: when
+    it took INTERNAL for the agent's answer, this test failed 6 runs of 6, about 220 runs lost each
+    time, and so did 2 of 4 runs of the SIGKILLed agent's test below on a loaded machine."""
+    env, model = Counter(name="calc"), AddingModel()
+    env.hold = asyncio.Event()  # each run waits in its first add: on the call when it is reset
+    task = calculator_task("Add. " + "x" * 100_000, expected_answer=str(ADDS))  # 100 kB a run
+    async with Servers() as servers:
+        (agent,), peers = await _agents(servers, env, model)
+        proxy = HoldingProxy(agent.address)
+        registry = Registry(static={"agent": await proxy.start()})
+        client = AgentClient(registry, "agent")
+        runs: list[asyncio.Future[task_pb2.Rollout]] = []
+
+        async def reset_under_a_write() -> None:
+            env.entered.clear()
+            flooded = asyncio.Event()
+
+            async def flood() -> None:  # a run every 2 ms
+                while not flooded.is_set():
+                    runs.append(asyncio.ensure_future(client.run(task, 60)))
+                    await asyncio.sleep(0.002)
+
+            flooder = asyncio.ensure_future(flood())
+            await asyncio.wait_for(env.entered.wait(), 30)  # the call is open, its runs reach the agent
+            proxy.holding_requests = True
+            held, sent = proxy.held_requests, len(runs)
+            # 2 MiB of runs more than reached the proxy since: the client's writer waits.
+            await eventually(
+                lambda: (len(runs) - sent) * task.ByteSize() > proxy.held_requests - held + 2**21,
+                "runs submitted that the client cannot write",
+            )
+            proxy.cut()
+            flooded.set()
+            await flooder
+
+        try:
+            for _ in range(3):
+                await reset_under_a_write()
+            env.hold.set()
+            results = await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), 120)
+        finally:
+            env.hold.set()
+            await client.close()
+            await registry.close()
+            await proxy.close()
+            await peers.close()
+    failed = collections.Counter(f"{type(e).__name__}: {e}"[:160] for e in results if isinstance(e, BaseException))
+    assert not failed, failed
+    assert all(rollout.reward == 1.0 for rollout in results)
+    resumed = [rollout for rollout in results if rollout.attempts]
+    assert resumed and all(rollout.attempts[0].ended.startswith("UNAVAILABLE") for rollout in resumed)
 
 
 def _durable_item(run_id: int, acknowledge: bool) -> agent_pb.RunManyItem:

@@ -114,6 +114,27 @@ def _lost(error: Exception) -> bool:
     return isinstance(error, errors.GymError) and error.code == grpc.StatusCode.UNAVAILABLE
 
 
+#: What grpc.aio makes a call's status when one of its operations fails in gRPC's core (a write on a
+#: connection that was reset under it), in place of the status the call ended with.
+_CORE_FAILED = "Internal error from Core"
+
+
+def _as_lost(error: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
+    """A RunMany call's failure, as the lost call it is when grpc.aio made it INTERNAL for a failed write.
+
+    When the agent dies or its connection is reset while a message is written on the call, grpc.aio
+    fails the write and ends the call INTERNAL "Internal error from Core", hiding the status it
+    ended with (UNAVAILABLE: 5 of 20 bidirectional calls whose server was SIGKILLed mid-write, in a
+    throwaway loop). The call was lost, not refused: its runs are resumed as after UNAVAILABLE. An
+    agent's own INTERNAL carries other details (and ours, an ErrorInfo)."""
+    if error.code() != grpc.StatusCode.INTERNAL or error.details() != _CORE_FAILED:
+        return error
+    return status_error(
+        grpc.StatusCode.UNAVAILABLE,
+        f"the call broke as a message was written on it (grpc.aio: {_CORE_FAILED}: {error.debug_error_string()})",
+    )
+
+
 def _status_text(error: Exception) -> str:
     """A failure as an attempt's `ended` says it: "CODE: message"."""
     if isinstance(error, grpc.aio.AioRpcError):
@@ -301,7 +322,7 @@ class _Call:
                     else:
                         future.set_exception(failed)
         except grpc.aio.AioRpcError as e:
-            error = e
+            error = _as_lost(e)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
