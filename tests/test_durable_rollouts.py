@@ -655,6 +655,7 @@ async def test_a_tool_with_a_counted_side_effect_runs_once_per_call_across_an_ag
 DOUBLES = """\
 import asyncio
 import json
+from pathlib import Path
 
 from gym_grpc.model import ModelServer
 from gym_grpc.resources import ResourcesServer, Session, Verification, tool
@@ -663,18 +664,29 @@ from gym_grpc.testing import call
 from gym_grpc.v1 import responses_pb2 as r
 
 
+#: Made by the test once it has killed the agent.
+RELEASE = Path(__file__).with_name("release")
+
+
 class SlowCounter(ResourcesServer):
+    scored = 0
+
     async def seed_session(self, session: Session) -> None:
         session.state["runs"] = 0
 
     @tool
     async def add(self, a: int, b: int, session: Session) -> int:
-        \"\"\"Add two integers, slowly: most of a rollout's time is spent here.\"\"\"
+        \"\"\"Add two integers, slowly: most of a rollout's time is spent here. Once ten rollouts are
+        scored, an add waits until RELEASE is made: the rollouts in the agent then are still there
+        when it is killed, however loaded the machine.\"\"\"
         session.state["runs"] += 1
+        while SlowCounter.scored >= 10 and not RELEASE.exists():
+            await asyncio.sleep(0.02)
         await asyncio.sleep(0.3)
         return a + b
 
     async def verify(self, session: Session, response: r.Response) -> Verification:
+        SlowCounter.scored += 1
         return Verification(reward=1.0, fields={"runs": session.state.get("runs", -1)})
 
 
@@ -689,8 +701,10 @@ class Adding(ModelServer):
 @pytest.mark.slow
 def test_an_agent_restarted_mid_collection_resumes_its_rollouts_and_runs_each_tool_call_once(tmp_path):
     """`gym-grpc run` with `restart: true` on the agent, `gym-grpc collect` in flight, the agent's
-    process SIGKILLed while most of its rollouts wait in a tool call: the runner starts it again on
-    its port, and the collector resumes every rollout there."""
+    process SIGKILLed while its rollouts wait in a tool call (held there once ten are scored, until
+    the kill): the runner starts it again on its port, and the collector resumes every rollout
+    there. Until the environment held them, a loaded machine could let every rollout end before the
+    kill (1 of 3 full runs of the suite failed so)."""
     doubles = tmp_path / "durable_doubles.py"
     doubles.write_text(DOUBLES)
     config = tmp_path / "durable.yaml"
@@ -716,6 +730,7 @@ def test_an_agent_restarted_mid_collection_resumes_its_rollouts_and_runs_each_to
             assert collect.poll() is None and time.monotonic() < deadline, "10 rollouts were not collected"
             time.sleep(0.05)
         os.kill(agent_pid, signal.SIGKILL)
+        (tmp_path / "release").touch()
         _, stderr = collect.communicate(timeout=600)
     finally:
         run.stop()
