@@ -428,7 +428,7 @@ async def test_runs_on_a_call_whose_connection_is_reset_under_a_write_are_resume
     holds back what the client sends, so HTTP/2's flow control stops the write), three times.
     grpc.aio then fails the write and ends the call INTERNAL ("Internal error from Core") where the
     call was lost (UNAVAILABLE). The client must resume the call's runs, as after UNAVAILABLE: when
-    it took INTERNAL for the agent's answer, this test failed 6 runs of 6, about 220 runs lost each
+    it took INTERNAL for the agent's answer, this test failed 12 runs of 12, about 220 runs lost each
     time, and so did 2 of 4 runs of the SIGKILLed agent's test below on a loaded machine."""
     env, model = Counter(name="calc"), AddingModel()
     env.hold = asyncio.Event()  # each run waits in its first add: on the call when it is reset
