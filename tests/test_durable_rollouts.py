@@ -703,8 +703,9 @@ def test_an_agent_restarted_mid_collection_resumes_its_rollouts_and_runs_each_to
     """`gym-grpc run` with `restart: true` on the agent, `gym-grpc collect` in flight, the agent's
     process SIGKILLed while its rollouts wait in a tool call (held there once ten are scored, until
     the kill): the runner starts it again on its port, and the collector resumes every rollout
-    there. Until the environment held them, a loaded machine could let every rollout end before the
-    kill (1 of 3 full runs of the suite failed so)."""
+    there. With the rollouts held, no rollout resumed means one in flight was not resumed; on a loaded
+    machine that still happens (1 of 3 full runs with two busy processes beside them, 2026-12-07),
+    for a reason not yet found."""
     doubles = tmp_path / "durable_doubles.py"
     doubles.write_text(DOUBLES)
     config = tmp_path / "durable.yaml"
