@@ -704,8 +704,9 @@ def test_an_agent_restarted_mid_collection_resumes_its_rollouts_and_runs_each_to
     process SIGKILLed while its rollouts wait in a tool call (held there once ten are scored, until
     the kill): the runner starts it again on its port, and the collector resumes every rollout
     there. With the rollouts held, no rollout resumed means one in flight was not resumed; on a loaded
-    machine that still happens (1 of 3 full runs with two busy processes beside them, 2026-12-07),
-    for a reason not yet found."""
+    machine that still happens (1 of 3 full runs with two busy processes beside them, 2026-12-07): a
+    run whose checkpoints died unsent with the agent is sent again from its prompt, into a new session
+    (client/run_many.py's _resume_from), a known gap in which its tool calls can run twice."""
     doubles = tmp_path / "durable_doubles.py"
     doubles.write_text(DOUBLES)
     config = tmp_path / "durable.yaml"
