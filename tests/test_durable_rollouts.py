@@ -433,6 +433,7 @@ async def test_runs_on_a_call_whose_connection_is_reset_under_a_write_are_resume
     env, model = Counter(name="calc"), AddingModel()
     env.hold = asyncio.Event()  # each run waits in its first add: on the call when it is reset
     task = calculator_task("Add. " + "x" * 100_000, expected_answer=str(ADDS))  # 100 kB a run
+    size = task.ByteSize()
     async with Servers() as servers:
         (agent,), peers = await _agents(servers, env, model)
         proxy = HoldingProxy(agent.address)
@@ -455,7 +456,7 @@ async def test_runs_on_a_call_whose_connection_is_reset_under_a_write_are_resume
             held, sent = proxy.held_requests, len(runs)
             # 2 MiB of runs more than reached the proxy since: the client's writer waits.
             await eventually(
-                lambda: (len(runs) - sent) * task.ByteSize() > proxy.held_requests - held + 2**21,
+                lambda: (len(runs) - sent) * size > proxy.held_requests - held + 2**21,
                 "runs submitted that the client cannot write",
             )
             proxy.cut()
