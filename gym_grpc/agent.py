@@ -113,6 +113,8 @@ class Attempt:
         self.number = len(self.resume.attempts) + 1
         #: Its session is open and its caller told (`begin`): from then on a lost attempt may keep it.
         self.began = False
+        #: It has an environment session (a stateful environment), where its tool calls leave their effects.
+        self.in_session = False
         self._reported: list[_Reported] = []
         self._started = time.monotonic()
 
@@ -124,21 +126,31 @@ class Attempt:
         """The idempotency key of a tool call (CallToolRequest.idempotency_key)."""
         return f"{self.rollout_id}/{turn}/{call}"
 
-    def _report(self, index: int, what: _Reportable, seconds: float) -> None:
+    def _report(self, index: int, what: _Reportable, seconds: float, acknowledge: bool = False) -> None:
         if self.link is None:
             return  # a unary Run: nobody can park or resume it, nothing to keep
         reported = (index, what, seconds)
         self._reported.append(reported)
         if self.link.durable:
-            _fill(self.link.checkpoint(what.ByteSize()), *reported)
+            _fill(self.link.checkpoint(what.ByteSize(), acknowledge), *reported)
 
     def begin(self, record: task_pb2.RolloutAttempt) -> None:
-        """The attempt began, with its session open."""
+        """The attempt began, with its session open (none for a stateless environment)."""
         self.began = True
+        self.in_session = bool(record.session_id)
         self._report(0, record, 0.0)
 
     def new_turn(self, index: int, response: r.Response, seconds: float) -> None:
-        self._report(index, response, seconds)
+        # Its tool calls leave effects in the session: made once the caller has the turn (turn_kept).
+        self._report(index, response, seconds, self.in_session and bool(function_calls(response)))
+
+    async def turn_kept(self) -> None:
+        """Before a tool call: once the caller of a durable run has the turn that asked for it (at once
+        for any other run, and for a client older than protocol 1.17). An agent lost before then made
+        none of the turn's tool calls, and the attempt that resumes the run generates the turn again:
+        the calls are never made for a turn the caller lost, then made once more for the new one."""
+        if self.link is not None:
+            await self.link.turn_read()
 
     def tool_output(self, index: int, output: r.FunctionCallOutput, seconds: float) -> None:
         self._report(index, output, seconds)
@@ -629,6 +641,7 @@ class ToolLoopAgent(AgentServer):
         """Run the function calls of `response` (turn `step`) from the `first`-th on, in order."""
         attempt = events.attempt
         for position, call in enumerate(function_calls(response)[first:], start=first):
+            await attempt.turn_kept()
             began = time.monotonic()
             key = attempt.tool_key(step, position)
             with tracing.tool_call(call.name, call.call_id, step) as span:

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from asyncio.subprocess import PIPE
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -55,12 +56,15 @@ class Counter(Calculator):
         self.runs = 0
         self.entered = asyncio.Event()
         self.hold: asyncio.Event | None = None
+        #: Called as each add begins (its run counted).
+        self.on_add: Callable[[], None] = lambda: None
 
     @tool
     async def add(self, a: int, b: int, session: Session) -> int:
         """Add two integers."""
         self.runs += 1
         session.state["calls"] += 1
+        self.on_add()
         self.entered.set()
         if self.hold is not None:
             await self.hold.wait()
@@ -321,11 +325,12 @@ async def test_a_resumed_rollout_whose_session_is_gone_replays_it_when_the_envir
     assert model.calls == 2  # turn 2 and the answer: the replayed turns were not generated again
 
 
-async def _agents(servers: Servers, env: Counter, model: AddingModel, count: int = 1):
-    """The model, the environment and `count` agents all named "agent" serving: (the agents' Running
-    servers, the registry they reach the others by, for the test to close)."""
+async def _agents(servers: Servers, env: Counter, model: AddingModel, count: int = 1, **config):
+    """The model, the environment and `count` agents all named "agent" serving (`config` added to
+    theirs): (the agents' Running servers, the registry they reach the others by, for the test to close)."""
     peers = static_registry(model=await servers.start(model), calc=await servers.start(env))
-    agents = [await servers.start(SimpleAgent(AGENT_CONFIG, name="agent", registry=peers)) for _ in range(count)]
+    config = {**AGENT_CONFIG, **config}
+    agents = [await servers.start(SimpleAgent(config, name="agent", registry=peers)) for _ in range(count)]
     return agents, peers
 
 
@@ -481,9 +486,11 @@ async def test_runs_on_a_call_whose_connection_is_reset_under_a_write_are_resume
     assert resumed and all(rollout.attempts[0].ended.startswith("UNAVAILABLE") for rollout in resumed)
 
 
-def _durable_item(run_id: int, acknowledge: bool) -> agent_pb.RunManyItem:
+def _durable_item(run_id: int, acknowledge: bool, turns: bool = False) -> agent_pb.RunManyItem:
     run = agent_pb.RunRequest(task=_task(), rollout_id=f"rollout-{run_id}")
-    return agent_pb.RunManyItem(id=run_id, run=run, timeout_seconds=30, durable=True, acknowledge_result=acknowledge)
+    return agent_pb.RunManyItem(
+        id=run_id, run=run, timeout_seconds=30, durable=True, acknowledge_result=acknowledge, acknowledge_turns=turns
+    )
 
 
 async def _results_of(call, *run_ids: int) -> list[agent_pb.RunManyResult]:
@@ -497,11 +504,11 @@ async def _results_of(call, *run_ids: int) -> list[agent_pb.RunManyResult]:
 
 
 @contextlib.asynccontextmanager
-async def _run_many_call(env: Counter, model: AddingModel):
-    """An agent over `model` and `env`, and a RunMany call to it through the generated stub, as a
-    client in any language makes one: (the agent's Running server, the call)."""
+async def _run_many_call(env: Counter, model: AddingModel, **config):
+    """An agent over `model` and `env` (`config` added to its), and a RunMany call to it through the
+    generated stub, as a client in any language makes one: (the agent's Running server, the call)."""
     async with Servers() as servers:
-        (agent,), peers = await _agents(servers, env, model)
+        (agent,), peers = await _agents(servers, env, model, **config)
         try:
             async with transport.open_channel(agent.address) as channel:
                 yield agent, agent_grpc.AgentServiceStub(channel).RunMany(timeout=60)
@@ -524,6 +531,74 @@ async def test_a_durable_runs_session_closes_once_its_client_says_it_read_the_re
         await eventually(lambda: not env.sessions, "the session closed")
         await call.done_writing()
         assert await call.code() == grpc.StatusCode.OK
+
+
+async def test_a_durable_runs_tool_calls_wait_until_its_client_has_read_the_turn_that_asked_for_them():
+    """Over the wire (protocol 1.17): each turn that calls `add` comes in a checkpoint marked
+    `acknowledge`, and the agent makes the call only once the client says it read it
+    (`checkpoints_read`). Here the client does not say so until a second run on the call, which does
+    not ask to acknowledge turns, has made its three adds and ended: the first run's add has not
+    begun by then. An agent that made the call at once could die with the turn unsent: the run then
+    began that turn again, from its prompt and in a new session, and the call ran twice (3 and 12
+    rollouts of 60 so, in 2 of 6 runs of a probe of the SIGKILLed agent's test below, loaded)."""
+    env = Counter(name="calc")
+    client = {"read": 0, "marked": 0}
+
+    async def replies_until_result_of(run_id: int, acknowledge: bool) -> agent_pb.RunManyResult:
+        while True:
+            reply = await call.read()
+            assert reply is not grpc.aio.EOF
+            client["read"] += len(reply.checkpoints)
+            marked = sum(checkpoint.acknowledge for checkpoint in reply.checkpoints)
+            client["marked"] += marked
+            if marked and acknowledge:
+                await call.write(agent_pb.RunManyRequest(checkpoints_read=client["read"]))
+            result = next((result for result in reply.results if result.id == run_id), None)
+            if result is not None:
+                return result
+
+    async with _run_many_call(env, AddingModel()) as (_, call):
+        waits, goes_on = _durable_item(1, False, turns=True), _durable_item(2, False, turns=False)
+        await call.write(agent_pb.RunManyRequest(runs=[waits, goes_on]))
+        other = await replies_until_result_of(2, acknowledge=False)
+        assert other.rollout.reward == 1.0
+        assert env.runs == ADDS  # the second run's; the first waits in its first turn
+        assert client["marked"] == 1  # that turn, read and not yet said to be
+        at_each_add: list[tuple[int, int]] = []  # (the first run's adds begun, this one included; its turns read)
+        env.on_add = lambda: at_each_add.append((env.runs - ADDS, client["marked"]))
+        await call.write(agent_pb.RunManyRequest(checkpoints_read=client["read"]))
+        first = await replies_until_result_of(1, acknowledge=True)
+        await call.done_writing()
+        assert await call.code() == grpc.StatusCode.OK
+    assert first.rollout.reward == 1.0
+    assert client["marked"] == ADDS  # each turn of the first run that calls add; not its answer
+    assert at_each_add == [(1, 1), (2, 2), (3, 3)]
+
+
+@pytest.mark.parametrize("who", ["client_older_than_1_17", "agent_reads_no_more", "client_closed_its_side"])
+async def test_a_durable_run_whose_client_cannot_say_it_read_its_turns_goes_on_without_waiting(who):
+    """A client that does not acknowledge turns gets no checkpoint marked; one that does, on a call
+    the agent no longer reads (it holds as many runs as it may, `run_many_max_runs`; or its client
+    closed its side), could say it read them only in requests nobody reads: its run goes on
+    without waiting, as an older client's does. None of them may hang."""
+    env = Counter(name="calc")
+    config = {"run_many_max_runs": 1} if who == "agent_reads_no_more" else {}
+    async with _run_many_call(env, AddingModel(), **config) as (_, call):
+        item = _durable_item(3, False, turns=who != "client_older_than_1_17")
+        await call.write(agent_pb.RunManyRequest(runs=[item]))
+        if who == "client_closed_its_side":
+            await call.done_writing()
+        marked, result = 0, None
+        while result is None:
+            reply = await asyncio.wait_for(call.read(), 30)
+            assert reply is not grpc.aio.EOF
+            marked += sum(checkpoint.acknowledge for checkpoint in reply.checkpoints)
+            result = next(iter(reply.results), None)
+        if who != "client_closed_its_side":
+            await call.done_writing()
+        assert await call.code() == grpc.StatusCode.OK
+    assert result.rollout.reward == 1.0 and env.runs == ADDS
+    assert marked == (0 if who == "client_older_than_1_17" else ADDS)
 
 
 async def test_an_agent_that_stops_closes_the_sessions_of_results_not_yet_acknowledged():
@@ -667,6 +742,10 @@ from gym_grpc.v1 import responses_pb2 as r
 
 #: Made by the test once it has killed the agent.
 RELEASE = Path(__file__).with_name("release")
+#: A line for each add begun, in any session: what a tool with an effect outside its session leaves.
+ADDS = Path(__file__).with_name("adds")
+#: Made by the first add held: a rollout is then in the agent, in a tool call, until the kill.
+HELD = Path(__file__).with_name("held")
 
 
 class SlowCounter(ResourcesServer):
@@ -678,9 +757,13 @@ class SlowCounter(ResourcesServer):
     @tool
     async def add(self, a: int, b: int, session: Session) -> int:
         \"\"\"Add two integers, slowly: most of a rollout's time is spent here. Once ten rollouts are
-        scored, an add waits until RELEASE is made: the rollouts in the agent then are still there
-        when it is killed, however loaded the machine.\"\"\"
+        scored, an add waits until RELEASE is made (saying so with HELD): the test kills the agent
+        once one does, so that rollout is in the agent then, however loaded the machine.\"\"\"
         session.state["runs"] += 1
+        with ADDS.open("a") as adds:
+            adds.write(session.id + "\\n")
+        if SlowCounter.scored >= 10 and not RELEASE.exists():
+            HELD.touch()
         while SlowCounter.scored >= 10 and not RELEASE.exists():
             await asyncio.sleep(0.02)
         await asyncio.sleep(0.3)
@@ -702,12 +785,14 @@ class Adding(ModelServer):
 @pytest.mark.slow
 def test_an_agent_restarted_mid_collection_resumes_its_rollouts_and_runs_each_tool_call_once(tmp_path):
     """`gym-grpc run` with `restart: true` on the agent, `gym-grpc collect` in flight, the agent's
-    process SIGKILLed while its rollouts wait in a tool call (held there once ten are scored, until
-    the kill): the runner starts it again on its port, and the collector resumes every rollout
-    there. With the rollouts held, no rollout resumed means one in flight was not resumed; on a loaded
-    machine that still happens (1 of 3 full runs with two busy processes beside them, 2026-12-07): a
-    run whose checkpoints died unsent with the agent is sent again from its prompt, into a new session
-    (client/run_many.py's _resume_from), a known gap in which its tool calls can run twice."""
+    process SIGKILLed once ten rollouts are written and one waits in a tool call (held there once ten
+    are scored, until the kill): the runner starts it again on its port, and the collector resumes
+    every rollout there. Every add ran once, counted across sessions too. Before protocol 1.17 an
+    agent made a turn's tool calls before its caller had the turn: a run whose turn died unsent with
+    the agent began that turn again, in a new session, and its add ran twice (this test failed 4 of 10
+    runs so, with six busy processes beside it). Killed at the tenth row alone, the agent could hold
+    only rollouts that had just begun, none yet known to the collector (1 run of 16, loaded): they
+    are sent again as new, and none is resumed."""
     doubles = tmp_path / "durable_doubles.py"
     doubles.write_text(DOUBLES)
     config = tmp_path / "durable.yaml"
@@ -729,7 +814,7 @@ def test_an_agent_restarted_mid_collection_resumes_its_rollouts_and_runs_each_to
         command += ["--num-repeats", "60", "--max-in-flight", "20", "--no-progress"]
         collect = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 120
-        while not output.exists() or len(read_rows(output)) < 10:
+        while not output.exists() or len(read_rows(output)) < 10 or not (tmp_path / "held").exists():
             assert collect.poll() is None and time.monotonic() < deadline, "10 rollouts were not collected"
             time.sleep(0.05)
         os.kill(agent_pid, signal.SIGKILL)
@@ -744,6 +829,8 @@ def test_an_agent_restarted_mid_collection_resumes_its_rollouts_and_runs_each_to
     for row in rows:
         adds = [item for item in row["response"]["output"] if item["type"] == "function_call"]
         assert row["runs"] == len(adds) == 3, row  # every add ran once, in a session that lived on
+    sessions = collections.Counter((tmp_path / "adds").read_text().split())
+    assert sum(sessions.values()) == 3 * 60, f"{sum(sessions.values())} adds in {len(sessions)} sessions"
     resumed = [row for row in rows if "attempts" in row]
     print(f"agent restarted: {len(resumed)} of 60 rollouts resumed")
     assert resumed, "no rollout was in flight in the agent that died"

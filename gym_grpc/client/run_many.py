@@ -38,7 +38,9 @@ went away (UNAVAILABLE: the agent replica, its model server or engine, the call
 itself), it is sent again with that state to resume from (RunRequest.resume),
 on the next call (another replica where there is one), up to `resume_attempts`
 times within its deadline: only the turn in flight is generated again, and the
-tool calls already made are answered from the environment's records. Each
+tool calls already made are answered from the environment's records. A turn
+whose tool calls the agent makes next is acknowledged once read (RunManyRequest.checkpoints_read),
+and the agent makes them only then: an agent lost before the turn arrived made none of them. Each
 durable run's result is acknowledged once read (RunManyRequest.received_ids),
 and returned once that is written: ahead of any run sent after it, before the
 client closes its side of the call, and before a caller that exits at once
@@ -173,6 +175,8 @@ class _Call:
         self._unread: set[int] = set()
         #: Acknowledgements not written yet, by run id: each future is done once its message is.
         self._acknowledging: dict[int, asyncio.Future[None]] = {}
+        #: The checkpoints read on the call, all runs' (RunManyRequest.checkpoints_read).
+        self._checkpoints_read = 0
         self._outbox: Outbox[agent_pb.RunManyRequest] = Outbox(agent_pb.RunManyRequest)
         self._wake = asyncio.Event()
         #: No more runs go on it: it ends once the runs on it have.
@@ -194,7 +198,12 @@ class _Call:
         run_id = next(self._ids)
         future = self.waiting[run_id] = asyncio.get_running_loop().create_future()
         item = self._outbox.filling(run.ByteSize()).runs.add(
-            id=run_id, run=run, timeout_seconds=timeout or 0.0, durable=durable, acknowledge_result=durable
+            id=run_id,
+            run=run,
+            timeout_seconds=timeout or 0.0,
+            durable=durable,
+            acknowledge_result=durable,
+            acknowledge_turns=durable,
         )
         trace = tracing.carrier()  # each run its own: the runs of a call belong to different traces
         if trace:
@@ -294,10 +303,17 @@ class _Call:
                 self.connection.answered()
                 if reply.HasField("load"):
                     self.busy = reply.load.cpu >= BUSY or reply.load.checks >= BUSY
+                asked = False
                 for checkpoint in reply.checkpoints:
                     progress = self.progress.get(checkpoint.id)
                     if progress is not None:
                         progress[1].append(checkpoint.SerializeToString())
+                    asked = asked or checkpoint.acknowledge
+                if reply.checkpoints:
+                    self._checkpoints_read += len(reply.checkpoints)
+                    if asked:  # a run waits to make its tool calls until the agent hears this
+                        self._outbox.filling().checkpoints_read = self._checkpoints_read
+                        self._wake.set()
                 if self._unread:
                     self._acknowledge(reply)
                 for result in reply.results:
@@ -505,8 +521,10 @@ class RunMany:
 def _resume_from(
     request: agent_pb.RunRequest, state: task_pb2.RolloutState | None, failure: Exception, elapsed: float
 ) -> None:
-    """Make `request` resume from `state`, what the lost attempt left (`failure` ended it); when
-    that attempt never began (no checkpoint), the request goes again as it was."""
+    """Make `request` resume from `state`, what the lost attempt left (`failure` ended it); when the
+    client has no checkpoint of that attempt, the request goes again as it was: the attempt made no tool
+    call (it makes them once its client has their turn), and the session it may have opened, unknown
+    here, is left to the environment's idle time-out."""
     before = len(request.resume.attempts)
     if state is None or len(state.attempts) <= before:
         return

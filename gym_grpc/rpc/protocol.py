@@ -54,7 +54,9 @@ from gym_grpc.v1 import agent_service_pb2, resources_service_pb2  # noqa: F401  
 #:       fills an agent's worker processes in turn while the first has room.
 #: 1.16: RunManyItem.acknowledge_result and RunManyRequest.received_ids: a durable run's session is closed once
 #:       its client says it has the result, not once the result is written.
-VERSION = (1, 16)
+#: 1.17: RunManyItem.acknowledge_turns, RunCheckpoint.acknowledge and RunManyRequest.checkpoints_read: a durable
+#:       run's tool calls are made once its client has the turn that asked for them.
+VERSION = (1, 17)
 
 
 class Unfilled(NamedTuple):

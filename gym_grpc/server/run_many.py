@@ -24,6 +24,14 @@ in flight and then ends the call OK: a run the client sent that has no result
 then was never read, and can be sent again, as the one refused can, to another
 replica (client/run_many.py does).
 
+A durable run sent with RunManyItem.acknowledge_turns makes the tool calls of a turn only once its
+client has the turn (RunLink.turn_read): the checkpoint that carries it is marked `acknowledge`, and
+the client says how many checkpoints it has read (RunManyRequest.checkpoints_read). So an agent lost
+before a turn reached its caller made none of that turn's tool calls, and the turn is generated again
+on resume, rather than its calls made for a turn nobody has and then made again. A call the agent
+has stopped reading (it holds as many runs as it may, or its client closed its side) brings no more
+counts: its runs then go on without waiting, their tool calls made as without acknowledge_turns.
+
 A durable run's environment session is closed once its caller has the run's result
 (RunLink.after_result): for a client that acknowledges its results (RunManyItem.acknowledge_result),
 once it says it read it (RunManyRequest.received_ids); for one that does not, once the result is
@@ -38,6 +46,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import heapq
+import itertools
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -108,11 +118,15 @@ class RunLink:
     ends the whole call (the client is gone, or its connection) from one of the run alone
     (its caller's cancel, its deadline): a durable run keeps its session after the first."""
 
-    def __init__(self, runs: _Runs, run_id: int, durable: bool, acknowledged: bool) -> None:
+    def __init__(self, runs: _Runs, run_id: int, durable: bool, acknowledged: bool, turns_acknowledged: bool) -> None:
         self._runs, self._id = runs, run_id
         self.durable = durable
         #: The client says when it read the run's result (RunManyItem.acknowledge_result).
         self.acknowledged = acknowledged
+        #: The client says when it read a checkpoint marked `acknowledge` (RunManyItem.acknowledge_turns).
+        self.turns_acknowledged = turns_acknowledged
+        #: The checkpoints the call must have had read before the run goes on (see `turn_read`); 0: none.
+        self._awaited = 0
         self.park = False
         self.call_ended = False
         #: What to do once the run's result has gone out (see `after_result`).
@@ -127,10 +141,23 @@ class RunLink:
         session open, which the caller's resume of the run (the result never came) still needs."""
         self.after.append(then)
 
-    def checkpoint(self, size: int) -> agent_pb.RunCheckpoint:
+    def checkpoint(self, size: int, acknowledge: bool = False) -> agent_pb.RunCheckpoint:
         """A new checkpoint of the run (see RunCheckpoint), of about `size` bytes, to fill in at
-        once: it is in the reply that goes out next (built there, not copied)."""
-        return self._runs.checkpoint(self._id, size)
+        once: it is in the reply that goes out next (built there, not copied). With `acknowledge`
+        (a turn whose tool calls come next) and a client that acknowledges turns, `turn_read`
+        then waits until the client has read it."""
+        checkpoint, number = self._runs.checkpoint(self._id, size)
+        if acknowledge and self.turns_acknowledged:
+            checkpoint.acknowledge = True
+            self._awaited = number
+        return checkpoint
+
+    async def turn_read(self) -> None:
+        """Once the client has read the last checkpoint marked `acknowledge` (at once when there is
+        none, or the call no longer reads what the client says: see the module's docstring)."""
+        if self._awaited:
+            awaited, self._awaited = self._awaited, 0
+            await self._runs.read(awaited)
 
 
 #: The agent's Run handler: (request, context, link) -> reply.
@@ -169,6 +196,14 @@ class _Runs:
         self.room = asyncio.Event()
         #: The last process load a reply of this call carried (each measurement goes out once a call).
         self.load_sent: agent_pb.WorkerLoad | None = None
+        #: Checkpoints put in the replies, and how many of them the client said it read.
+        self._checkpoints = 0
+        self._checkpoints_read = 0
+        #: Runs waiting for the client to have read a checkpoint: (its number, tie-break, future), soonest first.
+        self._readers: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._reader_ids = itertools.count()
+        #: The call's requests are read (see `listen`).
+        self.listening = True
 
     def full(self) -> bool:
         """Whether the call holds as many runs, or results not sent, as it may (see the module's docstring)."""
@@ -209,7 +244,9 @@ class _Runs:
             error = errors.InvalidArgument(f"runs.id: {item.id} is already in flight on this call", field="runs.id")
             self._result(item.id).error.CopyFrom(_from_status(error))
             return
-        link = self.links[item.id] = RunLink(self, item.id, item.durable, item.durable and item.acknowledge_result)
+        durable = item.durable
+        link = RunLink(self, item.id, durable, durable and item.acknowledge_result, durable and item.acknowledge_turns)
+        self.links[item.id] = link
         task = self.in_flight[item.id] = asyncio.ensure_future(self._one(item, link))
         task.add_done_callback(functools.partial(self._ended, item.id))
 
@@ -224,10 +261,39 @@ class _Runs:
         if link is not None:
             link.park = True
 
-    def checkpoint(self, run_id: int, size: int) -> agent_pb.RunCheckpoint:
-        """A new checkpoint of a run, in the reply that is filling (so before the run's result)."""
+    def checkpoint(self, run_id: int, size: int) -> tuple[agent_pb.RunCheckpoint, int]:
+        """A new checkpoint of a run, in the reply that is filling (so before the run's result), and its
+        number on the call (from 1): the replies go out in order, so the client reads them in it."""
         self.changed.set()
-        return self.replies.filling(size).checkpoints.add(id=run_id)
+        self._checkpoints += 1
+        return self.replies.filling(size).checkpoints.add(id=run_id), self._checkpoints
+
+    async def read(self, number: int) -> None:
+        """Once the client says it read `number` checkpoints or more, or the call is no longer read."""
+        if number <= self._checkpoints_read or not self.listening:
+            return
+        future = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._readers, (number, next(self._reader_ids), future))
+        await future
+
+    def checkpoints_read(self, count: int) -> None:
+        """The client says it read `count` checkpoints: the runs that waited for as many go on."""
+        self._checkpoints_read = max(self._checkpoints_read, count)
+        while self._readers and self._readers[0][0] <= self._checkpoints_read:
+            future = heapq.heappop(self._readers)[2]
+            if not future.done():  # its run may have been cancelled while it waited
+                future.set_result(None)
+
+    def listen(self, listening: bool) -> None:
+        """The call's requests are read again, or no longer (it holds as many runs as it may, or the
+        client closed its side): while they are not, no count can come, and the runs that wait for
+        one go on (see the module's docstring)."""
+        self.listening = listening
+        if not listening:
+            for _, _, future in self._readers:
+                if not future.done():
+                    future.set_result(None)
+            self._readers.clear()
 
     async def _one(self, item: agent_pb.RunManyItem, link: RunLink) -> None:
         def run(request: agent_pb.RunRequest, context: Any) -> Coroutine[Any, Any, agent_pb.RunResponse]:
@@ -291,6 +357,8 @@ async def serve(
     async def read() -> None:
         try:
             async for request in requests:
+                if request.checkpoints_read:
+                    runs.checkpoints_read(request.checkpoints_read)
                 for run_id in request.received_ids:  # before the runs: an id may be used again
                     runs.received(run_id)
                 for item in request.runs:
@@ -299,10 +367,14 @@ async def serve(
                     runs.cancel(run_id)
                 for run_id in request.park_ids:
                     runs.park(run_id)
-                while runs.full():  # read no more until runs end and their results go out
-                    runs.room.clear()
-                    await runs.room.wait()
+                if runs.full():  # read no more until runs end and their results go out
+                    runs.listen(False)
+                    while runs.full():
+                        runs.room.clear()
+                        await runs.room.wait()
+                    runs.listen(True)
         finally:
+            runs.listen(False)
             runs.changed.set()
 
     reader = asyncio.ensure_future(read())

@@ -124,6 +124,14 @@ class RunManyRequest(_message.Message):
     CANCEL_IDS_FIELD_NUMBER: _builtins.int
     PARK_IDS_FIELD_NUMBER: _builtins.int
     RECEIVED_IDS_FIELD_NUMBER: _builtins.int
+    CHECKPOINTS_READ_FIELD_NUMBER: _builtins.int
+    checkpoints_read: _builtins.int
+    """How many checkpoints this client has read on this call, counted from the
+    call's first (protocol 1.17): sent once it has read a checkpoint marked
+    `acknowledge` (RunCheckpoint), in its next message. The agent makes the
+    tool calls of such a turn only once this count has reached it. 0: not
+    said in this message (the count only grows).
+    """
     @_builtins.property
     def runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunManyItem]:
         """Runs to start now."""
@@ -159,10 +167,11 @@ class RunManyRequest(_message.Message):
         cancel_ids: _abc.Iterable[_builtins.int] | None = ...,
         park_ids: _abc.Iterable[_builtins.int] | None = ...,
         received_ids: _abc.Iterable[_builtins.int] | None = ...,
+        checkpoints_read: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_ids", b"cancel_ids", "park_ids", b"park_ids", "received_ids", b"received_ids", "runs", b"runs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_ids", b"cancel_ids", "checkpoints_read", b"checkpoints_read", "park_ids", b"park_ids", "received_ids", b"received_ids", "runs", b"runs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -200,6 +209,7 @@ class RunManyItem(_message.Message):
     DURABLE_FIELD_NUMBER: _builtins.int
     TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
     ACKNOWLEDGE_RESULT_FIELD_NUMBER: _builtins.int
+    ACKNOWLEDGE_TURNS_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """The caller's id for the run, echoed on its result. Unique among the runs
     in flight on the call; a run whose id is already in flight fails with
@@ -231,6 +241,17 @@ class RunManyItem(_message.Message):
     time-out, unless the agent ended it as it stopped (it closes the session
     then). An agent older than 1.16 closes it once the result is written.
     """
+    acknowledge_turns: _builtins.bool
+    """With `durable` (protocol 1.17): this client answers a checkpoint marked
+    `acknowledge` with RunManyRequest.checkpoints_read, and the agent makes a
+    turn's tool calls in the environment session only once the client has
+    the turn: an agent lost with the turn unsent then lost no tool call
+    either, and the turn is generated again. Without it (or from an agent
+    older than 1.17) the tool calls go out at once, and an agent lost before
+    its turn arrived leaves calls made for a turn nobody has (the run then
+    starts that turn again, in a new session when the attempt had not said
+    which session it opened).
+    """
     @_builtins.property
     def run(self) -> Global___RunRequest:
         """What to run, as for Run."""
@@ -254,10 +275,11 @@ class RunManyItem(_message.Message):
         durable: _builtins.bool = ...,
         trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         acknowledge_result: _builtins.bool = ...,
+        acknowledge_turns: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["run", b"run"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acknowledge_result", b"acknowledge_result", "durable", b"durable", "id", b"id", "run", b"run", "timeout_seconds", b"timeout_seconds", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acknowledge_result", b"acknowledge_result", "acknowledge_turns", b"acknowledge_turns", "durable", b"durable", "id", b"id", "run", b"run", "timeout_seconds", b"timeout_seconds", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -356,10 +378,18 @@ class RunCheckpoint(_message.Message):
     TURN_INDEX_FIELD_NUMBER: _builtins.int
     TURN_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
+    ACKNOWLEDGE_FIELD_NUMBER: _builtins.int
     id: _builtins.int
     """The id the run was sent with."""
     turn_index: _builtins.int
     """The turn (model call, from 0) the checkpoint is about."""
+    acknowledge: _builtins.bool
+    """The agent waits until the caller has read this checkpoint before it goes
+    on (protocol 1.17; only for a run sent with
+    RunManyItem.acknowledge_turns): set on a new turn whose tool calls it
+    makes next in an environment session. The caller says so with
+    RunManyRequest.checkpoints_read, in its next message.
+    """
     @_builtins.property
     def turn(self) -> _task_pb2.RolloutTurn:
         """With `response` set, a new turn: it becomes the state's turn
@@ -380,10 +410,11 @@ class RunCheckpoint(_message.Message):
         turn_index: _builtins.int = ...,
         turn: _task_pb2.RolloutTurn | None = ...,
         attempt: _task_pb2.RolloutAttempt | None = ...,
+        acknowledge: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "turn", b"turn"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "id", b"id", "turn", b"turn", "turn_index", b"turn_index"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acknowledge", b"acknowledge", "attempt", b"attempt", "id", b"id", "turn", b"turn", "turn_index", b"turn_index"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
