@@ -70,6 +70,7 @@ TICKS = os.sysconf("SC_CLK_TCK")
 
 SINGLE_TURN_ROW = {"responses_create_params": {"input": "What is 17 + 25?", "temperature": 0}}
 WEATHER_ROWS = [json.loads(line) for line in (REPO / "servers/resources/weather/data/example.jsonl").open()]
+CART_ROWS = [json.loads(line) for line in (REPO / "servers/resources/session_state/data/example.jsonl").open()]
 
 
 def _gym() -> str:
@@ -115,7 +116,9 @@ def _memory_mb(pid: int, key: str) -> float:
     return 0.0
 
 
-def _write_config(directory: Path, model_latency: float, engine_url: str | None = None) -> Path:
+def _write_config(directory: Path, model_latency: float, engine_url: str | None = None, cart: bool = False) -> Path:
+    """The benchmark stack's configuration; `cart` adds the shopping-cart environment (a session a
+    rollout, several tool calls) and its agent, `cart_agent`."""
     agent = f"{REPO}/servers/agents/simple_agent/agent.py:SimpleAgent"
     config = {
         "registry": {"port": 0},
@@ -136,6 +139,12 @@ def _write_config(directory: Path, model_latency: float, engine_url: str | None 
             },
         },
     }
+    if cart:
+        config["servers"]["cart"] = {"entrypoint": f"{REPO}/servers/resources/session_state/server.py:ShoppingCartEnv"}
+        config["servers"]["cart_agent"] = {
+            "entrypoint": agent,
+            "config": {"model_server": "policy_model", "resources_server": "cart", "max_steps": 8},
+        }
     if engine_url is not None:  # the HTTP model servers in front of bench/instant_engine.py
         # No connection cap: every rollout in flight reaches the engine, whose latency is the point.
         engine = {"base_url": engine_url, "model": "instant", "max_connections": 0}
@@ -158,7 +167,7 @@ def _write_config(directory: Path, model_latency: float, engine_url: str | None 
             "entrypoint": agent,
             "config": {"model_server": "responses_policy_model", "resources_server": "weather"},
         }
-    path = directory / f"bench_{model_latency}_{engine_url is not None}.yaml"
+    path = directory / f"bench_{model_latency}_{engine_url is not None}_{cart}.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
     return path
 
@@ -378,30 +387,39 @@ def bench_stack(tmp: Path, rollouts: int, windows: list[int], weather_rollouts: 
 
 
 def bench_durable(tmp: Path, rollouts: int, repeats: int) -> dict:
-    """What durable rollouts cost when nothing fails: the weather workload collected with the
-    runs durable (the default) and with `--resume-attempts 0`, in turn, `repeats` times each on
-    one stack; CPU per rollout over every server process and the collector, and the ratio of
-    the medians."""
-    stack = Stack(_write_config(tmp, 0.0))
-    runs: dict[str, list[dict]] = {"durable": [], "not_durable": []}
+    """What durable rollouts cost when nothing fails, on two workloads: weather (a stateless
+    environment) and the shopping cart (a session a rollout, whose tool calls wait until the
+    collector has the turn that asked for them). Each collected with the runs durable (the default)
+    and with `--resume-attempts 0`, in turn, `repeats` times each on one stack; CPU per rollout over
+    every server process and the collector, and the ratio of the medians."""
+    stack = Stack(_write_config(tmp, 0.0, cart=True))
+    workloads = {
+        "weather": ("weather_agent", WEATHER_ROWS, "two model calls, one tool call, no session"),
+        "cart": ("cart_agent", CART_ROWS, "a session a rollout, several model and tool calls (shopping cart)"),
+    }
+    result: dict[str, dict] = {}
     try:
-        tasks = _tasks(tmp, "weather", WEATHER_ROWS, rollouts)
-        for _ in range(repeats):
-            for mode, extra in (("durable", ()), ("not_durable", ("--resume-attempts", "0"))):
-                before = stack.cpu()
-                run = collect(stack, "weather_agent", tasks, tmp / "out.jsonl", 1024, *extra)
-                runs[mode].append(_row(run, stack.cpu() - before + run.collector_cpu, in_flight=1024))
+        for name, (agent, rows, what) in workloads.items():
+            tasks = _tasks(tmp, name, rows, rollouts)
+            runs: dict[str, list[dict]] = {"durable": [], "not_durable": []}
+            for _ in range(repeats):
+                for mode, extra in (("durable", ()), ("not_durable", ("--resume-attempts", "0"))):
+                    before = stack.cpu()
+                    run = collect(stack, agent, tasks, tmp / "out.jsonl", 1024, *extra)
+                    runs[mode].append(_row(run, stack.cpu() - before + run.collector_cpu, in_flight=1024))
+            medians = {mode: statistics.median(row["cpu_ms_per_rollout"] for row in r) for mode, r in runs.items()}
+            rates = {mode: statistics.median(row["rollouts_per_second"] for row in r) for mode, r in runs.items()}
+            result[name] = {
+                "workload": f"{name} ({what}), embedded policy, 1,024 in flight",
+                "runs": runs,
+                "median_cpu_ms_per_rollout": medians,
+                "median_rollouts_per_second": rates,
+                "cpu_ratio_durable_to_not": round(medians["durable"] / medians["not_durable"], 3),
+                "rate_ratio_durable_to_not": round(rates["durable"] / rates["not_durable"], 3),
+            }
     finally:
         stack.stop()
-    medians = {mode: statistics.median(row["cpu_ms_per_rollout"] for row in rows) for mode, rows in runs.items()}
-    rates = {mode: statistics.median(row["rollouts_per_second"] for row in rows) for mode, rows in runs.items()}
-    return {
-        "workload": "weather (two model calls, one tool call), embedded policy, 1,024 in flight",
-        "runs": runs,
-        "median_cpu_ms_per_rollout": medians,
-        "median_rollouts_per_second": rates,
-        "cpu_ratio_durable_to_not": round(medians["durable"] / medians["not_durable"], 3),
-    }
+    return result
 
 
 def _row(run: Collection, cpu: float, **extra: int) -> dict:
@@ -1038,8 +1056,9 @@ def main() -> None:
             result = bench_durable(Path(directory), sizes["weather"], sizes["split_repeats"])
         results[args.only] = result
         _save(args, results, f"{args.name}-{args.only}")
-        print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
-        sys.exit(1 if any(row["failed"] for rows in result["runs"].values() for row in rows) else 0)
+        print(json.dumps({name: {k: v for k, v in w.items() if k != "runs"} for name, w in result.items()}, indent=2))
+        failed = any(row["failed"] for w in result.values() for rows in w["runs"].values() for row in rows)
+        sys.exit(1 if failed else 0)
     if args.only == "sandboxes":
         import sandboxes
 
