@@ -815,7 +815,7 @@ def test_an_agent_restarted_mid_collection_resumes_its_rollouts_and_runs_each_to
         collect = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 120
         while not output.exists() or len(read_rows(output)) < 10 or not (tmp_path / "held").exists():
-            assert collect.poll() is None and time.monotonic() < deadline, "10 rollouts were not collected"
+            assert collect.poll() is None and time.monotonic() < deadline, "10 rows, or an add held, never came"
             time.sleep(0.05)
         os.kill(agent_pid, signal.SIGKILL)
         (tmp_path / "release").touch()
