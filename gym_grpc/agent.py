@@ -113,8 +113,9 @@ class Attempt:
         self.number = len(self.resume.attempts) + 1
         #: Its session is open and its caller told (`begin`): from then on a lost attempt may keep it.
         self.began = False
-        #: It has an environment session (a stateful environment), where its tool calls leave their effects.
-        self.in_session = False
+        #: Its turns' tool calls wait until the caller has the turn (`turn_kept`): a durable run whose client
+        #: acknowledges turns, with an environment session, where the calls leave their effects.
+        self._turns_kept = False
         self._reported: list[_Reported] = []
         self._started = time.monotonic()
 
@@ -137,12 +138,11 @@ class Attempt:
     def begin(self, record: task_pb2.RolloutAttempt) -> None:
         """The attempt began, with its session open (none for a stateless environment)."""
         self.began = True
-        self.in_session = bool(record.session_id)
+        self._turns_kept = bool(record.session_id) and self.link is not None and self.link.turns_acknowledged
         self._report(0, record, 0.0)
 
     def new_turn(self, index: int, response: r.Response, seconds: float) -> None:
-        # Its tool calls leave effects in the session: made once the caller has the turn (turn_kept).
-        self._report(index, response, seconds, self.in_session and bool(function_calls(response)))
+        self._report(index, response, seconds, self._turns_kept and bool(function_calls(response)))
 
     async def turn_kept(self) -> None:
         """Before a tool call: once the caller of a durable run has the turn that asked for it (at once

@@ -309,11 +309,10 @@ class _Call:
                     if progress is not None:
                         progress[1].append(checkpoint.SerializeToString())
                     asked = asked or checkpoint.acknowledge
-                if reply.checkpoints:
-                    self._checkpoints_read += len(reply.checkpoints)
-                    if asked:  # a run waits to make its tool calls until the agent hears this
-                        self._outbox.filling().checkpoints_read = self._checkpoints_read
-                        self._wake.set()
+                self._checkpoints_read += len(reply.checkpoints)
+                if asked:  # a run waits to make its tool calls until the agent hears this
+                    self._outbox.filling().checkpoints_read = self._checkpoints_read
+                    self._wake.set()
                 if self._unread:
                     self._acknowledge(reply)
                 for result in reply.results:

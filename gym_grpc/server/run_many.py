@@ -47,7 +47,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import heapq
-import itertools
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -144,10 +143,10 @@ class RunLink:
     def checkpoint(self, size: int, acknowledge: bool = False) -> agent_pb.RunCheckpoint:
         """A new checkpoint of the run (see RunCheckpoint), of about `size` bytes, to fill in at
         once: it is in the reply that goes out next (built there, not copied). With `acknowledge`
-        (a turn whose tool calls come next) and a client that acknowledges turns, `turn_read`
+        (a turn whose tool calls come next; only for a client that acknowledges turns), `turn_read`
         then waits until the client has read it."""
         checkpoint, number = self._runs.checkpoint(self._id, size)
-        if acknowledge and self.turns_acknowledged:
+        if acknowledge:
             checkpoint.acknowledge = True
             self._awaited = number
         return checkpoint
@@ -199,11 +198,11 @@ class _Runs:
         #: Checkpoints put in the replies, and how many of them the client said it read.
         self._checkpoints = 0
         self._checkpoints_read = 0
-        #: Runs waiting for the client to have read a checkpoint: (its number, tie-break, future), soonest first.
-        self._readers: list[tuple[int, int, asyncio.Future[None]]] = []
-        self._reader_ids = itertools.count()
+        #: Runs waiting for the client to have read a checkpoint: (its number, future), soonest first. A
+        #: number is one checkpoint's, awaited by its run alone, so no two are equal and futures are never compared.
+        self._readers: list[tuple[int, asyncio.Future[None]]] = []
         #: The call's requests are read (see `listen`).
-        self.listening = True
+        self._listening = True
 
     def full(self) -> bool:
         """Whether the call holds as many runs, or results not sent, as it may (see the module's docstring)."""
@@ -270,17 +269,17 @@ class _Runs:
 
     async def read(self, number: int) -> None:
         """Once the client says it read `number` checkpoints or more, or the call is no longer read."""
-        if number <= self._checkpoints_read or not self.listening:
+        if number <= self._checkpoints_read or not self._listening:
             return
         future = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._readers, (number, next(self._reader_ids), future))
+        heapq.heappush(self._readers, (number, future))
         await future
 
     def checkpoints_read(self, count: int) -> None:
         """The client says it read `count` checkpoints: the runs that waited for as many go on."""
         self._checkpoints_read = max(self._checkpoints_read, count)
         while self._readers and self._readers[0][0] <= self._checkpoints_read:
-            future = heapq.heappop(self._readers)[2]
+            future = heapq.heappop(self._readers)[1]
             if not future.done():  # its run may have been cancelled while it waited
                 future.set_result(None)
 
@@ -288,9 +287,9 @@ class _Runs:
         """The call's requests are read again, or no longer (it holds as many runs as it may, or the
         client closed its side): while they are not, no count can come, and the runs that wait for
         one go on (see the module's docstring)."""
-        self.listening = listening
+        self._listening = listening
         if not listening:
-            for _, _, future in self._readers:
+            for _, future in self._readers:
                 if not future.done():
                     future.set_result(None)
             self._readers.clear()
