@@ -111,7 +111,13 @@ def _exec(request):
         except OSError:
             pass
     stdin = base64.b64decode(request.get("stdin") or "")
-    threading.Thread(target=_feed, args=(os.dup(child.stdin.fileno()), stdin), daemon=True).start()
+    if stdin:
+        fd = os.dup(child.stdin.fileno())
+        try:
+            threading.Thread(target=_feed, args=(fd, stdin), daemon=True).start()
+        except RuntimeError:  # no thread to be had (the command already forked to the process limit)
+            os.set_blocking(fd, False)
+            _feed(fd, stdin)  # what the pipe takes now; the rest is cut, as for a command that stops reading
     child.stdin.close()
     out, err = child.stdout.fileno(), child.stderr.fileno()
     kept = {out: bytearray(), err: bytearray()}
