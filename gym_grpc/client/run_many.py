@@ -45,7 +45,9 @@ durable run's result is acknowledged once read (RunManyRequest.received_ids),
 and returned once that is written: ahead of any run sent after it, before the
 client closes its side of the call, and before a caller that exits at once
 does. The agent keeps the run's session open until then, for the resume of a
-result written but lost with its agent or its connection.
+result written but lost with its agent or its connection. (Written as grpc.aio
+says it: framed for the connection's next write, not yet on the socket; a
+process killed in that moment can still lose it, see docs/durable-rollouts.md.)
 """
 
 from __future__ import annotations
