@@ -66,7 +66,8 @@ def _b64(data):
 
 
 def _feed(fd, data):
-    """Write a command's stdin (in a thread: it may read it slowly, or never)."""
+    """Write a command's stdin, then close `fd`: in a thread, since the command may read it slowly or
+    never; or, when no thread can start, what a non-blocking `fd` takes at once."""
     view = memoryview(data)
     try:
         while view:
