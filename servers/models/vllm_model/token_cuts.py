@@ -19,6 +19,8 @@ either way, since the half after the cut starts with the added token. The cut is
   alone, its first piece would be written `▁[`, in the whole `[`);
 - the longest added token at the cut strips whitespace to its left (`lstrip`) or must stand as a
   word (`single_word`): both look at the text before the cut;
+- the text before the cut ends with an added token that must stand as a word: in the whole text it
+  is followed by the token at the cut (`[W]` before `ab<|im_end|>` is no word), alone by nothing;
 - an added token's text runs across the cut (the whole text would match it there instead);
 - the tokenizer splits no added tokens out (`encode_special_tokens`), or is not of that library.
 """
@@ -37,6 +39,8 @@ class Cuts:
     by_first: dict[str, tuple[str, ...]]
     #: of those, the ones a cut may be made just before
     starts: frozenset[str]
+    #: of those, the ones a cut may not be made just after (`single_word`)
+    words: tuple[str, ...]
     #: each pair of adjacent characters in those tokens, to the tokens that hold it: a token whose
     #: text runs across a cut holds the two characters around it
     by_pair: dict[str, tuple[str, ...]]
@@ -60,6 +64,7 @@ class Cuts:
         return cls(
             {first: tuple(tokens) for first, tokens in by_first.items()},
             frozenset(t.content for t in raw if not (t.lstrip or t.single_word)),
+            tuple(sorted({t.content for t in raw if t.single_word})),
             {pair: tuple(tokens) for pair, tokens in by_pair.items()},
         )
 
@@ -69,7 +74,7 @@ class Cuts:
             return False
         # The added token matched at the cut: the longest one the text there starts with.
         first = next((t for t in self.by_first.get(text[cut], ()) if text.startswith(t, cut)), None)
-        if first is None or first not in self.starts:
+        if first is None or first not in self.starts or text.endswith(self.words, 0, cut):
             return False
         for token in self.by_pair.get(text[cut - 1 : cut + 1], ()):
             found = text.find(token, max(0, cut - len(token) + 1), cut + len(token) - 1)

@@ -110,14 +110,15 @@ def _ids(tokenizer, text: str) -> list[int]:
 
 
 def test_every_allowed_cut_just_before_an_added_token_tokenizes_apart_to_the_whole(tokenizer):
-    """Every piece, then each added token, then every piece or nothing: cut before the token."""
+    """Every piece after a word or a space, then each added token, then every piece or nothing: cut
+    before the token. (After a space, a token that must stand as a word can be one.)"""
     cuts = Cuts.of(tokenizer)
     assert cuts is not None
     allowed = 0
-    for left in _pieces(tokenizer):
+    for left in [f"{before}{piece}" for before in ("x", " ") for piece in _pieces(tokenizer)]:
         for token in _added(tokenizer):
             for right in ["", *_pieces(tokenizer)]:
-                text, cut = f"x{left}{token}{right}", 1 + len(left)
+                text, cut = f"{left}{token}{right}", len(left)
                 if cuts.at(text, cut):
                     allowed += 1
                     assert _ids(tokenizer, text) == _ids(tokenizer, text[:cut]) + _ids(tokenizer, text[cut:]), text
