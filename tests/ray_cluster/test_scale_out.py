@@ -275,8 +275,9 @@ def test_a_node_lost_mid_collection_costs_no_rollout_each_lost_one_goes_on_from_
 
         after = _wait(replaced, 120, "every lost replica started again on another node")
         restarted = [r for info in after.values() for r in info.replicas if r.restarts]
+        # `replaced` tells them apart by node, not by address: the cluster's nodes share one IP, and the OS
+        # may give a replacement the port its killed predecessor freed (a CI run saw it).
         assert len(restarted) == len(lost), after
-        assert not lost & {r.address for info in after.values() for r in info.replicas}
     finally:
         code = run.stop()
     assert code == 1  # a replica died during the run, as the local runner reports a dead server
