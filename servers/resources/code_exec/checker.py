@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -90,27 +91,44 @@ def _how_it_ended(returncode: int) -> str:
 
 
 @contextmanager
-def _interrupts_deferred() -> Iterator[None]:
-    """Hold back a KeyboardInterrupt until the block has ended, then raise it.
+def _interrupts_held() -> Iterator[list[int]]:
+    """Hold back a KeyboardInterrupt for the block: it is recorded in the list yielded, for the
+    block to look at where it can stop early, and raised once the block has ended.
 
-    A Ray task is cancelled with a KeyboardInterrupt in its main thread, and Ray
-    may send the cancel again while the first is handled. One that lands inside
-    `subprocess.Popen` (the child forked, `Popen` not yet returned) would leave no
-    handle to the child; one that lands in the clean-up would leave the child
-    unkilled or unreaped. Outside the main thread nothing can interrupt, so
-    nothing is held back.
+    A Ray task is cancelled with `_thread.interrupt_main`: a KeyboardInterrupt raised in its main
+    thread wherever it is, and Ray may send it again while the first is handled. Raised inside
+    `subprocess.Popen` (the child forked, `Popen` not yet returned) it would leave no handle to the
+    child; raised in the clean-up, or as the clean-up begins, a child unkilled or unreaped. Outside
+    the main thread nothing can interrupt, so nothing is held back.
     """
+    interrupted: list[int] = []
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield interrupted
         return
-    interrupted = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: interrupted.append(signum))
     try:
-        yield
+        yield interrupted
     finally:
         signal.signal(signal.SIGINT, previous)
     if interrupted:
         raise KeyboardInterrupt
+
+
+def _ended(child: subprocess.Popen[bytes], seconds: float, interrupted: list[int]) -> bool:
+    """Wait up to `seconds` for `child` to end, or until an interrupt is held; whether it ended.
+
+    It polls, with sleeps that grow to 50 ms, as `Popen.wait` with a time-out does: Ray's cancel
+    is no signal, so it ends no blocking call, and only Python code that runs sees it.
+    """
+    deadline = time.monotonic() + seconds
+    delay = 0.0005
+    while child.poll() is None:
+        remaining = deadline - time.monotonic()
+        if interrupted or remaining <= 0:
+            return False
+        delay = min(delay * 2, remaining, 0.05)
+        time.sleep(delay)
+    return True
 
 
 #: How candidates are isolated by `run_program`: bubblewrap, or a plain child process.
@@ -269,27 +287,28 @@ def run_program(the_job: dict[str, Any], wall_seconds: float, isolation: str = "
             binary = bwrap_binary()
         except FileNotFoundError as e:
             return b"", 127, False, f"bubblewrap is not installed: {e}"
-    workdir = tempfile.mkdtemp(prefix="code_exec_")
-    try:
-        scratch = os.path.join(workdir, "scratch")  # all a sandboxed candidate sees of this machine
-        os.mkdir(scratch)
-        the_job = dict(the_job)
-        if isolation == "bwrap":
-            python = os.path.realpath(sys.executable)
-            inside = SANDBOX_DIR
-            command = _bwrap(binary, scratch, python)
-            the_job["require_process_limit"] = True
-        else:
-            python, inside, command = sys.executable, scratch, []
-            the_job["parent_pid"] = os.getpid()
-        with open(os.path.join(scratch, "job.json"), "w") as f:
-            json.dump(the_job, f)
-        command += [python, "-I", "-c", HARNESS, f"{inside}/job.json", f"{inside}/results.jsonl"]
-        killed = False
-        child: subprocess.Popen[bytes] | None = None
-        with open(os.path.join(workdir, "stderr"), "w+b") as stderr:
-            try:
-                with _interrupts_deferred():  # an interrupt raised here still reaches the `finally` below
+    # Held for the whole check, so that a cancel never leaves a child or a scratch directory behind.
+    with _interrupts_held() as interrupted:
+        workdir = tempfile.mkdtemp(prefix="code_exec_")
+        try:
+            scratch = os.path.join(workdir, "scratch")  # all a sandboxed candidate sees of this machine
+            os.mkdir(scratch)
+            the_job = dict(the_job)
+            if isolation == "bwrap":
+                python = os.path.realpath(sys.executable)
+                inside = SANDBOX_DIR
+                command = _bwrap(binary, scratch, python)
+                the_job["require_process_limit"] = True
+            else:
+                python, inside, command = sys.executable, scratch, []
+                the_job["parent_pid"] = os.getpid()
+            with open(os.path.join(scratch, "job.json"), "w") as f:
+                json.dump(the_job, f)
+            command += [python, "-I", "-c", HARNESS, f"{inside}/job.json", f"{inside}/results.jsonl"]
+            killed = False
+            child: subprocess.Popen[bytes] | None = None
+            with open(os.path.join(workdir, "stderr"), "w+b") as stderr:
+                try:
                     child = subprocess.Popen(
                         command,
                         cwd=scratch,
@@ -299,32 +318,28 @@ def run_program(the_job: dict[str, Any], wall_seconds: float, isolation: str = "
                         env={"PATH": os.defpath, "LANG": "C.UTF-8"},  # none of the server's secrets
                         start_new_session=True,
                     )
-                # The caller's deadline bounds the check even when its cancel never arrives
-                # (Ray's cancel of a running task is best effort).
-                child.wait(timeout=wall_seconds)
-            except subprocess.TimeoutExpired:
-                killed = True
-            except FileNotFoundError:
-                if child is None and isolation == "bwrap":
-                    return b"", 127, False, f"bubblewrap is not installed: {command[0]} is gone"
-                raise
-            finally:
-                # The whole group: whatever the candidate started goes too. In bubblewrap the
-                # candidate is in a session of its own, but it dies with bubblewrap (its pid
-                # namespace ends with its first process, which dies with bwrap).
-                # Ray may repeat its cancel: a second interrupt must not stop the kill or the reaping.
-                with _interrupts_deferred():
+                    # The caller's deadline bounds the check even when its cancel never arrives
+                    # (Ray's cancel of a running task is best effort).
+                    killed = not _ended(child, wall_seconds, interrupted)
+                except FileNotFoundError:
+                    if child is None and isolation == "bwrap":
+                        return b"", 127, False, f"bubblewrap is not installed: {command[0]} is gone"
+                    raise
+                finally:
+                    # The whole group: whatever the candidate started goes too. In bubblewrap the
+                    # candidate is in a session of its own, but it dies with bubblewrap (its pid
+                    # namespace ends with its first process, which dies with bwrap).
                     if child is not None:
                         try:
                             os.killpg(child.pid, signal.SIGKILL)
                         except (ProcessLookupError, PermissionError):
                             pass
                         child.wait()
-            stderr.seek(max(0, stderr.seek(0, os.SEEK_END) - MAX_ERROR_CHARS))
-            log = stderr.read().decode(errors="replace").strip()
-        results = _read_file(os.path.join(scratch, "results.jsonl"))
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+                stderr.seek(max(0, stderr.seek(0, os.SEEK_END) - MAX_ERROR_CHARS))
+                log = stderr.read().decode(errors="replace").strip()
+            results = _read_file(os.path.join(scratch, "results.jsonl"))
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
     assert child is not None  # a Popen that raised has left by now
     return results, child.returncode, killed, log
 

@@ -5,6 +5,7 @@ import _thread
 import asyncio
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -366,30 +367,67 @@ def test_an_interrupt_that_lands_while_the_child_starts_still_kills_it(monkeypat
     _assert_gone(started)
 
 
-def test_a_second_interrupt_during_the_clean_up_still_kills_and_reaps_the_child(monkeypatch):
-    """Ray may repeat a cancel while the first is handled: the second lands in the clean-up.
-
-    Both interrupts are delivered as Ray delivers them (`_thread.interrupt_main`):
-    the first while the child runs, the second as the clean-up waits for it.
-    Before the fix the second left the killed child unreaped (a zombie).
-    """
+def test_an_interrupt_at_any_line_of_a_check_and_another_right_after_leave_no_child_and_no_scratch(
+    monkeypatch, tmp_path
+):
+    """Ray cancels a running task with `_thread.interrupt_main` and may repeat the cancel while the
+    first is handled. Here the first lands at each line `run_program` runs in turn (a line tracer
+    fires it) and the second at the next call or return anywhere after it (a profiler fires it), so
+    every place a cancel can land is tried, the clean-up's among them. Before the fix a second one
+    landing as the clean-up began skipped the kill, and the candidate ran on to its own deadline (a
+    CI run saw it). An interrupt raised in the tracer or the profiler unsets it and goes on from the
+    line or call where it fired, as a cancel landing there would."""
     started: list[int] = []
 
-    class TwiceInterruptedPopen(subprocess.Popen):
+    class RecordedPopen(subprocess.Popen):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             started.append(self.pid)
 
-        def wait(self, timeout=None):
-            _thread.interrupt_main()
-            for _ in range(1000):  # bytecode, where a pending interrupt is raised
-                pass
-            return super().wait(timeout)
+    monkeypatch.setattr(checker.subprocess, "Popen", RecordedPopen)
+    monkeypatch.setattr(checker.tempfile, "tempdir", str(tmp_path))  # where the scratch directories go
+    code = checker.run_program.__code__
 
-    monkeypatch.setattr(checker.subprocess, "Popen", TwiceInterruptedPopen)
-    with pytest.raises(KeyboardInterrupt):
-        run_tests(ADD, "add", ADD_TESTS, test_timeout=60, memory_mb=512, startup_seconds=5)
-    _assert_gone(started)
+    def again(frame, event, arg):
+        sys.setprofile(None)
+        _thread.interrupt_main()
+
+    def check(first: int | None) -> int:
+        """One check with a cancel at line event `first` of run_program, repeated right after; how
+        many line events it ran."""
+        lines = 0
+
+        def line(frame, event, arg):
+            nonlocal lines
+            if event == "line":
+                lines += 1
+                if lines - 1 == first:
+                    sys.setprofile(again)
+                    _thread.interrupt_main()
+            return line
+
+        sys.settrace(lambda frame, event, arg: line if frame.f_code is code else None)
+        try:
+            run_tests(ADD, "add", ADD_TESTS, test_timeout=60, memory_mb=512, startup_seconds=5)
+        finally:
+            sys.settrace(None)
+            sys.setprofile(None)
+        return lines
+
+    total = check(None)
+    assert total > 20
+    for first in range(total):
+        started.clear()
+        with pytest.raises(KeyboardInterrupt):
+            check(first)
+        try:
+            for _ in range(1000):  # bytecode, where an interrupt still pending would be raised
+                pass
+        except KeyboardInterrupt:
+            pytest.fail(f"interrupted at line event {first}: an interrupt outlived the check")
+        for pid in started:
+            _assert_gone([pid])
+        assert not list(tmp_path.iterdir()), f"interrupted at line event {first}: scratch left"
 
 
 def _assert_gone(started: list[int]) -> None:
