@@ -24,13 +24,15 @@ import pytest
 
 from gym_grpc import errors
 from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
+from gym_grpc.client import run_many as run_many_client
 from gym_grpc.client.stubs import AgentClient, ResourcesClient
 from gym_grpc.data import record
 from gym_grpc.model import ModelServer
 from gym_grpc.resources import Session, tool
 from gym_grpc.responses import assistant_message, final_text, new_id
-from gym_grpc.rpc import transport
+from gym_grpc.rpc import protocol, transport
 from gym_grpc.rpc.registry import Registry
+from gym_grpc.server import run_many as run_many_server
 from gym_grpc.testing import Calculator, Servers, calculator_task, call
 from gym_grpc.v1 import admin_service_pb2 as admin_pb
 from gym_grpc.v1 import admin_service_pb2_grpc as admin_grpc
@@ -621,14 +623,16 @@ import sys
 
 from gym_grpc.client.stubs import AgentClient
 from gym_grpc.rpc.registry import Registry
+from gym_grpc.server import run_many as run_many_server
 from gym_grpc.testing import calculator_task
 
 
 async def main():
     client = AgentClient(Registry(static={"agent": sys.argv[1]}), "agent")
-    rollout = await client.run(calculator_task("Add.", expected_answer=sys.argv[2]), 60)
-    print(rollout.reward, flush=True)
-    os._exit(0)  # no close, no end of the event loop: a script killed right after its rollout
+    task = calculator_task("Add.", expected_answer=sys.argv[2])
+    rollouts = await asyncio.gather(*(client.run(task, 60) for _ in range(int(sys.argv[3]))))
+    print(*(rollout.reward for rollout in rollouts), flush=True)
+    os._exit(0)  # no close, no end of the event loop: a script killed right after its rollouts
 
 
 asyncio.run(main())
@@ -636,25 +640,91 @@ asyncio.run(main())
 
 
 @pytest.mark.slow
-async def test_a_client_process_that_exits_right_after_its_rollout_leaves_no_session_open():
-    """A script that runs a rollout and exits without closing its client has still said it read the
-    result: `run` returns once the acknowledgement is written, so the agent closes the session
-    rather than keep it until the environment's idle time-out. Six client processes, one after the
-    other. A race, so a net with holes: when `run` did not wait, 4 of 10 such processes in a row left
-    their session open, and this test failed 1 run in 4."""
+async def test_a_client_process_that_exits_right_after_its_rollouts_leaves_no_session_open():
+    """A script that runs its rollouts and exits without closing its client has still said it read
+    every result, so the agent closes the sessions rather than keep them until the environment's idle
+    time-out: the last `run` to return on a call returns once the agent confirmed it read the
+    acknowledgements (protocol 1.18), the earlier ones once theirs are written. Six client
+    processes, one after the other, of one and of three rollouts at once. A race, so a net with
+    holes: when `run` waited only for the write (1.16), processes of three lost an acknowledgement
+    often enough that this test failed 1 run in 6 to 8 beside two busy processes; when it did not
+    wait at all, 3 runs in 4."""
     env, model = Counter(name="calc"), AddingModel()
     async with Servers() as servers:
         (agent,), peers = await _agents(servers, env, model)
         try:
-            for _ in range(6):
+            for count in (1, 3) * 3:
                 client = await asyncio.create_subprocess_exec(
-                    sys.executable, "-c", EXITING_CLIENT, agent.address, str(ADDS), stdout=PIPE, stderr=PIPE
+                    sys.executable, "-c", EXITING_CLIENT, agent.address, str(ADDS), str(count), stdout=PIPE, stderr=PIPE
                 )
                 out, err = await client.communicate()
-                assert out.decode().strip() == "1.0", err.decode()
+                assert out.decode().split() == ["1.0"] * count, err.decode()
             await eventually(lambda: not env.sessions, "every client's session closed")
         finally:
             await peers.close()
+
+
+async def test_a_request_that_asks_is_answered_once_read_its_acknowledgements_read_by_then():
+    """Over the wire (protocol 1.18): a request with `confirm_received` is answered in the agent's
+    next reply with how many such requests it has read on the call; the `received_ids` it carried
+    were read first, so the session's close has begun (or ended) by the time the answer comes."""
+    env = Counter(name="calc")
+    async with _run_many_call(env, AddingModel()) as (agent, call):
+        await call.write(agent_pb.RunManyRequest(runs=[_durable_item(7, True)]))
+        (result,) = await _results_of(call, 7)
+        assert result.rollout.reward == 1.0 and len(env.sessions) == 1
+        for asked in (1, 2):
+            await call.write(agent_pb.RunManyRequest(received_ids=[7] if asked == 1 else [], confirm_received=True))
+            reply = await call.read()
+            assert reply.received_confirmed == asked
+            assert agent.app._closing or not env.sessions  # the close began before the answer went out
+        await eventually(lambda: not env.sessions, "the session closed")
+        await call.done_writing()
+        assert await call.code() == grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize("rollouts", [1, 3])
+async def test_the_last_rollout_on_a_call_returns_once_the_agent_has_read_every_acknowledgement(rollouts, monkeypatch):
+    """`run` returns a durable rollout once its acknowledgement is written; the one that leaves its
+    call with no run in flight asks the agent to confirm it read it, and returns only then (1.18). So
+    when the last of several rollouts at once returns, the agent has read every acknowledgement, and
+    only one request asked. Without the confirmation the agent reads them after `run` returns: a
+    process that exits then can take them with it (the exiting-client test below)."""
+    read: list[int] = []
+    asked: list[int] = []
+    received, confirm = run_many_server._Runs.received, run_many_server._Runs.confirm_received
+    monkeypatch.setattr(
+        run_many_server._Runs, "received", lambda runs, run_id: (read.append(run_id), received(runs, run_id))
+    )
+    monkeypatch.setattr(run_many_server._Runs, "confirm_received", lambda runs: (asked.append(1), confirm(runs)))
+    env, model = Counter(name="calc"), AddingModel()
+    async with Servers() as servers:
+        client = AgentClient(await _stack(servers, env, model), "agent0")
+        rollouts_read = await asyncio.gather(*(client.run(_task()) for _ in range(rollouts)))
+        assert [rollout.reward for rollout in rollouts_read] == [1.0] * rollouts
+        assert len(read) == rollouts and len(asked) == 1
+        await client.close()
+        await client.registry.close()
+
+
+@pytest.mark.parametrize("agent", ["older_than_1_18", "never_answers"])
+async def test_a_rollout_whose_agent_does_not_confirm_its_acknowledgement_still_returns(agent, monkeypatch):
+    """An agent older than 1.18 is not asked (its handshake says its version); one that is asked and
+    never answers (a replica of an older version behind the same name, a process that hangs) delays
+    the rollout by ACKNOWLEDGED_SECONDS at most: the rollout in hand is returned, never held."""
+    if agent == "older_than_1_18":
+        monkeypatch.setattr(protocol, "VERSION", (1, 17))
+    else:
+        monkeypatch.setattr(run_many_server._Runs, "confirm_received", lambda runs: None)
+        monkeypatch.setattr(run_many_client, "ACKNOWLEDGED_SECONDS", 0.2)
+    env, model = Counter(name="calc"), AddingModel()
+    async with Servers() as servers:
+        client = AgentClient(await _stack(servers, env, model), "agent0")
+        rollout = await asyncio.wait_for(client.run(_task()), 30)
+        assert rollout.reward == 1.0
+        await eventually(lambda: not env.sessions, "the session closed")  # the acknowledgement was sent all the same
+        await client.close()
+        await client.registry.close()
 
 
 async def test_a_resume_the_agent_cannot_use_is_refused_naming_the_field():

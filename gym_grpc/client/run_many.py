@@ -42,20 +42,26 @@ tool calls already made are answered from the environment's records. A turn
 whose tool calls the agent makes next is acknowledged once read (RunManyRequest.checkpoints_read),
 and the agent makes them only then: an agent lost before the turn arrived made none of them. Each
 durable run's result is acknowledged once read (RunManyRequest.received_ids),
-and returned once that is written: ahead of any run sent after it, before the
-client closes its side of the call, and before a caller that exits at once
-does. The agent keeps the run's session open until then, for the resume of a
-result written but lost with its agent or its connection. (Written as grpc.aio
-says it: framed for the connection's next write, not yet on the socket; a
-process killed in that moment can still lose it, see docs/durable-rollouts.md.)
+and returned once that is written: ahead of any run sent after it, and before
+the client closes its side of the call. The agent keeps the run's session open
+until then, for the resume of a result written but lost with its agent or its
+connection. Written is what grpc.aio says: framed for the connection's next
+write, not on the socket yet, so a process that exits at once could take the
+acknowledgement with it. Hence the acknowledgements sent as a call falls idle
+(no other run of it waits) ask the agent to confirm them (confirm_received,
+protocol 1.18), and their runs return once it has: a caller that exits right
+after its last rollouts has told the agent. Runs that return while others are
+in flight on the call do not wait for that; a process that exits then loses
+those runs anyway.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 import grpc
 
@@ -89,6 +95,11 @@ RESENDS = 3
 
 #: Seconds a closing client waits for the agent to end a RunMany call it gave up (see _Call.end).
 END_SECONDS = 2.0
+
+#: Seconds a run that has its rollout waits, at most, for its acknowledgement to be written or confirmed
+#: (_Call.acknowledged): an agent that never answers (a replica older than 1.18 behind the same name,
+#: or one whose process hangs) delays the rollout by this much, and the session stays to its idle time-out.
+ACKNOWLEDGED_SECONDS = 2.0
 
 #: How many times a durable run lost to a server or engine that went away is resumed, unless told.
 RESUME_ATTEMPTS = 7
@@ -164,9 +175,11 @@ class _Call:
     """One RunMany call on one connection: the runs on it that wait for a result, and the
     runs and cancellations not sent yet (in its outbox)."""
 
-    def __init__(self, connection: transport.Connection, error_of: ErrorOf) -> None:
+    def __init__(self, connection: transport.Connection, error_of: ErrorOf, confirms: bool = False) -> None:
         self.connection = connection
         self._error_of = error_of
+        #: The agent answers RunManyRequest.confirm_received (protocol 1.18).
+        self._confirms = confirms
         self._ids = itertools.count()
         self.waiting: dict[int, asyncio.Future[task_pb2.Rollout]] = {}
         #: Each durable run on it: the state it began from and the checkpoints it sent since,
@@ -175,8 +188,12 @@ class _Call:
         #: Durable runs whose result has not come yet: it is acknowledged once read, whether or not
         #: its caller still waits for it (the agent keeps its session open until then).
         self._unread: set[int] = set()
-        #: Acknowledgements not written yet, by run id: each future is done once its message is.
+        #: Acknowledgements not written yet, or not confirmed yet, by run id: each future is done once
+        #: its message is written, or confirmed read when it asked (confirm_received).
         self._acknowledging: dict[int, asyncio.Future[None]] = {}
+        #: Messages sent with confirm_received: (their number from 1, their received_ids), oldest first.
+        self._confirming: collections.deque[tuple[int, list[int]]] = collections.deque()
+        self._confirms_asked = 0
         #: The checkpoints read on the call, all runs' (RunManyRequest.checkpoints_read).
         self._checkpoints_read = 0
         self._outbox: Outbox[agent_pb.RunManyRequest] = Outbox(agent_pb.RunManyRequest)
@@ -263,22 +280,26 @@ class _Call:
         received = [result.id for result in reply.results if result.id in self._unread]
         if received:
             self._unread.difference_update(received)
-            self._outbox.filling().received_ids.extend(received)
+            message = self._outbox.filling()
+            message.received_ids.extend(received)
+            ended = reply.results
+            if self._confirms and len(self.waiting) <= len(ended) and {r.id for r in ended}.issuperset(self.waiting):
+                message.confirm_received = True  # the call falls idle (see the module's docstring)
             loop = asyncio.get_running_loop()
             self._acknowledging.update((run_id, loop.create_future()) for run_id in received)
             self._wake.set()
 
     async def acknowledged(self, run_id: int) -> None:
-        """Once the acknowledgement of run `run_id`'s result is written (at once when it has none, or
-        the call ended): a caller that exits right after its last rollout, without closing the
-        client, has then told the agent, which closes the session rather than keep it until the
-        environment's idle time-out."""
+        """Once the acknowledgement of run `run_id`'s result is written, or confirmed read when it
+        was sent as the call fell idle (at once when it has none, or the call ended): a caller that
+        exits right after its last rollout, without closing the client, has then told the agent,
+        which closes the session rather than keep it until the environment's idle time-out."""
         future = self._acknowledging.get(run_id)
         if future is not None:
-            await future
+            await asyncio.wait([future], timeout=ACKNOWLEDGED_SECONDS)
 
-    def _written(self, message: agent_pb.RunManyRequest) -> None:
-        for run_id in message.received_ids:
+    def _done_acknowledging(self, run_ids: Iterable[int]) -> None:
+        for run_id in run_ids:
             future = self._acknowledging.pop(run_id, None)
             if future is not None and not future.done():  # its caller may have given up on it
                 future.set_result(None)
@@ -290,8 +311,12 @@ class _Call:
                 self._wake.clear()
                 while self._outbox:
                     message = self._outbox.take()
+                    if message.confirm_received:  # done once the agent says it read it, which may come first
+                        self._confirms_asked += 1
+                        self._confirming.append((self._confirms_asked, list(message.received_ids)))
                     await self._call.write(message)
-                    self._written(message)
+                    if not message.confirm_received:
+                        self._done_acknowledging(message.received_ids)
                 if self.closing and not self._unread:  # after the last acknowledgement
                     await self._call.done_writing()
                     return
@@ -315,6 +340,8 @@ class _Call:
                 if asked:  # a run waits to make its tool calls until the agent hears this
                     self._outbox.filling().checkpoints_read = self._checkpoints_read
                     self._wake.set()
+                while self._confirming and self._confirming[0][0] <= reply.received_confirmed:
+                    self._done_acknowledging(self._confirming.popleft()[1])
                 if self._unread:
                     self._acknowledge(reply)
                 for result in reply.results:
@@ -353,6 +380,7 @@ class _Call:
                 if not acknowledging.done():
                     acknowledging.set_result(None)
             self._acknowledging.clear()
+            self._confirming.clear()
         if not self.waiting:
             return
         if error is None and not self.connection.given_up:
@@ -382,9 +410,16 @@ class RunMany:
     on a channel balanced over several replicas one per replica (gRPC's round_robin gives
     each new call the next replica); opened on first use, and again when one ended."""
 
-    def __init__(self, connections: Callable[[], Awaitable[list[transport.Connection]]], error_of: ErrorOf) -> None:
+    def __init__(
+        self,
+        connections: Callable[[], Awaitable[list[transport.Connection]]],
+        error_of: ErrorOf,
+        confirms: bool = False,
+    ) -> None:
         self._connections = connections
         self._error_of = error_of
+        #: The agent answers RunManyRequest.confirm_received (protocol 1.18).
+        self._confirms = confirms
         self._calls: dict[tuple[transport.Connection, int], _Call] = {}
         #: The slots by replica (the workers behind one address, in order), or each slot alone.
         self._groups: list[list[tuple[transport.Connection, int]]] = []
@@ -455,7 +490,7 @@ class RunMany:
         if call is None or call.ended or call.closing:
             if call is not None and call.ended and not call.closing:
                 self._pool = None  # a worker died: the next run asks again which connection reaches which
-            call = self._calls[slot] = _Call(slot[0], self._error_of)
+            call = self._calls[slot] = _Call(slot[0], self._error_of, self._confirms)
         return call
 
     def park(self) -> int:
@@ -493,8 +528,7 @@ class RunMany:
                     run_id, result = call.submit(request, left, durable and resumes < resume_attempts)
                     try:
                         rollout = await result
-                        await call.acknowledged(run_id)
-                        return rollout
+                        break
                     except _NotStarted:
                         resends += 1
                         if resends > RESENDS:
@@ -517,6 +551,8 @@ class RunMany:
                     _resume_from(request, state, failure, time.monotonic() - started)
         except TimeoutError:
             raise status_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        await call.acknowledged(run_id)  # past the deadline's reach: the rollout is in hand
+        return rollout
 
 
 def _resume_from(

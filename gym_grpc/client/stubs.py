@@ -478,7 +478,8 @@ class AgentClient(_Client):
         if info.capabilities.max_receive_message_bytes:
             self._largest_run = min(self._largest_run, info.capabilities.max_receive_message_bytes)
         if run_many.METHOD in protocol.methods(info, self._service):
-            self._run_many = run_many.RunMany(self._connections, self._error)
+            confirms = (info.protocol.major, info.protocol.minor) >= (1, 18)
+            self._run_many = run_many.RunMany(self._connections, self._error, confirms)
             self._resumable = info.capabilities.resumable_rollouts
 
     def park(self) -> int:

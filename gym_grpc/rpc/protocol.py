@@ -56,7 +56,9 @@ from gym_grpc.v1 import agent_service_pb2, resources_service_pb2  # noqa: F401  
 #:       its client says it has the result, not once the result is written.
 #: 1.17: RunManyItem.acknowledge_turns, RunCheckpoint.acknowledge and RunManyRequest.checkpoints_read: a durable
 #:       run's tool calls are made once its client has the turn that asked for them.
-VERSION = (1, 17)
+#: 1.18: RunManyRequest.confirm_received and RunManyResponse.received_confirmed: the acknowledgements a client
+#:       sends as a call falls idle are confirmed read before their runs return.
+VERSION = (1, 18)
 
 
 class Unfilled(NamedTuple):

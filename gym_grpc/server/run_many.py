@@ -39,7 +39,9 @@ written. Written is not read: the agent or its connection may be lost before the
 the client then resumes the run, which is verified again in that session. A call that ends before
 the client said so (it broke, or the client closed its side without saying) leaves such sessions
 to the resume, or to the environment's idle time-out; a call the agent ends as it stops closes them,
-its results all written before its status.
+its results all written before its status. A client that asks (RunManyRequest.confirm_received, as
+its call falls idle) hears in the next reply that its request was read (received_confirmed), and
+only then returns those results: its process may exit at once without losing the acknowledgement.
 """
 
 from __future__ import annotations
@@ -203,6 +205,8 @@ class _Runs:
         self._readers: list[tuple[int, asyncio.Future[None]]] = []
         #: The call's requests are read (see `listen`).
         self._listening = True
+        #: Requests read that asked for an answer (RunManyRequest.confirm_received).
+        self._confirm_asked = 0
 
     def full(self) -> bool:
         """Whether the call holds as many runs, or results not sent, as it may (see the module's docstring)."""
@@ -282,6 +286,12 @@ class _Runs:
             future = heapq.heappop(self._readers)[1]
             if not future.done():  # its run may have been cancelled while it waited
                 future.set_result(None)
+
+    def confirm_received(self) -> None:
+        """The client asked to hear that its request was read: the next reply says so."""
+        self._confirm_asked += 1
+        self.replies.filling().received_confirmed = self._confirm_asked
+        self.changed.set()
 
     def listen(self, listening: bool) -> None:
         """The call's requests are read again, or no longer (it holds as many runs as it may, or the
@@ -366,6 +376,8 @@ async def serve(
                     runs.cancel(run_id)
                 for run_id in request.park_ids:
                     runs.park(run_id)
+                if request.confirm_received:
+                    runs.confirm_received()
                 if runs.full():  # read no more until runs end and their results go out
                     runs.listen(False)
                     while runs.full():

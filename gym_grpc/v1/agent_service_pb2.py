@@ -28,7 +28,7 @@ from gym_grpc.v1 import responses_pb2 as gym_dot_v1_dot_responses__pb2
 from gym_grpc.v1 import task_pb2 as gym_dot_v1_dot_task__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1agym/v1/agent_service.proto\x12\x06gym.v1\x1a\x19google/protobuf/any.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x16gym/v1/responses.proto\x1a\x11gym/v1/task.proto\"\xad\x01\n\nRunRequest\x12\x1a\n\x04task\x18\x01 \x01(\x0b\x32\x0c.gym.v1.Task\x12\x19\n\x11skip_verification\x18\x02 \x01(\x08\x12\x1b\n\x0epolicy_version\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nrollout_id\x18\x04 \x01(\t\x12$\n\x06resume\x18\x05 \x01(\x0b\x32\x14.gym.v1.RolloutStateB\x11\n\x0f_policy_version\"/\n\x0bRunResponse\x12 \n\x07rollout\x18\x01 \x01(\x0b\x32\x0f.gym.v1.Rollout\"\x89\x01\n\x0eRunManyRequest\x12!\n\x04runs\x18\x01 \x03(\x0b\x32\x13.gym.v1.RunManyItem\x12\x12\n\ncancel_ids\x18\x02 \x03(\x04\x12\x10\n\x08park_ids\x18\x03 \x03(\x04\x12\x14\n\x0creceived_ids\x18\x04 \x03(\x04\x12\x18\n\x10\x63heckpoints_read\x18\x05 \x01(\x04\"\x8e\x02\n\x0bRunManyItem\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x1f\n\x03run\x18\x02 \x01(\x0b\x32\x12.gym.v1.RunRequest\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\x12\x0f\n\x07\x64urable\x18\x04 \x01(\x08\x12<\n\rtrace_context\x18\x05 \x03(\x0b\x32%.gym.v1.RunManyItem.TraceContextEntry\x12\x1a\n\x12\x61\x63knowledge_result\x18\x06 \x01(\x08\x12\x19\n\x11\x61\x63knowledge_turns\x18\x07 \x01(\x08\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x87\x01\n\x0fRunManyResponse\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.gym.v1.RunManyResult\x12*\n\x0b\x63heckpoints\x18\x02 \x03(\x0b\x32\x15.gym.v1.RunCheckpoint\x12 \n\x04load\x18\x03 \x01(\x0b\x32\x12.gym.v1.WorkerLoad\")\n\nWorkerLoad\x12\x0b\n\x03\x63pu\x18\x01 \x01(\x02\x12\x0e\n\x06\x63hecks\x18\x02 \x01(\x02\"\x90\x01\n\rRunCheckpoint\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x12\n\nturn_index\x18\x02 \x01(\r\x12!\n\x04turn\x18\x03 \x01(\x0b\x32\x13.gym.v1.RolloutTurn\x12\'\n\x07\x61ttempt\x18\x04 \x01(\x0b\x32\x16.gym.v1.RolloutAttempt\x12\x13\n\x0b\x61\x63knowledge\x18\x05 \x01(\x08\"\x95\x01\n\rRunManyResult\x12\n\n\x02id\x18\x01 \x01(\x04\x12\"\n\x07rollout\x18\x02 \x01(\x0b\x32\x0f.gym.v1.RolloutH\x00\x12!\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x10.gym.v1.RunErrorH\x00\x12&\n\x06parked\x18\x04 \x01(\x0b\x32\x14.gym.v1.RolloutStateH\x00\x42\t\n\x07outcome\"P\n\x08RunError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12%\n\x07\x64\x65tails\x18\x03 \x03(\x0b\x32\x14.google.protobuf.Any\"y\n\x10RunStreamRequest\x12\x1a\n\x04task\x18\x01 \x01(\x0b\x32\x0c.gym.v1.Task\x12\x19\n\x11skip_verification\x18\x02 \x01(\x08\x12\x1b\n\x0epolicy_version\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x11\n\x0f_policy_version\"m\n\x0eRunJsonRequest\x12\x10\n\x08row_json\x18\x01 \x01(\t\x12\x19\n\x11skip_verification\x18\x02 \x01(\x08\x12\x1b\n\x0epolicy_version\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x11\n\x0f_policy_version\"\'\n\x0fRunJsonResponse\x12\x14\n\x0crollout_json\x18\x01 \x01(\t\"\xf8\x01\n\x11RunStreamResponse\x12\x10\n\x08sequence\x18\x01 \x01(\r\x12\x17\n\x0f\x65lapsed_seconds\x18\x02 \x01(\x01\x12,\n\nmodel_call\x18\x03 \x01(\x0b\x32\x16.gym.v1.ModelCallEventH\x00\x12*\n\ttool_call\x18\x04 \x01(\x0b\x32\x15.gym.v1.ToolCallEventH\x00\x12\x31\n\x0cverification\x18\x05 \x01(\x0b\x32\x19.gym.v1.VerificationEventH\x00\x12\"\n\x07rollout\x18\x06 \x01(\x0b\x32\x0f.gym.v1.RolloutH\x00\x42\x07\n\x05\x65vent\"S\n\x0eModelCallEvent\x12\x0c\n\x04step\x18\x01 \x01(\r\x12\"\n\x08response\x18\x02 \x01(\x0b\x32\x10.gym.v1.Response\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"\x8d\x01\n\rToolCallEvent\x12\x0c\n\x04step\x18\x01 \x01(\r\x12\"\n\x04\x63\x61ll\x18\x02 \x01(\x0b\x32\x14.gym.v1.FunctionCall\x12*\n\x06output\x18\x03 \x01(\x0b\x32\x1a.gym.v1.FunctionCallOutput\x12\r\n\x05\x65rror\x18\x04 \x01(\x08\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\"\xfb\x01\n\x11VerificationEvent\x12\x0e\n\x06reward\x18\x01 \x01(\x01\x12+\n\x06\x66ields\x18\x02 \x01(\x0b\x32\x17.google.protobuf.StructB\x02\x18\x01\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12J\n\x11reward_components\x18\x04 \x03(\x0b\x32/.gym.v1.VerificationEvent.RewardComponentsEntry\x12\x13\n\x0b\x66ields_json\x18\x05 \x01(\t\x1a\x37\n\x15RewardComponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xfe\x01\n\x0c\x41gentService\x12.\n\x03Run\x12\x12.gym.v1.RunRequest\x1a\x13.gym.v1.RunResponse\x12\x42\n\tRunStream\x12\x18.gym.v1.RunStreamRequest\x1a\x19.gym.v1.RunStreamResponse0\x01\x12:\n\x07RunJson\x12\x16.gym.v1.RunJsonRequest\x1a\x17.gym.v1.RunJsonResponse\x12>\n\x07RunMany\x12\x16.gym.v1.RunManyRequest\x1a\x17.gym.v1.RunManyResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1agym/v1/agent_service.proto\x12\x06gym.v1\x1a\x19google/protobuf/any.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x16gym/v1/responses.proto\x1a\x11gym/v1/task.proto\"\xad\x01\n\nRunRequest\x12\x1a\n\x04task\x18\x01 \x01(\x0b\x32\x0c.gym.v1.Task\x12\x19\n\x11skip_verification\x18\x02 \x01(\x08\x12\x1b\n\x0epolicy_version\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nrollout_id\x18\x04 \x01(\t\x12$\n\x06resume\x18\x05 \x01(\x0b\x32\x14.gym.v1.RolloutStateB\x11\n\x0f_policy_version\"/\n\x0bRunResponse\x12 \n\x07rollout\x18\x01 \x01(\x0b\x32\x0f.gym.v1.Rollout\"\xa3\x01\n\x0eRunManyRequest\x12!\n\x04runs\x18\x01 \x03(\x0b\x32\x13.gym.v1.RunManyItem\x12\x12\n\ncancel_ids\x18\x02 \x03(\x04\x12\x10\n\x08park_ids\x18\x03 \x03(\x04\x12\x14\n\x0creceived_ids\x18\x04 \x03(\x04\x12\x18\n\x10\x63heckpoints_read\x18\x05 \x01(\x04\x12\x18\n\x10\x63onfirm_received\x18\x06 \x01(\x08\"\x8e\x02\n\x0bRunManyItem\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x1f\n\x03run\x18\x02 \x01(\x0b\x32\x12.gym.v1.RunRequest\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\x12\x0f\n\x07\x64urable\x18\x04 \x01(\x08\x12<\n\rtrace_context\x18\x05 \x03(\x0b\x32%.gym.v1.RunManyItem.TraceContextEntry\x12\x1a\n\x12\x61\x63knowledge_result\x18\x06 \x01(\x08\x12\x19\n\x11\x61\x63knowledge_turns\x18\x07 \x01(\x08\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa3\x01\n\x0fRunManyResponse\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.gym.v1.RunManyResult\x12*\n\x0b\x63heckpoints\x18\x02 \x03(\x0b\x32\x15.gym.v1.RunCheckpoint\x12 \n\x04load\x18\x03 \x01(\x0b\x32\x12.gym.v1.WorkerLoad\x12\x1a\n\x12received_confirmed\x18\x04 \x01(\x04\")\n\nWorkerLoad\x12\x0b\n\x03\x63pu\x18\x01 \x01(\x02\x12\x0e\n\x06\x63hecks\x18\x02 \x01(\x02\"\x90\x01\n\rRunCheckpoint\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x12\n\nturn_index\x18\x02 \x01(\r\x12!\n\x04turn\x18\x03 \x01(\x0b\x32\x13.gym.v1.RolloutTurn\x12\'\n\x07\x61ttempt\x18\x04 \x01(\x0b\x32\x16.gym.v1.RolloutAttempt\x12\x13\n\x0b\x61\x63knowledge\x18\x05 \x01(\x08\"\x95\x01\n\rRunManyResult\x12\n\n\x02id\x18\x01 \x01(\x04\x12\"\n\x07rollout\x18\x02 \x01(\x0b\x32\x0f.gym.v1.RolloutH\x00\x12!\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x10.gym.v1.RunErrorH\x00\x12&\n\x06parked\x18\x04 \x01(\x0b\x32\x14.gym.v1.RolloutStateH\x00\x42\t\n\x07outcome\"P\n\x08RunError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12%\n\x07\x64\x65tails\x18\x03 \x03(\x0b\x32\x14.google.protobuf.Any\"y\n\x10RunStreamRequest\x12\x1a\n\x04task\x18\x01 \x01(\x0b\x32\x0c.gym.v1.Task\x12\x19\n\x11skip_verification\x18\x02 \x01(\x08\x12\x1b\n\x0epolicy_version\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x11\n\x0f_policy_version\"m\n\x0eRunJsonRequest\x12\x10\n\x08row_json\x18\x01 \x01(\t\x12\x19\n\x11skip_verification\x18\x02 \x01(\x08\x12\x1b\n\x0epolicy_version\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x11\n\x0f_policy_version\"\'\n\x0fRunJsonResponse\x12\x14\n\x0crollout_json\x18\x01 \x01(\t\"\xf8\x01\n\x11RunStreamResponse\x12\x10\n\x08sequence\x18\x01 \x01(\r\x12\x17\n\x0f\x65lapsed_seconds\x18\x02 \x01(\x01\x12,\n\nmodel_call\x18\x03 \x01(\x0b\x32\x16.gym.v1.ModelCallEventH\x00\x12*\n\ttool_call\x18\x04 \x01(\x0b\x32\x15.gym.v1.ToolCallEventH\x00\x12\x31\n\x0cverification\x18\x05 \x01(\x0b\x32\x19.gym.v1.VerificationEventH\x00\x12\"\n\x07rollout\x18\x06 \x01(\x0b\x32\x0f.gym.v1.RolloutH\x00\x42\x07\n\x05\x65vent\"S\n\x0eModelCallEvent\x12\x0c\n\x04step\x18\x01 \x01(\r\x12\"\n\x08response\x18\x02 \x01(\x0b\x32\x10.gym.v1.Response\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"\x8d\x01\n\rToolCallEvent\x12\x0c\n\x04step\x18\x01 \x01(\r\x12\"\n\x04\x63\x61ll\x18\x02 \x01(\x0b\x32\x14.gym.v1.FunctionCall\x12*\n\x06output\x18\x03 \x01(\x0b\x32\x1a.gym.v1.FunctionCallOutput\x12\r\n\x05\x65rror\x18\x04 \x01(\x08\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\"\xfb\x01\n\x11VerificationEvent\x12\x0e\n\x06reward\x18\x01 \x01(\x01\x12+\n\x06\x66ields\x18\x02 \x01(\x0b\x32\x17.google.protobuf.StructB\x02\x18\x01\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12J\n\x11reward_components\x18\x04 \x03(\x0b\x32/.gym.v1.VerificationEvent.RewardComponentsEntry\x12\x13\n\x0b\x66ields_json\x18\x05 \x01(\t\x1a\x37\n\x15RewardComponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xfe\x01\n\x0c\x41gentService\x12.\n\x03Run\x12\x12.gym.v1.RunRequest\x1a\x13.gym.v1.RunResponse\x12\x42\n\tRunStream\x12\x18.gym.v1.RunStreamRequest\x1a\x19.gym.v1.RunStreamResponse0\x01\x12:\n\x07RunJson\x12\x16.gym.v1.RunJsonRequest\x1a\x17.gym.v1.RunJsonResponse\x12>\n\x07RunMany\x12\x16.gym.v1.RunManyRequest\x1a\x17.gym.v1.RunManyResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,37 +46,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RUNRESPONSE']._serialized_start=314
   _globals['_RUNRESPONSE']._serialized_end=361
   _globals['_RUNMANYREQUEST']._serialized_start=364
-  _globals['_RUNMANYREQUEST']._serialized_end=501
-  _globals['_RUNMANYITEM']._serialized_start=504
-  _globals['_RUNMANYITEM']._serialized_end=774
-  _globals['_RUNMANYITEM_TRACECONTEXTENTRY']._serialized_start=723
-  _globals['_RUNMANYITEM_TRACECONTEXTENTRY']._serialized_end=774
-  _globals['_RUNMANYRESPONSE']._serialized_start=777
-  _globals['_RUNMANYRESPONSE']._serialized_end=912
-  _globals['_WORKERLOAD']._serialized_start=914
-  _globals['_WORKERLOAD']._serialized_end=955
-  _globals['_RUNCHECKPOINT']._serialized_start=958
-  _globals['_RUNCHECKPOINT']._serialized_end=1102
-  _globals['_RUNMANYRESULT']._serialized_start=1105
-  _globals['_RUNMANYRESULT']._serialized_end=1254
-  _globals['_RUNERROR']._serialized_start=1256
-  _globals['_RUNERROR']._serialized_end=1336
-  _globals['_RUNSTREAMREQUEST']._serialized_start=1338
-  _globals['_RUNSTREAMREQUEST']._serialized_end=1459
-  _globals['_RUNJSONREQUEST']._serialized_start=1461
-  _globals['_RUNJSONREQUEST']._serialized_end=1570
-  _globals['_RUNJSONRESPONSE']._serialized_start=1572
-  _globals['_RUNJSONRESPONSE']._serialized_end=1611
-  _globals['_RUNSTREAMRESPONSE']._serialized_start=1614
-  _globals['_RUNSTREAMRESPONSE']._serialized_end=1862
-  _globals['_MODELCALLEVENT']._serialized_start=1864
-  _globals['_MODELCALLEVENT']._serialized_end=1947
-  _globals['_TOOLCALLEVENT']._serialized_start=1950
-  _globals['_TOOLCALLEVENT']._serialized_end=2091
-  _globals['_VERIFICATIONEVENT']._serialized_start=2094
-  _globals['_VERIFICATIONEVENT']._serialized_end=2345
-  _globals['_VERIFICATIONEVENT_REWARDCOMPONENTSENTRY']._serialized_start=2290
-  _globals['_VERIFICATIONEVENT_REWARDCOMPONENTSENTRY']._serialized_end=2345
-  _globals['_AGENTSERVICE']._serialized_start=2348
-  _globals['_AGENTSERVICE']._serialized_end=2602
+  _globals['_RUNMANYREQUEST']._serialized_end=527
+  _globals['_RUNMANYITEM']._serialized_start=530
+  _globals['_RUNMANYITEM']._serialized_end=800
+  _globals['_RUNMANYITEM_TRACECONTEXTENTRY']._serialized_start=749
+  _globals['_RUNMANYITEM_TRACECONTEXTENTRY']._serialized_end=800
+  _globals['_RUNMANYRESPONSE']._serialized_start=803
+  _globals['_RUNMANYRESPONSE']._serialized_end=966
+  _globals['_WORKERLOAD']._serialized_start=968
+  _globals['_WORKERLOAD']._serialized_end=1009
+  _globals['_RUNCHECKPOINT']._serialized_start=1012
+  _globals['_RUNCHECKPOINT']._serialized_end=1156
+  _globals['_RUNMANYRESULT']._serialized_start=1159
+  _globals['_RUNMANYRESULT']._serialized_end=1308
+  _globals['_RUNERROR']._serialized_start=1310
+  _globals['_RUNERROR']._serialized_end=1390
+  _globals['_RUNSTREAMREQUEST']._serialized_start=1392
+  _globals['_RUNSTREAMREQUEST']._serialized_end=1513
+  _globals['_RUNJSONREQUEST']._serialized_start=1515
+  _globals['_RUNJSONREQUEST']._serialized_end=1624
+  _globals['_RUNJSONRESPONSE']._serialized_start=1626
+  _globals['_RUNJSONRESPONSE']._serialized_end=1665
+  _globals['_RUNSTREAMRESPONSE']._serialized_start=1668
+  _globals['_RUNSTREAMRESPONSE']._serialized_end=1916
+  _globals['_MODELCALLEVENT']._serialized_start=1918
+  _globals['_MODELCALLEVENT']._serialized_end=2001
+  _globals['_TOOLCALLEVENT']._serialized_start=2004
+  _globals['_TOOLCALLEVENT']._serialized_end=2145
+  _globals['_VERIFICATIONEVENT']._serialized_start=2148
+  _globals['_VERIFICATIONEVENT']._serialized_end=2399
+  _globals['_VERIFICATIONEVENT_REWARDCOMPONENTSENTRY']._serialized_start=2344
+  _globals['_VERIFICATIONEVENT_REWARDCOMPONENTSENTRY']._serialized_end=2399
+  _globals['_AGENTSERVICE']._serialized_start=2402
+  _globals['_AGENTSERVICE']._serialized_end=2656
 # @@protoc_insertion_point(module_scope)

@@ -125,12 +125,21 @@ class RunManyRequest(_message.Message):
     PARK_IDS_FIELD_NUMBER: _builtins.int
     RECEIVED_IDS_FIELD_NUMBER: _builtins.int
     CHECKPOINTS_READ_FIELD_NUMBER: _builtins.int
+    CONFIRM_RECEIVED_FIELD_NUMBER: _builtins.int
     checkpoints_read: _builtins.int
     """How many checkpoints this client has read on this call, counted from the
     call's first (protocol 1.17): sent once it has read a checkpoint marked
     `acknowledge` (RunCheckpoint), in its next message. The agent makes the
     tool calls of such a turn only once this count has reached it. 0: not
     said in this message (the count only grows).
+    """
+    confirm_received: _builtins.bool
+    """Answer once this message is read (protocol 1.18): the agent's next reply
+    carries RunManyResponse.received_confirmed. A client sets it with the
+    `received_ids` it sends as a call falls idle (no run of it in flight),
+    and returns those results to their callers once the answer comes: a
+    message written on a call is not yet on the socket, and a client process
+    that exits at once could otherwise take the acknowledgement with it.
     """
     @_builtins.property
     def runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunManyItem]:
@@ -168,10 +177,11 @@ class RunManyRequest(_message.Message):
         park_ids: _abc.Iterable[_builtins.int] | None = ...,
         received_ids: _abc.Iterable[_builtins.int] | None = ...,
         checkpoints_read: _builtins.int = ...,
+        confirm_received: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_ids", b"cancel_ids", "checkpoints_read", b"checkpoints_read", "park_ids", b"park_ids", "received_ids", b"received_ids", "runs", b"runs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_ids", b"cancel_ids", "checkpoints_read", b"checkpoints_read", "confirm_received", b"confirm_received", "park_ids", b"park_ids", "received_ids", b"received_ids", "runs", b"runs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -294,6 +304,14 @@ class RunManyResponse(_message.Message):
     RESULTS_FIELD_NUMBER: _builtins.int
     CHECKPOINTS_FIELD_NUMBER: _builtins.int
     LOAD_FIELD_NUMBER: _builtins.int
+    RECEIVED_CONFIRMED_FIELD_NUMBER: _builtins.int
+    received_confirmed: _builtins.int
+    """How many messages sent with RunManyRequest.confirm_received the agent has
+    read on this call, counted from the call's first (protocol 1.18): set in
+    the reply that follows each such message, so that the received_ids of
+    that message and of every one before it have been read. 0: not said in
+    this reply.
+    """
     @_builtins.property
     def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunManyResult]:
         """One result per run that ended since the last message."""
@@ -320,10 +338,11 @@ class RunManyResponse(_message.Message):
         results: _abc.Iterable[Global___RunManyResult] | None = ...,
         checkpoints: _abc.Iterable[Global___RunCheckpoint] | None = ...,
         load: Global___WorkerLoad | None = ...,
+        received_confirmed: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoints", b"checkpoints", "load", b"load", "results", b"results"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoints", b"checkpoints", "load", b"load", "received_confirmed", b"received_confirmed", "results", b"results"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
