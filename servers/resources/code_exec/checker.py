@@ -99,10 +99,11 @@ def _interrupts_held() -> Iterator[list[int]]:
     thread wherever it is, and Ray may send it again while the first is handled. Raised inside
     `subprocess.Popen` (the child forked, `Popen` not yet returned) it would leave no handle to the
     child; raised in the clean-up, or as the clean-up begins, a child unkilled or unreaped. Outside
-    the main thread nothing can interrupt, so nothing is held back.
+    the main thread, or in a process that ignores SIGINT, nothing can interrupt, so nothing is held
+    back.
     """
     interrupted: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         yield interrupted
         return
     previous = signal.signal(signal.SIGINT, lambda signum, frame: interrupted.append(signum))

@@ -345,31 +345,57 @@ def test_a_reference_solution_passes_every_example_row():
         assert verdict["passed"] == verdict["total"], (data["function_name"], verdict)
 
 
-def test_an_interrupt_that_lands_while_the_child_starts_still_kills_it(monkeypatch):
-    """Ray cancels a running task with a KeyboardInterrupt, which can land inside `Popen`.
+@pytest.fixture
+def interruptible():
+    """SIGINT raises KeyboardInterrupt, as in a Ray worker: a test run as a shell's background job
+    (a soak) inherits it ignored, and `interrupt_main` then does nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
-    The interrupt is delivered the way Ray's task cancellation delivers it
-    (`_thread.interrupt_main`), at the last moment: the child has started and
-    `Popen` has not returned. Before the fix the child was left running.
-    """
+
+class InterruptedPopen(subprocess.Popen):
+    """A child started, then interrupted as Ray's task cancellation does (`_thread.interrupt_main`)
+    before `Popen` returns; `started` holds the pids."""
+
     started: list[int] = []
 
-    class InterruptedPopen(subprocess.Popen):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            started.append(self.pid)
-            _thread.interrupt_main()
-            for _ in range(1000):  # bytecode, where a pending interrupt is raised
-                pass
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.started.append(self.pid)
+        _thread.interrupt_main()
+        for _ in range(1000):  # bytecode, where a pending interrupt is raised
+            pass
 
+
+def test_an_interrupt_that_lands_while_the_child_starts_still_kills_it(monkeypatch, interruptible):
+    """Ray cancels a running task with a KeyboardInterrupt, which can land inside `Popen`, at the
+    last moment: the child has started and `Popen` has not returned. Before the fix the child was
+    left running."""
+    monkeypatch.setattr(InterruptedPopen, "started", [])
     monkeypatch.setattr(checker.subprocess, "Popen", InterruptedPopen)
     with pytest.raises(KeyboardInterrupt):
         run_tests(ADD, "add", ADD_TESTS, test_timeout=60, memory_mb=512, startup_seconds=5)
-    _assert_gone(started)
+    _assert_gone(InterruptedPopen.started)
+
+
+def test_a_process_that_ignores_sigint_checks_on_when_interrupted(monkeypatch):
+    """Where SIGINT is ignored (a server started as a shell's background job), an interrupt does
+    nothing, as Python's own `interrupt_main` says: the check is not cut short by one either."""
+    monkeypatch.setattr(InterruptedPopen, "started", [])
+    monkeypatch.setattr(checker.subprocess, "Popen", InterruptedPopen)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        verdict = run_tests(ADD, "add", ADD_TESTS, test_timeout=60, memory_mb=512, startup_seconds=5)
+    except KeyboardInterrupt:
+        pytest.fail("the check was interrupted although SIGINT is ignored")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert verdict["passed"] == verdict["total"] == len(ADD_TESTS), verdict
 
 
 def test_an_interrupt_at_any_line_of_a_check_and_another_right_after_leave_no_child_and_no_scratch(
-    monkeypatch, tmp_path, request
+    monkeypatch, tmp_path, interruptible
 ):
     """Ray cancels a running task with `_thread.interrupt_main` and may repeat the cancel while the
     first is handled. Here the first lands at each line `run_program` runs in turn (a line tracer
@@ -387,10 +413,6 @@ def test_an_interrupt_at_any_line_of_a_check_and_another_right_after_leave_no_ch
 
     monkeypatch.setattr(checker.subprocess, "Popen", RecordedPopen)
     monkeypatch.setattr(checker.tempfile, "tempdir", str(tmp_path))  # where the scratch directories go
-    # SIGINT raises KeyboardInterrupt, as in a Ray worker: a test run as a shell's background job
-    # inherits it ignored, and `interrupt_main` then does nothing outside the check's own handler.
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     code = checker.run_program.__code__
 
     def again(frame, event, arg):
