@@ -98,7 +98,8 @@ END_SECONDS = 2.0
 
 #: Seconds a run that has its rollout waits, at most, for its acknowledgement to be written or confirmed
 #: (_Call.acknowledged): an agent that never answers (a replica older than 1.18 behind the same name,
-#: or one whose process hangs) delays the rollout by this much, and the session stays to its idle time-out.
+#: or one whose process hangs, its flow control holding the write) delays the rollout by this much, and
+#: the session then stays to its idle time-out.
 ACKNOWLEDGED_SECONDS = 2.0
 
 #: How many times a durable run lost to a server or engine that went away is resumed, unless told.
@@ -287,6 +288,8 @@ class _Call:
                 message.confirm_received = True  # the call falls idle (see the module's docstring)
             loop = asyncio.get_running_loop()
             self._acknowledging.update((run_id, loop.create_future()) for run_id in received)
+            # The bound on their runs' wait (see ACKNOWLEDGED_SECONDS): one timer a reply, not a timed wait a run.
+            loop.call_later(ACKNOWLEDGED_SECONDS, self._done_acknowledging, received)
             self._wake.set()
 
     async def acknowledged(self, run_id: int) -> None:
@@ -296,7 +299,7 @@ class _Call:
         which closes the session rather than keep it until the environment's idle time-out."""
         future = self._acknowledging.get(run_id)
         if future is not None:
-            await asyncio.wait([future], timeout=ACKNOWLEDGED_SECONDS)
+            await future  # done by ACKNOWLEDGED_SECONDS at the latest (see _acknowledge)
 
     def _done_acknowledging(self, run_ids: Iterable[int]) -> None:
         for run_id in run_ids:
