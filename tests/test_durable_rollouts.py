@@ -623,7 +623,6 @@ import sys
 
 from gym_grpc.client.stubs import AgentClient
 from gym_grpc.rpc.registry import Registry
-from gym_grpc.server import run_many as run_many_server
 from gym_grpc.testing import calculator_task
 
 
@@ -689,7 +688,7 @@ async def test_the_last_rollout_on_a_call_returns_once_the_agent_has_read_every_
     call with no run in flight asks the agent to confirm it read it, and returns only then (1.18). So
     when the last of several rollouts at once returns, the agent has read every acknowledgement, and
     only one request asked. Without the confirmation the agent reads them after `run` returns: a
-    process that exits then can take them with it (the exiting-client test below)."""
+    process that exits then can take them with it (the exiting-client test above)."""
     read: list[int] = []
     asked: list[int] = []
     received, confirm = run_many_server._Runs.received, run_many_server._Runs.confirm_received
@@ -712,16 +711,20 @@ async def test_a_rollout_whose_agent_does_not_confirm_its_acknowledgement_still_
     """An agent older than 1.18 is not asked (its handshake says its version); one that is asked and
     never answers (a replica of an older version behind the same name, a process that hangs) delays
     the rollout by ACKNOWLEDGED_SECONDS at most: the rollout in hand is returned, never held."""
-    if agent == "older_than_1_18":
+    asked: list[int] = []
+    confirm = run_many_server._Runs.confirm_received
+    if agent == "older_than_1_18":  # it would answer: it is not asked
         monkeypatch.setattr(protocol, "VERSION", (1, 17))
+        monkeypatch.setattr(run_many_server._Runs, "confirm_received", lambda runs: (asked.append(1), confirm(runs)))
     else:
-        monkeypatch.setattr(run_many_server._Runs, "confirm_received", lambda runs: None)
+        monkeypatch.setattr(run_many_server._Runs, "confirm_received", lambda runs: asked.append(1))
         monkeypatch.setattr(run_many_client, "ACKNOWLEDGED_SECONDS", 0.2)
     env, model = Counter(name="calc"), AddingModel()
     async with Servers() as servers:
         client = AgentClient(await _stack(servers, env, model), "agent0")
         rollout = await asyncio.wait_for(client.run(_task()), 30)
         assert rollout.reward == 1.0
+        assert len(asked) == (0 if agent == "older_than_1_18" else 1)
         await eventually(lambda: not env.sessions, "the session closed")  # the acknowledgement was sent all the same
         await client.close()
         await client.registry.close()
