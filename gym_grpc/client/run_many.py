@@ -62,6 +62,7 @@ import collections
 import itertools
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Protocol
 
 import grpc
 
@@ -109,6 +110,24 @@ RESUME_ATTEMPTS = 7
 #: Short: what failed is retried by the servers themselves (an engine's requests retry for seconds).
 RESUME_BACKOFF = 0.25
 RESUME_BACKOFF_MAX = 4.0
+
+
+class Progress(Protocol):
+    """What a durable run's caller keeps of it as it goes, outside this process (a file: see
+    batch/states.py), so that a caller that dies can resume it. `flush` is called before the client
+    tells the agent it read a checkpoint that asked (`acknowledge`: a turn whose tool calls come
+    next), so that the turn is kept before they may run."""
+
+    def attempt(self, rollout_id: str, base: task_pb2.RolloutState) -> None:
+        """An attempt of the run `rollout_id` is sent, to go on from `base` (empty: from the prompt)."""
+
+    def checkpoint(self, data: bytes) -> None:
+        """A checkpoint of the attempt came (a RunCheckpoint, serialized)."""
+
+    @property
+    def flush(self) -> Callable[[], None]:
+        """Keep what was given so far. Called once for each distinct (equal) callable among the runs
+        of a reply that asked: runs whose progress goes to one place share it."""
 
 
 class _NotStarted(Exception):
@@ -186,6 +205,8 @@ class _Call:
         #: Each durable run on it: the state it began from and the checkpoints it sent since,
         #: serialized (compact; a checkpoint kept as a message would keep its whole reply).
         self.progress: dict[int, tuple[task_pb2.RolloutState, list[bytes]]] = {}
+        #: The durable runs whose caller keeps their progress too (RunMany.run's `progress`).
+        self._observers: dict[int, Progress] = {}
         #: Durable runs whose result has not come yet: it is acknowledged once read, whether or not
         #: its caller still waits for it (the agent keeps its session open until then).
         self._unread: set[int] = set()
@@ -213,7 +234,7 @@ class _Call:
         self._receiver = asyncio.ensure_future(self._receive())
 
     def submit(
-        self, run: agent_pb.RunRequest, timeout: float | None, durable: bool = False
+        self, run: agent_pb.RunRequest, timeout: float | None, durable: bool = False, progress: Progress | None = None
     ) -> tuple[int, asyncio.Future[task_pb2.Rollout]]:
         run_id = next(self._ids)
         future = self.waiting[run_id] = asyncio.get_running_loop().create_future()
@@ -231,6 +252,9 @@ class _Call:
         if durable:
             self.progress[run_id] = (run.resume, [])
             self._unread.add(run_id)
+            if progress is not None:
+                progress.attempt(run.rollout_id, run.resume)
+                self._observers[run_id] = progress
         self._wake.set()
         return run_id, future
 
@@ -241,6 +265,11 @@ class _Call:
             return None
         base, checkpoints = progress
         return rollout_state.build(base, map(agent_pb.RunCheckpoint.FromString, checkpoints))
+
+    def forget(self, run_id: int) -> None:
+        """Keep nothing more of a run's progress (its attempt on this call is over)."""
+        self.progress.pop(run_id, None)
+        self._observers.pop(run_id, None)
 
     def park(self, run_id: int) -> None:
         """Ask the agent to park a run at its next turn boundary (nothing when it ended)."""
@@ -334,13 +363,21 @@ class _Call:
                 if reply.HasField("load"):
                     self.busy = reply.load.cpu >= BUSY or reply.load.checks >= BUSY
                 asked = False
+                flushes: set[Callable[[], None]] = set()
                 for checkpoint in reply.checkpoints:
                     progress = self.progress.get(checkpoint.id)
                     if progress is not None:
-                        progress[1].append(checkpoint.SerializeToString())
+                        data = checkpoint.SerializeToString()
+                        progress[1].append(data)
+                        observer = self._observers.get(checkpoint.id)
+                        if observer is not None:
+                            observer.checkpoint(data)
+                            flushes.add(observer.flush)
                     asked = asked or checkpoint.acknowledge
                 self._checkpoints_read += len(reply.checkpoints)
                 if asked:  # a run waits to make its tool calls until the agent hears this
+                    for flush in flushes:
+                        flush()  # before checkpoints_read, below, can go out
                     self._outbox.filling().checkpoints_read = self._checkpoints_read
                     self._wake.set()
                 while self._confirming and self._confirming[0][0] <= reply.received_confirmed:
@@ -512,12 +549,17 @@ class RunMany:
         await asyncio.gather(*(call.end() for call in calls))
 
     async def run(
-        self, request: agent_pb.RunRequest, timeout: float | None, resume_attempts: int = 0
+        self,
+        request: agent_pb.RunRequest,
+        timeout: float | None,
+        resume_attempts: int = 0,
+        progress: Progress | None = None,
     ) -> task_pb2.Rollout:
         """One run: its rollout. With `resume_attempts` (the agent resumes rollouts; `request`
         has a rollout_id), the run is durable and resumed that many times at most when it is
-        lost. A failed run raises the AioRpcError its unary call would have raised; a call that
-        broke under it, the GymError of that call; a run parked by `park`, RolloutParked."""
+        lost; `progress` is told each attempt and checkpoint of it. A failed run raises the
+        AioRpcError its unary call would have raised; a call that broke under it, the GymError of
+        that call; a run parked by `park`, RolloutParked."""
         durable = resume_attempts > 0
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
@@ -528,7 +570,7 @@ class RunMany:
                     call = await self._call_for_next_run()
                     left = None if deadline is None else max(deadline - time.monotonic(), 1e-3)  # 0 means none
                     # The last attempt allowed is not durable: the agent closes its session if it fails too.
-                    run_id, result = call.submit(request, left, durable and resumes < resume_attempts)
+                    run_id, result = call.submit(request, left, durable and resumes < resume_attempts, progress)
                     try:
                         rollout = await result
                         break
@@ -548,7 +590,7 @@ class RunMany:
                         state = call.state_of(run_id)
                     finally:
                         call.cancel(run_id)  # when still waiting: its caller gave up (cancelled, or past its deadline)
-                        call.progress.pop(run_id, None)
+                        call.forget(run_id)
                     resumes += 1
                     await asyncio.sleep(min(RESUME_BACKOFF * 2 ** (resumes - 1), RESUME_BACKOFF_MAX))
                     _resume_from(request, state, failure, time.monotonic() - started)

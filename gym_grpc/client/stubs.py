@@ -441,12 +441,15 @@ class AgentClient(_Client):
         policy_version: int | None = None,
         rollout_id: str = "",
         resume: task_pb2.RolloutState | None = None,
+        progress: run_many.Progress | None = None,
     ) -> task_pb2.Rollout:
         """One rollout; `policy_version`: the version the trainer asks it under (see policy_version.py).
 
         When the agent resumes rollouts, the rollout is durable: lost with its agent replica, model
         server or engine, it goes on from its last turn boundary (up to `resume_attempts` times).
-        `resume` goes on with a parked rollout (RolloutParked.state, under its `rollout_id`)."""
+        `resume` goes on with a parked rollout (RolloutParked.state, under its `rollout_id`), or one
+        whose caller died; `progress` keeps a durable rollout's attempts and checkpoints as they come,
+        for that (batch/states.py)."""
         await self.check_protocol()
         if resume is not None and not rollout_id:
             raise ValueError("resume needs the rollout_id the rollout was parked under")
@@ -468,7 +471,7 @@ class AgentClient(_Client):
             return reply.rollout
         resumes = self.resume_attempts if self._resumable else 0
         try:
-            return await self._run_many.run(request, self._deadline(timeout), resumes)
+            return await self._run_many.run(request, self._deadline(timeout), resumes, progress)
         except grpc.aio.AioRpcError as e:
             raise await self._error(e, "Run", None) from None
 
