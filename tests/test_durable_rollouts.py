@@ -23,6 +23,7 @@ import grpc
 import pytest
 
 from gym_grpc import errors
+from gym_grpc.batch import states as states_module
 from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 from gym_grpc.client import run_many as run_many_client
 from gym_grpc.client.stubs import AgentClient, ResourcesClient
@@ -909,3 +910,67 @@ def test_an_agent_restarted_mid_collection_resumes_its_rollouts_and_runs_each_to
     assert resumed, "no rollout was in flight in the agent that died"
     for row in resumed:
         assert row["attempts"][0]["ended"].startswith("UNAVAILABLE"), row["attempts"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGINT], ids=["killed", "interrupted"])
+def test_a_collector_stopped_mid_collection_is_resumed_by_the_next_run_from_its_states_file(tmp_path, stop):
+    """`gym-grpc collect` stopped once ten rollouts are written and one waits in a tool call (held
+    there once ten are scored), then run again. Killed (SIGKILL: its sessions live on in the
+    environment), the next run resumes every rollout its states file holds, in its session, from its
+    last turn: every add ran once, counted across sessions too. Interrupted (Ctrl-C: the collector
+    cancels its runs, and the agent closes their sessions), the rollouts whose session is gone start
+    again from their prompts. Either way every row is written, and the states file goes once the run
+    ends. Before the states file, a killed collector's rollouts in flight all began again."""
+    doubles = tmp_path / "durable_doubles.py"
+    doubles.write_text(DOUBLES)
+    config = tmp_path / "durable.yaml"
+    config.write_text(
+        "layout: per_server\n"
+        "servers:\n"
+        f"  calc: {{entrypoint: '{doubles}:SlowCounter'}}\n"
+        f"  model: {{entrypoint: '{doubles}:Adding'}}\n"
+        f"  agent: {{entrypoint: '{REPO}/servers/agents/simple_agent/agent.py:SimpleAgent',"
+        " config: {model_server: model, resources_server: calc}}\n"
+    )
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"responses_create_params": {"input": "Add three times."}}) + "\n")
+    output = tmp_path / "out.jsonl"
+    states = output.with_name("out.states")
+    run = start_run(configs=(config,))
+    try:
+        command = [installed("gym-grpc"), *collect_args(run.registry, "agent", tasks, output)]
+        command += ["--num-repeats", "60", "--max-in-flight", "20", "--no-progress"]
+        collect = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while not output.exists() or len(read_rows(output)) < 10 or not (tmp_path / "held").exists():
+            assert collect.poll() is None and time.monotonic() < deadline, "10 rows, or an add held, never came"
+            time.sleep(0.05)
+        collect.send_signal(stop)
+        _, stderr = collect.communicate(timeout=60)
+        assert collect.returncode == (-signal.SIGKILL if stop == signal.SIGKILL else 130), stderr
+        assert stop == signal.SIGKILL or f"and the rollouts in flight in {states}" in stderr
+        written = len(read_rows(output))
+        assert states.exists() and written < 60
+        (tmp_path / "release").touch()
+        again = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=600)
+    finally:
+        run.stop()
+    assert again.returncode == 0, again.stderr
+    assert "were in flight when the last run stopped: those not in the output go on from" in again.stderr
+    rows = read_rows(output)
+    assert len(rows) == 60 and not output.with_suffix(".failures.jsonl").exists()
+    assert not states.exists()
+    for row in rows:
+        adds = [item for item in row["response"]["output"] if item["type"] == "function_call"]
+        assert row["runs"] == len(adds) == 3, row  # each in one session, whole
+    resumed = [row for row in rows[written:] if "attempts" in row]
+    print(f"collector {signal.Signals(stop).name}: {len(resumed)} of {60 - written} rollouts resumed")
+    if stop == signal.SIGKILL:
+        sessions = collections.Counter((tmp_path / "adds").read_text().split())
+        assert sum(sessions.values()) == 3 * 60, f"{sum(sessions.values())} adds in {len(sessions)} sessions"
+        assert resumed, "no rollout was resumed"
+        for row in resumed:
+            first, second = row["attempts"]
+            assert first["ended"] == states_module.STOPPED and second["session_id"] == first["session_id"]
+        assert any(row["attempts"][1]["first_turn"] >= 1 for row in resumed), "none went on past its prompt"

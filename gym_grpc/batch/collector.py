@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import sys
 import time
 from array import array
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gym_grpc import errors, tracing
-from gym_grpc.batch import fingerprint, overrides
+from gym_grpc.batch import fingerprint, overrides, states
 from gym_grpc.batch.jobs import BadInput, Batch, BatchSummary, Job, RunOptions
 from gym_grpc.client import admission_metrics
 from gym_grpc.client.admission import Admission, Controller, Decision, Limits, ModelServerLoads, running
@@ -56,6 +57,8 @@ class CollectOptions(RunOptions):
     force: bool = False
     #: Times a rollout lost with a server or engine is resumed (AgentClient.resume_attempts).
     resume_attempts: int = RESUME_ATTEMPTS
+    #: Keep the durable rollouts in flight in the states file, to resume them after a stop (batch/states.py).
+    keep_states: bool = True
     #: Set the window from the engines' load between these limits (client/admission.py); None:
     #: the window of `max_in_flight` (fixed, or deadline-based without it).
     admission: Limits | None = None
@@ -153,6 +156,13 @@ async def collect(registry: Registry, options: CollectOptions, *, log: TextIO = 
     fingerprint.check_and_record(options.output, run, force=options.force)
     clients: dict[str, AgentClient] = {}
     events = jsonl.Appender(options.events) if options.events is not None else None
+    # RunStream's rollouts are not durable, and --resume-attempts 0 sends none durable: nothing to keep.
+    states_file = None
+    if options.keep_states and events is None and options.resume_attempts > 0:
+        states_file = states.States.open(states.path_for(options.output), fingerprint.digest(run), log)
+        if states_file.resumable:
+            left = f"{states_file.resumable:,} rollouts were in flight when the last run stopped"
+            log.write(f"{left}: those not in the output go on from {states_file.path}\n")
 
     loads = ModelServerLoads(registry) if options.admission is not None else None
     if loads is not None and options.agent:
@@ -165,6 +175,8 @@ async def collect(registry: Registry, options: CollectOptions, *, log: TextIO = 
         if loads is not None:
             await loads.watch(job.group)
         task = job.payload.task
+        if states_file is not None:
+            return await _kept_rollout(client, job, states_file, options)
         if events is None:
             return await client.run(task, timeout=options.timeout, skip_verification=options.skip_verify)
         last = None
@@ -189,18 +201,52 @@ async def collect(registry: Registry, options: CollectOptions, *, log: TextIO = 
     batch: Batch[_Task] = Batch(batch_options, log)
     verified = _Verified()
     admitting = contextlib.nullcontext(None) if loads is None else _admission(batch, loads, options)
+    finished = False
     try:
         async with admitting as admission:
             summary = await batch.run(_jobs(options), produce, visit=None if options.skip_verify else verified.add)
+        finished = True
         if admission is not None:
             summary.admission = admission.summary()
+        if states_file is not None and states_file.failed:
+            summary.warnings.append(states_file.failed)
     finally:
         await asyncio.gather(*(client.close() for client in clients.values()))
         if events is not None:
             events.close()
+        if states_file is not None:
+            states_file.close(finished)
     if not options.skip_verify:
         await _add_environment_metrics(registry, summary, verified)
     return summary
+
+
+async def _kept_rollout(
+    client: AgentClient, job: Job[_Task], kept: states.States, options: CollectOptions
+) -> task_pb2.Rollout:
+    """A rollout whose progress is kept in the states file as it goes (batch/states.py), resumed from
+    what a stopped collector left of it there. When its session is gone by then (closed as that
+    collector stopped, or past the environment's idle time-out), it starts again from its prompt."""
+    key = (job.task_index, job.repeat_index)
+    left = kept.resume_of(key)
+    run = functools.partial(
+        client.run, job.payload.task, timeout=options.timeout, skip_verification=options.skip_verify
+    )
+    try:
+        if left is None:
+            rollout = await run(progress=kept.track(key))
+        else:
+            try:
+                rollout = await run(rollout_id=left.rollout_id, resume=left.state, progress=kept.track(key))
+            except errors.GymError as e:
+                if e.reason not in (errors.Reason.SESSION_LOST, errors.Reason.RESUME_UNSUPPORTED):
+                    raise
+                rollout = await run(progress=kept.track(key))
+    except Exception:
+        kept.end(key)  # failed: the next run tries it again from its prompt
+        raise
+    kept.end(key)  # a collector stopped (cancelled) ends nothing: the next run resumes it
+    return rollout
 
 
 @contextlib.asynccontextmanager

@@ -93,6 +93,13 @@ def check_and_record(output: Path, fingerprint: dict[str, Any], *, force: bool =
         raise errors.OutputError(f"cannot write {record}: {e.strerror or e}") from None
 
 
+def digest(fingerprint: dict[str, Any]) -> str:
+    """What tells this run from another, in one string: the digest of the compared keys (the states
+    file's header, batch/states.py)."""
+    compared = {key: fingerprint[key] for key in _COMPARED}
+    return hashlib.sha256(json.dumps(compared, sort_keys=True).encode()).hexdigest()
+
+
 def _difference(key: str, before: Any, now: Any) -> str:
     if key == "input_sha256":
         return f"the input rows differ (sha256 {str(before)[:12]}... then, {now[:12]}... now)"

@@ -12,6 +12,7 @@ from typing import TypeVar
 import click
 
 from gym_grpc import errors, tracing
+from gym_grpc.batch import states
 from gym_grpc.batch.collector import CollectOptions, collect
 from gym_grpc.batch.jobs import TIMEOUT_SECONDS, BatchSummary
 from gym_grpc.batch.overrides import NEMO_OPTIONS, OverrideError
@@ -82,9 +83,11 @@ def _interruptible(coroutine: Awaitable[T], output: Path, verb: str) -> T:
         return event_loop.run(coroutine)  # type: ignore[arg-type]
     except KeyboardInterrupt:
         held = count_rows(output) if output.exists() else 0
+        in_flight = states.path_for(output)
         click.echo(
-            f"interrupted; {held:,} rows are in {output}, every finished rollout among them: "
-            "run the same command again to resume",
+            f"interrupted; {held:,} rows are in {output}, every finished rollout among them"
+            + (f", and the rollouts in flight in {in_flight}" if in_flight.exists() else "")
+            + ": run the same command again to resume",
             err=True,
         )
         sys.exit(130)
@@ -190,6 +193,12 @@ def _interruptible(coroutine: Awaitable[T], output: Path, verb: str) -> T:
     "(docs/durable-rollouts.md); 0: it fails instead.",
 )
 @click.option(
+    "--no-states",
+    is_flag=True,
+    help="Do not keep the rollouts in flight in OUTPUT's .states file, from which the next run goes on with "
+    "them when this one is stopped (docs/durable-rollouts.md#a-collector-that-stops).",
+)
+@click.option(
     "--events",
     type=click.Path(dir_okay=False, path_type=Path),
     help="Also record every step of every rollout (model outputs, tool calls, verification) here.",
@@ -237,6 +246,7 @@ def collect_command(
     admission_log: Path | None,
     timeout: float,
     resume_attempts: int,
+    no_states: bool,
     events: Path | None,
     skip_verify: bool,
     placeholder_reward: float,
@@ -257,8 +267,9 @@ def collect_command(
     else as text), checked before the first rollout. NeMo Gym's spellings work too:
     +responses_create_params.temperature=0.6, +num_repeats=4, +limit=10.
 
-    Running the same command again resumes: keys already in OUTPUT are skipped.
-    OUTPUT.run.json records what defines the run (input rows, agent, overrides,
+    Running the same command again resumes: keys already in OUTPUT are skipped, and
+    the rollouts a stopped run left in flight go on from OUTPUT.states, from their
+    last turn. OUTPUT.run.json records what defines the run (input rows, agent, overrides,
     repeats, verification); another run into the same OUTPUT is refused unless --force.
 
     With --task-server, the tasks are the server's choice: --batches batches of
@@ -315,6 +326,7 @@ def collect_command(
         admission_metrics_port=admission_metrics_port,
         timeout=timeout,
         resume_attempts=resume_attempts,
+        keep_states=not no_states,
         overrides=parsed.params,
         events=events,
         skip_verify=skip_verify,
