@@ -18,6 +18,7 @@ import sys
 import time
 from asyncio.subprocess import PIPE
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -602,6 +603,43 @@ async def test_a_durable_run_whose_client_cannot_say_it_read_its_turns_goes_on_w
         assert await call.code() == grpc.StatusCode.OK
     assert result.rollout.reward == 1.0 and env.runs == ADDS
     assert marked == (0 if who == "client_older_than_1_17" else ADDS)
+
+
+async def test_a_run_waiting_for_its_turn_to_be_read_is_not_let_go_by_the_end_of_the_requests_alone(monkeypatch):
+    """A run waits for its client to read the turn whose tool calls come next; the call's requests
+    end, and the call is cancelled after (as grpc.aio ends a call whose client process died: its
+    requests end as cleanly as a client's close, and the cancel follows a moment later, as a
+    throwaway loop of SIGKILLed clients showed each time). The run must not go on in between: it
+    would make the turn's tool calls for a turn its client never had (1 run of 50 of the killed
+    collector's test below had a tool call made twice so). Here `serve` is driven directly, with a
+    run that only waits, so that the moment between the two is as long as the test makes it; the
+    agent lets such runs go on only once the call outlived its requests by HALF_CLOSED_SECONDS."""
+    monkeypatch.setattr(run_many_server, "HALF_CLOSED_SECONDS", 3600.0)
+    asked, went_on = asyncio.Event(), []
+
+    async def run(request: agent_pb.RunRequest, context, link: run_many_server.RunLink) -> agent_pb.RunResponse:
+        link.checkpoint(0, acknowledge=True)
+        asked.set()
+        await link.turn_read()
+        went_on.append(request.rollout_id)
+        return agent_pb.RunResponse()
+
+    async def requests():
+        yield agent_pb.RunManyRequest(runs=[_durable_item(1, True, turns=True)])
+        await asked.wait()  # then the requests end, the turn unread
+
+    agent = SimpleNamespace(stopping=asyncio.Event(), name="agent", config=SimpleNamespace())
+    replies = run_many_server.serve(requests(), run, "ipv4:127.0.0.1:1", agent)
+    reading = asyncio.ensure_future(replies.__anext__())
+    await asked.wait()
+    for _ in range(200):  # loop turns, not time: the run went on within a few when let go at once
+        await asyncio.sleep(0)
+    assert not went_on, "the run went on as the requests ended"
+    reading.cancel()  # as gRPC cancels the call of a client that died
+    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+        await reading
+    await replies.aclose()
+    assert not went_on
 
 
 async def test_an_agent_that_stops_closes_the_sessions_of_results_not_yet_acknowledged():
