@@ -260,7 +260,10 @@ class RunManyItem(_message.Message):
     older than 1.17) the tool calls go out at once, and an agent lost before
     its turn arrived leaves calls made for a turn nobody has (the run then
     starts that turn again, in a new session when the attempt had not said
-    which session it opened).
+    which session it opened). A client that closes its side of the call can
+    answer no more: its runs then go on without waiting, once the call has
+    outlived its requests by a second (the requests of a client that died end
+    alike, a moment before the call is cancelled).
     """
     @_builtins.property
     def run(self) -> Global___RunRequest:
