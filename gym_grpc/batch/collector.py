@@ -222,30 +222,30 @@ async def collect(registry: Registry, options: CollectOptions, *, log: TextIO = 
 
 
 async def _kept_rollout(
-    client: AgentClient, job: Job[_Task], kept: states.States, options: CollectOptions
+    client: AgentClient, job: Job[_Task], states_file: states.States, options: CollectOptions
 ) -> task_pb2.Rollout:
     """A rollout whose progress is kept in the states file as it goes (batch/states.py), resumed from
     what a stopped collector left of it there. When its session is gone by then (closed as that
     collector stopped, or past the environment's idle time-out), it starts again from its prompt."""
     key = (job.task_index, job.repeat_index)
-    left = kept.resume_of(key)
+    left = states_file.resume_of(key)
     run = functools.partial(
         client.run, job.payload.task, timeout=options.timeout, skip_verification=options.skip_verify
     )
     try:
         if left is None:
-            rollout = await run(progress=kept.track(key))
+            rollout = await run(progress=states_file.track(key))
         else:
             try:
-                rollout = await run(rollout_id=left.rollout_id, resume=left.state, progress=kept.track(key))
+                rollout = await run(rollout_id=left.rollout_id, resume=left.state, progress=states_file.track(key))
             except errors.GymError as e:
                 if e.reason not in (errors.Reason.SESSION_LOST, errors.Reason.RESUME_UNSUPPORTED):
                     raise
-                rollout = await run(progress=kept.track(key))
+                rollout = await run(progress=states_file.track(key))
     except Exception:
-        kept.end(key)  # failed: the next run tries it again from its prompt
+        states_file.end(key)  # failed: the next run tries it again from its prompt
         raise
-    kept.end(key)  # a collector stopped (cancelled) ends nothing: the next run resumes it
+    states_file.end(key)  # a collector stopped (cancelled) ends nothing: the next run resumes it
     return rollout
 
 

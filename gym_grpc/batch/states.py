@@ -290,6 +290,7 @@ class States:
         self._rewrite_at = max(COMPACT_BYTES, COMPACT_RATIO * len(data))
 
     def _give_up(self, error: OSError) -> None:
+        self._pending.clear()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
