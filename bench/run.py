@@ -389,9 +389,10 @@ def bench_stack(tmp: Path, rollouts: int, windows: list[int], weather_rollouts: 
 def bench_durable(tmp: Path, rollouts: int, repeats: int) -> dict:
     """What durable rollouts cost when nothing fails, on two workloads: weather (a stateless
     environment) and the shopping cart (a session a rollout, whose tool calls wait until the
-    collector has the turn that asked for them). Each collected with the runs durable (the default)
-    and with `--resume-attempts 0`, in turn, `repeats` times each on one stack; CPU per rollout over
-    every server process and the collector, and the ratio of the medians."""
+    collector has the turn that asked for them). Each collected with the runs durable (the default,
+    their states kept in the output's states file), durable with `--no-states`, and with
+    `--resume-attempts 0`, in turn, `repeats` times each on one stack; CPU per rollout over every
+    server process and the collector, and the ratios of the medians."""
     stack = Stack(_write_config(tmp, 0.0, cart=True))
     workloads = {
         "weather": ("weather_agent", WEATHER_ROWS, "two model calls, one tool call, no session"),
@@ -401,9 +402,10 @@ def bench_durable(tmp: Path, rollouts: int, repeats: int) -> dict:
     try:
         for name, (agent, rows, what) in workloads.items():
             tasks = _tasks(tmp, name, rows, rollouts)
-            runs: dict[str, list[dict]] = {"durable": [], "not_durable": []}
+            modes = {"durable": (), "durable_no_states": ("--no-states",), "not_durable": ("--resume-attempts", "0")}
+            runs: dict[str, list[dict]] = {mode: [] for mode in modes}
             for _ in range(repeats):
-                for mode, extra in (("durable", ()), ("not_durable", ("--resume-attempts", "0"))):
+                for mode, extra in modes.items():
                     before = stack.cpu()
                     run = collect(stack, agent, tasks, tmp / "out.jsonl", 1024, *extra)
                     runs[mode].append(_row(run, stack.cpu() - before + run.collector_cpu, in_flight=1024))
@@ -416,6 +418,8 @@ def bench_durable(tmp: Path, rollouts: int, repeats: int) -> dict:
                 "median_rollouts_per_second": rates,
                 "cpu_ratio_durable_to_not": round(medians["durable"] / medians["not_durable"], 3),
                 "rate_ratio_durable_to_not": round(rates["durable"] / rates["not_durable"], 3),
+                "cpu_ratio_states_file_to_none": round(medians["durable"] / medians["durable_no_states"], 3),
+                "rate_ratio_states_file_to_none": round(rates["durable"] / rates["durable_no_states"], 3),
             }
     finally:
         stack.stop()
