@@ -391,8 +391,9 @@ def bench_durable(tmp: Path, rollouts: int, repeats: int) -> dict:
     environment) and the shopping cart (a session a rollout, whose tool calls wait until the
     collector has the turn that asked for them). Each collected with the runs durable (the default,
     their states kept in the output's states file), durable with `--no-states`, and with
-    `--resume-attempts 0`, in turn, `repeats` times each on one stack; CPU per rollout over every
-    server process and the collector, and the ratios of the medians."""
+    `--resume-attempts 0`, in turn (each round beginning with the next mode), `repeats` times each on
+    one stack; CPU per rollout over every server process and the collector, and the ratios of the
+    medians."""
     stack = Stack(_write_config(tmp, 0.0, cart=True))
     workloads = {
         "weather": ("weather_agent", WEATHER_ROWS, "two model calls, one tool call, no session"),
@@ -402,10 +403,15 @@ def bench_durable(tmp: Path, rollouts: int, repeats: int) -> dict:
     try:
         for name, (agent, rows, what) in workloads.items():
             tasks = _tasks(tmp, name, rows, rollouts)
-            modes = {"durable": (), "durable_no_states": ("--no-states",), "not_durable": ("--resume-attempts", "0")}
-            runs: dict[str, list[dict]] = {mode: [] for mode in modes}
-            for _ in range(repeats):
-                for mode, extra in modes.items():
+            modes = [
+                ("durable", ()),
+                ("durable_no_states", ("--no-states",)),
+                ("not_durable", ("--resume-attempts", "0")),
+            ]
+            runs: dict[str, list[dict]] = {mode: [] for mode, _ in modes}
+            for repeat in range(repeats):
+                # Each round begins with another mode: a run's place in the round moved its CPU by a tenth.
+                for mode, extra in modes[repeat % len(modes) :] + modes[: repeat % len(modes)]:
                     before = stack.cpu()
                     run = collect(stack, agent, tasks, tmp / "out.jsonl", 1024, *extra)
                     runs[mode].append(_row(run, stack.cpu() - before + run.collector_cpu, in_flight=1024))
