@@ -41,16 +41,27 @@ def _open(path, log=None) -> states.States:
     return states.States.open(path, RUN, log or io.StringIO())
 
 
+def _begun(file: states.States, key, rollout_id: str, *checkpoints: bytes):
+    """The progress of a rollout sent durable from its prompt under `key`, given `checkpoints`."""
+    progress = file.track(key)
+    progress.attempt(rollout_id, task_pb2.RolloutState())
+    for checkpoint in checkpoints:
+        progress.checkpoint(checkpoint)
+    return progress
+
+
+def _stopped_run(path, *checkpoints: bytes) -> None:
+    """A run that kept rollout "r" under key (0, 0) with `checkpoints`, then stopped."""
+    file = _open(path)
+    _begun(file, (0, 0), "r", *checkpoints)
+    file.close(finished=False)
+
+
 def test_a_rollout_not_ended_comes_back_with_its_turns_and_its_attempt_ended_as_stopped(tmp_path):
     path = tmp_path / "out.states"
     file = _open(path)
-    progress = file.track((3, 1))
-    progress.attempt("r-1", task_pb2.RolloutState())
-    for checkpoint in (_turn(0), _output(0, 0), _turn(1)):
-        progress.checkpoint(checkpoint)
-    done = file.track((4, 0))
-    done.attempt("r-2", task_pb2.RolloutState())
-    done.checkpoint(_turn(0))
+    _begun(file, (3, 1), "r-1", _turn(0), _output(0, 0), _turn(1))
+    _begun(file, (4, 0), "r-2", _turn(0))
     file.end((4, 0))
     file.track((5, 0))  # never sent durable: nothing of it is kept
     file.close(finished=False)
@@ -68,11 +79,7 @@ def test_a_rollout_not_ended_comes_back_with_its_turns_and_its_attempt_ended_as_
 
 def test_a_resumed_rollout_stopped_again_comes_back_from_its_new_attempt(tmp_path):
     path = tmp_path / "out.states"
-    file = _open(path)
-    first = file.track((0, 0))
-    first.attempt("r", task_pb2.RolloutState())
-    first.checkpoint(_turn(0))
-    file.close(finished=False)
+    _stopped_run(path, _turn(0))
 
     second_run = _open(path)
     kept = second_run.resume_of((0, 0))
@@ -93,12 +100,7 @@ def test_a_resumed_rollout_stopped_again_comes_back_from_its_new_attempt(tmp_pat
 
 def test_a_record_cut_short_by_the_process_end_is_left_out_and_the_rest_kept(tmp_path):
     path = tmp_path / "out.states"
-    file = _open(path)
-    progress = file.track((0, 0))
-    progress.attempt("r", task_pb2.RolloutState())
-    progress.checkpoint(_turn(0))
-    progress.checkpoint(_output(0, 0))
-    file.close(finished=False)
+    _stopped_run(path, _turn(0), _output(0, 0))
     path.write_bytes(path.read_bytes()[:-3])  # the last checkpoint only partly written
 
     kept = _open(path).resume_of((0, 0))
@@ -107,11 +109,7 @@ def test_a_record_cut_short_by_the_process_end_is_left_out_and_the_rest_kept(tmp
 
 def test_the_states_of_another_run_are_replaced_with_a_note(tmp_path):
     path = tmp_path / "out.states"
-    file = _open(path)
-    progress = file.track((0, 0))
-    progress.attempt("r", task_pb2.RolloutState())
-    progress.checkpoint(_turn(0))
-    file.close(finished=False)
+    _stopped_run(path, _turn(0))
 
     log = io.StringIO()
     other = states.States.open(path, "another-run", log)
@@ -133,15 +131,10 @@ def test_the_file_is_written_again_with_only_its_rollouts_not_ended_once_it_outg
     monkeypatch.setattr(states, "COMPACT_BYTES", 20_000)
     path = tmp_path / "out.states"
     file = _open(path)
-    kept = file.track((0, 0))
-    kept.attempt("kept", task_pb2.RolloutState())
-    kept.checkpoint(_turn(0))
+    _begun(file, (0, 0), "kept", _turn(0))
     largest = 0
     for index in range(1, 2_000):
-        progress = file.track((index, 0))
-        progress.attempt(f"r-{index}", task_pb2.RolloutState())
-        progress.checkpoint(_turn(0))
-        progress.flush()  # as the client does after each reply
+        _begun(file, (index, 0), f"r-{index}", _turn(0)).flush()  # as the client does after each reply
         file.end((index, 0))
         largest = max(largest, path.stat().st_size)
     file.close(finished=False)
@@ -154,9 +147,7 @@ def test_a_file_that_cannot_be_written_costs_a_warning_not_the_run(tmp_path):
     """The warning is `failed`, which the run's summary says (collector.py)."""
     (tmp_path / "taken").write_text("a file where the directory would be")
     file = _open(tmp_path / "taken" / "out.states")
-    progress = file.track((0, 0))
-    progress.attempt("r", task_pb2.RolloutState())  # nothing raised: the rollout goes on
-    progress.checkpoint(_turn(0))
+    _begun(file, (0, 0), "r", _turn(0))  # nothing raised: the rollout goes on
     file.close(finished=True)
     assert file.failed is not None and "rollouts in flight are not kept" in file.failed
 
@@ -171,11 +162,7 @@ def test_a_file_that_cannot_be_written_costs_a_warning_not_the_run(tmp_path):
 )
 def test_a_damaged_file_is_read_up_to_the_damage_with_a_note(tmp_path, damage, says):
     path = tmp_path / "out.states"
-    file = _open(path)
-    progress = file.track((0, 0))
-    progress.attempt("r", task_pb2.RolloutState())
-    progress.checkpoint(_turn(0))
-    file.close(finished=False)
+    _stopped_run(path, _turn(0))
     path.write_bytes(path.read_bytes() + damage)
     log = io.StringIO()
     again = _open(path, log)
@@ -185,11 +172,7 @@ def test_a_damaged_file_is_read_up_to_the_damage_with_a_note(tmp_path, damage, s
 
 def test_a_state_an_agent_cannot_go_on_from_is_left_out_with_a_note(tmp_path):
     path = tmp_path / "out.states"
-    file = _open(path)
-    progress = file.track((0, 0))
-    progress.attempt("r", task_pb2.RolloutState())
-    progress.checkpoint(b"\xff not a checkpoint")
-    file.close(finished=False)
+    _stopped_run(path, b"\xff not a checkpoint")
     log = io.StringIO()
     assert _open(path, log).resume_of((0, 0)) is None
     assert "the state of rollout (0, 0)" in log.getvalue() and "from its prompt" in log.getvalue()
@@ -200,9 +183,7 @@ async def test_records_no_checkpoint_asked_for_are_written_within_a_second_all_t
     lose): they are written by the file's timer, not at once."""
     path = tmp_path / "out.states"
     file = _open(path)
-    progress = file.track((0, 0))
-    progress.attempt("r", task_pb2.RolloutState())
-    progress.checkpoint(_turn(0))
+    _begun(file, (0, 0), "r", _turn(0))
     written = path.stat().st_size
     await eventually(lambda: path.stat().st_size > written, "the timer's write", seconds=states.PENDING_SECONDS + 30)
     copy = tmp_path / "copy.states"

@@ -894,6 +894,38 @@ class Adding(ModelServer):
 """
 
 
+def _slow_counter_config(tmp_path, restart: bool):
+    """A configuration of SlowCounter, Adding and a SimpleAgent over them (restarted by the runner
+    when it dies, with `restart`), a process each: an agent that dies alone leaves its sessions."""
+    doubles = tmp_path / "durable_doubles.py"
+    doubles.write_text(DOUBLES)
+    config = tmp_path / "durable.yaml"
+    config.write_text(
+        "layout: per_server\n"
+        "servers:\n"
+        f"  calc: {{entrypoint: '{doubles}:SlowCounter'}}\n"
+        f"  model: {{entrypoint: '{doubles}:Adding'}}\n"
+        f"  agent: {{entrypoint: '{REPO}/servers/agents/simple_agent/agent.py:SimpleAgent',"
+        f" restart: {str(restart).lower()}, config: {{model_server: model, resources_server: calc}}}}\n"
+    )
+    return config
+
+
+def _collect_until_an_add_is_held(run, tmp_path, output) -> tuple[list[str], subprocess.Popen]:
+    """`gym-grpc collect` of 60 rollouts, 20 at once, into `output`, once ten rows are written and an
+    add is held (SlowCounter holds each add once ten rollouts are scored): its command, its process."""
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"responses_create_params": {"input": "Add three times."}}) + "\n")
+    command = [installed("gym-grpc"), *collect_args(run.registry, "agent", tasks, output)]
+    command += ["--num-repeats", "60", "--max-in-flight", "20", "--no-progress"]
+    collect = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not output.exists() or len(read_rows(output)) < 10 or not (tmp_path / "held").exists():
+        assert collect.poll() is None and time.monotonic() < deadline, "10 rows, or an add held, never came"
+        time.sleep(0.05)
+    return command, collect
+
+
 @pytest.mark.slow
 def test_an_agent_restarted_mid_collection_resumes_its_rollouts_and_runs_each_tool_call_once(tmp_path):
     """`gym-grpc run` with `restart: true` on the agent, `gym-grpc collect` in flight, the agent's
@@ -905,30 +937,11 @@ def test_an_agent_restarted_mid_collection_resumes_its_rollouts_and_runs_each_to
     runs so, with six busy processes beside it). Killed at the tenth row alone, the agent could hold
     only rollouts that had just begun, none yet known to the collector (1 run of 16, loaded): they
     are sent again as new, and none is resumed."""
-    doubles = tmp_path / "durable_doubles.py"
-    doubles.write_text(DOUBLES)
-    config = tmp_path / "durable.yaml"
-    config.write_text(
-        "layout: per_server\n"  # the agent dies alone: its sessions on calc live on
-        "servers:\n"
-        f"  calc: {{entrypoint: '{doubles}:SlowCounter'}}\n"
-        f"  model: {{entrypoint: '{doubles}:Adding'}}\n"
-        f"  agent: {{entrypoint: '{REPO}/servers/agents/simple_agent/agent.py:SimpleAgent', restart: true,"
-        " config: {model_server: model, resources_server: calc}}\n"
-    )
-    tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text(json.dumps({"responses_create_params": {"input": "Add three times."}}) + "\n")
     output = tmp_path / "out.jsonl"
-    run = start_run(configs=(config,))
+    run = start_run(configs=(_slow_counter_config(tmp_path, restart=True),))
     try:
         (agent_pid,) = run.pids("agent")
-        command = [installed("gym-grpc"), *collect_args(run.registry, "agent", tasks, output)]
-        command += ["--num-repeats", "60", "--max-in-flight", "20", "--no-progress"]
-        collect = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 120
-        while not output.exists() or len(read_rows(output)) < 10 or not (tmp_path / "held").exists():
-            assert collect.poll() is None and time.monotonic() < deadline, "10 rows, or an add held, never came"
-            time.sleep(0.05)
+        _, collect = _collect_until_an_add_is_held(run, tmp_path, output)
         os.kill(agent_pid, signal.SIGKILL)
         (tmp_path / "release").touch()
         _, stderr = collect.communicate(timeout=600)
@@ -960,30 +973,11 @@ def test_a_collector_stopped_mid_collection_is_resumed_by_the_next_run_from_its_
     cancels its runs, and the agent closes their sessions), the rollouts whose session is gone start
     again from their prompts. Either way every row is written, and the states file goes once the run
     ends. Before the states file, a killed collector's rollouts in flight all began again."""
-    doubles = tmp_path / "durable_doubles.py"
-    doubles.write_text(DOUBLES)
-    config = tmp_path / "durable.yaml"
-    config.write_text(
-        "layout: per_server\n"
-        "servers:\n"
-        f"  calc: {{entrypoint: '{doubles}:SlowCounter'}}\n"
-        f"  model: {{entrypoint: '{doubles}:Adding'}}\n"
-        f"  agent: {{entrypoint: '{REPO}/servers/agents/simple_agent/agent.py:SimpleAgent',"
-        " config: {model_server: model, resources_server: calc}}\n"
-    )
-    tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text(json.dumps({"responses_create_params": {"input": "Add three times."}}) + "\n")
     output = tmp_path / "out.jsonl"
     states = output.with_name("out.states")
-    run = start_run(configs=(config,))
+    run = start_run(configs=(_slow_counter_config(tmp_path, restart=False),))
     try:
-        command = [installed("gym-grpc"), *collect_args(run.registry, "agent", tasks, output)]
-        command += ["--num-repeats", "60", "--max-in-flight", "20", "--no-progress"]
-        collect = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 120
-        while not output.exists() or len(read_rows(output)) < 10 or not (tmp_path / "held").exists():
-            assert collect.poll() is None and time.monotonic() < deadline, "10 rows, or an add held, never came"
-            time.sleep(0.05)
+        command, collect = _collect_until_an_add_is_held(run, tmp_path, output)
         collect.send_signal(stop)
         _, stderr = collect.communicate(timeout=60)
         assert collect.returncode == (-signal.SIGKILL if stop == signal.SIGKILL else 130), stderr
