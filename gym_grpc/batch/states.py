@@ -223,13 +223,14 @@ class States:
         before it says it read a checkpoint that asked (client/run_many.py's Progress)."""
         if not self._pending or self._fd < 0:
             return
+        # Taken, not cleared after: a failed write's traceback keeps a view of it, which no resize survives.
+        data, self._pending = self._pending, bytearray()
         try:
-            self._write_all(self._fd, self._pending)
+            self._write_all(self._fd, data)
         except OSError as e:
             self._give_up(e)
             return
-        self._written += len(self._pending)
-        self._pending.clear()
+        self._written += len(data)
         if self._written > self._rewrite_at:
             self._rewrite()
 
