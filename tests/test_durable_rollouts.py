@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import io
 import json
 import os
 import signal
@@ -25,10 +26,11 @@ import pytest
 
 from gym_grpc import errors
 from gym_grpc.batch import states as states_module
+from gym_grpc.batch.collector import CollectOptions, collect
 from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 from gym_grpc.client import run_many as run_many_client
 from gym_grpc.client.stubs import AgentClient, ResourcesClient
-from gym_grpc.data import record
+from gym_grpc.data import jsonl, record
 from gym_grpc.model import ModelServer
 from gym_grpc.resources import Session, tool
 from gym_grpc.responses import assistant_message, final_text, new_id
@@ -963,13 +965,51 @@ def test_an_agent_restarted_mid_collection_resumes_its_rollouts_and_runs_each_to
         assert row["attempts"][0]["ended"].startswith("UNAVAILABLE"), row["attempts"]
 
 
+async def test_a_rollout_whose_row_was_not_written_keeps_its_session_and_the_next_run_resumes_it(tmp_path, monkeypatch):
+    """`collect` stopped by its output as it writes a rollout's row (a full disk): the agent was not
+    told the rollout came, so its session stays, and the next run resumes the rollout in it from its
+    last turn, each add made once. When the agent was told as the rollout came, the session closed
+    then, and the next run made every add again in a new one (as a collector killed between the two
+    did). The full disk is a stand-in: the output's appender raises the OutputError a full disk
+    makes (test_cli's full-disk test has a real one)."""
+    env, model = Counter(name="calc"), AddingModel()
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"responses_create_params": {"input": "Add."}, "expected_answer": str(ADDS)}) + "\n")
+    output = tmp_path / "out.jsonl"
+    append = jsonl.Appender.append
+
+    def full(appender: jsonl.Appender, row: dict) -> None:
+        if appender.path == output:
+            raise errors.OutputError(f"cannot write {output}: No space left on device")
+        append(appender, row)
+
+    async with Servers() as servers:
+        registry = await _stack(servers, env, model)
+        options = CollectOptions(input=tasks, output=output, agent="agent0", progress=False)
+        monkeypatch.setattr(jsonl.Appender, "append", full)
+        with pytest.raises(errors.OutputError):
+            await collect(registry, options, log=io.StringIO())
+        monkeypatch.undo()
+        assert env.runs == ADDS and len(env.sessions) == 1, "the session was closed with its row unwritten"
+        calls = model.calls
+        summary = await collect(registry, options, log=io.StringIO())
+        await eventually(lambda: not env.sessions, "the session closed once the row was written")
+        await registry.close()
+    assert summary.done == 1 and env.runs == ADDS
+    (row,) = read_rows(output)
+    first, second = row["attempts"]
+    assert first["ended"] == states_module.STOPPED and second["session_id"] == first["session_id"]
+    # Its last turn was in the file: nothing is generated again, its answer is verified in the session.
+    assert second["first_turn"] == ADDS + 1 and model.calls == calls
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGINT], ids=["killed", "interrupted"])
 def test_a_collector_stopped_mid_collection_is_resumed_by_the_next_run_from_its_states_file(tmp_path, stop):
     """`gym-grpc collect` stopped once ten rollouts are written and one waits in a tool call (held
     there once ten are scored), then run again. Killed (SIGKILL: its sessions live on in the
     environment), the next run resumes every rollout its states file holds, in its session, from its
-    last turn: each add it had made ran once. Interrupted (Ctrl-C: the collector
+    last turn: each add ran once. Interrupted (Ctrl-C: the collector
     cancels its runs, and the agent closes their sessions), the rollouts whose session is gone start
     again from their prompts. Either way every row is written, and the states file goes once the run
     ends. Before the states file, a killed collector's rollouts in flight all began again."""
@@ -999,12 +1039,11 @@ def test_a_collector_stopped_mid_collection_is_resumed_by_the_next_run_from_its_
     resumed = [row for row in rows[written:] if "attempts" in row]
     print(f"collector {signal.Signals(stop).name}: {len(resumed)} of {60 - written} rollouts resumed")
     if stop == signal.SIGKILL:
-        # No session was left with its rollout's adds half made: none began again after a tool call of
-        # a turn its collector did not have. A rollout whose result came just before the kill, its
-        # row not yet written, is collected again whole, in a session of its own (its first one was
-        # closed once the result was read): 1 run of 32 under load had one such.
+        # Each add ran once: no rollout began again after a tool call of a turn its collector did not
+        # have, nor after its result came with its row not yet written (1 run of 32 under load had
+        # one such, until the agent was told of a result only once its row was written).
         sessions = collections.Counter((tmp_path / "adds").read_text().split())
-        assert set(sessions.values()) == {3}, f"{sum(sessions.values())} adds in {len(sessions)} sessions: {sessions}"
+        assert len(sessions) == 60 and set(sessions.values()) == {3}, f"{sum(sessions.values())} adds: {sessions}"
         assert resumed, "no rollout was resumed"
         for row in resumed:
             first, second = row["attempts"]

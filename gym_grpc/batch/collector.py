@@ -204,7 +204,12 @@ async def collect(registry: Registry, options: CollectOptions, *, log: TextIO = 
     finished = False
     try:
         async with admitting as admission:
-            summary = await batch.run(_jobs(options), produce, visit=None if options.skip_verify else verified.add)
+            summary = await batch.run(
+                _jobs(options),
+                produce,
+                visit=None if options.skip_verify else verified.add,
+                settled=None if states_file is None else functools.partial(_settled, states_file),
+            )
         finished = True
         if admission is not None:
             summary.admission = admission.summary()
@@ -226,27 +231,28 @@ async def _kept_rollout(
 ) -> task_pb2.Rollout:
     """A rollout whose progress is kept in the states file as it goes (batch/states.py), resumed from
     what a stopped collector left of it there. When its session is gone by then (closed as that
-    collector stopped, or past the environment's idle time-out), it starts again from its prompt."""
+    collector stopped, or past the environment's idle time-out), it starts again from its prompt.
+    It ends in the file once its row or its failure is written (Batch.run's `settled`): a collector
+    stopped before goes on with it next time."""
     key = (job.task_index, job.repeat_index)
     left = states_file.resume_of(key)
     run = functools.partial(
         client.run, job.payload.task, timeout=options.timeout, skip_verification=options.skip_verify
     )
+    if left is None:
+        return await run(progress=states_file.track(key))
     try:
-        if left is None:
-            rollout = await run(progress=states_file.track(key))
-        else:
-            try:
-                rollout = await run(rollout_id=left.rollout_id, resume=left.state, progress=states_file.track(key))
-            except errors.GymError as e:
-                if e.reason not in (errors.Reason.SESSION_LOST, errors.Reason.RESUME_UNSUPPORTED):
-                    raise
-                rollout = await run(progress=states_file.track(key))
-    except Exception:
-        states_file.end(key)  # failed: the next run tries it again from its prompt
-        raise
-    states_file.end(key)  # a collector stopped (cancelled) ends nothing: the next run resumes it
-    return rollout
+        return await run(rollout_id=left.rollout_id, resume=left.state, progress=states_file.track(key))
+    except errors.GymError as e:
+        if e.reason not in (errors.Reason.SESSION_LOST, errors.Reason.RESUME_UNSUPPORTED):
+            raise
+        return await run(progress=states_file.track(key))
+
+
+def _settled(states_file: states.States, job: Job[_Task]) -> None:
+    """`job`'s row or failure is written: its rollout ends in the states file (and the agent, told it
+    is kept, closes its session)."""
+    states_file.end((job.task_index, job.repeat_index))
 
 
 @contextlib.asynccontextmanager

@@ -142,6 +142,8 @@ class BatchSummary:
 
 
 Produce = Callable[[Job[P]], Awaitable[dict[str, Any]]]
+#: Told of a job once its row, or its failure, is written.
+Settled = Callable[[Job[P]], None]
 
 
 class FailureTally:
@@ -244,8 +246,11 @@ class Batch(Generic[P]):
             },
         )
 
-    async def _one(self, job: Job[P], produce: Produce[P], out: jsonl.Appender, queued: int) -> None:
-        """Run `job`, asked for at `queued` (time.time_ns(): its wait for the window is in its trace)."""
+    async def _one(
+        self, job: Job[P], produce: Produce[P], out: jsonl.Appender, queued: int, settled: Settled[P] | None
+    ) -> None:
+        """Run `job`, asked for at `queued` (time.time_ns(): its wait for the window is in its trace);
+        `settled` is told once its row or failure is written."""
         assert self.bar is not None
         began, past_deadline = time.monotonic(), False
         try:
@@ -260,7 +265,11 @@ class Batch(Generic[P]):
                 failure = errors.Failure.of(e)
                 past_deadline = failure.code == "DEADLINE_EXCEEDED"
                 self._failed(job, failure)
+                if settled is not None:
+                    settled(job)
                 return
+            if settled is not None:
+                settled(job)
             self.summary.run.add(row)
             self._progress()
         except errors.OutputError as e:
@@ -301,8 +310,10 @@ class Batch(Generic[P]):
         produce: Produce[P],
         *,
         visit: Callable[[str, dict[str, Any]], None] | None = None,
+        settled: Settled[P] | None = None,
     ) -> BatchSummary:
-        """Run every job not already in the output; then summarise the output.
+        """Run every job not already in the output; then summarise the output. `settled` is told of
+        each job once its row, or its failure, is written (not of a job the run stopped first).
 
         Raises OutputError, after cancelling every job in flight, when the output
         or the sidecar cannot be written: every row written before is kept whole."""
@@ -337,7 +348,7 @@ class Batch(Generic[P]):
                 await self.window.acquire()
                 if self._stop is not None:
                     break
-                task = asyncio.create_task(self._one(job, produce, out, queued))
+                task = asyncio.create_task(self._one(job, produce, out, queued, settled))
                 running.add(task)
                 task.add_done_callback(running.discard)
             if running:

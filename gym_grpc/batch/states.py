@@ -6,8 +6,10 @@ state its attempt began from and each checkpoint the agent sends (client/run_man
 A turn whose tool calls the agent makes next is written before the client tells the agent it read
 it, so it is in the file before they run. Running the same command again resumes each rollout of
 the file whose key is not in the output: from its last turn boundary, under its rollout id, in its
-session when the environment still holds it (docs/durable-rollouts.md). The file goes when a run
-ends with every job done, failed or skipped.
+session when the environment still holds it (docs/durable-rollouts.md). The agent is told a
+rollout came only once its row is written (Progress.result), so that its session outlives a
+collector stopped between the two. The file goes when a run ends with every job done, failed or
+skipped.
 
 The file: MAGIC, the run's digest (batch/fingerprint.py) and a newline, then records, each
 `<payload bytes: u32><kind: u8><rollout: u32>` (little-endian) and its payload: BEGIN (a rollout
@@ -78,6 +80,8 @@ class _Rollout:
     begin: bytes
     base: bytes = b""
     checkpoints: list[bytes] = field(default_factory=list)
+    #: Tells the agent its rollout is kept, once it has come (Progress.result): called at its end.
+    acknowledge: Callable[[], None] | None = None
 
     def records(self) -> Iterator[tuple[int, bytes]]:
         yield BEGIN, self.begin
@@ -203,10 +207,13 @@ class States:
         return rollout
 
     def end(self, key: Key) -> None:
-        """The rollout under `key` is over (its row written, or it failed): nothing to resume."""
+        """The rollout under `key` is over (its row written, or its failure): nothing to resume, and
+        the agent may close its session."""
         rollout = self._live.pop(key, None)
         if rollout is not None:
             self._write(END, rollout.slot, b"")
+            if rollout.acknowledge is not None:
+                rollout.acknowledge()
 
     def base(self, rollout: _Rollout, base: bytes) -> None:
         """An attempt of `rollout` begins from `base` (serialized)."""
@@ -320,3 +327,9 @@ class _Tracker:
     @property
     def flush(self) -> Callable[[], None]:
         return self._states.flush  # equal for every rollout of the file: the client calls it once a reply
+
+    def result(self, acknowledge: Callable[[], None]) -> None:
+        if self._rollout is None:
+            acknowledge()
+        else:  # once its row is written (States.end), not before: a collector stopped between resumes it
+            self._rollout.acknowledge = acknowledge

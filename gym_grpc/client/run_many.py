@@ -45,9 +45,11 @@ durable run's result is acknowledged once read (RunManyRequest.received_ids),
 and returned once that is written: ahead of any run sent after it, and before
 the client closes its side of the call. The agent keeps the run's session open
 until then, for the resume of a result written but lost with its agent or its
-connection. Written is what grpc.aio says: framed for the connection's next
-write, not on the socket yet, so a process that exits at once could take the
-acknowledgement with it. Hence the acknowledgements sent as a call falls idle
+connection. A caller that keeps its runs' progress (Progress) acknowledges a
+rollout itself, once it has kept it: a caller that stops between the two
+resumes the run in its session. Written is what grpc.aio says: framed for the
+connection's next write, not on the socket yet, so a process that exits at once
+could take the acknowledgement with it. Hence the acknowledgements sent as a call falls idle
 (no other run of it waits) ask the agent to confirm them (confirm_received,
 protocol 1.18), and their runs return once it has: a caller that exits right
 after its last rollouts has told the agent. Runs that return while others are
@@ -59,6 +61,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import itertools
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -128,6 +131,13 @@ class Progress(Protocol):
     def flush(self) -> Callable[[], None]:
         """Keep what was given so far. Called once for each distinct (equal) callable among the runs
         of a reply that asked: runs whose progress goes to one place share it."""
+
+    def result(self, acknowledge: Callable[[], None]) -> None:
+        """The attempt's rollout came. The agent keeps the run's session until `acknowledge` is called
+        (then it closes it): call it once the rollout is kept where a caller that stops finds it (the
+        collector: its row written), so that a caller stopped before resumes the run in its session.
+        Never called (the caller stopped first), it leaves the session to that resume, or to the
+        environment's idle time-out."""
 
 
 class _NotStarted(Exception):
@@ -210,6 +220,9 @@ class _Call:
         #: Durable runs whose result has not come yet: it is acknowledged once read, whether or not
         #: its caller still waits for it (the agent keeps its session open until then).
         self._unread: set[int] = set()
+        #: Durable runs whose rollout came to a caller that keeps it (Progress.result): acknowledged
+        #: once that caller says it kept it.
+        self._held: set[int] = set()
         #: Acknowledgements not written yet, or not confirmed yet, by run id: each future is done once
         #: its message is written, or confirmed read when it asked (confirm_received).
         self._acknowledging: dict[int, asyncio.Future[None]] = {}
@@ -299,6 +312,7 @@ class _Call:
         cancelled once the agent ended it, or after END_SECONDS."""
         if not self.ended:
             self._outbox.filling().cancel_ids.extend(self.waiting)
+            self._held.clear()  # their callers stopped before keeping them: the sessions stay for a resume
             self.close()
             await asyncio.wait([self._receiver], timeout=END_SECONDS)
         self._call.cancel()
@@ -306,10 +320,22 @@ class _Call:
 
     def _acknowledge(self, reply: agent_pb.RunManyResponse) -> None:
         """Say that the results of durable runs in `reply` were read, before their callers (who may
-        send the next runs at once) hear of them: the agent then closes their sessions."""
-        received = [result.id for result in reply.results if result.id in self._unread]
+        send the next runs at once) hear of them: the agent then closes their sessions. A rollout
+        whose caller keeps it (Progress.result) is acknowledged once that caller says it kept it."""
+        received = []
+        for result in reply.results:
+            run_id = result.id
+            if run_id not in self._unread:
+                continue
+            self._unread.discard(run_id)
+            observer = self._observers.get(run_id)
+            future = self.waiting.get(run_id)
+            if observer is None or future is None or future.done() or result.WhichOneof("outcome") != "rollout":
+                received.append(run_id)
+            else:
+                self._held.add(run_id)
+                observer.result(functools.partial(self._kept, run_id))
         if received:
-            self._unread.difference_update(received)
             message = self._outbox.filling()
             message.received_ids.extend(received)
             ended = reply.results
@@ -330,6 +356,14 @@ class _Call:
         if future is not None:
             await future  # done by ACKNOWLEDGED_SECONDS at the latest (see _acknowledge)
 
+    def _kept(self, run_id: int) -> None:
+        """The caller of run `run_id` kept its rollout (Progress.result): tell the agent."""
+        if run_id in self._held:
+            self._held.discard(run_id)
+            if not self.ended:
+                self._outbox.filling().received_ids.append(run_id)
+                self._wake.set()
+
     def _done_acknowledging(self, run_ids: Iterable[int]) -> None:
         for run_id in run_ids:
             future = self._acknowledging.pop(run_id, None)
@@ -349,7 +383,7 @@ class _Call:
                     await self._call.write(message)
                     if not message.confirm_received:
                         self._done_acknowledging(message.received_ids)
-                if self.closing and not self._unread:  # after the last acknowledgement
+                if self.closing and not self._unread and not self._held:  # after the last acknowledgement
                     await self._call.done_writing()
                     return
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):

@@ -163,8 +163,9 @@ class RunManyRequest(_message.Message):
     @_builtins.property
     def received_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Ids of runs sent with `acknowledge_result` whose results this client has
-        read (protocol 1.16): the agent closes each one's environment session
-        now. Read before the `runs` of the same message. An id with nothing to
+        (protocol 1.16): read, or, for a client that keeps results before it
+        lets go of their sessions, kept (`gym-grpc collect`: once the row is
+        written). The agent closes each one's environment session now. Read before the `runs` of the same message. An id with nothing to
         close (no such run, a stateless environment, a run that failed) is
         ignored.
         """
@@ -241,12 +242,12 @@ class RunManyItem(_message.Message):
     """
     acknowledge_result: _builtins.bool
     """With `durable` (protocol 1.16): this client says, in
-    RunManyRequest.received_ids, when it has read the run's result (before it
-    sends its next runs and before it closes its side of the call), and the
-    agent keeps the run's environment session open until then rather than
-    closing it once the result is written: a result written just before the
-    agent or its connection was lost may never arrive, and the resume that
-    follows is verified in that session. A call that ends before the client
+    RunManyRequest.received_ids, when it has the run's result (as a rule
+    before it closes its side of the call), and the agent keeps the run's
+    environment session open until then rather than closing it once the
+    result is written: a result written just before the agent or its
+    connection was lost may never arrive, and the resume that follows is
+    verified in that session. A call that ends before the client
     said so leaves the session to that resume or to the environment's idle
     time-out, unless the agent ended it as it stopped (it closes the session
     then). An agent older than 1.16 closes it once the result is written.
