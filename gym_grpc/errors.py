@@ -104,6 +104,7 @@ class Reason(StrEnum):
     CONFIG_INVALID = "CONFIG_INVALID", None
     OUTPUT_NOT_WRITABLE = "OUTPUT_NOT_WRITABLE", None
     RUN_MISMATCH = "RUN_MISMATCH", None
+    OUTPUT_IN_USE = "OUTPUT_IN_USE", None
     ROLLOUT_FAILED = "ROLLOUT_FAILED", None
     ROLLOUT_PARKED = "ROLLOUT_PARKED", None
     DATASET_INVALID = "DATASET_INVALID", None
@@ -157,6 +158,13 @@ class OutputError(FrameworkError):
     every row written before stays, whole. Reported by the command line, not over gRPC."""
 
     reason = Reason.OUTPUT_NOT_WRITABLE
+
+
+class OutputInUse(FrameworkError):
+    """Another run is writing the same output (data/jsonl.py's `held`). Reported by the command line,
+    not over gRPC."""
+
+    reason = Reason.OUTPUT_IN_USE
 
 
 class GymError(FrameworkError):

@@ -18,7 +18,7 @@ from gym_grpc.launch.runner import RegistryServer
 from gym_grpc.responses import input_items, message_text
 from gym_grpc.rpc.registry import Registry
 from gym_grpc.v1 import registry_service_pb2 as reg
-from tests.support import Calculator, EchoModel, static_registry, task
+from tests.support import Calculator, EchoModel, eventually, static_registry, task
 
 
 async def _servers(start, delay=0.01, env=None, model=None):
@@ -111,6 +111,25 @@ async def test_resume_passes_over_an_output_line_too_deep_to_parse(start, tmp_pa
     summary = await collect(registry, options, log=io.StringIO())
     assert (summary.skipped, summary.done) == (2, 0)
     assert summary.metrics["agent"]["rollouts"] == 2
+    await registry.close()
+
+
+async def test_a_second_collect_into_an_output_another_is_writing_stops_at_once_and_writes_nothing(start, tmp_path):
+    """Two at once would each run every key the output lacks (every row written twice) and write their
+    rollouts in flight into one states file; the second stops before it runs anything."""
+    gate = asyncio.Event()
+    model, registry = await _servers(start, model=EchoModel(gate=gate))
+    _write_tasks(tmp_path / "tasks.jsonl", ["one", "two", "three"])
+    first = asyncio.ensure_future(collect(registry, _options(tmp_path, num_repeats=2), log=io.StringIO()))
+    await eventually(lambda: model.active == 6, "the first run's rollouts in flight")
+    with pytest.raises(errors.OutputInUse, match="another run is writing .*out.jsonl"):
+        await collect(registry, _options(tmp_path, num_repeats=2), log=io.StringIO())
+    assert len(model.requests) == 6  # the second asked for nothing
+    gate.set()
+    assert (await first).done == 6
+    assert _keys(tmp_path / "out.jsonl") == [(t, r) for t in range(3) for r in range(2)]
+    again = await collect(registry, _options(tmp_path, num_repeats=2), log=io.StringIO())  # held no longer
+    assert (again.done, again.skipped) == (0, 6)
     await registry.close()
 
 

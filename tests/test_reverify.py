@@ -4,13 +4,16 @@ import asyncio
 import io
 import json
 
+import pytest
+
+from gym_grpc import errors
 from gym_grpc.batch.collector import CollectOptions, collect
 from gym_grpc.batch.reverify import ReverifyOptions, _scan, reverify
 from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
 from gym_grpc.bundled.servers.resources.math.server import MathEnv
 from gym_grpc.data import json_input
-from gym_grpc.data.jsonl import failures_path
+from gym_grpc.data.jsonl import failures_path, held
 from gym_grpc.data.record import KEY, NEMO_KEY
 from gym_grpc.resources import ResourcesServer, Session
 from gym_grpc.responses import final_text
@@ -192,3 +195,15 @@ async def test_rows_nested_too_deep_are_reported_by_line_and_the_rest_re_verifie
     assert sorted(f["line"] for f in sidecar) == [18, 19]
     assert len(_rows(tmp_path / "new.jsonl")) == 18  # the 17 keyed rows and the keyless one, each in its own slot
     await registry.close()
+
+
+async def test_a_reverify_into_an_output_another_run_is_writing_stops_before_it_scores_anything(tmp_path):
+    """Two at once would each write every row the output lacks. No server is needed: nothing is asked."""
+    rollouts = tmp_path / "rollouts.jsonl"
+    rollouts.write_text(json.dumps({"task_index": 0, "repeat_index": 0, "responses_create_params": {}}) + "\n")
+    out = tmp_path / "scored.jsonl"
+    options = ReverifyOptions(input=rollouts, output=out, resources="math", progress=False)
+    with held(out):
+        with pytest.raises(errors.OutputInUse, match=f"another run is writing {out}"):
+            await reverify(Registry(static={}), options, log=io.StringIO())
+    assert out.read_bytes() == b""

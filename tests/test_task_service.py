@@ -5,17 +5,20 @@ solves (the expected answer is wrong), and sometimes solves (temperature 1, wher
 """
 
 import asyncio
+import io
 import json
 from collections import Counter
 
 import pytest
 
 from gym_grpc import errors
+from gym_grpc.batch.task_batches import TaskBatchOptions, collect_batches
 from gym_grpc.bundled.servers.agents.simple_agent.agent import SimpleAgent
 from gym_grpc.bundled.servers.models.local_policy.server import LocalPolicyModel
 from gym_grpc.bundled.servers.resources.math.server import MathEnv
 from gym_grpc.client.stubs import TaskClient
 from gym_grpc.client.training import GymClient
+from gym_grpc.data.jsonl import held
 from gym_grpc.tasks import TaskServer
 from gym_grpc.tasks.sampler import EASY, HARD, LEARNING, PoolRule, TaskSampler
 from tests.support import REPO, eventually, grpcurl, gym, read_rows, run_status, start_run, static_registry
@@ -320,3 +323,14 @@ async def test_a_cancelled_batch_cancels_its_rollouts_and_gives_its_tasks_back(s
     assert dict(calls.by_status) == {"CANCELLED": 6}  # three groups of two, each cut in its first model call
     assert (await client.task_stats()).learning == 12  # the three held tasks are drawable again
     await registry.close()
+
+
+async def test_a_task_batch_collect_into_an_output_another_run_is_writing_stops_before_it_asks_for_a_batch(tmp_path):
+    """Two at once would number their groups alike (each one past the highest it found). No task
+    server is needed: nothing is asked."""
+    out = tmp_path / "groups.jsonl"
+    options = TaskBatchOptions("tasks", out, batches=1, groups=2, group_size=2)
+    with held(out):
+        with pytest.raises(errors.OutputInUse, match=f"another run is writing {out}"):
+            await collect_batches(static_registry(), options, io.StringIO())
+    assert out.read_bytes() == b""

@@ -142,7 +142,8 @@ def _event_row(event: Any) -> dict[str, Any]:
 
 
 async def collect(registry: Registry, options: CollectOptions, *, log: TextIO = sys.stderr) -> BatchSummary:
-    """Collect rollouts as `options` says; return what was done."""
+    """Collect rollouts as `options` says; return what was done. Raises OutputInUse when another run
+    is writing the same output (batch/fingerprint.py)."""
     if options.num_repeats < 1:
         raise ValueError("num_repeats must be at least 1")
     run = fingerprint.of_run(
@@ -153,7 +154,11 @@ async def collect(registry: Registry, options: CollectOptions, *, log: TextIO = 
         skip_verify=options.skip_verify,
         placeholder_reward=options.placeholder_reward,
     )
-    fingerprint.check_and_record(options.output, run, force=options.force)
+    with fingerprint.claimed(options.output, run, force=options.force):
+        return await _collect(registry, options, run, log)
+
+
+async def _collect(registry: Registry, options: CollectOptions, run: dict[str, Any], log: TextIO) -> BatchSummary:
     clients: dict[str, AgentClient] = {}
     events = jsonl.Appender(options.events) if options.events is not None else None
     # RunStream's rollouts are not durable, and --resume-attempts 0 sends none durable: nothing to keep.

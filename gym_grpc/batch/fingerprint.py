@@ -7,16 +7,24 @@ the output would mix rollouts of two runs (weather rows counted as done math
 rows, temperature 0.6 rows beside 1.0 rows). The first run writes
 `<output stem>.run.json`; a later run with another fingerprint is refused unless
 forced, and `--limit` is not part of it (raising it is how a run is extended).
+
+One run writes an output at a time: a run holds the fingerprint file locked while it goes
+(`claimed`), and a second one into the same output stops at once. Two at once would each run every
+key the output lacks, writing their rows twice, and write the states of their rollouts in flight
+into one file (batch/states.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from gym_grpc import errors
+from gym_grpc.data import jsonl
 
 #: Keys compared between runs, in the order a mismatch names them.
 _COMPARED = ("input_sha256", "agent", "overrides", "num_repeats", "skip_verify", "placeholder_reward")
@@ -64,18 +72,32 @@ def of_run(
     }
 
 
+@contextlib.contextmanager
+def claimed(output: Path, fingerprint: dict[str, Any], *, force: bool = False) -> Iterator[None]:
+    """Hold `output` for this run while the block runs (its fingerprint file locked: data/jsonl.py's
+    `held`), its fingerprint checked and recorded (check_and_record). Raises errors.OutputInUse when
+    another run holds it."""
+    with jsonl.held(output, path_for(output)):
+        check_and_record(output, fingerprint, force=force)
+        yield
+
+
 def check_and_record(output: Path, fingerprint: dict[str, Any], *, force: bool = False) -> None:
     """Record `fingerprint` for `output`. Raise RunMismatch when the output already holds
     rollouts of a run with another fingerprint, unless `force` (then the new one is recorded).
 
     An output with rows but no fingerprint (written by an older gym-grpc, or by hand) is
-    taken as this run's: there is nothing to compare with."""
+    taken as this run's: there is nothing to compare with; so is an empty fingerprint file (made by
+    `claimed`, or cut short as it was written)."""
     record = path_for(output)
+    earlier: dict[str, Any] = {}
     if not force and record.exists() and output.exists() and output.stat().st_size:
         try:
-            earlier = json.loads(record.read_text())
+            text = record.read_text()
+            earlier = json.loads(text) if text else {}
         except (OSError, ValueError) as e:
             raise RunMismatch(f"cannot read {record}: {e}; remove it to resume into {output}") from None
+    if earlier:
         differences = [
             _difference(key, earlier.get(key), fingerprint[key])
             for key in _COMPARED

@@ -177,4 +177,5 @@ async def reverify(
     batch_options = options.batch(layout.n_tasks, layout.repeats, total=layout.lines)
     batch_options.span = "gym_grpc.reverify"  # a verification, not a rollout
     batch: Batch[_Rollout] = Batch(batch_options, log)
-    return await batch.run(_jobs(options, layout), produce), changes
+    with jsonl.held(options.output):
+        return await batch.run(_jobs(options, layout), produce), changes

@@ -62,7 +62,13 @@ class TaskBatchTotals:
 
 
 async def collect_batches(registry: Registry, options: TaskBatchOptions, log: TextIO) -> TaskBatchTotals:
-    """Ask for the batches, write their rows, say a line per batch on `log`."""
+    """Ask for the batches, write their rows, say a line per batch on `log`. Raises errors.OutputInUse
+    when another run is writing the same output (its group numbers would be this run's too)."""
+    with jsonl.held(options.output):
+        return await _collect_batches(registry, options, log)
+
+
+async def _collect_batches(registry: Registry, options: TaskBatchOptions, log: TextIO) -> TaskBatchTotals:
     client = TaskClient(registry, options.task_server)
     totals = TaskBatchTotals()
     began = time.monotonic()

@@ -15,6 +15,7 @@ large output stays small.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 from collections.abc import Container, Iterator
@@ -103,6 +104,34 @@ class Appender:
 
     def close(self) -> None:
         os.close(self._fd)
+
+
+@contextlib.contextmanager
+def held(output: Path, lock: Path | None = None) -> Iterator[None]:
+    """Hold `output` for one run while the block runs, by `lock` (the output itself unless given: a
+    file next to it that the run writes anyway) locked. Raises errors.OutputInUse when another run
+    holds it: two runs into one output would each write the rows it lacks. The lock (flock) goes
+    with the process however it ends; on a filesystem without locks nothing is held."""
+    lock = lock or output
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError as e:  # a read-only place, a disk already full: nothing of the run is written yet
+        raise errors.OutputError(f"cannot write {lock}: {e.strerror or e}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            held_by = "" if lock == output else f" (it holds {lock})"
+            raise errors.OutputInUse(
+                f"another run is writing {output}{held_by}: two at once would write its rows twice. "
+                "Wait for it to end, or stop it; then run this command again to resume"
+            ) from None
+        except OSError:
+            pass  # no locks on this filesystem (ENOLCK, EOPNOTSUPP): not guarded
+        yield
+    finally:
+        os.close(fd)
 
 
 def failures_path(output: Path) -> Path:
