@@ -142,8 +142,8 @@ def _event_row(event: Any) -> dict[str, Any]:
 
 
 async def collect(registry: Registry, options: CollectOptions, *, log: TextIO = sys.stderr) -> BatchSummary:
-    """Collect rollouts as `options` says; return what was done. Raises OutputInUse when another run
-    is writing the same output (batch/fingerprint.py)."""
+    """Collect rollouts as `options` says; return what was done. Raises errors.OutputInUse when another
+    run is writing the same output (batch/fingerprint.py)."""
     if options.num_repeats < 1:
         raise ValueError("num_repeats must be at least 1")
     run = fingerprint.of_run(

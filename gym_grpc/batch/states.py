@@ -329,7 +329,6 @@ class _Tracker:
         return self._states.flush  # equal for every rollout of the file: the client calls it once a reply
 
     def result(self, acknowledge: Callable[[], None]) -> None:
-        if self._rollout is None:
-            acknowledge()
-        else:  # once its row is written (States.end), not before: a collector stopped between resumes it
-            self._rollout.acknowledge = acknowledge
+        assert self._rollout is not None  # the client tells of the attempt first
+        # Called once its row is written (States.end), not before: a collector stopped between resumes it.
+        self._rollout.acknowledge = acknowledge

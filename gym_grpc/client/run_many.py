@@ -49,8 +49,8 @@ connection. A caller that keeps its runs' progress (Progress) acknowledges a
 rollout itself, once it has kept it: a caller that stops between the two
 resumes the run in its session. Written is what grpc.aio says: framed for the
 connection's next write, not on the socket yet, so a process that exits at once
-could take the acknowledgement with it. Hence the acknowledgements sent as a call falls idle
-(no other run of it waits) ask the agent to confirm them (confirm_received,
+could take the acknowledgement with it. Hence the acknowledgements sent as a
+call falls idle (no other run of it waits) ask the agent to confirm them (confirm_received,
 protocol 1.18), and their runs return once it has: a caller that exits right
 after its last rollouts has told the agent. Runs that return while others are
 in flight on the call do not wait for that; a process that exits then loses
